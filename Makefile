@@ -1,0 +1,26 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Pinned torch first: a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0 numpy
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchtsp train --preset tiny --steps 40
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

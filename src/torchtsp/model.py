@@ -1,0 +1,151 @@
+"""Single-device reference Llama decoder: the ground truth for every parallel scheme.
+
+It knows nothing about parallelism. The small functions below (``rms_norm``,
+``rope_cos_sin``, ``apply_rope``, ``swiglu``) are the model's math; parallel
+schemes call the same functions on their shards so both compute identical ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [len(positions), head_dim] for the given (global) token positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, d] by position; the half-split ("rotate_half") convention of HF Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B, H_kv, S, d] -> [B, H_kv * g, S, d]: each KV head serves g consecutive query heads."""
+    return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * d, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        cfg, d = self.cfg, self.cfg.head_dim
+        q = apply_rope(self.wq(x).view(B, S, cfg.n_heads, d), cos, sin)
+        k = apply_rope(self.wk(x).view(B, S, cfg.n_kv_heads, d), cos, sin)
+        v = self.wv(x).view(B, S, cfg.n_kv_heads, d)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        # Expanded K/V (not enable_gqa) keeps CPU SDPA on its flash kernel, which never builds S x S.
+        k, v = expand_kv_heads(k, cfg.group_size), expand_kv_heads(v, cfg.group_size)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, S, cfg.n_heads * d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return swiglu(x, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """``Transformer(cfg)(tokens) -> logits [B, S, V]``; ``loss(tokens, labels)`` -> mean cross-entropy."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, S, dim]."""
+        S = tokens.shape[1]
+        if S > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
+        positions = torch.arange(S, device=tokens.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.hidden_states(tokens), self.output_weight)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; ``labels[b, t]`` is the (already shifted) target of position t, -100 ignored."""
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
