@@ -1,0 +1,86 @@
+"""Causal attention of a local zigzag query shard against the full, gathered keys.
+
+Rank p's queries are two chunks (global chunks p and 2D-1-p). Chunk i attends to all
+keys of chunks < i (no mask) and causally to chunk i itself. Each part runs through a
+fused attention kernel that returns its log-sum-exp (LSE) and never builds an S x S
+score matrix; the parts are merged in float32 through their LSEs. Backward calls the
+kernel's backward per part with the *merged* output and LSE, which is exact: the
+softmax normaliser of every part is the merged one (as in flash/ring attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import zigzag
+
+
+def _flash_forward(q, k, v, causal: bool):
+    """(out [B,H,Lq,d], lse [B,H,Lq] float32) for same-head-count q, k, v of layout [B, H, L, d]."""
+    if q.device.type == "cuda":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., : q.shape[-2]]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal: bool):
+    if q.device.type == "cuda":
+        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, torch.empty(0, device=q.device), out, lse.contiguous(), seed, offset, 0.0,
+            [True, True, True, False], causal)
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal)
+
+
+def _key_parts(chunk: int, chunk_len: int):
+    """(start, stop, causal) key ranges seen by query chunk ``chunk``."""
+    parts = [(0, chunk * chunk_len, False)] if chunk else []
+    return parts + [(chunk * chunk_len, (chunk + 1) * chunk_len, True)]
+
+
+def _merge(outs, lses):
+    """Combine partial attention results over disjoint key sets, in float32."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(o.float() * torch.exp(l - lse).unsqueeze(-1) for o, l in zip(outs, lses))
+    return out.to(outs[0].dtype), lse
+
+
+class ZigzagAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rank: int, world: int):
+        chunk_len = k.shape[-2] // (2 * world)
+        outs, lses = [], []
+        for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
+            q_c = q[..., local * chunk_len:(local + 1) * chunk_len, :]
+            parts = [_flash_forward(q_c, k[..., a:b, :], v[..., a:b, :], causal)
+                     for a, b, causal in _key_parts(chunk, chunk_len)]
+            out_c, lse_c = _merge(*zip(*parts))
+            outs.append(out_c)
+            lses.append(lse_c)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rank, ctx.world = rank, world
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        chunk_len = k.shape[-2] // (2 * ctx.world)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dout = dout.contiguous()
+        for local, chunk in enumerate(zigzag.chunk_ids(ctx.rank, ctx.world)):
+            rows = slice(local * chunk_len, (local + 1) * chunk_len)
+            q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
+            for a, b, causal in _key_parts(chunk, chunk_len):
+                dq_p, dk_p, dv_p = _flash_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal)
+                dq[..., rows, :] += dq_p
+                dk[..., a:b, :] += dk_p
+                dv[..., a:b, :] += dv_p
+        return dq, dk, dv, None, None
+
+
+def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
+    """q: [B, H, S/D, d] local zigzag queries; k, v: [B, H, S, d] full keys in global order."""
+    return ZigzagAttention.apply(q, k, v, rank, world)

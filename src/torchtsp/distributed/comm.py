@@ -1,0 +1,231 @@
+"""The one way into ``torch.distributed``.
+
+Every collective, point-to-point transfer and process-group call of torchtsp goes
+through this module, so that
+
+* every operation has a timeout (a dead peer fails loudly instead of hanging),
+* every operation is counted: bytes sent and received by this rank, per operation
+  kind, readable through ``AxisComm.counting()`` and comparable with the analytic
+  model in ``torchtsp.analysis``,
+* the order in which transfers are issued and waited on is recorded, so tests can
+  check that communication is requested before the compute it should hide behind.
+
+Byte counts are the *logical payload* of each operation for this rank, the volume
+the analytic model speaks of (n = bytes of one rank's tensor, D = axis size):
+
+=================  ===========================  ===========================
+operation          received                     sent
+=================  ===========================  ===========================
+broadcast          n (0 at the source)          (D-1)·n at the source, else 0
+all_gather         (D-1)·n                      (D-1)·n
+reduce_scatter     (D-1)·n (n = output bytes)   (D-1)·n
+reduce             (D-1)·n at the destination   n elsewhere
+all_reduce         2(D-1)/D·n (ring algorithm)  2(D-1)/D·n
+ring_shift         n                            n
+=================  ===========================  ===========================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_TIMEOUT_S = float(300)
+
+
+# ---------------------------------------------------------------- process group
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default group unless the caller (torchrun, our spawner, user code) already did.
+
+    Without launcher environment variables this is a one-rank group, so D = 1 runs need no launcher.
+    """
+    if is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def make_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+# ---------------------------------------------------------------- accounting
+
+
+@dataclass
+class CommStats:
+    """What one rank moved while a ``counting()`` block was open."""
+
+    bytes_sent: Counter = field(default_factory=Counter)
+    bytes_recv: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+    # (event, operation, label) in program order; event is "issue", "wait" or "mark".
+    events: list = field(default_factory=list)
+
+    @property
+    def total_recv(self) -> int:
+        return sum(self.bytes_recv.values())
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+class Pending:
+    """An issued transfer; ``wait()`` blocks (with the axis timeout) and returns its result tensor."""
+
+    def __init__(self, comm: AxisComm, works, result, op: str, label):
+        self._comm, self._works, self._result, self._op, self._label = comm, works, result, op, label
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            for work in self._works:
+                if not work.wait(self._comm.timeout):
+                    raise TimeoutError(f"{self._op} ({self._label}) on axis {self._comm.name!r} timed out")
+            self._comm._record("wait", self._op, self._label)
+            self._done = True
+        return self._result
+
+
+class AxisComm:
+    """Collectives over one named axis of a device mesh (a process group of size D)."""
+
+    def __init__(self, group=None, name: str = "axis", timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.group = group
+        self.name = name
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self._active: list[CommStats] = []
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh | None, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:
+        """The comm of mesh axis ``name``; a trivial one-rank comm if the mesh lacks that axis."""
+        if mesh is None or name not in (mesh.mesh_dim_names or ()):
+            return cls(None, name, timeout_s)
+        return cls(mesh.get_group(name), name, timeout_s)
+
+    # -- accounting ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def counting(self):
+        """``with comm.counting() as stats:`` counts this rank's traffic on this axis inside the block."""
+        stats = CommStats()
+        self._active.append(stats)
+        try:
+            yield stats
+        finally:
+            self._active.remove(stats)
+
+    def mark(self, label) -> None:
+        """Record a compute step in the event log, to show what was in flight when it started."""
+        self._record("mark", "compute", label)
+
+    def _record(self, event, op, label, sent=0, recv=0) -> None:
+        for stats in self._active:
+            stats.events.append((event, op, label))
+            if event == "issue":
+                stats.calls[op] += 1
+                stats.bytes_sent[op] += sent
+                stats.bytes_recv[op] += recv
+
+    def _issue(self, op, label, sent, recv, launch, result) -> Pending:
+        self._record("issue", op, label, sent, recv)
+        works = launch() if self.size > 1 else []
+        return Pending(self, [w for w in works if w is not None], result, op, label)
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    @staticmethod
+    def _finish(pending: Pending, async_op: bool):
+        return pending if async_op else pending.wait()
+
+    # -- operations ---------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op=False, label=None):
+        """Overwrite ``tensor`` on every rank with the source rank's copy (``src`` is an axis rank)."""
+        n, D = self._nbytes(tensor), self.size
+        sent, recv = ((D - 1) * n, 0) if self.rank == src else (0, n)
+        launch = lambda: [dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)]  # noqa: E731
+        return self._finish(self._issue("broadcast", label, sent, recv, launch, tensor), async_op)
+
+    def all_gather(self, tensor: torch.Tensor, async_op=False, label=None):
+        """[*shape] on each rank -> [D, *shape] on every rank, in axis-rank order."""
+        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        if self.size == 1:
+            out[0] = tensor
+        n = (self.size - 1) * self._nbytes(tensor)
+        launch = lambda: [dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)]  # noqa: E731
+        return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
+        """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape]."""
+        if tensor.shape[0] != self.size:
+            raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
+        out = tensor[0].clone() if self.size == 1 else torch.empty_like(tensor[0])
+        n = (self.size - 1) * self._nbytes(out)
+        launch = lambda: [dist.reduce_scatter_single(out, tensor.contiguous(), group=self.group, async_op=True)]  # noqa: E731
+        return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, async_op=False, label=None):
+        """Sum ``tensor`` over ranks into the destination's copy (others' copies are left undefined)."""
+        n, D = self._nbytes(tensor), self.size
+        sent, recv = (0, (D - 1) * n) if self.rank == dst else (n, 0)
+        launch = lambda: [dist.reduce(tensor, group=self.group, group_dst=dst, async_op=True)]  # noqa: E731
+        return self._finish(self._issue("reduce", label, sent, recv, launch, tensor), async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op=False, label=None):
+        """Sum ``tensor`` over ranks, in place."""
+        n = 2 * (self.size - 1) * self._nbytes(tensor) // self.size
+        launch = lambda: [dist.all_reduce(tensor, group=self.group, async_op=True)]  # noqa: E731
+        return self._finish(self._issue("all_reduce", label, n, n, launch, tensor), async_op)
+
+    def ring_shift(self, send: torch.Tensor, recv: torch.Tensor | None = None, async_op=False, label=None):
+        """Send ``send`` to axis rank+1 and receive the same-shaped tensor from rank-1 into ``recv``."""
+        if recv is None:
+            recv = torch.empty_like(send)
+        if self.size == 1:
+            recv.copy_(send)
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        n = self._nbytes(send) if self.size > 1 else 0
+
+        def launch():
+            ops = [
+                dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt),
+                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv),
+            ]
+            return dist.batch_isend_irecv(ops)
+
+        return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)

@@ -1,0 +1,42 @@
+"""Named device meshes: ``init_mesh(dp=, tsp=, tp=, sp=)``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+# Outermost first: data parallel replicas, then the sequence axis of TP x SP, then TP, then TSP.
+AXES = ("dp", "sp", "tp", "tsp")
+
+
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, device_type: str | None = None,
+              timeout_s: float = comm.DEFAULT_TIMEOUT_S):
+    """A DeviceMesh with axes ``dp, sp, tp, tsp`` (all four always present; unused ones have size 1).
+
+    Works whether or not the default process group exists: it is created from torchrun's
+    environment if present, as a one-rank group otherwise. gloo on CPU, NCCL on CUDA.
+    Raises ``ValueError`` before any collective if the degrees do not multiply to the world size.
+    """
+    degrees = {"dp": dp, "sp": sp, "tp": tp, "tsp": tsp}
+    for name, value in degrees.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"mesh degree {name}={value!r} must be a positive integer")
+    device_type = device_type or default_device_type()
+    comm.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout_s)
+    if device_type == "cuda":
+        torch.cuda.set_device(comm.global_rank() % torch.cuda.device_count())
+    world, product = comm.world_size(), dp * sp * tp * tsp
+    if product != world:
+        shown = " x ".join(f"{n}={degrees[n]}" for n in AXES)
+        raise ValueError(f"mesh {shown} needs {product} ranks but the world has {world}; "
+                         f"make the degrees multiply to {world}")
+    return comm.make_device_mesh(device_type, tuple(degrees[n] for n in AXES), AXES)
+
+
+def axis_size(mesh, name: str) -> int:
+    return mesh.size(AXES.index(name)) if mesh is not None else 1

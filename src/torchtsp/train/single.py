@@ -1,0 +1,88 @@
+"""A short single-process training loop of the reference model (the baseline the TSP trainer must match)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..config import ModelConfig
+from ..model import Transformer
+from .data import ByteTokenizer, TokenWindows, load_corpus
+
+
+def warmup_cosine(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@torch.no_grad()
+def greedy_continue(model: Transformer, prompt: str, new_tokens: int = 64) -> str:
+    """Prompt plus ``new_tokens`` argmax tokens, recomputing the whole sequence each step (fine at demo scale)."""
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode(prompt) or [tok.eot_id]])
+    for _ in range(new_tokens):
+        logits = model(ids[:, -model.cfg.max_seq_len :])
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tok.decode(ids[0].tolist())
+
+
+def train_single(
+    cfg: ModelConfig,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int = 0,
+    data: str | os.PathLike | torch.Tensor | None = None,
+    warmup: int | None = None,
+    log_every: int = 1,
+    prompt: str | None = "def ",
+) -> list[float]:
+    """Train ``Transformer(cfg)`` with AdamW for ``steps`` steps; returns the per-step losses.
+
+    ``data`` is a corpus path (``None``: the built-in corpus) or a 1-D tensor of token ids.
+    After training, prints a greedy continuation of ``prompt`` unless it is ``None``.
+    """
+    if steps <= 0:
+        raise ValueError(f"steps must be positive, got {steps}")
+    if cfg.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}")
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    corpus = data if isinstance(data, torch.Tensor) else load_corpus(data)
+    windows = TokenWindows(corpus, batch_size, seq_len, seed)
+
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
+
+    losses = []
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True)
+    for step in bar:
+        tokens, labels = windows.inputs_and_labels(step)
+        loss = model.loss(tokens, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % log_every == 0 or step == steps - 1:
+            tok_s = (step + 1) * batch_size * seq_len / (time.perf_counter() - start)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
+    bar.close()
+
+    if prompt is not None:
+        model.eval()
+        print(f"sample: {greedy_continue(model, prompt)!r}")
+    return losses
