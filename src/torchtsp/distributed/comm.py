@@ -187,7 +187,7 @@ class AxisComm:
         if self.size == 1:
             out[0] = tensor
         n = (self.size - 1) * self._nbytes(tensor)
-        launch = lambda: [dist.all_gather_single(out, tensor.contiguous(), group=self.group, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]  # noqa: E731
         return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
@@ -196,7 +196,7 @@ class AxisComm:
             raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
         out = tensor[0].clone() if self.size == 1 else torch.empty_like(tensor[0])
         n = (self.size - 1) * self._nbytes(out)
-        launch = lambda: [dist.reduce_scatter_single(out, tensor.contiguous(), group=self.group, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.reduce_scatter_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]  # noqa: E731
         return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op=False, label=None):
@@ -212,8 +212,11 @@ class AxisComm:
         launch = lambda: [dist.all_reduce(tensor, group=self.group, async_op=True)]  # noqa: E731
         return self._finish(self._issue("all_reduce", label, n, n, launch, tensor), async_op)
 
-    def ring_shift(self, send: torch.Tensor, recv: torch.Tensor | None = None, async_op=False, label=None):
-        """Send ``send`` to axis rank+1 and receive the same-shaped tensor from rank-1 into ``recv``."""
+    def ring_shift(self, send: torch.Tensor, recv: torch.Tensor | None = None, async_op=False, label=None, tag=0):
+        """Send ``send`` to axis rank+1 and receive the same-shaped tensor from rank-1 into ``recv``.
+
+        Independent rings between the same peers (weights, travelling gradients) use distinct tags.
+        """
         if recv is None:
             recv = torch.empty_like(send)
         if self.size == 1:
@@ -223,8 +226,8 @@ class AxisComm:
 
         def launch():
             ops = [
-                dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt),
-                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv),
+                dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt, tag=tag),
+                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv, tag=tag),
             ]
             return dist.batch_isend_irecv(ops)
 

@@ -1,0 +1,5 @@
+from .comm import AxisComm, CommStats
+from .launch import RankFailedError, WorkerPool, spawn
+from .mesh import init_mesh
+
+__all__ = ["AxisComm", "CommStats", "RankFailedError", "WorkerPool", "init_mesh", "spawn"]

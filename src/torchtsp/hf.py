@@ -1,0 +1,555 @@
+"""Hugging Face Llama interop: configs, state-dict names, and checkpoint directories.
+
+Two on-disk formats are handled:
+
+* **Hugging Face** (``config.json`` + ``model.safetensors``, or ``model.safetensors.index.json`` + shards),
+  loadable by ``transformers.LlamaForCausalLM.from_pretrained``.
+* **torchtsp native** (``torchtsp.json`` + ``model.safetensors`` in torchtsp parameter names).
+
+No weight permutation is needed between the two: ``torchtsp.model.apply_rope`` uses the same half-split
+("rotate_half") RoPE convention as HF Llama, so q/k projections map one to one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import Transformer
+
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "convert_checkpoint",
+    "detect_checkpoint_kind",
+    "from_hf_state_dict",
+    "load_hf_checkpoint",
+    "load_torchtsp_checkpoint",
+    "save_hf_checkpoint",
+    "save_torchtsp_checkpoint",
+    "to_hf_state_dict",
+]
+
+HF_CONFIG_NAME = "config.json"
+TORCHTSP_CONFIG_NAME = "torchtsp.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+TORCHTSP_FORMAT_VERSION = 1
+_SHOW = 5  # how many offending names an error message lists
+
+# torchtsp name inside a block -> HF name inside ``model.layers.{i}``.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
+    "feed_forward.w_up.weight": "mlp.up_proj.weight",
+    "feed_forward.w_down.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_EMBED, _HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Non-persistent RoPE buffers that old checkpoints sometimes carry; they are recomputed, never loaded.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def _rope_theta(hf: dict) -> float:
+    """rope_theta from an HF config, checking that the RoPE variant is the plain (unscaled) one.
+
+    transformers < 5 writes ``rope_theta`` at top level and ``rope_scaling`` (null for plain RoPE);
+    transformers >= 5 writes ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``.
+    Like transformers, a non-empty ``rope_scaling`` takes precedence over ``rope_parameters``.
+    """
+    field, params = None, None
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name):
+            field, params = name, hf[name]
+            break
+    theta = hf.get("rope_theta")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"unsupported {field}={params!r}: expected a dict or null")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(
+                f"unsupported {field} rope_type={rope_type!r} ({field}={params!r}): torchtsp implements only "
+                "plain RoPE (rope_type 'default'); scaled RoPE variants (linear, dynamic, yarn, llama3, longrope) "
+                "are not supported"
+            )
+        theta = params.get("rope_theta", theta)
+        partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    else:
+        partial = hf.get("partial_rotary_factor")
+    if partial is not None and partial != 1:
+        raise ValueError(f"unsupported partial_rotary_factor={partial!r}: torchtsp rotates the full head_dim")
+    return 10000.0 if theta is None else float(theta)
+
+
+def config_from_hf(hf_config: dict) -> ModelConfig:
+    """ModelConfig for an HF ``LlamaConfig`` dict (``config.json`` contents or ``LlamaConfig.to_dict()``).
+
+    Raises ValueError, naming the field and its value, for anything torchtsp's model cannot reproduce.
+    """
+    if not isinstance(hf_config, dict):
+        raise TypeError(f"HF config must be a dict, got {type(hf_config).__name__}")
+    hf = hf_config
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"unsupported model_type={model_type!r}: only 'llama' checkpoints can be converted")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in required if hf.get(k) is None]
+    if missing:
+        raise ValueError(f"HF config is missing required field(s): {', '.join(missing)}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"unsupported {flag}={hf[flag]!r}: torchtsp's linear layers have no bias")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act={act!r}: torchtsp's MLP is SwiGLU (hidden_act 'silu')")
+
+    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    n_kv_heads = hf.get("num_key_value_heads")
+    n_kv_heads = n_heads if n_kv_heads is None else int(n_kv_heads)
+    if n_heads <= 0 or dim % n_heads:
+        raise ValueError(f"unsupported hidden_size={dim} with num_attention_heads={n_heads}: must divide evenly")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) != dim // n_heads:
+        raise ValueError(
+            f"unsupported head_dim={head_dim}: torchtsp requires head_dim == hidden_size / num_attention_heads "
+            f"= {dim // n_heads}"
+        )
+    rope_theta = _rope_theta(hf)
+    try:
+        return ModelConfig(
+            dim=dim,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            ffn_dim=int(hf["intermediate_size"]),
+            vocab_size=int(hf["vocab_size"]),
+            max_seq_len=int(hf.get("max_position_embeddings") or 2048),
+            rope_theta=rope_theta,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except ValueError as e:
+        raise ValueError(f"unsupported HF config: {e}") from e
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """A ``config.json`` dict that transformers 4.x and 5.x both load as a ``LlamaConfig``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # transformers < 5 reads rope_theta/rope_scaling; >= 5 reads rope_parameters.
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,  # transformers < 5
+        "dtype": dtype,  # transformers >= 5
+    }
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """torchtsp parameter name -> shape, from a Transformer built on the meta device (no allocation)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _to_hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    prefix, _, rest = name.partition(".")
+    idx, _, local = rest.partition(".")
+    if prefix == "layers" and idx.isdigit() and local in _LAYER_NAMES:
+        return f"model.layers.{idx}.{_LAYER_NAMES[local]}"
+    raise KeyError(name)
+
+
+def _fmt_names(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOW])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOW else shown
+
+
+def _check_state_dict(sd: dict, expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """Raise one ValueError describing missing/unexpected keys and shape mismatches."""
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    bad_shape = [k for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_fmt_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_fmt_names(unexpected)}")
+    if bad_shape:
+        details = [f"{k}: expected {expected[k]}, found {tuple(sd[k].shape)}" for k in bad_shape[:_SHOW]]
+        more = f" ... ({len(bad_shape)} in all)" if len(bad_shape) > _SHOW else ""
+        problems.append("shape mismatches: " + "; ".join(details) + more)
+    if problems:
+        raise ValueError(f"{what} does not match the model config: " + " | ".join(problems))
+
+
+def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
+    """HF ``LlamaForCausalLM`` state dict -> torchtsp ``Transformer`` state dict (same tensors, renamed).
+
+    With tied embeddings ``lm_head.weight`` is optional; when present it must equal the embedding.
+    ``rotary_emb.inv_freq`` buffers are ignored.
+    """
+    expected = _expected_shapes(cfg)
+    hf_expected = {_to_hf_name(k): shape for k, shape in expected.items()}
+    sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
+    if cfg.tie_embeddings and _HF_LM_HEAD in sd:
+        lm_head = sd.pop(_HF_LM_HEAD)
+        embed = sd.get(_HF_EMBED)
+        if embed is not None and tuple(lm_head.shape) == tuple(embed.shape) and not torch.equal(lm_head, embed):
+            raise ValueError(
+                f"tie_word_embeddings is true but {_HF_LM_HEAD} differs from {_HF_EMBED}; "
+                "set tie_word_embeddings to false in config.json to keep a separate output head"
+            )
+        if embed is not None and tuple(lm_head.shape) != tuple(embed.shape):
+            raise ValueError(
+                f"tie_word_embeddings is true but {_HF_LM_HEAD} has shape {tuple(lm_head.shape)}, "
+                f"expected {tuple(embed.shape)} like {_HF_EMBED}"
+            )
+    _check_state_dict(sd, hf_expected, "Hugging Face state dict")
+    return {k: sd[_to_hf_name(k)] for k in expected}
+
+
+def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
+    """torchtsp ``Transformer`` state dict -> HF ``LlamaForCausalLM`` names (no ``lm_head`` when tied)."""
+    expected = _expected_shapes(cfg)
+    _check_state_dict(sd, expected, "torchtsp state dict")
+    return {_to_hf_name(k): sd[k] for k in expected}
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {what}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or regenerate the file") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (not UTF-8 text: {e}); fix or regenerate the file") from e
+    if not isinstance(data, dict):
+        # Bad file contents, like invalid JSON: a ValueError naming the file, not a TypeError.
+        raise ValueError(f"{path} must hold a JSON object, found {type(data).__name__}")  # noqa: TRY004
+    return data
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {path} not found")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): {e}; re-download or re-save it"
+        ) from e
+
+
+def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _prepare_for_saving(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors, none sharing storage (safetensors refuses aliased tensors)."""
+    out, seen = {}, set()
+    for name, t in sd.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} is a {type(t).__name__}, not a tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device and has no data to save")
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def _require_dir(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint path {path} is not a directory; pass the checkpoint's directory")
+
+
+def _dtype_name(sd: dict[str, torch.Tensor]) -> str:
+    for t in sd.values():
+        if t.is_floating_point():
+            return str(t.dtype).removeprefix("torch.")
+    return "float32"
+
+
+# --------------------------------------------------------------------------- HF checkpoints
+
+
+def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    single, index = path / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_INDEX_NAME
+    # Same preference order as transformers: model.safetensors, then the sharded index.
+    if single.is_file():
+        return _load_safetensors(single)
+    if index.is_file():
+        data = _read_json(index, "")
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object; regenerate the index or the checkpoint")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"shard(s) named in {index} are missing from {path}: {_fmt_names(missing)}; "
+                "re-download the complete checkpoint"
+            )
+        sd: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors = _load_safetensors(path / shard)
+            wanted = [k for k, s in weight_map.items() if s == shard]
+            absent = [k for k in wanted if k not in tensors]
+            if absent:
+                raise ValueError(f"{path / shard} lacks tensor(s) that {index} places there: {_fmt_names(absent)}")
+            sd.update((k, tensors[k]) for k in wanted)
+        return sd
+    candidates = sorted(path.glob("*.safetensors"))
+    if len(candidates) == 1:
+        return _load_safetensors(candidates[0])
+    if candidates:
+        raise ValueError(
+            f"{path} holds several .safetensors files ({_fmt_names([c.name for c in candidates])}) but no "
+            f"{SAFE_WEIGHTS_INDEX_NAME}; add the index that maps tensors to shards"
+        )
+    hint = ""
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        hint = " (found PyTorch pickle weights; re-save them with save_pretrained(safe_serialization=True))"
+    raise FileNotFoundError(
+        f"no safetensors weights in {path}: expected {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} "
+        f"with its shards{hint}"
+    )
+
+
+def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF Llama checkpoint directory; returns ``(cfg, state dict in torchtsp names)``."""
+    path = Path(path)
+    _require_dir(path)
+    cfg_path = path / HF_CONFIG_NAME
+    hf_config = _read_json(
+        cfg_path, "a Hugging Face checkpoint directory needs config.json (as written by save_pretrained)"
+    )
+    try:
+        cfg = config_from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
+    hf_sd = _load_hf_weights(path)
+    try:
+        return cfg, from_hf_state_dict(hf_sd, cfg)
+    except ValueError as e:
+        raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
+
+
+def save_hf_checkpoint(
+    path: str | os.PathLike, sd: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int | None = None
+) -> None:
+    """Write ``sd`` (torchtsp names) as an HF checkpoint ``LlamaForCausalLM.from_pretrained`` can load.
+
+    One ``model.safetensors``, or, when the tensors exceed ``max_shard_bytes``, shards
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Weight files of an
+    earlier save in the same directory are removed so no stale file shadows the new ones.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    tensors = _prepare_for_saving(to_hf_state_dict(sd, cfg))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _remove_weight_files(path)
+
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    total = sum(sizes.values())
+    metadata = {"format": "pt"}
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        _save_safetensors(path / SAFE_WEIGHTS_NAME, tensors, metadata)
+    else:
+        shards: list[list[str]] = [[]]
+        used = 0
+        for k in tensors:
+            if shards[-1] and used + sizes[k] > max_shard_bytes:
+                shards.append([])
+                used = 0
+            shards[-1].append(k)
+            used += sizes[k]
+        n = len(shards)
+        weight_map = {}
+        for i, names in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            _save_safetensors(path / fname, {k: tensors[k] for k in names}, metadata)
+            weight_map.update((k, fname) for k in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(path / SAFE_WEIGHTS_INDEX_NAME, index)
+    _write_json(path / HF_CONFIG_NAME, config_to_hf(cfg, dtype=_dtype_name(tensors)))
+
+
+def _remove_weight_files(path: Path) -> None:
+    stale = [path / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_INDEX_NAME, *path.glob("model-*-of-*.safetensors")]
+    for f in stale:
+        if f.is_file():
+            f.unlink()
+
+
+# --------------------------------------------------------------------------- torchtsp checkpoints
+
+
+def save_torchtsp_checkpoint(path: str | os.PathLike, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Write ``torchtsp.json`` + ``model.safetensors`` (torchtsp names; a tied embedding is stored once)."""
+    _check_state_dict(sd, _expected_shapes(cfg), "torchtsp state dict")
+    tensors = _prepare_for_saving(sd)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _remove_weight_files(path)
+    _save_safetensors(path / SAFE_WEIGHTS_NAME, tensors, {"format": "pt", "torchtsp": str(TORCHTSP_FORMAT_VERSION)})
+    meta = {"format": "torchtsp", "version": TORCHTSP_FORMAT_VERSION, "model": cfg.to_dict()}
+    _write_json(path / TORCHTSP_CONFIG_NAME, meta)
+
+
+def load_torchtsp_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a native torchtsp checkpoint directory; returns ``(cfg, state dict)``."""
+    path = Path(path)
+    _require_dir(path)
+    meta_path = path / TORCHTSP_CONFIG_NAME
+    hint = "a torchtsp checkpoint directory needs torchtsp.json (written by save_torchtsp_checkpoint)"
+    if not meta_path.is_file() and (path / HF_CONFIG_NAME).is_file():
+        hint += "; this looks like a Hugging Face checkpoint: use load_hf_checkpoint or `torchtsp convert`"
+    meta = _read_json(meta_path, hint)
+    if meta.get("format") != "torchtsp":
+        raise ValueError(f"{meta_path}: format={meta.get('format')!r}, expected 'torchtsp'")
+    if meta.get("version") != TORCHTSP_FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: unsupported version={meta.get('version')!r}; this torchtsp reads version "
+            f"{TORCHTSP_FORMAT_VERSION}"
+        )
+    if not isinstance(meta.get("model"), dict):
+        raise ValueError(f"{meta_path}: 'model' must be an object of ModelConfig fields")  # noqa: TRY004
+    try:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path}: invalid model config: {e}") from e
+    weights = path / SAFE_WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"weights file {weights} not found; re-save the checkpoint")
+    sd = _load_safetensors(weights)
+    try:
+        _check_state_dict(sd, _expected_shapes(cfg), f"{weights}")
+    except ValueError as e:
+        raise ValueError(f"{e} (config from {meta_path})") from e
+    return cfg, sd
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def detect_checkpoint_kind(path: str | os.PathLike) -> str:
+    """``"torchtsp"`` if the directory holds torchtsp.json, ``"hf"`` if it holds config.json."""
+    path = Path(path)
+    _require_dir(path)
+    if (path / TORCHTSP_CONFIG_NAME).is_file():
+        return "torchtsp"
+    if (path / HF_CONFIG_NAME).is_file():
+        return "hf"
+    raise FileNotFoundError(
+        f"{path} is not a checkpoint directory: it has neither {TORCHTSP_CONFIG_NAME} (torchtsp) "
+        f"nor {HF_CONFIG_NAME} (Hugging Face)"
+    )
+
+
+_LOADERS = {"hf": load_hf_checkpoint, "torchtsp": load_torchtsp_checkpoint}
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int | None = None,
+) -> str:
+    """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
+
+    Without ``to`` the output is the other kind from the source. A non-empty ``dst`` is refused unless
+    ``overwrite`` (CLI ``--force``); then only checkpoint files in it are replaced.
+    """
+    if to not in (None, "hf", "torchtsp"):
+        raise ValueError(f"unknown target format to={to!r}; choose 'hf' or 'torchtsp'")
+    src, dst = Path(src), Path(dst)
+    kind = detect_checkpoint_kind(src)
+    target = to or ("hf" if kind == "torchtsp" else "torchtsp")
+    if dst.exists():
+        if not dst.is_dir():
+            raise ValueError(f"destination {dst} exists and is not a directory")
+        if dst.resolve() == src.resolve():
+            raise ValueError(f"destination {dst} is the source directory; choose another destination")
+        if any(dst.iterdir()) and not overwrite:
+            raise ValueError(f"destination {dst} is not empty; pass --force (overwrite=True) to overwrite it")
+    cfg, sd = _LOADERS[kind](src)
+    if dst.exists():
+        # Drop the other format's marker so detection of dst cannot find a stale one.
+        for name in (TORCHTSP_CONFIG_NAME, HF_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME):
+            if (dst / name).is_file():
+                (dst / name).unlink()
+    if target == "hf":
+        save_hf_checkpoint(dst, sd, cfg, max_shard_bytes=max_shard_bytes)
+    else:
+        save_torchtsp_checkpoint(dst, sd, cfg)
+    return target

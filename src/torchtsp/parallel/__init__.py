@@ -1,0 +1,3 @@
+from .api import SCHEMES, parallelize
+
+__all__ = ["SCHEMES", "parallelize"]

@@ -1,0 +1,49 @@
+"""Packed weight shards: several weight slices of one rank in ONE flat buffer.
+
+A packed buffer moves with a single collective, and every rank's buffer has the same
+size, so buffers can be broadcast or passed around a ring and unpacked by any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # reference parameter name
+    full_shape: tuple[int, int]
+    shard_dim: int  # the dimension cut into D equal slices, one per rank
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    parts: tuple[Part, ...]
+    world: int
+
+    def local_shape(self, part: Part) -> tuple[int, int]:
+        shape = list(part.full_shape)
+        shape[part.shard_dim] //= self.world
+        return tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.local_shape(p)[0] * self.local_shape(p)[1] for p in self.parts)
+
+    def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the parts, in order, from one rank's flat buffer."""
+        shapes = [self.local_shape(p) for p in self.parts]
+        pieces = flat.split([r * c for r, c in shapes])
+        return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+    def pack(self, full: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+        """Rank's flat buffer cut from the full weights."""
+        return torch.cat([full[p.name].chunk(self.world, p.shard_dim)[rank].reshape(-1) for p in self.parts])
+
+    def unpack_gathered(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every rank's buffer [D, numel] -> the full weights by reference name."""
+        per_rank = [self.unpack(buf) for buf in gathered]
+        return {p.name: torch.cat([parts[i] for parts in per_rank], dim=p.shard_dim)
+                for i, p in enumerate(self.parts)}
