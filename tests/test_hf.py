@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from torchtsp.config import ModelConfig  # noqa: E402
-from torchtsp.hf import (  # noqa: E402
+from torchtsp.config import ModelConfig
+from torchtsp.hf import (
     config_from_hf,
     config_to_hf,
     convert_checkpoint,
@@ -30,35 +30,43 @@ from torchtsp.hf import (  # noqa: E402
     save_torchtsp_checkpoint,
     to_hf_state_dict,
 )
-from torchtsp.model import IGNORE_INDEX, Transformer  # noqa: E402
+from torchtsp.model import IGNORE_INDEX, Transformer
 
 # Non-power-of-two sizes everywhere so that a transposed or mis-split weight cannot go unnoticed.
 HF_SHAPES = {
     # GQA: 6 query heads share 3 KV heads (g=2), head_dim 16; non-default rope_theta.
-    "gqa": dict(
-        hidden_size=96,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        intermediate_size=200,
-        vocab_size=101,
-        num_hidden_layers=3,
-        max_position_embeddings=64,
-        rope_theta=5000.0,
-        rms_norm_eps=1e-6,
-    ),
+    "gqa": {
+        "hidden_size": 96,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "intermediate_size": 200,
+        "vocab_size": 101,
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 64,
+        "rope_theta": 5000.0,
+        "rms_norm_eps": 1e-6,
+    },
     # MHA: 5 heads of 16; non-default rms_norm_eps.
-    "mha": dict(
-        hidden_size=80,
-        num_attention_heads=5,
-        num_key_value_heads=5,
-        intermediate_size=136,
-        vocab_size=97,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-    ),
+    "mha": {
+        "hidden_size": 80,
+        "num_attention_heads": 5,
+        "num_key_value_heads": 5,
+        "intermediate_size": 136,
+        "vocab_size": 97,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+    },
 }
 B, S = 2, 17
+MINIMAL_HF_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "intermediate_size": 100,
+    "vocab_size": 50,
+}
 
 # Both models compute in float32 (eps = 1.2e-7) but not in the same order: torchtsp runs SDPA on
 # explicitly expanded K/V, HF eager runs matmul + float32 softmax (or SDPA with its own masks), and
@@ -174,8 +182,18 @@ def test_state_dict_round_trip_is_exact_renaming():
 
 
 def test_config_to_hf_is_a_valid_llama_config_and_round_trips():
-    cfg = ModelConfig(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200, vocab_size=101, max_seq_len=77,
-                      rope_theta=123456.0, norm_eps=1e-5, tie_embeddings=True)  # fmt: skip
+    cfg = ModelConfig(
+        dim=96,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_dim=200,
+        vocab_size=101,
+        max_seq_len=77,
+        rope_theta=123456.0,
+        norm_eps=1e-5,
+        tie_embeddings=True,
+    )
     d = config_to_hf(cfg)
     assert d["model_type"] == "llama" and d["architectures"] == ["LlamaForCausalLM"]
     assert d["torch_dtype"] == "float32"
@@ -186,8 +204,7 @@ def test_config_to_hf_is_a_valid_llama_config_and_round_trips():
 
 
 def test_config_from_hf_legacy_and_defaults():
-    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                intermediate_size=100, vocab_size=50)  # fmt: skip
+    base = MINIMAL_HF_CONFIG
     cfg = config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": None})  # transformers 4.x style
     assert cfg.rope_theta == 500000.0 and cfg.n_kv_heads == 4 and not cfg.tie_embeddings
     cfg = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 2.5e5}})  # 5.x
@@ -213,8 +230,7 @@ def test_config_from_hf_legacy_and_defaults():
     ],
 )
 def test_config_from_hf_rejects_unsupported(change, match):
-    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                intermediate_size=100, vocab_size=50)  # fmt: skip
+    base = MINIMAL_HF_CONFIG
     with pytest.raises(ValueError, match=match):
         config_from_hf({**base, **change})
 
@@ -382,8 +398,10 @@ def test_truncated_torchtsp_weights(tmp_path, hf_dir):
     "change,match",
     [
         ({"attention_bias": True}, r"config\.json: unsupported attention_bias=True"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
-         r"config\.json: unsupported rope_scaling rope_type='yarn'"),  # fmt: skip
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+            r"config\.json: unsupported rope_scaling rope_type='yarn'",
+        ),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, r"rope_parameters.*'yarn'"),
     ],
 )
@@ -423,7 +441,9 @@ def test_torchtsp_checkpoint_shape_and_format_errors(tmp_path):
     with pytest.raises(ValueError, match=r"torchtsp\.json: unsupported version=99"):
         load_torchtsp_checkpoint(tmp_path)
     meta_path.write_text(json.dumps({**meta, "model": {**meta["model"], "bogus": 1}}))
-    with pytest.raises(ValueError, match=r"torchtsp\.json: invalid model config: unknown ModelConfig field\(s\): bogus"):
+    with pytest.raises(
+        ValueError, match=r"torchtsp\.json: invalid model config: unknown ModelConfig field\(s\): bogus"
+    ):
         load_torchtsp_checkpoint(tmp_path)
     with pytest.raises(ValueError, match=r"shape mismatches: tok_embeddings\.weight"):
         save_torchtsp_checkpoint(tmp_path / "x", sd, cfg.replace(vocab_size=31))

@@ -28,6 +28,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim = dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
 
