@@ -5,11 +5,10 @@ import re
 
 import pytest
 import torch
-from helpers import batch, rel_err
 
 import torchtsp
+from helpers import batch, rel_err
 from torchtsp.analysis import tsp_layer_forward_recv_elements
-from torchtsp.distributed import RankFailedError
 from torchtsp.memory import measure_peak
 from torchtsp.parallel.tsp import TSPAttention, TSPFeedForward
 
@@ -127,8 +126,7 @@ def test_next_shard_is_requested_before_current_compute(pools, world):
                      if kind == "issue" and op in ("broadcast", "ring_shift") and label and label[0] == phase}
         assert len(computes) == world, (phase, events)
         order = [events[i][2][1] for i in computes]  # which shard each compute step used
-        for step, shard in enumerate(order[:-1]):
-            nxt = order[step + 1]
+        for step, nxt in enumerate(order[1:]):
             assert transfers[nxt] < computes[step], f"{phase}: shard {nxt} requested after step {step} began"
             checked += 1
     assert checked == 4 * (world - 1)

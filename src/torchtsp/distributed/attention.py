@@ -43,7 +43,7 @@ def _key_parts(chunk: int, chunk_len: int):
 def _merge(outs, lses):
     """Combine partial attention results over disjoint key sets, in float32."""
     lse = torch.logsumexp(torch.stack(lses), dim=0)
-    out = sum(o.float() * torch.exp(l - lse).unsqueeze(-1) for o, l in zip(outs, lses))
+    out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in zip(outs, lses))
     return out.to(outs[0].dtype), lse
 
 
@@ -84,3 +84,27 @@ class ZigzagAttention(torch.autograd.Function):
 def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
     """q: [B, H, S/D, d] local zigzag queries; k, v: [B, H, S, d] full keys in global order."""
     return ZigzagAttention.apply(q, k, v, rank, world)
+
+
+def gather_kv(comm, kv: torch.Tensor) -> torch.Tensor:
+    """[2, B, H, S/D, d] K/V of local zigzag tokens -> every rank's, in global order: [2, B, H, S, d]."""
+    return zigzag.unshard(comm.all_gather(kv, label="kv"), dim=3)
+
+
+def scatter_kv_grad(comm, dkv_full: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``gather_kv`` for gradients: each rank receives the sum over ranks for its own tokens."""
+    per_rank = torch.stack([zigzag.shard(dkv_full, comm.size, r, dim=3) for r in range(comm.size)])
+    return comm.reduce_scatter(per_rank, label="kv.grad")
+
+
+class GatherKV(torch.autograd.Function):
+    """``gather_kv`` with its exact backward (reduce-scatter of the K/V gradients to their owners)."""
+
+    @staticmethod
+    def forward(ctx, kv, comm):
+        ctx.comm = comm
+        return gather_kv(comm, kv)
+
+    @staticmethod
+    def backward(ctx, dkv_full):
+        return scatter_kv_grad(ctx.comm, dkv_full.contiguous()), None

@@ -178,7 +178,7 @@ class AxisComm:
         """Overwrite ``tensor`` on every rank with the source rank's copy (``src`` is an axis rank)."""
         n, D = self._nbytes(tensor), self.size
         sent, recv = ((D - 1) * n, 0) if self.rank == src else (0, n)
-        launch = lambda: [dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)]
         return self._finish(self._issue("broadcast", label, sent, recv, launch, tensor), async_op)
 
     def all_gather(self, tensor: torch.Tensor, async_op=False, label=None):
@@ -187,7 +187,7 @@ class AxisComm:
         if self.size == 1:
             out[0] = tensor
         n = (self.size - 1) * self._nbytes(tensor)
-        launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]
         return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
@@ -196,20 +196,20 @@ class AxisComm:
             raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
         out = tensor[0].clone() if self.size == 1 else torch.empty_like(tensor[0])
         n = (self.size - 1) * self._nbytes(out)
-        launch = lambda: [dist.reduce_scatter_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.reduce_scatter_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]
         return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op=False, label=None):
         """Sum ``tensor`` over ranks into the destination's copy (others' copies are left undefined)."""
         n, D = self._nbytes(tensor), self.size
         sent, recv = (0, (D - 1) * n) if self.rank == dst else (n, 0)
-        launch = lambda: [dist.reduce(tensor, group=self.group, group_dst=dst, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.reduce(tensor, group=self.group, group_dst=dst, async_op=True)]
         return self._finish(self._issue("reduce", label, sent, recv, launch, tensor), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op=False, label=None):
         """Sum ``tensor`` over ranks, in place."""
         n = 2 * (self.size - 1) * self._nbytes(tensor) // self.size
-        launch = lambda: [dist.all_reduce(tensor, group=self.group, async_op=True)]  # noqa: E731
+        launch = lambda: [dist.all_reduce(tensor, group=self.group, async_op=True)]
         return self._finish(self._issue("all_reduce", label, n, n, launch, tensor), async_op)
 
     def ring_shift(self, send: torch.Tensor, recv: torch.Tensor | None = None, async_op=False, label=None, tag=0):

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-from ..distributed.comm import AxisComm
+import importlib
+
 from ..model import Transformer
 
-SCHEMES = ("tsp",)
+# scheme -> "module:class" under torchtsp.parallel; imported on first use.
+SCHEMES = {
+    "tsp": "tsp:TSPTransformer",
+    "dp": "dp:DPTransformer",
+    "tp": "tp:TPTransformer",
+    "sp": "sp:SPTransformer",
+    "tp_sp": "tp_sp:TPSPTransformer",
+    "torch_tp": "torch_tp:TorchTPTransformer",
+}
 
 
-def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, timeout_s: float | None = None):
-    """Split ``model`` over ``mesh`` with ``scheme``; the returned module keeps only this rank's shards.
+def parallelize(model: Transformer, mesh, scheme: str = "tsp", **options):
+    """Split ``model`` over ``mesh`` with ``scheme``; returns a module with the same interface for every scheme:
+    ``loss(tokens, labels)``, ``loss_on_shard``, ``shard_batch``, ``full_grads()``, ``full_state_dict()``.
 
-    The reference model's own parameters are released (moved to the meta device): after this call
-    use the returned module, whose ``full_state_dict()`` gives the full weights back.
+    The reference model is consumed: schemes that shard weights move its parameters to the meta device
+    (each rank keeps only its shards), replicated schemes adopt it. Use the returned module afterwards.
+    Options are scheme-specific (``timeout_s`` for all; ``sequence_parallel`` for ``tp``).
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
-    if scheme == "tsp":
-        from .tsp import TSPTransformer
-
-        parallel = TSPTransformer(model, AxisComm.from_mesh(mesh, "tsp", **kwargs))
-    else:
+    if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
-    model.to("meta")
-    return parallel
+    module, cls = SCHEMES[scheme].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(model, mesh, **options)

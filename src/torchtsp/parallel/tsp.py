@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import zigzag
-from ..distributed.attention import zigzag_causal_attention
-from ..distributed.comm import AxisComm
+from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_attention
+from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
+from .base import ParallelTransformer, ReplicatedGrad, global_mean
 from .shards import PackedLayout, Part
 
 WEIGHT_TAG, GRAD_TAG = 0, 1  # separate point-to-point streams for weights and travelling gradients
@@ -105,7 +106,7 @@ class TSPAttention(torch.autograd.Function):
         for j, w in broadcast_each(comm, shard, "attention.forward"):
             comm.mark(("attention.forward", j))
             q, kv = block.project_qkv(x, w, cos, sin)
-            y += block.attend(q, block.gather_kv(kv), w)
+            y += block.attend(q, gather_kv(comm, kv), w)
         ctx.save_for_backward(x, shard, cos, sin)
         ctx.block = block
         return y
@@ -131,10 +132,10 @@ class TSPAttention(torch.autograd.Function):
             with torch.enable_grad():
                 x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
                 q, kv = block.project_qkv(x_, w_, cos, sin)
-                kv_full = block.gather_kv(kv.detach()).requires_grad_()
+                kv_full = gather_kv(comm, kv.detach()).requires_grad_()
                 dx_q, dw_q, dkv_full = torch.autograd.grad(
                     block.attend(q, kv_full, w_), (x_, w_, kv_full), dy, retain_graph=True)
-                dkv = block.scatter_kv_grad(dkv_full)  # dK/dV of own tokens, summed over every rank's queries
+                dkv = scatter_kv_grad(comm, dkv_full)  # dK/dV of own tokens, summed over every rank's queries
                 dx_kv, dw_kv = torch.autograd.grad(kv, (x_, w_), dkv)
             dx += dx_q + dx_kv
             # Every rank's partial gradient of head group j goes to its owner j; keep at most two in flight.
@@ -250,32 +251,6 @@ class TSPHeadCrossEntropy(torch.autograd.Function):
         return dz, None, grads.result(), None
 
 
-class _SumOverAxis(torch.autograd.Function):
-    """Forward: all-reduce a per-rank partial sum. Backward: identity, because every rank holds the
-    same global value and each rank back-propagates only its own share of it."""
-
-    @staticmethod
-    def forward(ctx, partial, comm: AxisComm):
-        return comm.all_reduce(partial.clone(), label="loss")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ReplicatedGrad(torch.autograd.Function):
-    """Forward: identity. Backward: sum the gradient over the axis (for replicated norm weights)."""
-
-    @staticmethod
-    def forward(ctx, weight, comm: AxisComm):
-        ctx.comm = comm
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous(), label="norm.grad"), None
-
-
 # ---------------------------------------------------------------- the model
 
 
@@ -307,16 +282,6 @@ class TSPBlocks:
         k = apply_rope(F.linear(x, wk).view(B, S_local, -1, d), cos, sin).transpose(1, 2)
         v = F.linear(x, wv).view(B, S_local, -1, d).transpose(1, 2)
         return q, torch.stack([k, v])
-
-    def gather_kv(self, kv):
-        """This group's K/V of every rank's tokens, in global sequence order: [2, B, Hkv/D, S, d]."""
-        return zigzag.unshard(self.comm.all_gather(kv, label="kv"), dim=3)
-
-    def scatter_kv_grad(self, dkv_full):
-        """Inverse of gather_kv for gradients: each rank receives the sum for its own tokens."""
-        D = self.comm.size
-        per_rank = torch.stack([zigzag.shard(dkv_full, D, r, dim=3) for r in range(D)])
-        return self.comm.reduce_scatter(per_rank, label="kv.grad")
 
     def attend(self, q, kv_full, w):
         *_, wo = self.attention_layout.unpack(w)
@@ -351,21 +316,25 @@ class TSPLayer(nn.Module):
         self.mlp_shard = nn.Parameter(mlp_shard)
 
 
-class TSPTransformer(nn.Module):
+class TSPTransformer(ParallelTransformer):
     """A reference ``Transformer`` split over the ``tsp`` mesh axis; each rank keeps only its shards."""
 
-    def __init__(self, model: Transformer, comm: AxisComm):
-        super().__init__()
+    scheme = "tsp"
+
+    def __init__(self, model: Transformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(model.cfg)
+        comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
         cfg, D, p = model.cfg, comm.size, comm.rank
         check_tsp_compatible(cfg, D)
-        self.cfg, self.comm = cfg, comm
+        self.comm = comm
         self.blocks = TSPBlocks(cfg, comm)
         full = {name: t.detach() for name, t in model.state_dict().items()}
         emb = F.pad(full["tok_embeddings.weight"], (0, 0, 0, self.blocks.padded_vocab - cfg.vocab_size))
         self.embedding_shard = nn.Parameter(emb.chunk(D)[p].clone())
         self.layers = nn.ModuleList()
         for i in range(cfg.n_layers):
-            layer = {name.removeprefix(f"layers.{i}."): t for name, t in full.items() if name.startswith(f"layers.{i}.")}
+            prefix = f"layers.{i}."
+            layer = {name.removeprefix(prefix): t for name, t in full.items() if name.startswith(prefix)}
             self.layers.append(TSPLayer(
                 self.blocks.attention_layout.pack(layer, p), self.blocks.mlp_layout.pack(layer, p),
                 layer["attention_norm.weight"].clone(), layer["ffn_norm.weight"].clone()))
@@ -374,52 +343,42 @@ class TSPTransformer(nn.Module):
         if not cfg.tie_embeddings:
             head = F.pad(full["output.weight"], (0, 0, 0, self.blocks.padded_vocab - cfg.vocab_size))
             self.output_shard = nn.Parameter(head.chunk(D)[p].clone())
+        model.to("meta")  # release the full weights: this rank keeps only its shards
 
     # -- batches ------------------------------------------------------------
 
+    def comms(self):
+        return {"tsp": self.comm}
+
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
-        if tokens.dim() != 2:
-            raise ValueError(f"expected a [batch, seq] tensor, got shape {tuple(tokens.shape)}")
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
-
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank)."""
-        if labels.shape != tokens.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
-        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
     def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Global mean cross-entropy from this rank's zigzag shard [B, S/D] of tokens and labels."""
         cfg, comm = self.cfg, self.comm
         seq_len = tokens.shape[1] * comm.size
-        zigzag.check_divisible(seq_len, comm.size)
-        if seq_len > cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={cfg.max_seq_len}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}), got [{tokens.min()}, {tokens.max()}]")
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=tokens.device)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         eps, blocks = cfg.norm_eps, self.blocks
 
         x = TSPEmbedding.apply(tokens, self.embedding_shard, blocks)
         for layer in self.layers:
-            h = rms_norm(x, _ReplicatedGrad.apply(layer.attention_norm, comm), eps)
+            h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm), eps)
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, blocks)
-            h = rms_norm(x, _ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
+            h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
             x = x + TSPFeedForward.apply(h, layer.mlp_shard, blocks)
-        z = rms_norm(x, _ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
+        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, blocks)
-        count = comm.all_reduce((labels != IGNORE_INDEX).sum().to(nll.dtype), label="loss")
-        return _SumOverAxis.apply(nll.sum(), comm) / count
+        return global_mean(nll.sum(), labels, comm)
 
     # -- full views (for checks, checkpoints, export) -----------------------
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
-        cfg, blocks, V = self.cfg, self.blocks, self.cfg.vocab_size
-        gather = lambda t: self.comm.all_gather(t, label="gather_full")  # noqa: E731
+        blocks, V = self.blocks, self.cfg.vocab_size
+        gather = lambda t: self.comm.all_gather(t, label="gather_full")
         out = {"tok_embeddings.weight": gather(pick(self.embedding_shard)).flatten(0, 1)[:V]}
         for i, layer in enumerate(self.layers):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
@@ -431,11 +390,4 @@ class TSPTransformer(nn.Module):
         out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
             out["output.weight"] = gather(pick(self.output_shard)).flatten(0, 1)[:V]
-        return {k: v.clone() for k, v in out.items()}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._full(lambda p: p.detach())
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Full gradients by reference parameter name, on every rank (zeros where no gradient yet)."""
-        return self._full(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return out

@@ -1,0 +1,95 @@
+"""What every parallel scheme shares: the public interface and two tiny autograd bridges."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed.comm import AxisComm
+from ..model import IGNORE_INDEX
+
+
+class SumOverAxis(torch.autograd.Function):
+    """Forward: all-reduce a per-rank partial sum. Backward: identity, because every rank holds the
+    same global value and each rank back-propagates only its own share of it."""
+
+    @staticmethod
+    def forward(ctx, partial, comm: AxisComm):
+        return comm.all_reduce(partial.clone(), label="loss")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ReplicatedGrad(torch.autograd.Function):
+    """Forward: identity. Backward: sum the gradient over the axis.
+
+    Wrap a weight replicated over an axis whose ranks see different tokens: each rank's local
+    gradient covers its own tokens only, the sum covers them all.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, comm: AxisComm):
+        ctx.comm = comm
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.contiguous(), label="replicated.grad"), None
+
+
+def global_mean(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm) -> torch.Tensor:
+    """Mean loss over every token of every rank on ``comm``: sum of local NLL sums / global token count."""
+    count = comm.all_reduce((labels != IGNORE_INDEX).sum().to(nll_sum.dtype), label="loss")
+    return SumOverAxis.apply(nll_sum, comm) / count
+
+
+class ParallelTransformer(nn.Module):
+    """The interface every scheme exposes (see ``torchtsp.parallelize``).
+
+    Subclasses implement ``shard_batch``, ``loss_on_shard`` and ``_full``.
+    """
+
+    scheme = "?"
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def comms(self) -> dict[str, AxisComm]:
+        """The mesh axes this model communicates over, by name (for counting traffic)."""
+        raise NotImplementedError
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a global [B, S] batch (tokens or labels)."""
+        raise NotImplementedError
+
+    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Global mean cross-entropy from this rank's share of tokens and labels."""
+        raise NotImplementedError
+
+    def _full(self, pick) -> dict[str, torch.Tensor]:
+        """Reference-named full tensors assembled from ``pick(param)`` of every rank."""
+        raise NotImplementedError
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank)."""
+        if tokens.dim() != 2 or labels.shape != tokens.shape:
+            raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
+                             f"and {tuple(labels.shape)}")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), "
+                             f"got [{tokens.min().item()}, {tokens.max().item()}]")
+        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights by reference parameter name, on every rank."""
+        return {k: v.clone() for k, v in self._full(lambda p: p.detach()).items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients by reference parameter name, on every rank (zeros where no gradient yet)."""
+        return {k: v.clone() for k, v in self._full(lambda p: p.grad if p.grad is not None
+                                                    else torch.zeros_like(p)).items()}
