@@ -5,5 +5,5 @@ from .distributed import WorkerPool, init_mesh, spawn
 from .model import Transformer
 from .parallel import parallelize
 
-__all__ = ["ModelConfig", "PRESETS", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize", "spawn"]
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize", "spawn"]
 __version__ = "0.1.0"

@@ -42,14 +42,14 @@ class ModelConfig:
         """g = query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
+    def from_dict(cls, values: dict) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -71,14 +71,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         B, S, _ = x.shape
         cfg, d = self.cfg, self.cfg.head_dim
-        q = apply_rope(self.wq(x).view(B, S, cfg.n_heads, d), cos, sin)
-        k = apply_rope(self.wk(x).view(B, S, cfg.n_kv_heads, d), cos, sin)
-        v = self.wv(x).view(B, S, cfg.n_kv_heads, d)
+        # Head counts come from the weights (-1), so the same code runs on head-sharded weights.
+        q = apply_rope(self.wq(x).view(B, S, -1, d), cos, sin)
+        k = apply_rope(self.wk(x).view(B, S, -1, d), cos, sin)
+        v = self.wv(x).view(B, S, -1, d)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Expanded K/V (not enable_gqa) keeps CPU SDPA on its flash kernel, which never builds S x S.
         k, v = expand_kv_heads(k, cfg.group_size), expand_kv_heads(v, cfg.group_size)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(B, S, cfg.n_heads * d))
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
