@@ -1,0 +1,99 @@
+"""Communication layer, launcher and mesh: byte accounting, failures that must not hang."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import torchtsp
+from torchtsp.distributed import AxisComm, RankFailedError, WorkerPool
+
+
+def every_op_on_rank(world):
+    mesh = torchtsp.init_mesh(tsp=world)
+    comm = AxisComm.from_mesh(mesh, "tsp")
+    r, n = comm.rank, 6  # 6 float32 elements = 24 bytes per rank
+    x = torch.full((n,), float(r))
+    out = {}
+    with comm.counting() as stats:
+        out["broadcast"] = comm.broadcast(x.clone(), src=world - 1)
+        out["all_gather"] = comm.all_gather(x)
+        out["reduce_scatter"] = comm.reduce_scatter(torch.ones(world, n) * (r + 1))
+        out["reduce"] = comm.reduce(x.clone(), dst=0)
+        out["all_reduce"] = comm.all_reduce(x.clone())
+        out["ring_shift"] = comm.ring_shift(x)
+        pending = comm.all_reduce(torch.ones(n), async_op=True)
+        comm.mark("compute")
+        out["async"] = pending.wait()
+    return out, dict(stats.bytes_recv), dict(stats.bytes_sent), [e[:2] for e in stats.events]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_operation_moves_and_counts_the_right_bytes(pools, world):
+    nbytes = 24
+    total = sum(range(world))
+    for r, (out, recv, sent, events) in enumerate(pools(world).run(every_op_on_rank, world)):
+        assert torch.equal(out["broadcast"], torch.full((6,), float(world - 1)))
+        assert torch.equal(out["all_gather"], torch.arange(world).float()[:, None].expand(world, 6))
+        assert torch.equal(out["reduce_scatter"], torch.full((6,), float(sum(range(1, world + 1)))))
+        if r == 0:
+            assert torch.equal(out["reduce"], torch.full((6,), float(total)))
+        assert torch.equal(out["all_reduce"], torch.full((6,), float(total)))
+        assert torch.equal(out["ring_shift"], torch.full((6,), float((r - 1) % world)))
+        assert torch.equal(out["async"], torch.full((6,), float(world)))
+        D = world
+        assert recv["broadcast"] == (0 if r == D - 1 else nbytes * (D > 1))
+        assert sent["broadcast"] == ((D - 1) * nbytes if r == D - 1 else 0)
+        assert recv["all_gather"] == sent["all_gather"] == (D - 1) * nbytes
+        assert recv["reduce_scatter"] == (D - 1) * nbytes
+        assert recv["reduce"] == ((D - 1) * nbytes if r == 0 else 0)
+        assert sent["reduce"] == (0 if r == 0 else nbytes)
+        assert recv["all_reduce"] == 2 * 2 * (D - 1) * nbytes // D  # two all-reduces (sync + async)
+        assert recv["ring_shift"] == (nbytes if D > 1 else 0)
+        # The async all-reduce was issued, then the compute mark, then the wait.
+        assert events[-3:] == [("issue", "all_reduce"), ("mark", "compute"), ("wait", "all_reduce")]
+
+
+def raise_on_rank_one():
+    if torch.distributed.get_rank() == 1:
+        raise RuntimeError("boom on rank 1")
+    # Rank 0 waits in a collective its peer never joins: the pool must not hang on it.
+    AxisComm(torch.distributed.group.WORLD, "world").all_reduce(torch.ones(1))
+
+
+def test_a_failing_rank_fails_the_job_loudly_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="boom on rank 1"):
+        torchtsp.spawn(raise_on_rank_one, 2, timeout_s=60)
+    assert time.monotonic() - start < 50
+
+
+def wait_for_absent_peer():
+    comm = AxisComm(torch.distributed.group.WORLD, "world", timeout_s=3)
+    if comm.rank == 0:
+        comm.broadcast(torch.ones(1), src=1)  # rank 1 never sends
+    else:
+        time.sleep(20)
+
+
+def test_a_collective_whose_peer_never_comes_times_out():
+    start = time.monotonic()
+    with WorkerPool(2, timeout_s=60) as pool, pytest.raises(RankFailedError, match="rank 0 raised"):
+        pool.run(wait_for_absent_peer)
+    assert time.monotonic() - start < 18  # the 3 s collective timeout fired, not the sleeping peer
+
+
+def test_init_mesh_without_a_launcher_is_a_one_rank_mesh():
+    code = ("import torchtsp; m = torchtsp.init_mesh(); print(m.mesh_dim_names, m.size());"
+            "import sys\ntry:\n torchtsp.init_mesh(tsp=2)\nexcept ValueError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "('dp', 'sp', 'tp', 'tsp') 1" in out.stdout
+    assert "needs 2 ranks but the world has 1" in out.stdout
+
+
+@pytest.mark.parametrize("bad", [dict(tsp=0), dict(dp=-1), dict(tp=1.5)])
+def test_init_mesh_rejects_non_positive_degrees(bad):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        torchtsp.init_mesh(**bad)
