@@ -31,7 +31,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from .hf import convert_checkpoint
     except ImportError as e:
         raise OSError(f"convert is unavailable: {e}") from e
-    convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.force)
+    kind = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.force)
+    print(f"wrote {kind} checkpoint to {args.dst}")
     return 0
 
 
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert checkpoints between torchtsp and Hugging Face formats")
     convert.add_argument("src", help="checkpoint to read")
     convert.add_argument("dst", help="where to write the converted checkpoint")
-    convert.add_argument("--to", choices=["hf", "torchtsp"], default="hf", help="target format (default: hf)")
+    convert.add_argument("--to", choices=["hf", "torchtsp"], help="target format (default: the other one)")
     convert.add_argument("--force", action="store_true", help="overwrite dst if it exists")
     convert.set_defaults(func=cmd_convert)
     return parser

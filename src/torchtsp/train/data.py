@@ -11,7 +11,8 @@ import torch
 
 DEFAULT_MAX_BYTES = 8_000_000
 TEXT_SUFFIXES = frozenset(
-    ".txt .md .rst .py .pyi .c .h .cc .cpp .hpp .rs .go .js .ts .java .sh .toml .yaml .yml .json .csv .html .tex".split()
+    {".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js", ".ts", ".java"}
+    | {".sh", ".toml", ".yaml", ".yml", ".json", ".csv", ".html", ".tex"}
 )
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
@@ -83,7 +84,8 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = DEFAULT_
         docs.append(data)
         budget -= len(data)
     if not docs:
-        raise ValueError(f"no text found in {where}; expected non-empty text files ({', '.join(sorted(TEXT_SUFFIXES))})")
+        suffixes = ", ".join(sorted(TEXT_SUFFIXES))
+        raise ValueError(f"no text found in {where}; expected non-empty text files ({suffixes})")
     eot = torch.tensor([ByteTokenizer.eot_id])
     pieces = []
     for data in docs:
