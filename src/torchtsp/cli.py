@@ -4,21 +4,71 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-import time
 
-from .config import PRESETS, get_preset
+from .config import PRESETS
+from .distributed.launch import RankFailedError
+from .parallel.api import SCHEMES
+
+
+def _launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .train.single import train_single  # imported here so `torchtsp --help` stays fast
+    # Imported here so that `torchtsp --help` stays fast.
+    from .distributed import comm
+    from .distributed.launch import WorkerPool
+    from .train.config import FIELDS, build_config
+    from .train.trainer import format_summary, run_training
 
-    start = time.perf_counter()
-    losses = train_single(
-        get_preset(args.preset), args.steps, args.batch_size, args.seq_len, args.lr, args.seed, data=args.data
-    )
-    print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({len(losses)} steps, {time.perf_counter() - start:.1f}s)")
-    return 0
+    cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
+    if _launched_by_torchrun():
+        summary = run_training(cfg)
+        show = comm.global_rank() == 0
+    else:
+        nproc = cfg.nproc or cfg.dp * (cfg.tsp or 1) * cfg.tp * cfg.sp
+        if nproc == 1:
+            summary = run_training(cfg)
+        else:
+            with WorkerPool(nproc, timeout_s=cfg.timeout_s) as pool:
+                # Ctrl-C reaches every rank; they finish the step and save. The launcher just waits.
+                previous = signal.signal(signal.SIGINT, lambda *_: None)
+                try:
+                    summary = pool.run(run_training, cfg, timeout_s=float("inf"))[0]
+                finally:
+                    signal.signal(signal.SIGINT, previous)
+        show = True
+    if show:
+        print(format_summary(summary))
+    return 130 if summary["status"] == "interrupted" else 0
+
+
+def add_train_arguments(train: argparse.ArgumentParser) -> None:
+    """Every flag defaults to None: unset flags leave the TOML file's value or the built-in default."""
+    add = train.add_argument
+    add("--config", metavar="TOML", help="settings file (flags override it)")
+    add("--preset", choices=list(PRESETS), help="model shape (default: tiny)")
+    add("--init-from-hf", metavar="DIR", help="start from a Hugging Face Llama checkpoint")
+    add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
+    for axis in ("dp", "tsp", "tp", "sp"):
+        add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")
+    add("--nproc", type=int, help="local CPU ranks to spawn when not under torchrun (default: product of degrees)")
+    add("--batch-size", type=int, help="global batch in sequences (default: 8)")
+    add("--seq-len", type=int, help="tokens per sequence (default: 256)")
+    add("--steps", type=int, help="optimizer steps (default: 100)")
+    add("--lr", type=float, help="peak learning rate, warmup then cosine (default: 3e-3)")
+    add("--warmup-steps", type=int, help="linear warmup steps (default: steps/10)")
+    add("--data", metavar="PATH", help="text file or folder (default: the Python standard library)")
+    add("--out", metavar="DIR", help="run folder: metrics.jsonl and checkpoints/ (default: runs/latest)")
+    add("--checkpoint-every", type=int, help="save every N steps (default: only at the end)")
+    add("--resume", metavar="PATH", help="continue from a run folder's latest checkpoint or a checkpoint folder")
+    add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
+    add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
+    add("--seed", type=int, help="seed for init and data order (default: 0)")
+    add("--sample-tokens", type=int, help="greedy tokens generated after training (default: 64; 0: none)")
+    add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")
 
 
 def cmd_not_implemented(args: argparse.Namespace) -> int:
@@ -40,14 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchtsp", description="Folded Tensor and Sequence Parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = sub.add_parser("train", help="train a model on a text corpus (single process for now)")
-    train.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model shape (default: tiny)")
-    train.add_argument("--steps", type=int, default=40, help="optimizer steps (default: 40)")
-    train.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    train.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
-    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
-    train.add_argument("--seed", type=int, default=0, help="seed for init and data order (default: 0)")
-    train.add_argument("--data", metavar="PATH", help="text file or folder (default: the Python standard library)")
+    train = sub.add_parser("train", help="train a model with TSP (or a baseline scheme) on local ranks or torchrun")
+    add_train_arguments(train)
     train.set_defaults(func=cmd_train)
 
     for name, help in [
@@ -73,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("torchtsp: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as e:  # OSError includes FileNotFoundError
+    except (ValueError, OSError, RankFailedError) as e:  # OSError includes FileNotFoundError
         if os.environ.get("TORCHTSP_DEBUG") == "1":
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = e.summary if isinstance(e, RankFailedError) else " ".join(str(e).split()) or type(e).__name__
         print(f"torchtsp: error: {message}", file=sys.stderr)
         return 2
 

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 DEFAULT_TIMEOUT_S = float(300)
 
@@ -76,6 +78,30 @@ def global_rank() -> int:
 
 def make_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def sharded_tensor(local: torch.Tensor, mesh: DeviceMesh, shard_dims: dict[str, int], global_shape) -> DTensor:
+    """A DTensor view of this rank's piece: sharded along ``shard_dims[axis]`` on those mesh axes
+    (torch.chunk split, so the last pieces may be shorter), replicated on the others."""
+    placements = [Shard(shard_dims[name]) if name in shard_dims else Replicate() for name in mesh.mesh_dim_names]
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(global_shape), stride=stride)
+
+
+def save_checkpoint(state: dict, path: str) -> None:
+    """Distributed checkpoint (every rank writes its pieces; replicated entries are written once)."""
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_checkpoint(state: dict, path: str) -> None:
+    """Load into ``state``'s tensors in place, resharding DTensors to this run's layout."""
+    dcp.load(state, checkpoint_id=path)
+
+
+def barrier() -> None:
+    """Wait for every rank (bounded by the process group's timeout)."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 # ---------------------------------------------------------------- accounting
@@ -127,6 +153,11 @@ class AxisComm:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self._active: list[CommStats] = []
+
+    @classmethod
+    def world(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:
+        """Every rank of the job (for decisions all ranks must share, e.g. stopping)."""
+        return cls(dist.group.WORLD if world_size() > 1 else None, "world", timeout_s)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh | None, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:

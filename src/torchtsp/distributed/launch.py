@@ -19,7 +19,13 @@ from . import comm
 
 
 class RankFailedError(RuntimeError):
-    pass
+    """A rank raised (``rank``, its ``traceback``), died, or did not answer in time."""
+
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = ""):
+        super().__init__(message + (f"\n{traceback_text}" if traceback_text else ""))
+        self.rank, self.traceback = rank, traceback_text
+        lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+        self.summary = f"rank {rank}: {lines[-1].strip()}" if lines else message
 
 
 def _free_port() -> int:
@@ -90,7 +96,7 @@ class WorkerPool:
                 continue
             if not ok:
                 self.close(force=True)
-                raise RankFailedError(f"rank {rank} raised:\n{value}")
+                raise RankFailedError(f"rank {rank} raised:", rank, value)
             results[rank] = value
         return [results[r] for r in range(self.nprocs)]
 

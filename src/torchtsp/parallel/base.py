@@ -73,6 +73,15 @@ class ParallelTransformer(nn.Module):
         """Reference-named full tensors assembled from ``pick(param)`` of every rank."""
         raise NotImplementedError
 
+    def reference_parts(self, name: str, local: torch.Tensor) -> list[tuple[str, torch.Tensor, dict[str, int]]]:
+        """Split a tensor shaped like parameter ``name`` (the parameter, its gradient or an optimizer
+        state) into reference-named pieces: (reference name, view of ``local``, {mesh axis: dim it is
+        sharded along}). An empty dict means replicated. Checkpoints and the global gradient norm use this.
+
+        The default suits schemes whose parameters are whole reference parameters.
+        """
+        return [(name, local, {})]
+
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank)."""
         if tokens.dim() != 2 or labels.shape != tokens.shape:

@@ -35,5 +35,8 @@ class DPTransformer(ParallelTransformer):
                                   reduction="sum")
         return global_mean(nll_sum, labels, self.comm)
 
+    def reference_parts(self, name, local):
+        return [(name.removeprefix("module."), local, {})]
+
     def _full(self, pick):
         return {name: pick(p) for name, p in self.module.named_parameters()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
 from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_attention
@@ -321,8 +322,9 @@ class TSPTransformer(ParallelTransformer):
 
     scheme = "tsp"
 
-    def __init__(self, model: Transformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(model.cfg)
+        self.recompute = recompute
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
         cfg, D, p = model.cfg, comm.size, comm.rank
         check_tsp_compatible(cfg, D)
@@ -362,18 +364,36 @@ class TSPTransformer(ParallelTransformer):
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
         eps, blocks = cfg.norm_eps, self.blocks
 
-        x = TSPEmbedding.apply(tokens, self.embedding_shard, blocks)
-        for layer in self.layers:
+        def block(x, layer):
             h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm), eps)
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, blocks)
             h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
-            x = x + TSPFeedForward.apply(h, layer.mlp_shard, blocks)
+            return x + TSPFeedForward.apply(h, layer.mlp_shard, blocks)
+
+        x = TSPEmbedding.apply(tokens, self.embedding_shard, blocks)
+        for layer in self.layers:
+            # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
+            x = checkpoint(block, x, layer, use_reentrant=False) if self.recompute else block(x, layer)
         z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, blocks)
         return global_mean(nll.sum(), labels, comm)
 
     # -- full views (for checks, checkpoints, export) -----------------------
+
+    def reference_parts(self, name, local):
+        blocks, p = self.blocks, self.comm.rank
+        if name in ("embedding_shard", "output_shard"):
+            # Vocabulary rows beyond V are padding; real rows follow torch.chunk's split of V.
+            rows = local.shape[0]
+            ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
+            return [(ref, local[: max(0, min(rows, self.cfg.vocab_size - p * rows))], {"tsp": 0})]
+        layer, _, kind = name.rpartition(".")
+        if kind in ("attention_shard", "mlp_shard"):
+            layout = blocks.attention_layout if kind == "attention_shard" else blocks.mlp_layout
+            return [(f"{layer}.{part.name}", view, {"tsp": part.shard_dim})
+                    for part, view in zip(layout.parts, layout.unpack(local))]
+        return [(f"{name}.weight", local, {})]  # norms: replicated
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""

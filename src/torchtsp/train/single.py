@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -12,14 +11,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..model import Transformer
 from .data import ByteTokenizer, TokenWindows, load_corpus
-
-
-def warmup_cosine(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+from .optim import build_adamw, warmup_cosine
 
 
 @torch.no_grad()
@@ -42,6 +34,8 @@ def train_single(
     seed: int = 0,
     data: str | os.PathLike | torch.Tensor | None = None,
     warmup: int | None = None,
+    weight_decay: float = 0.1,
+    grad_clip: float = 1.0,
     log_every: int = 1,
     prompt: str | None = "def ",
 ) -> list[float]:
@@ -61,7 +55,7 @@ def train_single(
 
     torch.manual_seed(seed)
     model = Transformer(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = build_adamw((([name], p) for name, p in model.named_parameters()), lr, weight_decay)
     warmup = max(1, steps // 10) if warmup is None else warmup
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
 
@@ -73,7 +67,7 @@ def train_single(
         loss = model.loss(tokens, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         sched.step()
         losses.append(loss.item())

@@ -1,0 +1,254 @@
+"""The training loop every rank runs: a ``dp x (scheme)`` mesh, AdamW on local shards, checkpoints.
+
+Data parallelism composes from outside the scheme: each dp replica takes B/dp rows of the global
+batch, its scheme's loss is weighted by the replica's share of the tokens, and gradients are summed
+over the dp axis, so the loss is the global mean over all tokens, exactly as on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import signal
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import get_preset
+from ..distributed import comm
+from ..distributed.comm import AxisComm
+from ..distributed.mesh import init_mesh
+from ..memory import measure_peak
+from ..model import IGNORE_INDEX, Transformer
+from ..parallel import parallelize
+from . import checkpoint
+from .config import TrainConfig
+from .data import ByteTokenizer, TokenWindows, load_corpus
+from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
+from .single import greedy_continue
+
+
+def mesh_degrees(cfg: TrainConfig, world: int) -> dict[str, int]:
+    """Degrees per mesh axis; TSP takes every rank the other axes leave when --tsp is not given."""
+    others = cfg.dp * cfg.tp * cfg.sp
+    tsp = cfg.tsp if cfg.tsp is not None else (max(1, world // others) if cfg.scheme == "tsp" else 1)
+    return {"dp": cfg.dp, "tsp": tsp, "tp": cfg.tp, "sp": cfg.sp}
+
+
+def model_config_and_weights(cfg: TrainConfig):
+    if cfg.init_from_hf:
+        from ..hf import load_hf_checkpoint
+
+        model_cfg, weights = load_hf_checkpoint(cfg.init_from_hf)
+    else:
+        model_cfg, weights = get_preset(cfg.preset), None
+    if cfg.seq_len > model_cfg.max_seq_len:
+        model_cfg = model_cfg.replace(max_seq_len=cfg.seq_len)
+    if model_cfg.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"the model's vocab_size={model_cfg.vocab_size} is smaller than the byte tokenizer's "
+                         f"{ByteTokenizer.vocab_size}")
+    return model_cfg, weights
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank = comm.global_rank()
+        self.degrees = mesh_degrees(cfg, comm.world_size())
+        self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)
+        self.model_cfg, weights = model_config_and_weights(cfg)
+
+        torch.manual_seed(cfg.seed)
+        model = Transformer(self.model_cfg)
+        if weights is not None:
+            model.load_state_dict(weights)
+        options = {"recompute": True} if cfg.recompute else {}
+        self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s, **options)
+        # The dp scheme spans the dp axis itself; every other scheme is replicated over it from here.
+        self.dp = AxisComm(None, "dp") if cfg.scheme == "dp" else AxisComm.from_mesh(self.mesh, "dp", cfg.timeout_s)
+        if cfg.batch_size % self.dp.size:
+            raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --dp {self.dp.size}")
+        self.comms = {**self.model.comms(), "dp": self.dp}
+
+        params = dict(self.model.named_parameters())
+        self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
+        trained = self.master.masters if self.master else list(params.values())
+        self.named_trained = list(zip(params, trained))
+        refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in params.items()}
+        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named_trained), cfg.lr, cfg.weight_decay)
+        self.windows = TokenWindows(load_corpus(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
+        self.out = Path(cfg.out)
+        self.start_step = 0
+        self.stop_requested = False
+
+    # -- one step -----------------------------------------------------------
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        tokens, labels = self.windows.inputs_and_labels(step)
+        counts = [(rows != IGNORE_INDEX).sum().item() for rows in labels.chunk(self.dp.size)]
+        share = counts[self.dp.rank] / max(1, sum(counts))
+        rows = slice(self.dp.rank * len(tokens) // self.dp.size, (self.dp.rank + 1) * len(tokens) // self.dp.size)
+        loss = self.model.loss(tokens[rows], labels[rows])
+        (loss * share).backward()
+        params = [p for _, p in self.model.named_parameters()]
+        if self.dp.size > 1:  # one flat all-reduce of every gradient over the replicas
+            flat = self.dp.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), label="dp.grad")
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.view_as(p))
+        if self.master:
+            self.master.grads_to_masters()
+        norm = self.clip_gradients()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * warmup_cosine(step, self.cfg.steps, self.cfg.warmup, self.cfg.min_lr_ratio)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        if self.master:
+            self.master.masters_to_params()
+        global_loss = self.dp.all_reduce(loss.detach().float() * share, label="loss")
+        return global_loss.item(), norm
+
+    def clip_gradients(self) -> float:
+        pieces = ((piece, dims) for name, p in self.named_trained
+                  for _, piece, dims in self.model.reference_parts(name, p.grad))
+        norm = global_grad_norm(pieces, self.comms)
+        if self.cfg.grad_clip > 0:
+            scale = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+            for _, p in self.named_trained:
+                p.grad.mul_(scale)
+        return norm.item()
+
+    # -- checkpoints --------------------------------------------------------
+
+    def state(self, step: int) -> dict:
+        return checkpoint.training_state(self.model, self.optimizer, self.named_trained, self.mesh, step)
+
+    def save(self, step: int) -> Path:
+        meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
+                "mesh": self.degrees, "train": self.cfg.to_dict()}
+        return checkpoint.save(self.out, self.state(step), meta)
+
+    def resume(self, path: str) -> None:
+        ckpt = checkpoint.resolve(path)
+        checkpoint.check_model_matches(checkpoint.read_meta(ckpt), self.model_cfg, ckpt)
+        state = self.state(0)
+        checkpoint.load(ckpt, state)
+        if self.master:
+            self.master.masters_to_params()
+        self.start_step = state["train/step"]
+
+    # -- the loop -----------------------------------------------------------
+
+    def _request_stop(self, signum, frame):
+        if self.rank == 0 and not self.stop_requested:
+            tqdm.write("torchtsp: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
+        self.stop_requested = True
+
+    def _counting(self):
+        stack = contextlib.ExitStack()
+        stats = [stack.enter_context(c.counting()) for c in self.comms.values()]
+        return stack, stats
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        if cfg.resume:
+            self.resume(cfg.resume)
+        self.out.mkdir(parents=True, exist_ok=True)
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        world = AxisComm.world(cfg.timeout_s)
+        log = (self.out / "metrics.jsonl").open("a") if self.rank == 0 else None
+        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
+                   dynamic_ncols=True, disable=self.rank != 0)
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        losses, times, peak, status = [], [], None, "done"
+        try:
+            step = self.start_step
+            while step < cfg.steps:
+                measure = peak is None and (step > self.start_step or cfg.steps - step == 1)
+                stack, stats = self._counting()
+                start = time.perf_counter()
+                with stack:
+                    if measure:  # live-tensor peak of a whole step once optimizer state exists
+                        (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
+                                                                self.optimizer)
+                        peak = world.all_gather(torch.tensor(float(local_peak))).max().item()
+                    else:
+                        loss, norm = self.train_step(step)
+                elapsed = time.perf_counter() - start
+                step += 1
+                losses.append(loss)
+                times.append(elapsed)
+                record = {"step": step, "loss": loss, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"],
+                          "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                          "bytes_recv_rank0": sum(s.total_recv for s in stats)}
+                if measure:
+                    record["peak_mem_bytes"] = peak
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
+                                mem=f"{peak / 2**20:.1f}MiB" if peak else "-")
+                stop = world.all_reduce(torch.tensor(float(self.stop_requested)), label="stop").item() > 0
+                if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    where = self.save(step)
+                    if stop:
+                        status = "interrupted"
+                        if self.rank == 0:
+                            tqdm.write(f"torchtsp: interrupted at step {step}; checkpoint saved to {where}")
+                        break
+        finally:
+            bar.close()
+            if log:
+                log.close()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        summary = self.summary(losses, times, peak, status)
+        if status == "done" and cfg.sample_tokens:
+            summary["sample"] = self.sample()
+        return summary
+
+    def summary(self, losses, times, peak, status) -> dict:
+        steady = sorted(times[1:] or times)
+        median = steady[len(steady) // 2] if steady else float("nan")
+        return {"status": status, "steps_run": len(losses), "last_step": self.start_step + len(losses),
+                "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+                "losses": losses, "median_step_s": median,
+                "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / median if steady else None,
+                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.degrees, "out": str(self.out)}
+
+    def sample(self) -> str | None:
+        """Greedy continuation of the prompt from the trained weights (gathered; printed by rank 0)."""
+        weights = {k: v.float() for k, v in self.model.full_state_dict().items()}
+        if self.rank != 0:
+            return None
+        model = Transformer(self.model_cfg)
+        model.load_state_dict(weights)
+        return greedy_continue(model.eval(), self.cfg.prompt, self.cfg.sample_tokens)
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    """Entry point on every rank (spawned locally or launched by torchrun)."""
+    return Trainer(cfg).run()
+
+
+def format_summary(summary: dict) -> str:
+    mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items() if v > 1) or "1 rank"
+    peak = summary["peak_mem_bytes"]
+    rows = [
+        ("scheme / mesh", f"{summary['scheme']} / {mesh}"),
+        ("steps", f"{summary['steps_run']} run, at step {summary['last_step']} ({summary['status']})"),
+        ("loss", f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}" if summary["losses"] else "-"),
+        ("median step", f"{summary['median_step_s'] * 1000:.0f} ms"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
+        ("peak live memory / rank", f"{peak / 2**20:.1f} MiB" if peak else "-"),
+        ("output", summary["out"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"  {k:<{width}}  {v}" for k, v in rows]
+    if summary.get("sample") is not None:
+        lines.append(f"  {'sample':<{width}}  {summary['sample']!r}")
+    return "\n".join(["summary", *lines])
