@@ -111,10 +111,13 @@ def load(checkpoint: Path, state: dict) -> None:
     """Fill ``state`` (from ``training_state``) in place; reshards to this run's layout."""
     try:
         comm.load_checkpoint(state, str(checkpoint))
-    except Exception as e:  # DCP raises many kinds; all mean the files do not hold what meta.json promises
-        first = " ".join(str(e).split())[:300]
-        raise ValueError(f"checkpoint {checkpoint} could not be loaded, it looks damaged or incomplete: "
-                         f"{type(e).__name__}: {first}") from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        # DCP's messages embed every rank's traceback; their last line names the cause.
+        cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
+        raise ValueError(f"checkpoint {checkpoint} could not be loaded, it looks damaged or incomplete "
+                         f"({cause[0][:200]})") from None
     torch.set_rng_state(state["train/rng"])
 
 

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -144,7 +145,7 @@ class Trainer:
 
     def _request_stop(self, signum, frame):
         if self.rank == 0 and not self.stop_requested:
-            tqdm.write("torchtsp: stopping after this step and saving a checkpoint (Ctrl-C again to abort)")
+            tqdm.write("torchtsp: stopping after this step and saving a checkpoint", file=sys.stderr)
         self.stop_requested = True
 
     def _counting(self):
@@ -198,7 +199,8 @@ class Trainer:
                     if stop:
                         status = "interrupted"
                         if self.rank == 0:
-                            tqdm.write(f"torchtsp: interrupted at step {step}; checkpoint saved to {where}")
+                            tqdm.write(f"torchtsp: interrupted at step {step}; checkpoint saved to {where}",
+                                       file=sys.stderr)
                         break
         finally:
             bar.close()
