@@ -163,3 +163,34 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(tmp_path):
     saved = (out / "checkpoints" / "latest").read_text()
     last = max(losses(out))
     assert saved == f"step_{last:06d}" and f"interrupted at step {last}" in err
+
+
+def test_hf_in_and_out(pools, tmp_path):
+    """--init-from-hf starts from HF weights; `torchtsp convert` exports the trained run to HF."""
+    import torch
+    import transformers
+
+    from torchtsp import Transformer
+    from torchtsp.hf import config_to_hf, save_hf_checkpoint
+    from torchtsp.train.data import TokenWindows, load_corpus
+
+    cfg = get_preset("tiny")
+    torch.manual_seed(123)
+    start = Transformer(cfg)
+    save_hf_checkpoint(tmp_path / "hf_in", start.state_dict(), cfg)
+    assert config_to_hf(cfg)["vocab_size"] == cfg.vocab_size
+    summary = run(pools, 2, tmp_path, "from_hf", tsp=2, steps=2, init_from_hf=str(tmp_path / "hf_in"))
+    tokens, labels = TokenWindows(load_corpus(None), SMALL["batch_size"], SMALL["seq_len"], 0).inputs_and_labels(0)
+    expected = start.loss(tokens, labels).item()
+    assert abs(summary["losses"][0] - expected) <= 1e-5 * expected  # float32 round-off of TSP vs reference
+
+    code = subprocess.run([sys.executable, "-m", "torchtsp", "convert", str(tmp_path / "from_hf"),
+                           str(tmp_path / "hf_out")], capture_output=True, text=True, timeout=120)
+    assert code.returncode == 0, code.stderr
+    from torchtsp.train.checkpoint import load_full_state_dict
+
+    trained_cfg, weights = load_full_state_dict(tmp_path / "from_hf")
+    trained = Transformer(trained_cfg)
+    trained.load_state_dict(weights)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out")
+    assert torch.equal(hf(tokens).logits, trained(tokens))

@@ -501,10 +501,23 @@ def load_torchtsp_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict
 # --------------------------------------------------------------------------- conversion
 
 
+def _is_training_checkpoint(path: Path) -> bool:
+    return (path / "meta.json").is_file() or (path / "checkpoints" / "latest").is_file()
+
+
+def _load_training_checkpoint(path):
+    from .train.checkpoint import load_full_state_dict  # needs torch.distributed.checkpoint
+
+    return load_full_state_dict(path)
+
+
 def detect_checkpoint_kind(path: str | os.PathLike) -> str:
-    """``"torchtsp"`` if the directory holds torchtsp.json, ``"hf"`` if it holds config.json."""
+    """``"torchtsp"`` if the directory holds torchtsp.json, ``"hf"`` if it holds config.json,
+    ``"train"`` for a training checkpoint (a ``torchtsp train`` run folder or one of its checkpoints)."""
     path = Path(path)
     _require_dir(path)
+    if _is_training_checkpoint(path):
+        return "train"
     if (path / TORCHTSP_CONFIG_NAME).is_file():
         return "torchtsp"
     if (path / HF_CONFIG_NAME).is_file():
@@ -515,7 +528,7 @@ def detect_checkpoint_kind(path: str | os.PathLike) -> str:
     )
 
 
-_LOADERS = {"hf": load_hf_checkpoint, "torchtsp": load_torchtsp_checkpoint}
+_LOADERS = {"hf": load_hf_checkpoint, "torchtsp": load_torchtsp_checkpoint, "train": _load_training_checkpoint}
 
 
 def convert_checkpoint(
@@ -527,14 +540,14 @@ def convert_checkpoint(
 ) -> str:
     """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
 
-    Without ``to`` the output is the other kind from the source. A non-empty ``dst`` is refused unless
+    Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint). A non-empty ``dst`` is refused unless
     ``overwrite`` (CLI ``--force``); then only checkpoint files in it are replaced.
     """
     if to not in (None, "hf", "torchtsp"):
         raise ValueError(f"unknown target format to={to!r}; choose 'hf' or 'torchtsp'")
     src, dst = Path(src), Path(dst)
     kind = detect_checkpoint_kind(src)
-    target = to or ("hf" if kind == "torchtsp" else "torchtsp")
+    target = to or ("torchtsp" if kind == "hf" else "hf")
     if dst.exists():
         if not dst.is_dir():
             raise ValueError(f"destination {dst} exists and is not a directory")

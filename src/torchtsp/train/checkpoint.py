@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,5 +129,7 @@ def load_full_state_dict(checkpoint: str | Path) -> tuple[ModelConfig, dict[str,
     cfg = ModelConfig.from_dict(meta["model"])
     shapes = reference_shapes(cfg)
     state = {f"model/{name}": torch.empty(shape) for name, shape in shapes.items()}
-    load(checkpoint, {**state, "train/rng": torch.get_rng_state()})
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        load(checkpoint, {**state, "train/rng": torch.get_rng_state()})
     return cfg, {name.removeprefix("model/"): t for name, t in state.items()}
