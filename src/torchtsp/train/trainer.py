@@ -160,7 +160,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         world = AxisComm.world(cfg.timeout_s)
-        log = (self.out / "metrics.jsonl").open("a") if self.rank == 0 else None
+        # A resumed run appends to its metrics; a fresh run starts them anew.
+        log = (self.out / "metrics.jsonl").open("a" if cfg.resume else "w") if self.rank == 0 else None
         bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
                    dynamic_ncols=True, disable=self.rank != 0)
         tokens_per_step = cfg.batch_size * cfg.seq_len
