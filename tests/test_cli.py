@@ -18,10 +18,10 @@ def test_help_lists_every_command():
         assert re.search(rf"^\s+{command}\s+\S", result.stdout, re.M), command
 
 
-def test_train_loss_falls():
-    result = torchtsp("train", "--steps", "8", "--seq-len", "32", "--batch-size", "4")
+def test_train_loss_falls(tmp_path):
+    result = torchtsp("train", "--steps", "8", "--seq-len", "32", "--batch-size", "4", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    first, last = map(float, re.search(r"^loss: (\S+) -> (\S+)", result.stdout, re.M).groups())
+    first, last = map(float, re.search(r"^\s+loss\s+(\S+) -> (\S+)", result.stdout, re.M).groups())
     assert first > last
 
 

@@ -540,7 +540,8 @@ def convert_checkpoint(
 ) -> str:
     """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
 
-    Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint). A non-empty ``dst`` is refused unless
+    Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint).
+    A non-empty ``dst`` is refused unless
     ``overwrite`` (CLI ``--force``); then only checkpoint files in it are replaced.
     """
     if to not in (None, "hf", "torchtsp"):

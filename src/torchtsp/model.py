@@ -90,7 +90,8 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return swiglu(x, self.w_gate.weight, self.w_up.weight, self.w_down.weight)
+        # swiglu() spelled with module calls, so that hooks on the linears (e.g. DTensor TP) run.
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
 class Block(nn.Module):

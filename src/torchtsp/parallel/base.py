@@ -102,3 +102,31 @@ class ParallelTransformer(nn.Module):
         """Full gradients by reference parameter name, on every rank (zeros where no gradient yet)."""
         return {k: v.clone() for k, v in self._full(lambda p: p.grad if p.grad is not None
                                                     else torch.zeros_like(p)).items()}
+
+
+class ReplicatedTransformer(ParallelTransformer):
+    """Base of schemes that keep the whole model on every rank of one axis (DP, SP): the reference
+    model is adopted as this rank's replica, and its gradients are summed over the axis."""
+
+    axis = "?"
+
+    def __init__(self, model, mesh, timeout_s: float):
+        super().__init__(model.cfg)
+        self.comm = AxisComm.from_mesh(mesh, self.axis, timeout_s)
+        self.module = model  # the replica
+        for p in model.parameters():
+            # A hook on the gradient flowing into each weight (before accumulation into .grad), so
+            # gradient accumulation over several backward passes stays exact.
+            p.register_hook(self._sum_over_axis)
+
+    def _sum_over_axis(self, grad: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(grad.clone(), label="replicated.grad")
+
+    def comms(self):
+        return {self.axis: self.comm}
+
+    def reference_parts(self, name, local):
+        return [(name.removeprefix("module."), local, {})]
+
+    def _full(self, pick):
+        return {name: pick(p) for name, p in self.module.named_parameters()}

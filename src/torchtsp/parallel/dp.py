@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
-from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import IGNORE_INDEX, Transformer
-from .base import ParallelTransformer, ReplicatedGrad, global_mean
+from .base import ReplicatedTransformer, global_mean
 
 
-class DPTransformer(ParallelTransformer):
+class DPTransformer(ReplicatedTransformer):
     scheme = "dp"
+    axis = "dp"
 
     def __init__(self, model: Transformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model.cfg)
-        self.comm = AxisComm.from_mesh(mesh, "dp", timeout_s)
-        self.module = model  # the replica
-
-    def comms(self):
-        return {"dp": self.comm}
+        super().__init__(model, mesh, timeout_s)
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[0] % self.comm.size:
@@ -28,15 +23,7 @@ class DPTransformer(ParallelTransformer):
         return tokens.chunk(self.comm.size, dim=0)[self.comm.rank]
 
     def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Each weight's gradient is all-reduced as soon as backward has produced it.
-        weights = {name: ReplicatedGrad.apply(p, self.comm) for name, p in self.module.named_parameters()}
-        logits = functional_call(self.module, weights, (tokens,))
+        logits = self.module(tokens)  # each weight's gradient is all-reduced as soon as backward produces it
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
         return global_mean(nll_sum, labels, self.comm)
-
-    def reference_parts(self, name, local):
-        return [(name.removeprefix("module."), local, {})]
-
-    def _full(self, pick):
-        return {name: pick(p) for name, p in self.module.named_parameters()}

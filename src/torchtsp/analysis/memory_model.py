@@ -1,0 +1,374 @@
+"""Analytic per-rank memory of one training step (or one prefill) for DP, TP, SP, TP x SP and TSP.
+
+Symbols (the paper's): B batch, S sequence length, h model width (= n_q·d), L layers, g = n_q/n_kv,
+F ffn width, V vocabulary, D / T / Σ the TSP / TP / SP degrees, e bytes per element of the model
+dtype, n the tokens a rank holds (B·S/D for TSP, B·S/Σ for SP, B·S for TP, B/dp·S for DP).
+
+Every term describes what OUR code keeps alive (docs/analysis.md derives each one and records the
+calibration against ``torchtsp.memory.measure_peak``):
+
+* parameters and gradients in the model dtype, AdamW state (two fp32 moments, plus an fp32 master
+  copy when the model dtype is narrower than fp32), sharded as each scheme shards its weights;
+* activations autograd saves for backward, per layer, exactly as our modules save them;
+* transient buffers: the loss's logits, weight-shard double buffers, one head group's gathered
+  K/V, the temporaries of one block's backward;
+* the KV cache of a prefill (``mode="infer"``).
+
+The peak is found by walking the backward pass block by block (saved activations are freed and
+gradients appear as it goes) and taking the largest live total, so ``total`` is not the sum of the
+components. TSP is calibrated against measurements; TP, SP and TP x SP follow the standard
+(Megatron / context-parallel) accounting and are not calibrated yet.
+
+This module imports no torch: ``torchtsp plan`` must start instantly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import ModelConfig
+
+SCHEMES = ("dp", "tp", "sp", "tp_sp", "tsp")
+FP32 = 4
+INDEX = 8  # int64 token ids and labels
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank for one step.
+
+    params, grads, optimizer: the full per-rank sizes (grads in the model dtype; optimizer = AdamW
+    moments and master weights). activations: everything saved for backward when the forward ends.
+    transient: the short-lived buffers alive at the peak. kv_cache: inference only. total: the
+    predicted peak of live tensor bytes, reached during ``phase``; it counts the gradients that exist
+    at that moment, so it is usually less than the sum of the components.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    kv_cache: int
+    total: int
+    phase: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_layout(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
+                 tp: int = 1, sp: int = 1) -> None:
+    """Raise ValueError if ``scheme`` cannot split this model and batch over the given degrees."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
+    used = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
+    for name, value in used.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"degree {name}={value!r} must be a positive integer")
+    allowed = {"dp": {"dp"}, "tsp": {"dp", "tsp"}, "tp": {"dp", "tp"}, "sp": {"dp", "sp"},
+               "tp_sp": {"dp", "tp", "sp"}}[scheme]
+    extra = [f"{name}={value}" for name, value in used.items() if value > 1 and name not in allowed]
+    if extra:
+        raise ValueError(f"scheme {scheme!r} does not use {', '.join(extra)}")
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be positive, got {batch} and {seq_len}")
+    if batch % dp:
+        raise ValueError(f"batch size {batch} must be divisible by the DP degree {dp}")
+    heads = tsp * tp
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % heads:
+            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the weight-sharding degree {heads}")
+    tokens = tsp * sp
+    if tokens > 1 and seq_len % (2 * tokens):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2x{tokens} for zigzag sharding")
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> dict[str, int]:
+    """Parameter elements one rank holds, by part: layers (matrices), norms, embedding, head.
+
+    TSP (D) and TP (T) split every layer matrix and the vocabulary rows (padded up to a multiple of
+    the degree); norms are replicated. DP and SP replicate everything.
+    """
+    h, d = cfg.dim, cfg.head_dim
+    w = tsp * tp if scheme in ("tsp", "tp", "tp_sp") else 1
+    matrices = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
+    rows = _ceil_div(cfg.vocab_size, w)
+    return {
+        "layers": cfg.n_layers * matrices // w,
+        "norms": (2 * cfg.n_layers + 1) * h,
+        "embedding": rows * h,
+        "head": 0 if cfg.tie_embeddings else rows * h,
+    }
+
+
+# ---------------------------------------------------------------- per-rank shapes
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Per-rank sizes the activation formulas use (one replica, one rank)."""
+
+    e: int  # bytes per element of the model dtype
+    h: int
+    hq: int  # query width this rank computes at once: n_q·d / (weight-sharding degree)
+    hkv: int  # K/V width of the same heads, before expansion to the query heads
+    ff: int  # ffn width this rank computes at once
+    nq: int  # query heads of this rank
+    d: int
+    n: int  # tokens this rank holds in its residual stream
+    s_loc: int  # sequence positions this rank holds (RoPE tables are [s_loc, d])
+    v: int  # vocabulary rows whose logits this rank computes
+    kv_len: int  # tokens (B·S_kv) whose K/V one attention call sees
+
+    @property
+    def norm(self) -> int:
+        """RMSNorm saves x in fp32 (x itself when e = 4, else a new fp32 copy), 1/rms, and normalised x."""
+        return (FP32 + self.e) * self.h + FP32
+
+    @property
+    def norm_backward(self) -> int:
+        """Peak extra bytes per token of one RMSNorm backward: four fp32 [n, h] temporaries, less what it frees
+        (measured: 8·h bytes in fp32, 16·h in bf16)."""
+        return (8 if self.e == FP32 else 16) * self.h
+
+    @property
+    def rope_per_layer(self) -> int:
+        """A narrow dtype saves per-layer casts of cos and sin for q and k (fp32 keeps the shared tables)."""
+        return 0 if self.e == FP32 else 4 * self.d * self.e * self.s_loc
+
+    @property
+    def rope_tables(self) -> int:
+        return 2 * FP32 * self.d * self.s_loc
+
+
+def _shape(scheme: str, cfg: ModelConfig, batch_local: int, seq_len: int, *, tsp: int, tp: int, sp: int,
+           e: int) -> _Shape:
+    w, tok = tsp * tp, tsp * sp
+    sharded_vocab = scheme in ("tsp", "tp", "tp_sp")
+    return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=cfg.n_kv_heads * cfg.head_dim // w,
+                  ff=cfg.ffn_dim // w, nq=cfg.n_heads // w, d=cfg.head_dim, n=batch_local * seq_len // tok,
+                  s_loc=seq_len // tok, v=_ceil_div(cfg.vocab_size, w) if sharded_vocab else cfg.vocab_size,
+                  kv_len=batch_local * seq_len if scheme in ("tsp", "sp", "tp_sp") else batch_local * seq_len // tok)
+
+
+# ---------------------------------------------------------------- the backward walk
+
+
+@dataclass(frozen=True)
+class _Event:
+    """One block of the backward pass: ``extra`` bytes peak on top of what is live before it, then
+    ``freed`` saved bytes are released and ``added`` gradient bytes remain."""
+
+    name: str
+    extra: int
+    freed: int = 0
+    added: int = 0
+
+
+def _walk(start: int, events: list[_Event]) -> tuple[int, str, int]:
+    """(peak bytes, event name, transient at the peak) of live bytes ``start`` followed by ``events``."""
+    best, cur = (start, "end of forward", 0), start
+    for ev in events:
+        if cur + ev.extra > best[0]:
+            best = (cur + ev.extra, ev.name, ev.extra)
+        cur += ev.added - ev.freed
+    if cur > best[0]:
+        best = (cur, "end of backward", 0)
+    return best
+
+
+def _reference_saved(s: _Shape, n_rep: int) -> tuple[int, int]:
+    """Bytes one reference block (model.py) saves when run on shards: (attention half, MLP half).
+
+    n_rep: tokens of the replicated part (norms and block inputs; n/T under Megatron-SP, else n).
+    Attention: its norm, its input (e·h), q, K and V expanded to the query heads (over the kv_len
+    tokens it attends to), the output (shared with wo's input) and its fp32 log-sum-exp.
+    MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product).
+    """
+    e = s.e
+    attention = (n_rep * (s.norm + e * s.h) + s.n * (2 * e * s.hq + FP32 * s.nq) + 2 * e * s.hq * s.kv_len
+                 + s.rope_per_layer)
+    mlp = n_rep * (s.norm + e * s.h) + 4 * e * s.ff * s.n
+    return attention, mlp
+
+
+def _reference_walk(scheme, cfg, s: _Shape, *, tp, sequence_parallel, recompute, base, parts):
+    """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards)."""
+    e, h, n, L = s.e, s.h, s.n, cfg.n_layers
+    n_rep = n // tp if sequence_parallel and tp > 1 else n
+    gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
+    att, mlp = _reference_saved(s, n_rep)
+    logits = FP32 * n * s.v  # [n, V/T] float32
+    final = n_rep * s.norm + e * h * n  # final norm and the head's input
+    layer_in = e * h * n_rep
+    saved_layers = L * (layer_in if recompute else att + mlp)
+    acts = saved_layers + final + logits + s.rope_tables  # the fp32 log-softmax output is saved for backward
+
+    head_w = (parts["head"] or parts["embedding"]) * e
+    attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
+    mlp_w = 3 * h * s.ff * e
+    kv_grad = 2 * e * s.hkv * s.kv_len if s.kv_len > n else 0  # reduce-scatter input of dK/dV (SP)
+    events = [
+        # NLL backward and log-softmax backward: two more fp32 [n, V] tensors beside the saved one.
+        _Event("loss backward", 2 * logits, freed=logits),
+        _Event("head backward", e * n * s.v + e * h * n + head_w, freed=e * h * n, added=head_w + e * h * n),
+        _Event("final norm backward", s.norm_backward * n_rep, freed=final - e * h * n),
+    ]
+    for _ in range(L):
+        if recompute:  # the checkpointed layer runs its forward again, saving everything
+            events.append(_Event("layer recompute", att + mlp, added=att + mlp))
+        events += [
+            # w_down backward then the gate x up product backward: dW_down and two [n, F] gradients.
+            _Event("mlp backward", mlp_w // 3 + 2 * e * s.ff * n + gathered, freed=mlp - n_rep * s.norm,
+                   added=mlp_w),
+            _Event("mlp norm backward", s.norm_backward * n_rep, freed=n_rep * s.norm),
+            # wo backward, then attention backward: dq and the gradient of the output (n x hq) and
+            # dK, dV over the kv_len tokens attended to (expanded heads).
+            _Event("attention backward", h * s.hq * e + 2 * e * s.hq * n + 2 * e * s.hq * s.kv_len + kv_grad
+                   + gathered, freed=att - n_rep * s.norm, added=attn_w),
+            _Event("attention norm backward", s.norm_backward * n_rep,
+                   freed=n_rep * s.norm + (layer_in if recompute else 0)),
+        ]
+    events.append(_Event("embedding backward", parts["embedding"] * e,
+                         added=0 if cfg.tie_embeddings else parts["embedding"] * e))
+    return acts, _walk(base + acts, events)
+
+
+def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
+    """Saved activations and the backward walk of TSP (parallel/tsp.py), calibrated on measurements."""
+    e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
+    many = D > 1
+    bufs = min(D - 1, 2)  # weight-shard double buffers (none at D = 1)
+    # Travelling gradients alive in a ring: the accumulator being sent, its receive buffer and, from
+    # D = 3 on, the previous accumulator whose send has not been reaped yet.
+    flight = min(D, 3) if many else 0
+    A = e * h * n  # one [n, h] tensor of local tokens
+    Q = e * s.hq * n  # one head group's [n, h/D] tensor
+    K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
+    X = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0  # the same expanded to the query heads (GQA)
+    attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
+    mlp_w = 3 * h * s.ff * e
+    vocab_w = s.v * h * e
+    # Each TSP block saves only its input; each norm saves as in the reference.
+    att = n * s.norm + A
+    mlp = n * s.norm + A
+    final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
+    layer_in = A
+    saved_layers = L * (layer_in if recompute else att + mlp)
+    acts = saved_layers + final + s.rope_tables
+
+    events = [
+        # Head: the residual gradient dz, shard buffers, and per vocabulary shard two fp32 logit
+        # slices (logits, then exp) next to the previous shard's gradient; the travelling gradient
+        # and its receive buffer are in flight.
+        _Event("head backward", A + (bufs + flight) * vocab_w + n * s.v * (2 * FP32 + (e if e < FP32 else 0) + (e if many else 0)),
+               freed=final - n * s.norm, added=vocab_w + A),
+        _Event("final norm backward", s.norm_backward * n, freed=n * s.norm),
+    ]
+    for _ in range(L):
+        if recompute:
+            events.append(_Event("layer recompute", att + mlp, added=att + mlp))
+        events += [
+            # One ring step: dx, this shard's dx (and the previous one's), shard buffers, travelling
+            # gradients in flight, then either six [n, F/D] tensors (recomputed gate, silu, up, product;
+            # two gradients) beside the w_down part of the shard's gradient, or the three parts of the
+            # shard's gradient beside their packed copy.
+            _Event("mlp backward", (2 + many) * A + (bufs + flight) * mlp_w
+                   + max(mlp_w // 3 + 6 * e * s.ff * n, 2 * mlp_w), freed=A, added=mlp_w),
+            _Event("mlp norm backward", s.norm_backward * n, freed=n * s.norm),
+            # One head group (coefficients fitted on measured traces at D = 1, 2, 4, g = 1, 2, 4, fp32 and
+            # bf16): local-token tensors (dx, output, their gradients, fp32 merges under bf16), the
+            # group's q/out/dq, gathered K/V and dK/dV, the previous group's gradients still referenced,
+            # partial weight gradients being reduced (one more in flight from D = 3), shard buffers.
+            _Event("attention backward", (6 + 2 * many) * A + (FP32 - e) * h * n + 6 * Q + (2 + many) * K + X
+                   + (2 + 3 * many + bufs + (D > 2)) * attn_w, freed=A, added=attn_w),
+            _Event("attention norm backward", s.norm_backward * n,
+                   freed=n * s.norm + (layer_in if recompute else 0)),
+        ]
+    # The embedding's gradient travels the ring: a fresh contribution, the accumulator and its receive buffer.
+    events.append(_Event("embedding backward", (1 + flight) * vocab_w, added=0 if cfg.tie_embeddings else vocab_w))
+    return acts, _walk(base + acts, events)
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
+                   tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
+                   optimizer: str | None = "adamw", master_weights: bool | None = None, recompute: bool = False,
+                   mode: str = "train") -> MemoryBreakdown:
+    """Predicted per-rank memory of one step of ``scheme`` (bytes).
+
+    ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
+    is Megatron's SP inside TP (norm and residual activations split over T). ``recompute=True`` is
+    full activation checkpointing of every layer: only each layer's input is saved and backward runs
+    one layer's forward again. ``optimizer``: "adamw" or None (a bare forward + backward, as
+    ``measure_peak`` of ``loss.backward()`` sees it). ``master_weights`` defaults to dtype_bytes < 4.
+    ``mode="infer"``: a prefill forward, no gradients or optimizer, plus its KV cache.
+    """
+    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp)
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+    if optimizer not in ("adamw", None):
+        raise ValueError(f"optimizer must be 'adamw' or None, got {optimizer!r}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+    if sequence_parallel and scheme not in ("tp", "tp_sp"):
+        raise ValueError("sequence_parallel (Megatron-SP) applies to TP only")
+    e = dtype_bytes
+    parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
+    n_params = sum(parts.values())
+    s = _shape(scheme, cfg, batch // dp, seq_len, tsp=tsp, tp=tp, sp=sp, e=e)
+    if mode == "infer":
+        return _predict_infer(scheme, cfg, s, tsp=tsp, tp=tp, sequence_parallel=sequence_parallel,
+                              params=n_params * e)
+
+    master = (e < FP32) if master_weights is None else master_weights
+    params = grads = n_params * e
+    opt = step_extra = 0
+    if optimizer == "adamw":
+        opt = n_params * (2 * FP32 + (FP32 if master else 0))
+        # foreach AdamW allocates sqrt(v) for every parameter at once; mixed precision adds fp32 gradients.
+        step_extra = n_params * (FP32 + (FP32 if master else 0))
+    base = params + opt
+    if scheme == "tsp":
+        acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts)
+    else:
+        acts, (peak, phase, transient) = _reference_walk(scheme, cfg, s, tp=tp, sequence_parallel=sequence_parallel,
+                                                         recompute=recompute, base=base, parts=parts)
+    if optimizer == "adamw" and base + grads + step_extra > peak:
+        peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra
+    return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,
+                           kv_cache=0, total=peak, phase=phase)
+
+
+def _predict_infer(scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params) -> MemoryBreakdown:
+    """Prefill: weights, the KV cache of every layer, and the largest working set of one layer.
+
+    The cache holds K and V (n_kv heads, not expanded) of the tokens a rank owns: TSP and SP shard it
+    by tokens, TP by heads. Logits are computed for each sequence's last position only.
+    """
+    e, h, n = s.e, s.h, s.n
+    kv_cache = cfg.n_layers * 2 * e * s.hkv * n
+    expand = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0
+    if scheme == "tsp":
+        bufs = min(tsp - 1, 2)
+        attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
+        working = max(bufs * attn_w + 3 * (2 * e * s.hkv * s.kv_len) + expand + e * n * (4 * s.hq + 3 * h),
+                      bufs * 3 * h * s.ff * e + e * n * (4 * s.ff + 3 * h))
+    else:
+        n_rep = n // tp if sequence_parallel and tp > 1 else n
+        kv_full = 2 * e * s.hkv * s.kv_len if s.kv_len > n else 0
+        working = 2 * e * h * n_rep + e * h * n + max(4 * e * s.hq * n + kv_full + expand, 4 * e * s.ff * n)
+    batch_rows = max(1, n // s.s_loc) if s.s_loc else 1
+    transient = working + batch_rows * s.v * FP32
+    return MemoryBreakdown(params=params, grads=0, optimizer=0, activations=0, transient=transient,
+                           kv_cache=kv_cache, total=params + kv_cache + transient, phase="prefill")

@@ -1,0 +1,84 @@
+"""SP: sequence (context) parallelism over the ``sp`` mesh axis (size Σ).
+
+Every rank holds the whole model (the replica) and 1/Σ of every sequence in the zigzag layout of
+DESIGN.md section 1 (chunks p and 2Σ-1-p), so causal attention work is balanced. Per layer:
+
+* RMSNorm, the Q/K/V projections (with RoPE at each local token's *global* position), the output
+  projection and the gated MLP run on local tokens with the full, replicated weights;
+* the local K/V are all-gathered over the axis (``GatherKV``: 2·B·S·h/g·(Σ-1)/Σ elements received per
+  layer, the only forward traffic of a layer; its backward reduce-scatters dK/dV to the tokens' owners);
+* attention of the local zigzag queries against the full K/V uses ``zigzag_causal_attention``.
+
+The LM head and cross-entropy run on local tokens; the loss is the global mean over every token.
+Replicated weights see only local tokens, so their gradients are summed over the axis (a gradient hook).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..distributed import zigzag
+from ..distributed.attention import GatherKV, zigzag_causal_attention
+from ..distributed.comm import DEFAULT_TIMEOUT_S
+from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
+from .base import ReplicatedTransformer, global_mean
+
+
+class SPTransformer(ReplicatedTransformer):
+    """A reference ``Transformer`` replicated over the ``sp`` mesh axis, its tokens zigzag-sharded."""
+
+    scheme = "sp"
+    axis = "sp"
+
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(model, mesh, timeout_s)
+        self.recompute = recompute
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's zigzag shard [B, S/Σ] of a global [B, S] batch (ValueError unless 2Σ divides S)."""
+        return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
+
+    def rope(self, local_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this rank's local tokens at their global zigzag positions."""
+        comm = self.comm
+        positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
+        """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
+        (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
+        cfg, comm = self.cfg, self.comm
+        B, L, _ = x.shape
+        d = cfg.head_dim
+        h = rms_norm(x, w["attention_norm.weight"], cfg.norm_eps)
+        q = apply_rope(F.linear(h, w["attention.wq.weight"]).view(B, L, -1, d), cos, sin).transpose(1, 2)
+        k = apply_rope(F.linear(h, w["attention.wk.weight"]).view(B, L, -1, d), cos, sin).transpose(1, 2)
+        v = F.linear(h, w["attention.wv.weight"]).view(B, L, -1, d).transpose(1, 2)
+        kv = GatherKV.apply(torch.stack([k, v]), comm)  # [2, B, H_kv, S, d], global token order
+        k_all, v_all = expand_kv_heads(kv[0], cfg.group_size), expand_kv_heads(kv[1], cfg.group_size)
+        out = zigzag_causal_attention(q, k_all, v_all, comm.rank, comm.size)
+        x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
+        h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
+        return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
+                          w["feed_forward.w_down.weight"])
+
+    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Global mean cross-entropy from this rank's zigzag shard [B, S/Σ] of tokens and labels."""
+        cfg = self.cfg
+        w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
+        cos, sin = self.rope(tokens.shape[1], device=tokens.device)
+        x = F.embedding(tokens, w["tok_embeddings.weight"])
+        for i in range(cfg.n_layers):
+            prefix = f"layers.{i}."
+            layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
+            # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
+            x = (checkpoint(self.layer_forward, x, layer, cos, sin, use_reentrant=False) if self.recompute
+                 else self.layer_forward(x, layer, cos, sin))
+        z = rms_norm(x, w["norm.weight"], cfg.norm_eps)
+        head = w["tok_embeddings.weight"] if cfg.tie_embeddings else w["output.weight"]
+        logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
+        nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="sum")
+        return global_mean(nll_sum, labels, self.comm)

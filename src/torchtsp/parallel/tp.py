@@ -1,0 +1,383 @@
+"""TP: Megatron-style tensor parallelism over the ``tp`` mesh axis (T ranks), optionally with Megatron-SP.
+
+Every rank holds 1/T of every weight matrix and computes on every token:
+
+* column-parallel ``wq, wk, wv`` (a contiguous group of n_heads/T query and n_kv_heads/T KV heads, the
+  same slicing as TSP) and ``w_gate, w_up`` (ffn/T rows): the local heads / FFN slice need no
+  communication until the row-parallel ``wo`` and ``w_down`` (the matching columns), whose partial
+  outputs are summed over the axis;
+* vocabulary-parallel embedding and LM head (V padded with zero rows to a multiple of T): the embedding
+  looks up only in-range ids and sums over the axis; the LM head produces logits of the local vocabulary
+  slice only, and the cross-entropy combines per-rank log-sum-exps and target logits (never [N, V]);
+* RMSNorm weights replicated and identical.
+
+Communication sits in the autograd Functions below, each a conjugate pair (forward op / backward op):
+
+=========================  ================================  =================================
+                           forward                           backward
+=========================  ================================  =================================
+ColumnParallelLinear       identity (TP) / all-gather (SP)   all-reduce (TP) / reduce-scatter (SP)
+RowParallelLinear          all-reduce (TP) / reduce-scatter  identity (TP) / all-gather (SP)
+VocabParallelEmbedding     all-reduce / reduce-scatter       identity / all-gather
+VocabParallelCrossEntropy  all-gather of [3, N] statistics   none
+=========================  ================================  =================================
+
+The "copy to TP region" operator is fused into ``ColumnParallelLinear`` (and the "reduce from TP region"
+one into ``RowParallelLinear``) rather than standing alone, for three reasons: with sequence parallelism
+the linear saves only the LOCAL input and re-gathers it in backward (Megatron's re-gather, so autograd
+never holds a [B, S, h] gathered activation); the backward all-reduce / reduce-scatter of dX is issued
+asynchronously and overlaps the weight-gradient GEMMs; and the forward all-reduce can run in place on the
+GEMM's fresh output without an autograd-visible in-place op on somebody else's tensor.
+
+With ``sequence_parallel=True`` (Megatron-SP) the residual stream between the linears is sharded along the
+sequence in contiguous chunks: rank r holds tokens [r·S/T, (r+1)·S/T) of every sequence ([B, S/T, h]).
+Norms run on local tokens; their weights' gradients are summed over the axis (``ReplicatedGrad``). The
+gathered sequence is assembled with one copy when B > 1 (chunks of every sequence interleave); B = 1, the
+usual long-sequence case, is copy-free.
+
+Per-layer forward traffic: two all-reduces of [B, S, h] (TP) or two all-gathers plus two reduce-scatters of
+[B, S/T, h] (SP): 4·B·S·h·(T-1)/T elements received either way (``torchtsp.analysis``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin
+from .base import ParallelTransformer, ReplicatedGrad
+
+# ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
+
+
+def gather_seq(comm: AxisComm, x: torch.Tensor, async_op: bool = False, label: str = "tp.gather"):
+    """All-gather the contiguous sequence shards [B, S/T, ...] into [B, S, ...] (async: a finisher)."""
+    pending = comm.all_gather(x, async_op=True, label=label)
+    finish = lambda: pending.wait().movedim(0, 1).flatten(1, 2)  # a view when B == 1
+    return finish if async_op else finish()
+
+
+def scatter_seq(comm: AxisComm, y: torch.Tensor, async_op: bool = False, label: str = "tp.reduce_scatter"):
+    """Sum [B, S, ...] over the axis and keep this rank's sequence chunk [B, S/T, ...]."""
+    per_rank = y.unflatten(1, (comm.size, -1)).movedim(1, 0)  # [T, B, S/T, ...]; contiguous when B == 1
+    return comm.reduce_scatter(per_rank.contiguous(), async_op=async_op, label=label)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [tokens, n] (a view for contiguous tensors)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+# ---------------------------------------------------------------- conjugate autograd Functions
+
+
+class ColumnParallelLinear(torch.autograd.Function):
+    """``(x_full @ w.T for w in weights)`` with x_full = x (TP) or x all-gathered along the sequence (SP).
+
+    Backward: dX = sum_i dY_i @ W_i, all-reduced (TP) or reduce-scattered (SP) while the weight-gradient
+    GEMMs run. Saves only the local x; with SP the full input is re-gathered in backward, overlapped with
+    the dX GEMMs.
+    """
+
+    @staticmethod
+    def forward(ctx, x, comm: AxisComm, sequence_parallel: bool, *weights):
+        x_full = gather_seq(comm, x, label="tp.column.gather") if sequence_parallel else x
+        ctx.save_for_backward(x, *weights)
+        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
+        return tuple(F.linear(x_full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *weights = ctx.saved_tensors
+        comm, sp = ctx.comm, ctx.sequence_parallel
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3:]
+        # Re-gather the input first, so the transfer runs behind the dX GEMMs.
+        regather = gather_seq(comm, x, async_op=True, label="tp.column.regather") if sp and any(need_dw) else None
+        full_shape = dys[0].shape[:-1]  # [B, S] (the whole sequence, also with SP)
+        dys = [_rows(dy) for dy in dys]
+        reducing = None
+        if need_dx:
+            dx = dys[0] @ weights[0]
+            for dy, w in zip(dys[1:], weights[1:]):
+                dx.addmm_(dy, w)
+            dx = dx.view(*full_shape, -1)
+            # In flight while the weight gradients are computed.
+            reducing = (scatter_seq(comm, dx, async_op=True, label="tp.column.grad") if sp
+                        else comm.all_reduce(dx, async_op=True, label="tp.column.grad"))
+        dws = [None] * len(weights)
+        if any(need_dw):
+            x_rows = _rows(regather() if sp else x)
+            dws = [dy.t() @ x_rows if need else None for dy, need in zip(dys, need_dw)]
+        return (reducing.wait() if reducing is not None else None), None, None, *dws
+
+
+class RowParallelLinear(torch.autograd.Function):
+    """``x @ w.T`` on the local input slice, summed over the axis: all-reduce (TP) or reduce-scatter to
+    sequence chunks (SP). Backward: dY is the same on every rank (TP) or all-gathered (SP)."""
+
+    @staticmethod
+    def forward(ctx, x, w, comm: AxisComm, sequence_parallel: bool):
+        ctx.save_for_backward(x, w)
+        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
+        y = F.linear(x, w)  # a fresh tensor: reduced in place
+        if sequence_parallel:
+            return scatter_seq(comm, y, label="tp.row.reduce_scatter")
+        return comm.all_reduce(y, label="tp.row.all_reduce")
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            dy = gather_seq(ctx.comm, dy.contiguous(), label="tp.row.grad_gather")
+        dy_rows = _rows(dy)
+        dx = (dy_rows @ w).view(*x.shape) if ctx.needs_input_grad[0] else None
+        dw = dy_rows.t() @ _rows(x) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+class VocabParallelEmbedding(torch.autograd.Function):
+    """Rows of the ids in this rank's vocabulary slice (zeros elsewhere), summed over the axis: all-reduce
+    (TP) or reduce-scatter to sequence chunks (SP). Saves only the (local) ids."""
+
+    @staticmethod
+    def forward(ctx, ids, w, comm: AxisComm, sequence_parallel: bool):
+        rows = w.shape[0]
+        local = ids - comm.rank * rows
+        outside = (local < 0) | (local >= rows)
+        local = local.masked_fill(outside, 0)
+        x = F.embedding(local, w).masked_fill_(outside.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(local, outside)
+        ctx.comm, ctx.sequence_parallel, ctx.rows = comm, sequence_parallel, rows
+        if sequence_parallel:
+            return scatter_seq(comm, x, label="tp.embedding.reduce_scatter")
+        return comm.all_reduce(x, label="tp.embedding.all_reduce")
+
+    @staticmethod
+    def backward(ctx, dx):
+        local, outside = ctx.saved_tensors
+        if ctx.sequence_parallel:
+            dx = gather_seq(ctx.comm, dx.contiguous(), label="tp.embedding.grad_gather")
+        dx = dx.masked_fill(outside.unsqueeze(-1), 0.0)
+        # The kernel the reference embedding's backward runs (out-of-slice ids add zeros to row 0).
+        dw = torch.ops.aten.embedding_dense_backward(dx, local, ctx.rows, -1, False)
+        return None, dw, None, None
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token NLL [N] from vocabulary-sharded logits [N, V_pad/T] (this rank's slice only).
+
+    Each rank reduces its slice to (max m_r, sum of exp(logit - m_r), target logit or 0); one all-gather
+    of these [3, N] statistics gives the global log-sum-exp and target logit on every rank. Saves the
+    local softmax slice (float32, computed in place) for backward: dlogits = (softmax - onehot)·dnll.
+    Padding columns (ids >= V) are -inf; a slice of padding only contributes nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, comm: AxisComm, vocab_size: int):
+        N, cols = logits.shape
+        start = comm.rank * cols
+        real = min(cols, vocab_size - start)  # may be <= 0 for a tiny vocabulary
+        probs = logits.to(torch.float32, copy=True)
+        if real < cols:
+            probs[:, max(real, 0):] = float("-inf")
+        local = labels - start
+        hit = (local >= 0) & (local < real)
+        local = local.masked_fill(~hit, 0)
+        target = torch.where(hit, probs.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
+        m = probs.amax(dim=1).clamp_(min=torch.finfo(torch.float32).min)  # finite even for padding-only slices
+        sum_exp = probs.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
+        stats = comm.all_gather(torch.stack([m, sum_exp, target]), label="tp.loss")  # [T, 3, N]
+        m_all, s_all, t_all = stats.unbind(1)
+        m_max = m_all.amax(dim=0)
+        lse = m_max + (s_all * (m_all - m_max).exp()).sum(dim=0).log()
+        probs.mul_((m - lse).exp().unsqueeze(1))  # exp(logit - m_r) -> exp(logit - lse): the softmax slice
+        valid = labels != IGNORE_INDEX
+        ctx.save_for_backward(probs, local, hit, valid)
+        ctx.dtype = logits.dtype
+        return torch.where(valid, lse - t_all.sum(dim=0), 0.0)
+
+    @staticmethod
+    def backward(ctx, dnll):
+        probs, local, hit, valid = ctx.saved_tensors
+        scale = torch.where(valid, dnll, 0.0)
+        dlogits = probs * scale.unsqueeze(1)
+        dlogits.scatter_add_(1, local.unsqueeze(1), torch.where(hit, -scale, 0.0).unsqueeze(1))
+        return dlogits.to(ctx.dtype), None, None, None
+
+
+# ---------------------------------------------------------------- the model
+
+# Per-layer parameters: attribute -> (reference name under ``layers.i.``, dimension sharded over tp or None).
+LAYER_PARAMS = {
+    "attention_norm": ("attention_norm.weight", None),
+    "wq": ("attention.wq.weight", 0),
+    "wk": ("attention.wk.weight", 0),
+    "wv": ("attention.wv.weight", 0),
+    "wo": ("attention.wo.weight", 1),
+    "ffn_norm": ("ffn_norm.weight", None),
+    "w_gate": ("feed_forward.w_gate.weight", 0),
+    "w_up": ("feed_forward.w_up.weight", 0),
+    "w_down": ("feed_forward.w_down.weight", 1),
+}
+
+
+def check_tp_compatible(cfg, tp: int) -> None:
+    """Raise ValueError (before any communication) if cfg cannot be split over ``tp`` ranks."""
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"TP over T={tp} ranks needs {name}={getattr(cfg, name)} divisible by {tp}; "
+                             f"choose a TP degree that divides it")
+
+
+def check_mesh_axes(mesh, scheme: str, axes: tuple[str, ...]) -> None:
+    """Raise ValueError if ``mesh`` has an axis of size > 1 that ``scheme`` does not use (dp is the trainer's)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    unused = {n: mesh.size(i) for i, n in enumerate(names) if n not in (*axes, "dp") and mesh.size(i) > 1}
+    if unused:
+        raise ValueError(f"{scheme} parallelises over the mesh axes {', '.join(axes)} (and dp); other axes "
+                         f"must have size 1, got {unused}; choose the scheme that uses them")
+
+
+def _slice(t: torch.Tensor, dim: int | None, world: int, rank: int) -> torch.Tensor:
+    if dim is None:
+        return t.clone()
+    return t.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
+
+
+class TPLayer(nn.Module):
+    """One decoder block's parameters on this rank (see ``LAYER_PARAMS``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in tensors.items():
+            setattr(self, name, nn.Parameter(t))
+
+
+class TPTransformer(ParallelTransformer):
+    """A reference ``Transformer`` split over the ``tp`` mesh axis; each rank keeps only its shards."""
+
+    scheme = "tp"
+    axes = ("tp",)  # mesh axes this scheme parallelises over
+
+    def __init__(self, model: Transformer, mesh, sequence_parallel: bool = False, recompute: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(model.cfg)
+        check_mesh_axes(mesh, self.scheme, self.axes)
+        self.tp = AxisComm.from_mesh(mesh, "tp", timeout_s)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.recompute = recompute
+        self._shard(model, self.tp)
+
+    def _shard(self, model: Transformer, tp: AxisComm) -> None:
+        cfg, T, p = model.cfg, tp.size, tp.rank
+        check_tp_compatible(cfg, T)
+        self.padded_vocab = -(-cfg.vocab_size // T) * T
+        full = {name: t.detach() for name, t in model.state_dict().items()}
+        pad = lambda w: F.pad(w, (0, 0, 0, self.padded_vocab - cfg.vocab_size)).chunk(T)[p].clone()
+        self.embedding_shard = nn.Parameter(pad(full["tok_embeddings.weight"]))
+        self.layers = nn.ModuleList(
+            TPLayer({attr: _slice(full[f"layers.{i}.{ref}"], dim, T, p) for attr, (ref, dim) in LAYER_PARAMS.items()})
+            for i in range(cfg.n_layers))
+        self.norm = nn.Parameter(full["norm.weight"].clone())
+        self.output_shard = None if cfg.tie_embeddings else nn.Parameter(pad(full["output.weight"]))
+        model.to("meta")  # release the full weights: this rank keeps only its shards
+
+    # -- hooks that TP x SP (tp_sp.py) overrides ---------------------------------
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A tp-sharded weight as used in compute (every rank already sees every token: no extra reduction)."""
+        return w
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A replicated norm weight: with SP each rank normalises its own tokens, so gradients are summed."""
+        return ReplicatedGrad.apply(w, self.tp) if self.sequence_parallel else w
+
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Global positions of the sequence the attention sees (the whole sequence, also with SP)."""
+        return torch.arange(tokens.shape[1], device=tokens.device)
+
+    def _attend(self, q, k, v):
+        """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
+        g = self.cfg.group_size
+        return F.scaled_dot_product_attention(q, expand_kv_heads(k, g), expand_kv_heads(v, g), is_causal=True)
+
+    def _mean(self, nll_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Every rank holds every token and the same NLL: the local mean is the global mean.
+        return nll_sum / (labels != IGNORE_INDEX).sum()
+
+    # -- forward -------------------------------------------------------------------
+
+    def comms(self):
+        return {"tp": self.tp}
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The global batch, unchanged: every TP rank computes on every token."""
+        return tokens
+
+    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP)."""
+        cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
+        d, eps = cfg.head_dim, cfg.norm_eps
+        h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
+        q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), w(layer.wk), w(layer.wv))
+        B, S, _ = q.shape
+        q = apply_rope(q.view(B, S, -1, d), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, S, -1, d), cos, sin).transpose(1, 2)
+        v = v.view(B, S, -1, d).transpose(1, 2)
+        out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
+        x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
+        h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
+        gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
+        return x + RowParallelLinear.apply(F.silu(gate) * up, w(layer.w_down), tp, sp)
+
+    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Global mean cross-entropy from this rank's tokens and labels (the global batch for TP)."""
+        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
+        if sp and tokens.shape[1] % tp.size:
+            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
+                             f"with sequence parallelism; pick a multiple of {tp.size}")
+        cos, sin = rope_cos_sin(self._positions(tokens), cfg.head_dim, cfg.rope_theta)
+        x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
+        for layer in self.layers:
+            # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
+            x = (checkpoint(self.block, layer, x, cos, sin, use_reentrant=False) if self.recompute
+                 else self.block(layer, x, cos, sin))
+        z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
+        nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)
+        return self._mean(nll.sum(), labels)
+
+    # -- full views (for checks, checkpoints, export) -------------------------------
+
+    def _vocab_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """The real (non-padding) rows of a vocabulary shard; the split is torch.chunk's split of V."""
+        rows = local.shape[0]
+        return local[: max(0, min(rows, self.cfg.vocab_size - self.tp.rank * rows))]
+
+    def reference_parts(self, name, local):
+        if name in ("embedding_shard", "output_shard"):
+            ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
+            return [(ref, self._vocab_rows(local), {"tp": 0})]
+        if name == "norm":
+            return [("norm.weight", local, {})]
+        prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>
+        ref, dim = LAYER_PARAMS[attr]
+        return [(f"{prefix}.{ref}", local, {} if dim is None else {"tp": dim})]
+
+    def _full(self, pick) -> dict[str, torch.Tensor]:
+        """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
+        V = self.cfg.vocab_size
+        gather = lambda t, dim: pick(t) if dim is None else torch.cat(
+            self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0), dim=dim)
+        out = {"tok_embeddings.weight": gather(self.embedding_shard, 0)[:V]}
+        for i, layer in enumerate(self.layers):
+            for attr, (ref, dim) in LAYER_PARAMS.items():
+                out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim)
+        out["norm.weight"] = pick(self.norm)
+        if self.output_shard is not None:
+            out["output.weight"] = gather(self.output_shard, 0)[:V]
+        return out

@@ -1,0 +1,70 @@
+"""TP x SP: the conventional 2D layout, tensor parallelism on ``tp`` (T) inside sequence parallelism on ``sp`` (Σ).
+
+* Sequence (context) parallel across ``sp``: each sequence is zigzag-sharded over the Σ ranks of an ``sp``
+  group (``distributed/zigzag.py``); RoPE uses global positions; per layer, the K/V of this rank's local
+  heads are all-gathered over ``sp`` (``GatherKV``, backward: reduce-scatter) and attention runs with
+  ``zigzag_causal_attention``.
+* Tensor parallel inside ``tp``, exactly as ``tp.py`` without Megatron-SP: column-parallel q/k/v and
+  gate/up, row-parallel o/down, vocabulary-parallel embedding, LM head and cross-entropy. The T ranks of a
+  ``tp`` group see the same tokens and hold identical activations.
+
+Gradients: weights are sharded over ``tp`` and replicated over ``sp``, whose ranks see different tokens, so
+every weight is wrapped in ``ReplicatedGrad`` over ``sp`` (sum of the Σ token shards' contributions). Norm
+weights are replicated over both axes; the ``tp`` ranks already compute identical norm gradients (the
+column-parallel backward all-reduces dX over ``tp``), so they too are summed over ``sp`` only.
+
+Loss: the global mean over all tokens. The per-token NLLs are identical on the ``tp`` ranks of a group, so
+the sum and the token count are reduced over ``sp`` only (no double counting over ``tp``).
+
+Per-layer forward traffic: the two TP all-reduces on the B·S/Σ local tokens, plus the K/V all-gather over
+Σ of this rank's 1/T of the KV heads (``torchtsp.analysis.tp_sp_layer_forward_recv_elements``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import zigzag
+from ..distributed.attention import GatherKV, zigzag_causal_attention
+from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ..model import Transformer, expand_kv_heads
+from .base import ReplicatedGrad, global_mean
+from .tp import TPTransformer
+
+
+class TPSPTransformer(TPTransformer):
+    """A reference ``Transformer`` split over ``init_mesh(tp=T, sp=Σ)``: weights over tp, tokens over sp."""
+
+    scheme = "tp_sp"
+    axes = ("tp", "sp")
+
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(model, mesh, sequence_parallel=False, recompute=recompute, timeout_s=timeout_s)
+        self.sp = AxisComm.from_mesh(mesh, "sp", timeout_s)
+
+    def comms(self):
+        return {"tp": self.tp, "sp": self.sp}
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This sp rank's zigzag shard [B, S/Σ] (the same on every tp rank of the group)."""
+        return zigzag.shard(tokens, self.sp.size, self.sp.rank, dim=1)
+
+    # -- the hooks of TPTransformer ---------------------------------------------------
+
+    def _weight(self, w):
+        return ReplicatedGrad.apply(w, self.sp)
+
+    def _norm_weight(self, w):
+        return ReplicatedGrad.apply(w, self.sp)
+
+    def _positions(self, tokens):
+        sp = self.sp
+        return zigzag.positions(tokens.shape[1] * sp.size, sp.size, sp.rank, device=tokens.device)
+
+    def _attend(self, q, k, v):
+        sp, g = self.sp, self.cfg.group_size
+        kv = GatherKV.apply(torch.stack([k, v]), sp)  # [2, B, H_kv/T, S, d], global order
+        return zigzag_causal_attention(q, expand_kv_heads(kv[0], g), expand_kv_heads(kv[1], g), sp.rank, sp.size)
+
+    def _mean(self, nll_sum, labels):
+        return global_mean(nll_sum, labels, self.sp)
