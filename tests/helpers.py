@@ -16,3 +16,12 @@ def batch(cfg, B, S, seed=0, ignore=3):
     labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
     labels[0, :ignore] = -100
     return tokens, labels
+
+
+def compare_with_reference(model, ref, loss, ref_loss) -> dict:
+    """After backward on both: the losses, each reference parameter's full-gradient error, and whether
+    ``full_grads()`` names exactly the reference parameters."""
+    grads = model.full_grads()
+    names = sorted(n for n, _ in ref.named_parameters())
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "names": sorted(grads) == names,
+            "grad_err": {n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()}}

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
-from helpers import batch, rel_err
 
 import torchtsp
+from helpers import batch, compare_with_reference
 from torchtsp.memory import measure_peak
 
 CASES = {
@@ -29,19 +29,20 @@ def dp_on_rank(world):
         loss.backward()
         ref_loss = ref.loss(tokens, labels)
         ref_loss.backward()
-        grads = model.full_grads()
-        out[name] = (loss.item(), ref_loss.item(), {n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()},
-                     fwd.bytes_recv.get("all_reduce", 0))
+        out[name] = {**compare_with_reference(model, ref, loss, ref_loss),
+                     "forward_bytes": fwd.bytes_recv.get("all_reduce", 0)}
     return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_dp_matches_reference(pools, world):
     for results in pools(world).run(dp_on_rank, world):
-        for name, (loss, ref_loss, errs, fwd_bytes) in results.items():
-            assert abs(loss - ref_loss) <= 1e-5 * ref_loss, name  # float32 round-off
-            assert max(errs.values()) <= 1e-4, (name, errs)  # D partial sums in another order
-            assert fwd_bytes == 2 * 2 * (world - 1) * 4 // world  # only the scalar loss sum and count
+        for name, r in results.items():
+            assert r["names"]
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"], name  # float32 round-off
+            assert max(r["grad_err"].values()) <= 1e-4, (name, r["grad_err"])  # D partial sums, another order
+            # Forward moves only the scalar loss sum and token count (two all-reduces of 4 bytes).
+            assert r["forward_bytes"] == 2 * 2 * (world - 1) * 4 // world
 
 
 def test_unknown_scheme_and_option_are_clear_errors():

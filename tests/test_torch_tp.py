@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchtsp
-from helpers import batch, rel_err
+from helpers import batch, compare_with_reference
 
 CFG = dict(n_layers=2, max_seq_len=4096)
 CASES = {
@@ -39,12 +39,11 @@ def exactness_on_rank(world, names):
             loss = model.loss(tokens, labels)
             hook.remove()
             loss.backward()
-            grads, weights = model.full_grads(), model.full_state_dict()
-            out[name, sp] = dict(
-                loss=loss.item(), ref_loss=ref_loss.item(), residual_shape=shapes.pop(), comms=model.comms(),
-                grad_err={n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()},
-                weights_equal=all(torch.equal(weights[n], p) for n, p in ref.named_parameters()),
-                names=sorted(grads) == sorted(n for n, _ in ref.named_parameters()) == sorted(weights))
+            weights = model.full_state_dict()
+            out[name, sp] = {**compare_with_reference(model, ref, loss, ref_loss),
+                             "residual_shape": shapes.pop(), "comms": model.comms(),
+                             "weights_equal": sorted(weights) == sorted(n for n, _ in ref.named_parameters())
+                             and all(torch.equal(weights[n], p) for n, p in ref.named_parameters())}
     return out
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchtsp
-from helpers import batch, rel_err
+from helpers import batch, compare_with_reference
 from torchtsp.analysis import layer_forward_recv_elements
 from torchtsp.model import rope_cos_sin
 
@@ -81,7 +81,6 @@ def _exactness(mesh, scheme, options, cfg, B, S):
     loss.backward()
     ref_loss = ref.loss(tokens, labels)
     ref_loss.backward()
-    grads = model.full_grads()
     ref_names = sorted(n for n, _ in ref.named_parameters())
 
     # reference_parts: every piece equals the matching torch.chunk slice of the reference weight.
@@ -100,9 +99,7 @@ def _exactness(mesh, scheme, options, cfg, B, S):
     V, T = cfg.vocab_size, comms["tp"].size
     V_pad = -(-V // T) * T
     full_logits = {(B * S, V), (B * S, V_pad), (B, S, V), (B, S, V_pad)}
-    return dict(loss=loss.item(), ref_loss=ref_loss.item(),
-                grad_err={n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()},
-                names=sorted(grads) == ref_names, parts=parts_ok and sorted(covered) == ref_names,
+    return dict(**compare_with_reference(model, ref, loss, ref_loss), parts=parts_ok and sorted(covered) == ref_names,
                 full_logits_saved=bool(full_logits & set(saved)),
                 gathered_saved=(B, S, cfg.dim) in saved)
 

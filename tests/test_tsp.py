@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchtsp
-from helpers import batch, rel_err
+from helpers import batch, compare_with_reference
 from torchtsp.analysis import tsp_layer_forward_recv_elements
 from torchtsp.memory import measure_peak
 from torchtsp.parallel.tsp import TSPAttention, TSPFeedForward
@@ -42,10 +42,7 @@ def exactness_on_rank(world, names):
         loss.backward()
         ref_loss = ref.loss(tokens, labels)
         ref_loss.backward()
-        grads = model.full_grads()
-        out[name] = dict(loss=loss.item(), ref_loss=ref_loss.item(),
-                         grad_err={n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()},
-                         names=sorted(grads) == sorted(n for n, _ in ref.named_parameters()))
+        out[name] = compare_with_reference(model, ref, loss, ref_loss)
     return out
 
 
