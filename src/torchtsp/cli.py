@@ -8,8 +8,8 @@ import signal
 import sys
 
 from .config import PRESETS
-from .distributed.launch import RankFailedError
-from .parallel.api import SCHEMES
+from .errors import RankFailedError
+from .schemes import SCHEMES
 
 
 def _launched_by_torchrun() -> bool:

@@ -109,6 +109,16 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     }
 
 
+def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> int:
+    """Elements of the largest parameter tensor a rank holds (TSP packs each block's shards into one)."""
+    h, d = cfg.dim, cfg.head_dim
+    rows = _ceil_div(cfg.vocab_size, tsp * tp)
+    if scheme == "tsp":
+        return max(rows * h, (2 * cfg.n_heads * d + 2 * cfg.n_kv_heads * d) * h // tsp, 3 * cfg.ffn_dim * h // tsp)
+    w = tp if scheme in ("tp", "tp_sp") else 1
+    return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w)
+
+
 # ---------------------------------------------------------------- per-rank shapes
 
 
@@ -185,40 +195,53 @@ def _walk(start: int, events: list[_Event]) -> tuple[int, str, int]:
     return best
 
 
-def _reference_saved(s: _Shape, n_rep: int) -> tuple[int, int]:
+def _reference_saved(s: _Shape, n_rep: int, zigzag: bool) -> tuple[int, int]:
     """Bytes one reference block (model.py) saves when run on shards: (attention half, MLP half).
 
     n_rep: tokens of the replicated part (norms and block inputs; n/T under Megatron-SP, else n).
     Attention: its norm, its input (e·h), q, K and V expanded to the query heads (over the kv_len
-    tokens it attends to), the output (shared with wo's input) and its fp32 log-sum-exp.
+    tokens it attends to), the output (shared with wo's input) and its fp32 log-sum-exp; the zigzag
+    kernel of SP and TP x SP returns a head-major output, so wo's input is one more copy.
     MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product).
     """
     e = s.e
-    attention = (n_rep * (s.norm + e * s.h) + s.n * (2 * e * s.hq + FP32 * s.nq) + 2 * e * s.hq * s.kv_len
+    out = (2 if zigzag else 1) * e * s.hq * s.n
+    attention = (n_rep * (s.norm + e * s.h) + s.n * (e * s.hq + FP32 * s.nq) + out + 2 * e * s.hq * s.kv_len
                  + s.rope_per_layer)
     mlp = n_rep * (s.norm + e * s.h) + 4 * e * s.ff * s.n
     return attention, mlp
 
 
-def _reference_walk(scheme, cfg, s: _Shape, *, tp, sequence_parallel, recompute, base, parts):
+def _reference_walk(scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, recompute, base, parts):
     """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards)."""
     e, h, n, L = s.e, s.h, s.n, cfg.n_layers
     n_rep = n // tp if sequence_parallel and tp > 1 else n
     gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
-    att, mlp = _reference_saved(s, n_rep)
-    logits = FP32 * n * s.v  # [n, V/T] float32
+    zigzag = scheme in ("sp", "tp_sp")
+    att, mlp = _reference_saved(s, n_rep, zigzag)
     final = n_rep * s.norm + e * h * n  # final norm and the head's input
     layer_in = e * h * n_rep
     saved_layers = L * (layer_in if recompute else att + mlp)
-    acts = saved_layers + final + logits + s.rope_tables  # the fp32 log-softmax output is saved for backward
+    if scheme in ("tp", "tp_sp"):
+        # Vocabulary-parallel cross-entropy saves its fp32 softmax slice [n, V/T]; backward scales it
+        # into a new fp32 tensor and casts that to the model dtype.
+        saved_loss = FP32 * n * s.v
+        loss_extra = n * s.v * (FP32 + (e if e < FP32 else 0))
+    else:
+        # F.cross_entropy saves the fp32 log-softmax [n, V]; backward adds the NLL gradient and the
+        # log-softmax gradient, both fp32 [n, V].
+        saved_loss = FP32 * n * s.v
+        loss_extra = 2 * FP32 * n * s.v
+    acts = saved_layers + final + saved_loss + s.rope_tables
 
     head_w = (parts["head"] or parts["embedding"]) * e
     attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
     mlp_w = 3 * h * s.ff * e
-    kv_grad = 2 * e * s.hkv * s.kv_len if s.kv_len > n else 0  # reduce-scatter input of dK/dV (SP)
+    # SP: dK/dV of the gathered sequence are summed to the unexpanded heads, stacked per owner and
+    # reduce-scattered (two more copies of the gathered K/V size).
+    kv_grad = 2 * (2 * e * s.hkv * s.kv_len) if zigzag and sp > 1 else 0
     events = [
-        # NLL backward and log-softmax backward: two more fp32 [n, V] tensors beside the saved one.
-        _Event("loss backward", 2 * logits, freed=logits),
+        _Event("loss backward", loss_extra, freed=saved_loss),
         _Event("head backward", e * n * s.v + e * h * n + head_w, freed=e * h * n, added=head_w + e * h * n),
         _Event("final norm backward", s.norm_backward * n_rep, freed=final - e * h * n),
     ]
@@ -269,7 +292,8 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
         # Head: the residual gradient dz, shard buffers, and per vocabulary shard two fp32 logit
         # slices (logits, then exp) next to the previous shard's gradient; the travelling gradient
         # and its receive buffer are in flight.
-        _Event("head backward", A + (bufs + flight) * vocab_w + n * s.v * (2 * FP32 + (e if e < FP32 else 0) + (e if many else 0)),
+        _Event("head backward",
+               A + (bufs + flight) * vocab_w + n * s.v * (2 * FP32 + (e if e < FP32 else 0) + (e if many else 0)),
                freed=final - n * s.norm, added=vocab_w + A),
         _Event("final norm backward", s.norm_backward * n, freed=n * s.norm),
     ]
@@ -303,15 +327,18 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
 
 def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                    tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
-                   optimizer: str | None = "adamw", master_weights: bool | None = None, recompute: bool = False,
-                   mode: str = "train") -> MemoryBreakdown:
+                   optimizer: str | None = "adamw", master_weights: bool | None = None, foreach: bool = True,
+                   recompute: bool = False, mode: str = "train") -> MemoryBreakdown:
     """Predicted per-rank memory of one step of ``scheme`` (bytes).
 
     ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
     is Megatron's SP inside TP (norm and residual activations split over T). ``recompute=True`` is
     full activation checkpointing of every layer: only each layer's input is saved and backward runs
     one layer's forward again. ``optimizer``: "adamw" or None (a bare forward + backward, as
-    ``measure_peak`` of ``loss.backward()`` sees it). ``master_weights`` defaults to dtype_bytes < 4.
+    ``measure_peak`` of ``loss.backward()`` sees it). ``master_weights`` (fp32 copies holding the
+    optimizer, as train/optim.py's MasterWeights) defaults to dtype_bytes < 4. ``foreach``: AdamW's
+    multi-tensor path (PyTorch's default on CUDA) allocates sqrt(v) for every parameter at once; the
+    per-tensor loop (the default on CPU) two temporaries of the largest tensor.
     ``mode="infer"``: a prefill forward, no gradients or optimizer, plus its KV cache.
     """
     check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp)
@@ -336,13 +363,17 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     opt = step_extra = 0
     if optimizer == "adamw":
         opt = n_params * (2 * FP32 + (FP32 if master else 0))
-        # foreach AdamW allocates sqrt(v) for every parameter at once; mixed precision adds fp32 gradients.
-        step_extra = n_params * (FP32 + (FP32 if master else 0))
+        # AdamW's sqrt(v) temporaries; mixed precision keeps fp32 copies of the gradients for the masters;
+        # the trainer's flat DP all-reduce buffer (schemes other than dp) lives through the step.
+        step_extra = FP32 * (n_params if foreach else 2 * _largest_param(scheme, cfg, tsp=tsp, tp=tp))
+        step_extra += n_params * FP32 if master else 0
+        step_extra += n_params * e if dp > 1 and scheme != "dp" else 0
     base = params + opt
     if scheme == "tsp":
         acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts)
     else:
-        acts, (peak, phase, transient) = _reference_walk(scheme, cfg, s, tp=tp, sequence_parallel=sequence_parallel,
+        acts, (peak, phase, transient) = _reference_walk(scheme, cfg, s, tp=tp, sp=sp,
+                                                         sequence_parallel=sequence_parallel,
                                                          recompute=recompute, base=base, parts=parts)
     if optimizer == "adamw" and base + grads + step_extra > peak:
         peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra

@@ -15,17 +15,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from ..errors import RankFailedError
 from . import comm
-
-
-class RankFailedError(RuntimeError):
-    """A rank raised (``rank``, its ``traceback``), died, or did not answer in time."""
-
-    def __init__(self, message: str, rank: int | None = None, traceback_text: str = ""):
-        super().__init__(message + (f"\n{traceback_text}" if traceback_text else ""))
-        self.rank, self.traceback = rank, traceback_text
-        lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
-        self.summary = f"rank {rank}: {lines[-1].strip()}" if lines else message
 
 
 def _free_port() -> int:

@@ -6,16 +6,7 @@ import importlib
 import inspect
 
 from ..model import Transformer
-
-# scheme -> "module:class" under torchtsp.parallel; imported on first use.
-SCHEMES = {
-    "tsp": "tsp:TSPTransformer",
-    "dp": "dp:DPTransformer",
-    "tp": "tp:TPTransformer",
-    "sp": "sp:SPTransformer",
-    "tp_sp": "tp_sp:TPSPTransformer",
-    "torch_tp": "torch_tp:TorchTPTransformer",
-}
+from ..schemes import SCHEMES
 
 
 def parallelize(model: Transformer, mesh, scheme: str = "tsp", **options):
