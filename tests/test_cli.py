@@ -36,3 +36,28 @@ def test_missing_data_is_a_one_line_error():
     assert result.stderr.strip().splitlines() == [
         "torchtsp: error: corpus path '/does/not/exist' does not exist; expected a text file or a folder"
     ]
+
+
+def _one_line_error(result, expected):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("torchtsp: error:") and expected in lines[0], lines[0]
+
+
+def test_convert_bad_checkpoints_are_one_line_errors(tmp_path):
+    import json
+
+    from torchtsp import ModelConfig, Transformer
+    from torchtsp.hf import save_hf_checkpoint
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, vocab_size=50)
+    save_hf_checkpoint(tmp_path / "hf", Transformer(cfg).state_dict(), cfg)
+    _one_line_error(torchtsp("convert", str(tmp_path / "nothing"), str(tmp_path / "out")), "does not exist")
+
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])  # truncated
+    _one_line_error(torchtsp("convert", str(tmp_path / "hf"), str(tmp_path / "out")), "model.safetensors")
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    _one_line_error(torchtsp("convert", str(tmp_path / "hf"), str(tmp_path / "out")), "attention_bias")
