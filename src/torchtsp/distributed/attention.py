@@ -86,9 +86,15 @@ def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
     return ZigzagAttention.apply(q, k, v, rank, world)
 
 
-def gather_kv(comm, kv: torch.Tensor) -> torch.Tensor:
-    """[2, B, H, S/D, d] K/V of local zigzag tokens -> every rank's, in global order: [2, B, H, S, d]."""
-    return zigzag.unshard(comm.all_gather(kv, label="kv"), dim=3)
+def gather_kv(comm, kv: torch.Tensor, async_op: bool = False):
+    """[2, B, H, S/D, d] K/V of local zigzag tokens -> every rank's, in global order: [2, B, H, S, d].
+
+    With ``async_op`` it returns a function that waits and returns the result, so the caller can
+    compute (e.g. the queries) while the gather is in flight.
+    """
+    pending = comm.all_gather(kv, async_op=True, label="kv")
+    finish = lambda: zigzag.unshard(pending.wait(), dim=3)
+    return finish if async_op else finish()
 
 
 def scatter_kv_grad(comm, dkv_full: torch.Tensor) -> torch.Tensor:

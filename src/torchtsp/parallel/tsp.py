@@ -106,8 +106,9 @@ class TSPAttention(torch.autograd.Function):
         y = torch.zeros_like(x)
         for j, w in broadcast_each(comm, shard, "attention.forward"):
             comm.mark(("attention.forward", j))
-            q, kv = block.project_qkv(x, w, cos, sin)
-            y += block.attend(q, gather_kv(comm, kv), w)
+            kv_full = gather_kv(comm, block.project_kv(x, w, cos, sin), async_op=True)
+            q = block.project_q(x, w, cos, sin)  # while the K/V gather is in flight
+            y += block.attend(q, kv_full(), w)
         ctx.save_for_backward(x, shard, cos, sin)
         ctx.block = block
         return y
@@ -132,8 +133,10 @@ class TSPAttention(torch.autograd.Function):
             comm.mark(("attention.backward", j))
             with torch.enable_grad():
                 x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-                q, kv = block.project_qkv(x_, w_, cos, sin)
-                kv_full = gather_kv(comm, kv.detach()).requires_grad_()
+                kv = block.project_kv(x_, w_, cos, sin)
+                gathering = gather_kv(comm, kv.detach(), async_op=True)
+                q = block.project_q(x_, w_, cos, sin)
+                kv_full = gathering().requires_grad_()
                 dx_q, dw_q, dkv_full = torch.autograd.grad(
                     block.attend(q, kv_full, w_), (x_, w_, kv_full), dy, retain_graph=True)
                 dkv = scatter_kv_grad(comm, dkv_full)  # dK/dV of own tokens, summed over every rank's queries
@@ -274,15 +277,20 @@ class TSPBlocks:
             Part("feed_forward.w_down.weight", (h, cfg.ffn_dim), 1),
         ), D)
 
-    def project_qkv(self, x, w, cos, sin):
-        """Local tokens through head group w: q [B, Hq/D, S/D, d], kv [2, B, Hkv/D, S/D, d]."""
-        wq, wk, wv, _ = self.attention_layout.unpack(w)
+    def _heads(self, x, weight, cos=None, sin=None):
+        """x [B, S/D, h] through a projection -> [B, heads, S/D, d], rotated if cos/sin are given."""
         B, S_local, _ = x.shape
-        d = self.cfg.head_dim
-        q = apply_rope(F.linear(x, wq).view(B, S_local, -1, d), cos, sin).transpose(1, 2)
-        k = apply_rope(F.linear(x, wk).view(B, S_local, -1, d), cos, sin).transpose(1, 2)
-        v = F.linear(x, wv).view(B, S_local, -1, d).transpose(1, 2)
-        return q, torch.stack([k, v])
+        y = F.linear(x, weight).view(B, S_local, -1, self.cfg.head_dim)
+        return (y if cos is None else apply_rope(y, cos, sin)).transpose(1, 2)
+
+    def project_q(self, x, w, cos, sin):
+        """Local tokens' queries of head group w: [B, Hq/D, S/D, d]."""
+        return self._heads(x, self.attention_layout.unpack(w)[0], cos, sin)
+
+    def project_kv(self, x, w, cos, sin):
+        """Local tokens' keys and values of head group w: [2, B, Hkv/D, S/D, d]."""
+        _, wk, wv, _ = self.attention_layout.unpack(w)
+        return torch.stack([self._heads(x, wk, cos, sin), self._heads(x, wv)])
 
     def attend(self, q, kv_full, w):
         *_, wo = self.attention_layout.unpack(w)
