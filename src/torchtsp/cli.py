@@ -76,6 +76,18 @@ def cmd_not_implemented(args: argparse.Namespace) -> int:
     return 2
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .analysis.plan import run_plan
+
+    return run_plan(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.run import run_bench
+
+    return run_bench(args)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     try:
         from .hf import convert_checkpoint
@@ -94,12 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
 
-    for name, help in [
-        ("bench", "measure step time and memory of parallel schemes"),
-        ("plan", "choose a parallel layout for a model and cluster"),
-        ("generate", "generate text from a checkpoint"),
-    ]:
-        sub.add_parser(name, help=help).set_defaults(func=cmd_not_implemented)
+    from .analysis.plan import add_plan_arguments  # torch-free
+    from .bench.args import add_bench_arguments  # torch-free
+
+    bench = sub.add_parser("bench", help="measure memory, step time and traffic of every scheme side by side")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    plan = sub.add_parser("plan", help="predict per-GPU memory and traffic of every layout, offline")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    sub.add_parser("generate", help="generate text from a checkpoint (not implemented yet)").set_defaults(
+        func=cmd_not_implemented)
 
     convert = sub.add_parser("convert", help="convert checkpoints between torchtsp and Hugging Face formats")
     convert.add_argument("src", help="checkpoint to read")
