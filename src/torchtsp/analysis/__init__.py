@@ -1,17 +1,32 @@
+"""Analytic memory and communication models of every parallel scheme, and the planner behind ``torchtsp plan``.
+
+Pure Python (no torch import), so planning is instant and offline. See docs/analysis.md for the formulas.
+"""
+
 from .comm_model import (
+    CommBreakdown,
     layer_forward_recv_elements,
     layer_weight_elements,
+    predict_comm,
     sp_layer_forward_recv_elements,
     tp_layer_forward_recv_elements,
     tp_sp_layer_forward_recv_elements,
     tsp_layer_forward_recv_elements,
+    tsp_tp_crossover_tokens,
 )
+from .memory_model import MemoryBreakdown, param_elements, predict_memory
 
 __all__ = [
+    "CommBreakdown",
+    "MemoryBreakdown",
     "layer_forward_recv_elements",
     "layer_weight_elements",
+    "param_elements",
+    "predict_comm",
+    "predict_memory",
     "sp_layer_forward_recv_elements",
     "tp_layer_forward_recv_elements",
     "tp_sp_layer_forward_recv_elements",
     "tsp_layer_forward_recv_elements",
+    "tsp_tp_crossover_tokens",
 ]

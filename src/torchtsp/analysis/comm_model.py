@@ -132,8 +132,9 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     dtype (``dtype_bytes``); loss statistics in fp32. The per-layer forward equals
     ``layer_forward_recv_elements(...) · dtype_bytes`` for every scheme.
     """
-    if scheme not in ("dp", "tsp", "tp", "sp", "tp_sp"):
-        raise ValueError(f"no communication model for scheme {scheme!r}")
+    from .memory_model import check_layout  # the same layout rules as the memory model
+
+    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp, sequence_parallel=sequence_parallel)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     e, h, L = dtype_bytes, cfg.dim, cfg.n_layers

@@ -62,7 +62,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def check_layout(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
-                 tp: int = 1, sp: int = 1) -> None:
+                 tp: int = 1, sp: int = 1, sequence_parallel: bool = False) -> None:
     """Raise ValueError if ``scheme`` cannot split this model and batch over the given degrees."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
@@ -86,6 +86,10 @@ def check_layout(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     tokens = tsp * sp
     if tokens > 1 and seq_len % (2 * tokens):
         raise ValueError(f"sequence length {seq_len} must be divisible by 2x{tokens} for zigzag sharding")
+    if sequence_parallel and scheme != "tp":
+        raise ValueError("sequence_parallel (Megatron-SP) applies to TP only")
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(f"sequence length {seq_len} must be divisible by T={tp} with Megatron-SP")
 
 
 # ---------------------------------------------------------------- parameters
@@ -312,7 +316,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
             # bf16): local-token tensors (dx, output, their gradients, fp32 merges under bf16), the
             # group's q/out/dq, gathered K/V and dK/dV, the previous group's gradients still referenced,
             # partial weight gradients being reduced (one more in flight from D = 3), shard buffers.
-            _Event("attention backward", (6 + 2 * many) * A + (FP32 - e) * h * n + 6 * Q + (2 + many) * K + X
+            _Event("attention backward", (7 + 2 * many) * A + (FP32 - e) * h * n + 6 * Q + (2 + many) * K + X
                    + (2 + 3 * many + bufs + (D > 2)) * attn_w, freed=A, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
                    freed=n * s.norm + (layer_in if recompute else 0)),
@@ -341,15 +345,13 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     per-tensor loop (the default on CPU) two temporaries of the largest tensor.
     ``mode="infer"``: a prefill forward, no gradients or optimizer, plus its KV cache.
     """
-    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp)
+    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp, sequence_parallel=sequence_parallel)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     if optimizer not in ("adamw", None):
         raise ValueError(f"optimizer must be 'adamw' or None, got {optimizer!r}")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
-    if sequence_parallel and scheme not in ("tp", "tp_sp"):
-        raise ValueError("sequence_parallel (Megatron-SP) applies to TP only")
     e = dtype_bytes
     parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
     n_params = sum(parts.values())
@@ -388,7 +390,9 @@ def _predict_infer(scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params
     by tokens, TP by heads. Logits are computed for each sequence's last position only.
     """
     e, h, n = s.e, s.h, s.n
-    kv_cache = cfg.n_layers * 2 * e * s.hkv * n
+    # K/V of every head this rank's tokens need later: TSP keeps all heads of its own tokens (it meets
+    # every head group), TP its heads of every token, SP all heads of its tokens.
+    kv_cache = cfg.n_layers * 2 * e * (cfg.n_kv_heads * cfg.head_dim // tp) * n
     expand = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0
     if scheme == "tsp":
         bufs = min(tsp - 1, 2)
