@@ -97,3 +97,12 @@ def test_init_mesh_without_a_launcher_is_a_one_rank_mesh():
 def test_init_mesh_rejects_non_positive_degrees(bad):
     with pytest.raises(ValueError, match="must be a positive integer"):
         torchtsp.init_mesh(**bad)
+
+
+def test_nested_counting_blocks_each_see_their_own_traffic():
+    comm = AxisComm(None, "solo")
+    with comm.counting() as outer:
+        with comm.counting() as inner:
+            comm.mark("inner")
+        comm.mark("outer")
+    assert [e[2] for e in outer.events] == ["inner", "outer"] and [e[2] for e in inner.events] == ["inner"]

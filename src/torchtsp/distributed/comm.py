@@ -107,7 +107,7 @@ def barrier() -> None:
 # ---------------------------------------------------------------- accounting
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: nested counting() blocks must each remove their own
 class CommStats:
     """What one rank moved while a ``counting()`` block was open."""
 

@@ -1,0 +1,81 @@
+"""Flags of ``torchtsp bench`` (torch-free: the command line must start instantly)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import PRESETS
+
+ALL_SCHEMES = ("tsp", "tp", "sp", "tp_sp", "dp", "torch_tp")
+DEFAULT_SCHEMES = ",".join(ALL_SCHEMES)
+DEFAULT_SEQ_LENS = "256,512,1024,2048"
+# The benchmark's model when no --preset is given: small enough that the default sweep at 4 CPU ranks
+# takes minutes, large enough that weights, activations and logits all matter to the per-rank peak.
+BENCH_MODEL = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=768, vocab_size=257)
+MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _scheme_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in ALL_SCHEMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown scheme(s) {', '.join(unknown) or text!r}; "
+                                         f"choose from: {', '.join(ALL_SCHEMES)}")
+    return list(dict.fromkeys(names))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the ``bench`` flags on ``parser``; ``torchtsp.bench.run.run_bench(args)`` consumes them."""
+    add = parser.add_argument
+    add("--preset", choices=list(PRESETS),
+        help="model shape (default: the bench model, dim 256, 4 layers, 4 heads, 4 KV heads, ffn 768, vocab 257)")
+    for flag in MODEL_FLAGS:
+        add(f"--{flag.replace('_', '-')}", type=int, metavar="N", help=f"override the model's {flag}")
+    add("--schemes", type=_scheme_list, default=list(ALL_SCHEMES), metavar="LIST",
+        help=f"comma-separated schemes (default: {DEFAULT_SCHEMES})")
+    add("--nproc", type=int, metavar="N",
+        help="ranks: local CPU ranks to spawn (default 4), or, under torchrun, must equal the world size")
+    add("--batch-size", type=int, default=4, metavar="B", help="global batch in sequences, same for every scheme "
+        "(default: 4)")
+    add("--seq-lens", type=_int_list, default=_int_list(DEFAULT_SEQ_LENS), metavar="LIST",
+        help=f"comma-separated sequence lengths to sweep (default: {DEFAULT_SEQ_LENS})")
+    add("--warmup", type=int, default=1, metavar="N",
+        help="untimed steps before the memory step and the timed ones (default: 1; the first counts bytes)")
+    add("--steps", type=int, default=3, metavar="N", help="timed steps per cell; the median is reported (default: 3)")
+    add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+        help="Megatron sequence parallelism for tp and torch_tp alike (default: off, plain TP)")
+    add("--max-seq-under", type=_positive_float, metavar="GB",
+        help="instead of the sweep: for each scheme, the longest sequence (doubling from --max-seq-start) whose "
+             "measured per-rank peak stays within GB GiB (2^30 bytes)")
+    add("--max-seq-start", type=int, default=256, metavar="S", help="first sequence length of the search "
+        "(default: 256)")
+    add("--max-seq-cap", type=int, default=65536, metavar="S", help="longest sequence the search tries "
+        "(default: 65536)")
+    add("--out", default="benchmarks/results/latest", metavar="DIR",
+        help="where results.{json,md} and the plots go (max_seq.{json,md,png} with --max-seq-under; "
+             "default: benchmarks/results/latest)")
+    add("--json", action="store_true", help="also print the results as JSON on stdout")
+    add("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    add("--seed", type=int, default=0, help="seed for weights and tokens (default: 0)")
+    add("--timeout-s", type=float, default=600.0, metavar="S",
+        help="limit for one (scheme, sequence length) cell on all ranks, and for each collective (default: 600)")

@@ -1,0 +1,281 @@
+"""Outputs of ``torchtsp bench``: results.json, a markdown table and PNG plots (torch-free).
+
+Plots use matplotlib's object-oriented API on the Agg canvas (no pyplot, no global backend switch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MiB = 2**20
+SCHEME_ORDER = ("tsp", "tp", "sp", "tp_sp", "dp", "torch_tp")
+COLORS = {"tsp": "#d62728", "tp": "#1f77b4", "sp": "#2ca02c", "tp_sp": "#9467bd", "dp": "#8c564b",
+          "torch_tp": "#7f7f7f"}
+# Distinct markers, so that schemes with equal values (tp and torch_tp have the same memory) stay visible.
+MARKERS = {"tsp": "o", "tp": "s", "sp": "^", "tp_sp": "D", "dp": "v", "torch_tp": "x"}
+
+
+def _style(scheme: str, line: str = "-") -> str:
+    return MARKERS.get(scheme, "o") + line
+
+
+def _rank(scheme: str) -> int:
+    return SCHEME_ORDER.index(scheme) if scheme in SCHEME_ORDER else len(SCHEME_ORDER)
+
+
+def _order(schemes) -> list[str]:
+    return sorted(dict.fromkeys(schemes), key=_rank)
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MiB:.1f}"
+
+
+def _int(b) -> str:
+    return "-" if b is None else f"{b:,}"
+
+
+def _match(m) -> str:
+    return "-" if m is None else ("yes" if m else "**NO**")
+
+
+def _pct(p) -> str:
+    return "-" if p is None else f"{p:+.1f}%"
+
+
+def _model_line(meta: dict) -> str:
+    m = meta["model"]
+    return (f"model dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads / {m['n_kv_heads']} KV heads, "
+            f"ffn {m['ffn_dim']}, vocab {m['vocab_size']}{', tied' if m.get('tie_embeddings') else ''}; "
+            f"global batch {meta['batch']}; {meta['world']} ranks ({meta['launcher']}, {meta['backend']}, "
+            f"{meta['device']}, {meta['dtype']})")
+
+
+# ---------------------------------------------------------------- the sweep
+
+
+def lowest_memory(cells: list[dict]) -> dict[int, str]:
+    """The scheme with the lowest measured per-rank peak at each sequence length."""
+    best: dict[int, tuple[int, str]] = {}
+    for c in cells:
+        if c["status"] == "ok" and (c["seq_len"] not in best or c["peak_bytes"] < best[c["seq_len"]][0]):
+            best[c["seq_len"]] = (c["peak_bytes"], c["scheme"])
+    return {S: s for S, (_, s) in sorted(best.items())}
+
+
+def sweep_markdown(result: dict) -> str:
+    meta, cells = result["meta"], result["cells"]
+    lines = [
+        "# torchtsp bench",
+        "",
+        _model_line(meta) + ".",
+        f"Step = forward + backward + AdamW; median of {meta['steps']} timed steps after {meta['warmup']} warm-up "
+        f"step(s) (slowest rank per step); peak = live tensor bytes of one whole step with optimizer state, "
+        f"max over ranks; bytes = received per rank in one forward, counted by the comm layer; "
+        f"tp and torch_tp sequence parallel: {'on' if meta['sequence_parallel'] else 'off'}. "
+        f"Run took {meta['elapsed_s']:.0f} s ({meta['date']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores).",
+        "",
+        "| scheme | mesh | S | peak MiB | predicted MiB | error | step ms | tokens/s | fwd bytes | predicted fwd bytes "
+        "| match | step bytes match |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+    ]
+    for S in sorted({c["seq_len"] for c in cells}):
+        for c in sorted((c for c in cells if c["seq_len"] == S), key=lambda c: _rank(c["scheme"])):
+            if c["status"] != "ok":
+                lines.append(f"| {c['scheme']} | {c['mesh']} | {S} | {c['status']} |  |  |  |  |  |  |  |  |")
+                continue
+            lines.append(
+                f"| {c['scheme']} | {c['mesh']} | {S} | {_mib(c['peak_bytes'])} | {_mib(c['predicted_peak_bytes'])} "
+                f"| {_pct(c['peak_error_pct'])} | {c['median_step_s'] * 1000:.0f} | {c['tokens_per_s']:,.0f} "
+                f"| {_int(c['forward_bytes'])} | {_int(c['predicted_forward_bytes'])} | {_match(c['bytes_match'])} "
+                f"| {_match(c['step_bytes_match'])} |")
+    lines += ["", "Lowest measured per-rank peak: "
+              + ", ".join(f"S={S}: {s}" for S, s in lowest_memory(cells).items()) + "."]
+    errors = {}
+    for c in cells:
+        if c["status"] == "ok" and c.get("peak_error_pct") is not None:
+            errors.setdefault(c["scheme"], []).append(abs(c["peak_error_pct"]))
+    if errors:
+        lines.append("Largest |memory prediction error| per scheme: "
+                     + ", ".join(f"{s} {max(errors[s]):.1f}%" for s in _order(errors)) + ".")
+    ratio = result.get("tp_vs_torch_tp")
+    if ratio:
+        if ratio["ratio_by_seq_len"]:
+            per = ", ".join(f"S={S}: {r:.2f}" for S, r in ratio["ratio_by_seq_len"].items())
+            lines.append(f"tp / torch_tp median step time, timed interleaved on the same ranks: {per} "
+                         f"(worst {ratio['max_ratio']:.2f}, summed over S {ratio['total_ratio']:.2f}).")
+        per = ", ".join(f"S={S}: {r:.2f}" for S, r in ratio["cell_ratio_by_seq_len"].items())
+        lines.append(f"The same ratio from the table's cells (timed apart, more exposed to background load): {per}.")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(width=6.4, height=4.4, ncols=1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, (fig.add_subplot() if ncols == 1 else fig.subplots(1, ncols))
+
+
+def _by_scheme(cells, key):
+    series: dict[str, list[tuple[int, float]]] = {}
+    for c in cells:
+        if c["status"] == "ok" and c.get(key) is not None:
+            series.setdefault(c["scheme"], []).append((c["seq_len"], c[key]))
+    return {s: sorted(series[s]) for s in _order(series)}
+
+
+def _seq_axis(ax, seq_lens):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(seq_lens))
+    ax.set_xticklabels([str(s) for s in sorted(seq_lens)])
+    ax.set_xlabel("sequence length S")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_memory(result: dict, path: Path) -> Path:
+    cells, meta = result["cells"], result["meta"]
+    fig, ax = _figure()
+    measured, predicted = _by_scheme(cells, "peak_bytes"), _by_scheme(cells, "predicted_peak_bytes")
+    for s, pts in measured.items():
+        ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=f"{s}")
+    for s, pts in predicted.items():
+        ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], "--", color=COLORS.get(s), alpha=0.6,
+                label=f"{s} predicted")
+    ax.set_yscale("log")
+    ax.set_ylabel("per-rank peak live memory (MiB)")
+    _seq_axis(ax, {c["seq_len"] for c in cells})
+    ax.set_title(f"Peak memory per rank, {meta['world']} ranks, B={meta['batch']}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_throughput(result: dict, path: Path) -> Path:
+    cells, meta = result["cells"], result["meta"]
+    fig, ax = _figure()
+    for s, pts in _by_scheme(cells, "tokens_per_s").items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(s), color=COLORS.get(s), label=s)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (forward + backward + AdamW)")
+    _seq_axis(ax, {c["seq_len"] for c in cells})
+    ax.set_title(f"Training throughput, {meta['world']} ranks ({meta['device']}), B={meta['batch']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_bytes(result: dict, path: Path) -> Path:
+    """Bytes received per rank vs S: predicted (dashed lines) and counted (markers), forward and whole step.
+    Cells whose count differs from the prediction are marked with a black cross."""
+    cells = [c for c in result["cells"] if c["status"] == "ok" and c.get("forward_bytes") is not None]
+    fig, axes = _figure(10.0, 4.4, ncols=2)
+    tiny = sorted({c["scheme"] for c in cells if c["predicted_forward_bytes"] < 1024})
+    for ax, (key, pred, match, title) in zip(axes, (
+            ("forward_bytes", "predicted_forward_bytes", "bytes_match", "one forward"),
+            ("step_bytes", "predicted_step_bytes", "step_bytes_match", "one whole step"))):
+        for s in _order(c["scheme"] for c in cells):
+            pts = sorted((c["seq_len"], c[pred], c[key], c[match]) for c in cells if c["scheme"] == s
+                         and c[pred] >= 1024)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], "--", color=COLORS.get(s), alpha=0.7)
+            ax.plot([p[0] for p in pts], [p[2] / MiB for p in pts], _style(s, ""), color=COLORS.get(s), label=s)
+            bad = [p for p in pts if not p[3]]
+            if bad:
+                ax.plot([p[0] for p in bad], [p[2] / MiB for p in bad], "kx", ms=12, mew=2)
+        ok = sum(bool(c[match]) for c in cells)
+        ax.set_yscale("log")
+        ax.set_ylabel("MiB received per rank")
+        _seq_axis(ax, {c["seq_len"] for c in cells})
+        ax.set_title(f"{title}: {ok}/{len(cells)} cells exactly as predicted", fontsize=9)
+        ax.legend(fontsize=7)
+    if tiny:
+        axes[0].text(0.02, 0.02, f"not shown (< 1 KiB): {', '.join(tiny)}", transform=axes[0].transAxes, fontsize=7)
+    fig.suptitle("Communication counted by the comm layer (markers) vs predicted (dashed)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_sweep(result: dict, out: Path, plots: bool = True) -> list[Path]:
+    """results.json, results.md and (``plots``) memory_vs_seq.png, throughput_vs_seq.png,
+    bytes_pred_vs_meas.png in ``out``; returns the paths written, JSON and markdown first."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "results.json", out / "results.md"]
+    files[0].write_text(json.dumps(result, indent=2) + "\n")
+    files[1].write_text(sweep_markdown(result))
+    if plots:
+        files += [plot_memory(result, out / "memory_vs_seq.png"),
+                  plot_throughput(result, out / "throughput_vs_seq.png"),
+                  plot_bytes(result, out / "bytes_pred_vs_meas.png")]
+    return files
+
+
+# ---------------------------------------------------------------- --max-seq-under
+
+
+def max_seq_markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [
+        f"# torchtsp bench --max-seq-under {result['budget_gib']:g}",
+        "",
+        _model_line(meta) + ".",
+        f"Longest sequence whose measured per-rank peak (one whole step with optimizer state, max over ranks) stays "
+        f"within {result['budget_gib']:g} GiB = {result['budget_bytes'] / MiB:.1f} MiB; S doubles from "
+        f"{result['start']} up to {result['cap']}. Run took {meta['elapsed_s']:.0f} s ({meta['date']}).",
+        "",
+        "| scheme | mesh | longest S | peak MiB at longest S | predicted MiB | stopped because |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for s in _order(result["schemes"]):
+        r = result["schemes"][s]
+        at = next((t for t in r["tried"] if t["seq_len"] == r["longest_seq_len"]), {})
+        lines.append(f"| {s} | {r['mesh']} | {r['longest_seq_len'] or 'none'} | {_mib(at.get('peak_bytes'))} "
+                     f"| {_mib(at.get('predicted_peak_bytes'))} | {r['stopped']} |")
+    lines += ["", "Every measurement:", "", "| scheme | S | peak MiB | predicted MiB | error |",
+              "|---|---:|---:|---:|---:|"]
+    for s in _order(result["schemes"]):
+        for t in result["schemes"][s]["tried"]:
+            if t["status"] != "ok":
+                lines.append(f"| {s} | {t['seq_len']} | {t['status']} |  |  |")
+            else:
+                lines.append(f"| {s} | {t['seq_len']} | {_mib(t['peak_bytes'])} | {_mib(t['predicted_peak_bytes'])} "
+                             f"| {_pct(t['peak_error_pct'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_max_seq(result: dict, path: Path) -> Path:
+    fig, ax = _figure()
+    seqs = set()
+    for s in _order(result["schemes"]):
+        pts = [(t["seq_len"], t["peak_bytes"]) for t in result["schemes"][s]["tried"] if t["status"] == "ok"]
+        if pts:
+            seqs |= {p[0] for p in pts}
+            ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=s)
+    ax.axhline(result["budget_bytes"] / MiB, color="k", ls=":", lw=1, label=f"budget {result['budget_gib']:g} GiB")
+    ax.set_yscale("log")
+    ax.set_ylabel("measured per-rank peak (MiB)")
+    if seqs:
+        _seq_axis(ax, seqs)
+    ax.set_title(f"Longest sequence within {result['budget_gib']:g} GiB per rank, {result['meta']['world']} ranks",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_max_seq(result: dict, out: Path, plots: bool = True) -> list[Path]:
+    """max_seq.json, max_seq.md and (``plots``) max_seq.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "max_seq.json", out / "max_seq.md"]
+    files[0].write_text(json.dumps(result, indent=2) + "\n")
+    files[1].write_text(max_seq_markdown(result))
+    if plots:
+        files.append(plot_max_seq(result, out / "max_seq.png"))
+    return files

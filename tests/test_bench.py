@@ -1,0 +1,142 @@
+"""torchtsp bench: a tiny sweep and a tiny --max-seq-under search on 2 local ranks, run in-process."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchtsp.bench.args import add_bench_arguments
+from torchtsp.bench.run import run_bench, scheme_degrees
+
+TINY = ["--nproc", "2", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "4", "--ffn-dim", "96",
+        "--vocab-size", "101"]
+OURS = ("tsp", "tp", "sp", "tp_sp", "dp")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Every scheme at S = 30 (not divisible by 2x2: zigzag schemes refuse it), 32 and 64; --json on stdout."""
+    out = tmp_path_factory.mktemp("bench")
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = run_bench(parse([*TINY, "--seq-lens", "30,32,64", "--steps", "1", "--out", str(out), "--json"]))
+    return code, json.loads(stdout.getvalue()), out
+
+
+def test_sweep_json_structure(sweep):
+    code, result, _ = sweep
+    assert code == 0
+    meta = result["meta"]
+    assert meta["world"] == 2 and meta["batch"] == 4 and meta["model"]["dim"] == 64
+    cells = {(c["scheme"], c["seq_len"]): c for c in result["cells"]}
+    assert set(cells) == {(s, S) for s in (*OURS, "torch_tp") for S in (30, 32, 64)}
+    for S in (32, 64):
+        for s in (*OURS, "torch_tp"):
+            c = cells[s, S]
+            assert c["status"] == "ok", c
+            assert c["peak_bytes"] == max(c["peak_bytes_per_rank"]) > 0
+            assert len(c["step_times_s"]) == 1 and c["median_step_s"] > 0
+            assert c["tokens_per_s"] == pytest.approx(4 * S / c["median_step_s"])
+    assert cells["tp_sp", 32]["mesh"] == "tp=2"  # the most square T x Σ of 2 ranks
+
+
+def test_indivisible_sequence_is_a_cell_not_a_crash(sweep):
+    cells = {(c["scheme"], c["seq_len"]): c for c in sweep[1]["cells"]}
+    for s in ("tsp", "sp"):  # zigzag over 2 ranks needs S divisible by 4
+        assert cells[s, 30]["status"].startswith("n/a: sequence length 30 must be divisible"), cells[s, 30]
+    assert cells["tp", 30]["status"] == "ok"
+
+
+def test_bytes_equal_the_prediction(sweep):
+    for c in sweep[1]["cells"]:
+        if c["status"] != "ok":
+            continue
+        if c["scheme"] == "torch_tp":  # DTensor's own collectives are not counted
+            assert c["forward_bytes"] is None and c["bytes_match"] is None and c["predicted_forward_bytes"] is None
+            continue
+        assert c["bytes_match"] is True, (c["scheme"], c["seq_len"], c["forward_bytes_per_rank"],
+                                          c["predicted_forward_bytes"])
+        assert c["forward_bytes"] == c["predicted_forward_bytes"]
+        assert c["step_bytes_match"] is True, (c["scheme"], c["seq_len"], c["step_bytes_per_rank"],
+                                               c["predicted_step_bytes"])
+
+
+def test_memory_prediction_and_tsp_lowest(sweep):
+    cells = [c for c in sweep[1]["cells"] if c["status"] == "ok"]
+    for c in cells:
+        if c["scheme"] in OURS:
+            assert abs(c["peak_error_pct"]) <= 15, (c["scheme"], c["seq_len"], c["peak_error_pct"])
+    for S in (32, 64):
+        peaks = {c["scheme"]: c["peak_bytes"] for c in cells if c["seq_len"] == S}
+        assert min(peaks, key=peaks.get) == "tsp", (S, peaks)
+    ratio = sweep[1]["tp_vs_torch_tp"]
+    assert set(ratio["ratio_by_seq_len"]) == {"30", "32", "64"} and ratio["max_ratio"] > 0
+    assert set(ratio["cell_ratio_by_seq_len"]) == {"30", "32", "64"}
+    for p in ratio["interleaved"].values():
+        assert len(p["tp"]["step_times_s"]) == len(p["torch_tp"]["step_times_s"]) == 1
+
+
+def test_markdown_and_plots_written(sweep):
+    _, result, out = sweep
+    assert json.loads((out / "results.json").read_text())["cells"] == result["cells"]
+    md = (out / "results.md").read_text()
+    assert "| scheme | mesh | S | peak MiB | predicted MiB |" in md
+    assert "| tsp | tsp=2 | 64 |" in md and "n/a: sequence length 30" in md and "tp / torch_tp" in md
+    for name in ("memory_vs_seq.png", "throughput_vs_seq.png", "bytes_pred_vs_meas.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 10_000, name
+
+
+def test_max_seq_under_finds_tsp_longest(tmp_path, capsys):
+    # 0.003 GiB = 3.1 MiB: the tiny model's TSP fits S = 128 on 2 ranks, every other scheme only S = 64.
+    budget = 0.003
+    assert run_bench(parse([*TINY, "--max-seq-under", str(budget), "--max-seq-start", "32", "--max-seq-cap", "512",
+                            "--schemes", "tsp,tp,sp,dp", "--out", str(tmp_path), "--json"])) == 0
+    result = json.loads(capsys.readouterr().out)
+    longest = {s: r["longest_seq_len"] for s, r in result["schemes"].items()}
+    assert longest == {"tsp": 128, "tp": 64, "sp": 64, "dp": 64}, longest
+    for r in result["schemes"].values():
+        last = r["tried"][-1]
+        assert last["peak_bytes"] > budget * 2**30 >= max(t["peak_bytes"] for t in r["tried"][:-1])
+    assert (tmp_path / "max_seq.md").read_text().count("| tsp |") >= 2
+    assert (tmp_path / "max_seq.png").read_bytes().startswith(PNG)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_nproc_must_match_torchrun_world(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--nproc 4 does not match the torchrun world of 2 ranks"):
+        run_bench(parse(["--nproc", "4"]))
+
+
+def test_bad_flags():
+    with pytest.raises(SystemExit):
+        parse(["--schemes", "tsp,zero"])
+    with pytest.raises(ValueError, match="--steps must be at least 1"):
+        run_bench(parse(["--steps", "0"]))
+
+
+def test_mesh_degrees():
+    assert scheme_degrees("tp_sp", 4) == {"dp": 1, "tsp": 1, "tp": 2, "sp": 2}
+    assert scheme_degrees("tp_sp", 8) == {"dp": 1, "tsp": 1, "tp": 4, "sp": 2}
+    assert scheme_degrees("torch_tp", 4)["tp"] == 4 and scheme_degrees("tsp", 4)["tsp"] == 4
+
+
+def test_flags_and_report_do_not_import_torch():
+    code = ("import sys, argparse; import torchtsp.bench.args as a, torchtsp.bench.report; "
+            "a.add_bench_arguments(argparse.ArgumentParser()); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": "src"})
