@@ -194,3 +194,12 @@ def test_hf_in_and_out(pools, tmp_path):
     trained.load_state_dict(weights)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out")
     assert torch.equal(hf(tokens).logits, trained(tokens))
+
+
+def test_torchrun_launch_uses_the_launched_ranks(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", "2", "-m", "torchtsp", "train", "--steps", "2", "--batch-size", "4",
+           "--seq-len", "32", "--sample-tokens", "0", "--out", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("summary") == 1 and "tsp / tsp=2" in result.stdout  # TSP took both ranks

@@ -25,8 +25,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
     if _launched_by_torchrun():
-        summary = run_training(cfg)
-        show = comm.global_rank() == 0
+        try:
+            summary = run_training(cfg)
+            show = comm.global_rank() == 0
+        finally:
+            comm.destroy_process_group()
     else:
         nproc = cfg.nproc or cfg.dp * (cfg.tsp or 1) * cfg.tp * cfg.sp
         if nproc == 1:

@@ -69,7 +69,8 @@ def destroy_process_group() -> None:
 
 
 def world_size() -> int:
-    return dist.get_world_size() if is_initialized() else 1
+    """Ranks in the job: the process group's, or the launcher's (torchrun) before the group exists."""
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
 def global_rank() -> int:

@@ -57,9 +57,9 @@ def model_config_and_weights(cfg: TrainConfig):
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.rank = comm.global_rank()
         self.degrees = mesh_degrees(cfg, comm.world_size())
-        self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)
+        self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)  # creates the process group if needed
+        self.rank = comm.global_rank()
         self.model_cfg, weights = model_config_and_weights(cfg)
 
         torch.manual_seed(cfg.seed)
