@@ -25,3 +25,20 @@ def compare_with_reference(model, ref, loss, ref_loss) -> dict:
     names = sorted(n for n, _ in ref.named_parameters())
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "names": sorted(grads) == names,
             "grad_err": {n: rel_err(grads[n], p.grad) for n, p in ref.named_parameters()}}
+
+
+def run_against_reference(cfg, mesh, scheme, B, S, **options) -> dict:
+    """Run ``scheme`` and the reference (same seed, same batch) forward + backward and compare them."""
+    import copy
+
+    import torchtsp
+
+    torch.manual_seed(0)
+    ref = torchtsp.Transformer(cfg)
+    tokens, labels = batch(cfg, B, S)
+    model = torchtsp.parallelize(copy.deepcopy(ref), mesh, scheme, **options)
+    loss = model.loss(tokens, labels)
+    loss.backward()
+    ref_loss = ref.loss(tokens, labels)
+    ref_loss.backward()
+    return compare_with_reference(model, ref, loss, ref_loss)

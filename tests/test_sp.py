@@ -1,13 +1,12 @@
 """SP (zigzag sequence parallelism) against the single-device reference: exactness, traffic, bad input."""
 
-import copy
 import re
 
 import pytest
 import torch
 
 import torchtsp
-from helpers import batch, compare_with_reference
+from helpers import batch, run_against_reference
 from torchtsp.analysis import sp_layer_forward_recv_elements
 
 CFG = dict(n_layers=2, max_seq_len=4096)
@@ -29,15 +28,7 @@ def exactness_on_rank(world):
     mesh = torchtsp.init_mesh(sp=world)
     out = {}
     for name, cfg in CASES.items():
-        torch.manual_seed(0)
-        ref = torchtsp.Transformer(cfg)
-        tokens, labels = batch(cfg, B, S)
-        model = torchtsp.parallelize(copy.deepcopy(ref), mesh, "sp")
-        loss = model.loss(tokens, labels)
-        loss.backward()
-        ref_loss = ref.loss(tokens, labels)
-        ref_loss.backward()
-        out[name] = compare_with_reference(model, ref, loss, ref_loss)
+        out[name] = run_against_reference(cfg, mesh, "sp", B, S)
     return out
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchtsp
-from helpers import batch, compare_with_reference
+from helpers import batch, run_against_reference
 from torchtsp.analysis import tsp_layer_forward_recv_elements
 from torchtsp.memory import measure_peak
 from torchtsp.parallel.tsp import TSPAttention, TSPFeedForward
@@ -33,16 +33,7 @@ def exactness_on_rank(world, names):
     mesh = torchtsp.init_mesh(tsp=world)
     out = {}
     for name in names:
-        cfg = CASES[name]
-        torch.manual_seed(0)
-        ref = torchtsp.Transformer(cfg)
-        tokens, labels = batch(cfg, B, S)
-        model = torchtsp.parallelize(copy.deepcopy(ref), mesh, "tsp")
-        loss = model.loss(tokens, labels)
-        loss.backward()
-        ref_loss = ref.loss(tokens, labels)
-        ref_loss.backward()
-        out[name] = compare_with_reference(model, ref, loss, ref_loss)
+        out[name] = run_against_reference(CASES[name], mesh, "tsp", B, S)
     return out
 
 
