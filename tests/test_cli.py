@@ -26,8 +26,14 @@ def test_train_loss_falls(tmp_path):
 
 
 def test_unimplemented_command(capsys):
-    assert main(["bench"]) == 2
-    assert "torchtsp bench: not implemented yet" in capsys.readouterr().err
+    assert main(["generate"]) == 2
+    assert "torchtsp generate: not implemented yet" in capsys.readouterr().err
+
+
+def test_plan_runs_from_the_command_line():
+    result = torchtsp("plan", "--preset", "paper-7b", "--seq-len", "131072", "--gpus", "8")
+    assert result.returncode == 0, result.stderr
+    assert "recommended:" in result.stdout and "38.8" in result.stdout  # the paper's TSP figure beside ours
 
 
 def test_missing_data_is_a_one_line_error():
