@@ -203,3 +203,17 @@ def test_torchrun_launch_uses_the_launched_ranks(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("summary") == 1 and "tsp / tsp=2" in result.stdout  # TSP took both ranks
+
+
+def test_toml_settings_are_overridden_by_flags(tmp_path):
+    from torchtsp.train.config import build_config
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('[train]\nsteps = 7\nseq-len = 64\nscheme = "tp"\n')
+    cfg = build_config(str(toml), steps=9, seq_len=None)  # None: flag not given
+    assert (cfg.steps, cfg.seq_len, cfg.scheme) == (9, 64, "tp")
+    toml.write_text("stepz = 3\n")
+    with pytest.raises(ValueError, match="unknown setting\\(s\\) stepz"):
+        build_config(str(toml))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_config(str(tmp_path / "missing.toml"))
