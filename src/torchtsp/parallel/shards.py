@@ -47,3 +47,23 @@ class PackedLayout:
         per_rank = [self.unpack(buf) for buf in gathered]
         return {p.name: torch.cat([parts[i] for parts in per_rank], dim=p.shard_dim)
                 for i, p in enumerate(self.parts)}
+
+
+def check_splittable(cfg, world: int, scheme: str, symbol: str) -> None:
+    """Raise ValueError (before any communication) unless heads, KV heads and the FFN split over ``world``."""
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % world:
+            raise ValueError(f"{scheme} over {symbol}={world} ranks needs {name}={getattr(cfg, name)} divisible by "
+                             f"{world}; choose a {scheme} degree that divides it")
+
+
+def vocab_shard(weight: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank's rows of a [V, h] vocabulary weight, V padded with zero rows to a multiple of ``world``."""
+    padded = -(-weight.shape[0] // world) * world
+    return torch.nn.functional.pad(weight, (0, 0, 0, padded - weight.shape[0])).chunk(world)[rank].clone()
+
+
+def real_vocab_rows(local: torch.Tensor, vocab_size: int, rank: int) -> torch.Tensor:
+    """The non-padding rows of a vocabulary shard (a view); the split is torch.chunk's split of V."""
+    rows = local.shape[0]
+    return local[: max(0, min(rows, vocab_size - rank * rows))]

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
 from .base import ParallelTransformer
+from .shards import check_splittable
 
 
 class _LossParallelCrossEntropy(torch.autograd.Function):
@@ -82,14 +83,6 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
         return dlogits, None
 
 
-def check_torch_tp_compatible(cfg, tp: int) -> None:
-    """Raise ValueError (before any communication) if cfg cannot be split over ``tp`` ranks."""
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % tp:
-            raise ValueError(f"torch_tp over T={tp} ranks needs {name}={getattr(cfg, name)} divisible by {tp}; "
-                             f"choose a TP degree that divides it")
-
-
 class TorchTPTransformer(ParallelTransformer):
     """A reference ``Transformer`` parallelised in place by ``torch.distributed.tensor.parallel``."""
 
@@ -109,7 +102,7 @@ class TorchTPTransformer(ParallelTransformer):
         self.tp = self.mesh.size()
         self.sequence_parallel = sequence_parallel
         self.timeout_s = timeout_s  # not applied: DTensor's collectives use the process group's timeout
-        check_torch_tp_compatible(model.cfg, self.tp)
+        check_splittable(model.cfg, self.tp, "torch_tp", "T")
 
         sp = sequence_parallel
         resid = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks

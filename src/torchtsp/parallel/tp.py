@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin
 from .base import ParallelTransformer, ReplicatedGrad
+from .shards import check_splittable, real_vocab_rows, vocab_shard
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
 
@@ -224,14 +225,6 @@ LAYER_PARAMS = {
 }
 
 
-def check_tp_compatible(cfg, tp: int) -> None:
-    """Raise ValueError (before any communication) if cfg cannot be split over ``tp`` ranks."""
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % tp:
-            raise ValueError(f"TP over T={tp} ranks needs {name}={getattr(cfg, name)} divisible by {tp}; "
-                             f"choose a TP degree that divides it")
-
-
 def check_mesh_axes(mesh, scheme: str, axes: tuple[str, ...]) -> None:
     """Raise ValueError if ``mesh`` has an axis of size > 1 that ``scheme`` does not use (dp is the trainer's)."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -273,16 +266,14 @@ class TPTransformer(ParallelTransformer):
 
     def _shard(self, model: Transformer, tp: AxisComm) -> None:
         cfg, T, p = model.cfg, tp.size, tp.rank
-        check_tp_compatible(cfg, T)
-        self.padded_vocab = -(-cfg.vocab_size // T) * T
+        check_splittable(cfg, T, "TP", "T")
         full = {name: t.detach() for name, t in model.state_dict().items()}
-        pad = lambda w: F.pad(w, (0, 0, 0, self.padded_vocab - cfg.vocab_size)).chunk(T)[p].clone()
-        self.embedding_shard = nn.Parameter(pad(full["tok_embeddings.weight"]))
+        self.embedding_shard = nn.Parameter(vocab_shard(full["tok_embeddings.weight"], T, p))
         self.layers = nn.ModuleList(
             TPLayer({attr: _slice(full[f"layers.{i}.{ref}"], dim, T, p) for attr, (ref, dim) in LAYER_PARAMS.items()})
             for i in range(cfg.n_layers))
         self.norm = nn.Parameter(full["norm.weight"].clone())
-        self.output_shard = None if cfg.tie_embeddings else nn.Parameter(pad(full["output.weight"]))
+        self.output_shard = None if cfg.tie_embeddings else nn.Parameter(vocab_shard(full["output.weight"], T, p))
         model.to("meta")  # release the full weights: this rank keeps only its shards
 
     # -- hooks that TP x SP (tp_sp.py) overrides ---------------------------------
@@ -353,15 +344,10 @@ class TPTransformer(ParallelTransformer):
 
     # -- full views (for checks, checkpoints, export) -------------------------------
 
-    def _vocab_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """The real (non-padding) rows of a vocabulary shard; the split is torch.chunk's split of V."""
-        rows = local.shape[0]
-        return local[: max(0, min(rows, self.cfg.vocab_size - self.tp.rank * rows))]
-
     def reference_parts(self, name, local):
         if name in ("embedding_shard", "output_shard"):
             ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
-            return [(ref, self._vocab_rows(local), {"tp": 0})]
+            return [(ref, real_vocab_rows(local, self.cfg.vocab_size, self.tp.rank), {"tp": 0})]
         if name == "norm":
             return [("norm.weight", local, {})]
         prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>

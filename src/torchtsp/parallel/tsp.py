@@ -28,7 +28,7 @@ from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_at
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
 from .base import ParallelTransformer, ReplicatedGrad, global_mean
-from .shards import PackedLayout, Part
+from .shards import PackedLayout, Part, check_splittable, real_vocab_rows, vocab_shard
 
 WEIGHT_TAG, GRAD_TAG = 0, 1  # separate point-to-point streams for weights and travelling gradients
 
@@ -264,7 +264,6 @@ class TSPBlocks:
     def __init__(self, cfg, comm: AxisComm):
         D, h, d = comm.size, cfg.dim, cfg.head_dim
         self.cfg, self.comm = cfg, comm
-        self.padded_vocab = -(-cfg.vocab_size // D) * D
         self.attention_layout = PackedLayout((
             Part("attention.wq.weight", (cfg.n_heads * d, h), 0),
             Part("attention.wk.weight", (cfg.n_kv_heads * d, h), 0),
@@ -308,14 +307,6 @@ class TSPBlocks:
         return logits
 
 
-def check_tsp_compatible(cfg, world: int) -> None:
-    """Raise ValueError (before any communication) if cfg cannot be split over `world` ranks."""
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % world:
-            raise ValueError(f"TSP over D={world} ranks needs {name}={getattr(cfg, name)} divisible by {world}; "
-                             f"choose a TSP degree that divides it")
-
-
 class TSPLayer(nn.Module):
     def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm):
         super().__init__()
@@ -335,12 +326,11 @@ class TSPTransformer(ParallelTransformer):
         self.recompute = recompute
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
         cfg, D, p = model.cfg, comm.size, comm.rank
-        check_tsp_compatible(cfg, D)
+        check_splittable(cfg, D, "TSP", "D")
         self.comm = comm
         self.blocks = TSPBlocks(cfg, comm)
         full = {name: t.detach() for name, t in model.state_dict().items()}
-        emb = F.pad(full["tok_embeddings.weight"], (0, 0, 0, self.blocks.padded_vocab - cfg.vocab_size))
-        self.embedding_shard = nn.Parameter(emb.chunk(D)[p].clone())
+        self.embedding_shard = nn.Parameter(vocab_shard(full["tok_embeddings.weight"], D, p))
         self.layers = nn.ModuleList()
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
@@ -351,8 +341,7 @@ class TSPTransformer(ParallelTransformer):
         self.norm = nn.Parameter(full["norm.weight"].clone())
         self.output_shard = None
         if not cfg.tie_embeddings:
-            head = F.pad(full["output.weight"], (0, 0, 0, self.blocks.padded_vocab - cfg.vocab_size))
-            self.output_shard = nn.Parameter(head.chunk(D)[p].clone())
+            self.output_shard = nn.Parameter(vocab_shard(full["output.weight"], D, p))
         model.to("meta")  # release the full weights: this rank keeps only its shards
 
     # -- batches ------------------------------------------------------------
@@ -392,10 +381,8 @@ class TSPTransformer(ParallelTransformer):
     def reference_parts(self, name, local):
         blocks, p = self.blocks, self.comm.rank
         if name in ("embedding_shard", "output_shard"):
-            # Vocabulary rows beyond V are padding; real rows follow torch.chunk's split of V.
-            rows = local.shape[0]
             ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
-            return [(ref, local[: max(0, min(rows, self.cfg.vocab_size - p * rows))], {"tsp": 0})]
+            return [(ref, real_vocab_rows(local, self.cfg.vocab_size, p), {"tsp": 0})]
         layer, _, kind = name.rpartition(".")
         if kind in ("attention_shard", "mlp_shard"):
             layout = blocks.attention_layout if kind == "attention_shard" else blocks.mlp_layout
