@@ -217,3 +217,15 @@ def test_toml_settings_are_overridden_by_flags(tmp_path):
         build_config(str(toml))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         build_config(str(tmp_path / "missing.toml"))
+
+
+def test_resume_under_another_scheme_and_dp_traffic_is_counted(pools, tmp_path):
+    first = run(pools, 2, tmp_path, "tsp", tsp=2, steps=4, checkpoint_every=2)
+    resumed = run(pools, 2, tmp_path, "tp", scheme="tp", tp=2, steps=4,
+                  resume=str(tmp_path / "tsp" / "checkpoints" / "step_000002"))
+    # Another scheme sums in another order: float32 round-off over two steps.
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resumed["losses"], first["losses"][2:]))
+    assert sorted(losses(tmp_path / "tp")) == [3, 4]
+    run(pools, 2, tmp_path, "dp", scheme="dp", dp=2, steps=1)
+    record = json.loads((tmp_path / "dp" / "metrics.jsonl").read_text())
+    assert record["bytes_recv_rank0"] > 0  # the dp scheme's gradient all-reduces are counted

@@ -14,24 +14,65 @@ import torch
 
 from . import zigzag
 
+KEY_BLOCK = 1024  # keys per block of the portable kernel: bounds its score matrix to [Lq, KEY_BLOCK]
+
+
+def _block_scores(q, k, a: int, b: int, causal: bool):
+    """float32 scaled scores of q against keys [a, b); causal masks key j > query i (square part)."""
+    s = (q.float() @ k[..., a:b, :].float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(a, b, device=q.device)[None, :] > rows, float("-inf"))
+    return s
+
+
+def portable_forward(q, k, v, causal: bool):
+    """Flash-style attention in plain PyTorch ops, any device: (out, lse float32), keys in blocks."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for a in range(0, k.shape[-2], KEY_BLOCK):
+        b = min(a + KEY_BLOCK, k.shape[-2])
+        s = _block_scores(q, k, a, b, causal)
+        new_lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+        # Causal rows see key 0 in the first block, so new_lse is finite and no -inf - -inf arises.
+        p = torch.exp(s - new_lse.unsqueeze(-1))
+        out = out * torch.exp(lse - new_lse).unsqueeze(-1) + p @ v[..., a:b, :].float()
+        lse = new_lse
+    return out.to(q.dtype), lse
+
+
+def portable_backward(dout, q, k, v, out, lse, causal: bool):
+    """Gradients of ``portable_forward`` given the (merged) output and LSE, keys in blocks."""
+    scale = q.shape[-1] ** -0.5
+    delta = (dout.float() * out.float()).sum(-1, keepdim=True)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    for a in range(0, k.shape[-2], KEY_BLOCK):
+        b = min(a + KEY_BLOCK, k.shape[-2])
+        p = torch.exp(_block_scores(q, k, a, b, causal) - lse.unsqueeze(-1))
+        dv[..., a:b, :] = p.transpose(-1, -2) @ dout.float()
+        ds = p * (dout.float() @ v[..., a:b, :].float().transpose(-1, -2) - delta)
+        dq += ds @ k[..., a:b, :].float() * scale
+        dk[..., a:b, :] = ds.transpose(-1, -2) @ q.float() * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
 
 def _flash_forward(q, k, v, causal: bool):
-    """(out [B,H,Lq,d], lse [B,H,Lq] float32) for same-head-count q, k, v of layout [B, H, L, d]."""
-    if q.device.type == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-        return out, lse[..., : q.shape[-2]]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    """(out [B,H,Lq,d], lse [B,H,Lq] float32) for same-head-count q, k, v of layout [B, H, L, d].
+
+    CPU: PyTorch's fused flash kernel (it returns the LSE). Elsewhere the portable kernel: exact and
+    memory-bounded, but unfused; a fused CUDA kernel with LSE in and out is future work (no GPU run yet).
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return portable_forward(q, k, v, causal)
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal: bool):
-    if q.device.type == "cuda":
-        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, torch.empty(0, device=q.device), out, lse.contiguous(), seed, offset, 0.0,
-            [True, True, True, False], causal)
-        return dq, dk, dv
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    return portable_backward(dout, q, k, v, out, lse, causal)
 
 
 def _key_parts(chunk: int, chunk_len: int):

@@ -137,7 +137,11 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if not self._done:
             for work in self._works:
-                if not work.wait(self._comm.timeout):
+                if self._result.device.type != "cpu":
+                    # NCCL: a wait with a timeout would block the host until the kernel ends; a plain wait
+                    # only orders the streams, and NCCL's watchdog enforces the group's timeout.
+                    work.wait()
+                elif not work.wait(self._comm.timeout):
                     raise TimeoutError(f"{self._op} ({self._label}) on axis {self._comm.name!r} timed out")
             self._comm._record("wait", self._op, self._label)
             self._done = True

@@ -40,9 +40,13 @@ class ReplicatedGrad(torch.autograd.Function):
 
 
 def global_mean(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """Mean loss over every token of every rank on ``comm``: sum of local NLL sums / global token count."""
+    """Mean loss over every token of every rank on ``comm``: sum of local NLL sums / global token count.
+
+    A batch without any target is 0 with zero gradients (not 0/0 = NaN, which would poison a
+    data-parallel gradient sum).
+    """
     count = comm.all_reduce((labels != IGNORE_INDEX).sum().to(nll_sum.dtype), label="loss")
-    return SumOverAxis.apply(nll_sum, comm) / count
+    return SumOverAxis.apply(nll_sum, comm) / count.clamp_min(1)
 
 
 class ParallelTransformer(nn.Module):

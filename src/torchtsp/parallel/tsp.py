@@ -143,6 +143,8 @@ class TSPAttention(torch.autograd.Function):
                 dx_kv, dw_kv = torch.autograd.grad(kv, (x_, w_), dkv)
             dx += dx_q + dx_kv
             # Every rank's partial gradient of head group j goes to its owner j; keep at most two in flight.
+            # (One reduce-scatter of all groups at the end moves the same bytes but would hold every
+            # group's partial gradient, the full layer's worth, at once: the 1/D promise forbids it.)
             reducing.append((j, comm.reduce(dw_q + dw_kv, dst=j, async_op=True, label=("attention.backward", j))))
             settle(keep=1)
         settle(keep=0)

@@ -38,13 +38,16 @@ def training_state(model, optimizer, named_params, mesh, step: int) -> dict:
     loading fills these tensors and the optimizer's moments in place.
     """
     shapes = reference_shapes(model.cfg)
-    state: dict = {"train/step": step, "train/rng": torch.get_rng_state()}
+    # AdamW counts steps per parameter, but every parameter steps together: one counter is stored,
+    # so the checkpoint does not depend on how a scheme names its local parameters.
+    state: dict = {"train/step": step, "train/rng": torch.get_rng_state(),
+                   "optim/step": torch.zeros((), dtype=torch.float32)}
     for name, param in named_params:
         moments = optimizer.state[param]
         if not moments:  # before the first step: create AdamW's state so that loading can fill it
             moments.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
                            exp_avg_sq=torch.zeros_like(param))
-        state[f"optim/step/{name}"] = moments["step"]
+        state["optim/step"].copy_(moments["step"])
         for key, tensor in (("model", param.data), ("optim/exp_avg", moments["exp_avg"]),
                             ("optim/exp_avg_sq", moments["exp_avg_sq"])):
             for ref, piece, shard_dims in model.reference_parts(name, tensor):
@@ -65,8 +68,12 @@ def save(run_dir: str | Path, state: dict, meta: dict) -> Path:
     comm.barrier()
     if comm.global_rank() == 0:
         (tmp / META).write_text(json.dumps({"format": FORMAT, "version": 1, **meta}, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
+        old = root / f".{name}.old"
+        if final.exists():  # saving a step again (a resumed run): keep the old copy until the new one is in
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)  # publish: the folder appears complete or not at all
+        shutil.rmtree(old, ignore_errors=True)
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(name)
         os.replace(pointer, root / LATEST)
@@ -106,6 +113,12 @@ def check_model_matches(meta: dict, cfg: ModelConfig, checkpoint: Path) -> None:
     if diffs:
         raise ValueError(f"checkpoint {checkpoint} holds a different model shape ({'; '.join(diffs)}); "
                          f"resume with the same model settings")
+
+
+def restore_optimizer_steps(optimizer, state: dict) -> None:
+    """After ``load``: every parameter's AdamW step count is the stored one."""
+    for moments in optimizer.state.values():
+        moments["step"].copy_(state["optim/step"])
 
 
 def load(checkpoint: Path, state: dict) -> None:

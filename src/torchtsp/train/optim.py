@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 
@@ -14,7 +13,8 @@ def warmup_cosine(step: int, steps: int, warmup: int, min_ratio: float = 0.1) ->
     """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at the last step."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    decay_steps = steps - 1 - warmup
+    progress = 1.0 if decay_steps <= 0 else (step - warmup) / decay_steps
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -42,15 +42,16 @@ def global_grad_norm(grads, comms: dict[str, AxisComm]) -> torch.Tensor:
     sharded over the same axes are summed locally, then over those axes; replicated pieces are
     identical on every rank and are counted as they are.
     """
-    squares: dict[tuple[str, ...], torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float32))
+    squares: dict[tuple[str, ...], torch.Tensor] = {}
     for piece, shard_dims in grads:
-        squares[tuple(sorted(shard_dims))] += piece.float().pow(2).sum()
-    total = torch.zeros((), dtype=torch.float32)
+        key = tuple(sorted(shard_dims))
+        squares[key] = squares.get(key, 0.0) + piece.float().pow(2).sum()
+    total = 0.0
     for axes, sq in squares.items():
         for axis in axes:
             sq = comms[axis].all_reduce(sq, label="grad_norm")
-        total += sq
-    return total.sqrt()
+        total = total + sq
+    return torch.as_tensor(total, dtype=torch.float32).sqrt()
 
 
 class MasterWeights:

@@ -60,19 +60,23 @@ class Trainer:
         self.degrees = mesh_degrees(cfg, comm.world_size())
         self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)  # creates the process group if needed
         self.rank = comm.global_rank()
+        # init_mesh picked the device (CUDA under NCCL): the model and every batch live there.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
+            else torch.device("cpu")
         self.model_cfg, weights = model_config_and_weights(cfg)
 
         torch.manual_seed(cfg.seed)
         model = Transformer(self.model_cfg)
         if weights is not None:
             model.load_state_dict(weights)
+        model.to(self.device)
         options = {"recompute": True} if cfg.recompute else {}
         self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s, **options)
         # The dp scheme spans the dp axis itself; every other scheme is replicated over it from here.
         self.dp = AxisComm(None, "dp") if cfg.scheme == "dp" else AxisComm.from_mesh(self.mesh, "dp", cfg.timeout_s)
         if cfg.batch_size % self.dp.size:
             raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --dp {self.dp.size}")
-        self.comms = {**self.model.comms(), "dp": self.dp}
+        self.comms = self.model.comms() if cfg.scheme == "dp" else {**self.model.comms(), "dp": self.dp}
 
         params = dict(self.model.named_parameters())
         self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
@@ -88,7 +92,7 @@ class Trainer:
     # -- one step -----------------------------------------------------------
 
     def train_step(self, step: int) -> tuple[float, float]:
-        tokens, labels = self.windows.inputs_and_labels(step)
+        tokens, labels = (t.to(self.device) for t in self.windows.inputs_and_labels(step))
         counts = [(rows != IGNORE_INDEX).sum().item() for rows in labels.chunk(self.dp.size)]
         share = counts[self.dp.rank] / max(1, sum(counts))
         rows = slice(self.dp.rank * len(tokens) // self.dp.size, (self.dp.rank + 1) * len(tokens) // self.dp.size)
@@ -96,7 +100,8 @@ class Trainer:
         (loss * share).backward()
         params = [p for _, p in self.model.named_parameters()]
         if self.dp.size > 1:  # one flat all-reduce of every gradient over the replicas
-            flat = self.dp.all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), label="dp.grad")
+            # Summed in float32: a bf16 sum over replicas would lose the low bits of every gradient.
+            flat = self.dp.all_reduce(torch.cat([p.grad.reshape(-1).float() for p in params]), label="dp.grad")
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(g.view_as(p))
         if self.master:
@@ -137,6 +142,7 @@ class Trainer:
         checkpoint.check_model_matches(checkpoint.read_meta(ckpt), self.model_cfg, ckpt)
         state = self.state(0)
         checkpoint.load(ckpt, state)
+        checkpoint.restore_optimizer_steps(self.optimizer, state)
         if self.master:
             self.master.masters_to_params()
         self.start_step = state["train/step"]
@@ -147,6 +153,16 @@ class Trainer:
         if self.rank == 0 and not self.stop_requested:
             tqdm.write("torchtsp: stopping after this step and saving a checkpoint", file=sys.stderr)
         self.stop_requested = True
+
+    def _open_metrics(self):
+        """metrics.jsonl: a fresh run starts it anew; a resumed run keeps the steps up to its checkpoint."""
+        path = self.out / "metrics.jsonl"
+        kept = []
+        if self.cfg.resume and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        return path.open("a")
 
     def _counting(self):
         stack = contextlib.ExitStack()
@@ -160,8 +176,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         world = AxisComm.world(cfg.timeout_s)
-        # A resumed run appends to its metrics; a fresh run starts them anew.
-        log = (self.out / "metrics.jsonl").open("a" if cfg.resume else "w") if self.rank == 0 else None
+        log = self._open_metrics() if self.rank == 0 else None
         bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
                    dynamic_ncols=True, disable=self.rank != 0)
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -176,7 +191,7 @@ class Trainer:
                     if measure:  # live-tensor peak of a whole step once optimizer state exists
                         (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
                                                                 self.optimizer)
-                        peak = world.all_gather(torch.tensor(float(local_peak))).max().item()
+                        peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
                     else:
                         loss, norm = self.train_step(step)
                 elapsed = time.perf_counter() - start
@@ -194,7 +209,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
                                 mem=f"{peak / 2**20:.1f}MiB" if peak else "-")
-                stop = world.all_reduce(torch.tensor(float(self.stop_requested)), label="stop").item() > 0
+                flag = torch.tensor(float(self.stop_requested), device=self.device)
+                stop = world.all_reduce(flag, label="stop").item() > 0
                 if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
                     where = self.save(step)
                     if stop:
