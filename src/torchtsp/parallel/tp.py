@@ -67,6 +67,14 @@ def scatter_seq(comm: AxisComm, y: torch.Tensor, async_op: bool = False, label: 
     return comm.reduce_scatter(per_rank.contiguous(), async_op=async_op, label=label)
 
 
+def sum_partials(comm: AxisComm, y: torch.Tensor, sequence_parallel: bool, label: str, async_op: bool = False):
+    """Sum per-rank partial results over the axis: all of it (all-reduce, TP), or this rank's
+    sequence chunk (reduce-scatter, SP)."""
+    if sequence_parallel:
+        return scatter_seq(comm, y, async_op=async_op, label=label)
+    return comm.all_reduce(y, async_op=async_op, label=label)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., n] -> [tokens, n] (a view for contiguous tensors)."""
     return t.reshape(-1, t.shape[-1])
@@ -106,8 +114,7 @@ class ColumnParallelLinear(torch.autograd.Function):
                 dx.addmm_(dy, w)
             dx = dx.view(*full_shape, -1)
             # In flight while the weight gradients are computed.
-            reducing = (scatter_seq(comm, dx, async_op=True, label="tp.column.grad") if sp
-                        else comm.all_reduce(dx, async_op=True, label="tp.column.grad"))
+            reducing = sum_partials(comm, dx, sp, "tp.column.grad", async_op=True)
         dws = [None] * len(weights)
         if any(need_dw):
             x_rows = _rows(regather() if sp else x)
@@ -123,10 +130,7 @@ class RowParallelLinear(torch.autograd.Function):
     def forward(ctx, x, w, comm: AxisComm, sequence_parallel: bool):
         ctx.save_for_backward(x, w)
         ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
-        y = F.linear(x, w)  # a fresh tensor: reduced in place
-        if sequence_parallel:
-            return scatter_seq(comm, y, label="tp.row.reduce_scatter")
-        return comm.all_reduce(y, label="tp.row.all_reduce")
+        return sum_partials(comm, F.linear(x, w), sequence_parallel, "tp.row")  # fresh: reduced in place
 
     @staticmethod
     def backward(ctx, dy):
@@ -152,9 +156,7 @@ class VocabParallelEmbedding(torch.autograd.Function):
         x = F.embedding(local, w).masked_fill_(outside.unsqueeze(-1), 0.0)
         ctx.save_for_backward(local, outside)
         ctx.comm, ctx.sequence_parallel, ctx.rows = comm, sequence_parallel, rows
-        if sequence_parallel:
-            return scatter_seq(comm, x, label="tp.embedding.reduce_scatter")
-        return comm.all_reduce(x, label="tp.embedding.all_reduce")
+        return sum_partials(comm, x, sequence_parallel, "tp.embedding")
 
     @staticmethod
     def backward(ctx, dx):
