@@ -24,7 +24,7 @@ def dp_on_rank(world):
         ref = torchtsp.Transformer(cfg)
         tokens, labels = batch(cfg, 4, 16)
         model = torchtsp.parallelize(copy.deepcopy(ref), mesh, "dp")
-        with model.comm.counting() as fwd:
+        with model.comms()["dp"].counting() as fwd:
             loss = model.loss(tokens, labels)
         loss.backward()
         ref_loss = ref.loss(tokens, labels)
@@ -49,8 +49,10 @@ def test_unknown_scheme_and_option_are_clear_errors():
     model = torchtsp.Transformer(CASES["mha_untied"])
     with pytest.raises(ValueError, match="unknown scheme 'zero'"):
         torchtsp.parallelize(model, None, "zero")
-    with pytest.raises(ValueError, match="scheme 'dp' does not support recompute"):
-        torchtsp.parallelize(model, None, "dp", recompute=True)
+    with pytest.raises(ValueError, match="scheme 'torch_tp' does not support recompute"):
+        torchtsp.parallelize(model, None, "torch_tp", recompute=True)
+    with pytest.raises(ValueError, match="scheme 'dp' does not support sequence_parallel"):
+        torchtsp.parallelize(model, None, "dp", sequence_parallel=True)
 
 
 MEMORY_CFG = torchtsp.ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=768, vocab_size=257,

@@ -18,11 +18,10 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchtsp.config import ModelConfig
+from torchtsp.convert import convert_checkpoint, detect_checkpoint_kind
 from torchtsp.hf import (
     config_from_hf,
     config_to_hf,
-    convert_checkpoint,
-    detect_checkpoint_kind,
     from_hf_state_dict,
     load_hf_checkpoint,
     load_torchtsp_checkpoint,

@@ -9,11 +9,8 @@ import sys
 
 from .config import PRESETS
 from .errors import RankFailedError
+from .runenv import launched_by_torchrun
 from .schemes import SCHEMES
-
-
-def _launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -24,14 +21,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.trainer import format_summary, run_training
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
-    if _launched_by_torchrun():
+    if launched_by_torchrun():
         try:
             summary = run_training(cfg)
             show = comm.global_rank() == 0
         finally:
             comm.destroy_process_group()
     else:
-        nproc = cfg.nproc or cfg.dp * (cfg.tsp or 1) * cfg.tp * cfg.sp
+        nproc = cfg.nproc or (cfg.dp or 1) * (cfg.tsp or 1) * (cfg.tp or 1) * (cfg.sp or 1)
         if nproc == 1:
             summary = run_training(cfg)
         else:
@@ -93,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     try:
-        from .hf import convert_checkpoint
+        from .convert import convert_checkpoint
     except ImportError as e:
         raise OSError(f"convert is unavailable: {e}") from e
     kind = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.force)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop: configs, state-dict names, and checkpoint directories.
+"""Hugging Face Llama interop: configs, state-dict names, and safetensors IO (conversion lives in convert.py).
 
 Two on-disk formats are handled:
 
@@ -19,13 +19,11 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import Transformer
+from .model import reference_shapes
 
 __all__ = [
     "config_from_hf",
     "config_to_hf",
-    "convert_checkpoint",
-    "detect_checkpoint_kind",
     "from_hf_state_dict",
     "load_hf_checkpoint",
     "load_torchtsp_checkpoint",
@@ -183,13 +181,6 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 # --------------------------------------------------------------------------- state dicts
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """torchtsp parameter name -> shape, from a Transformer built on the meta device (no allocation)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def _to_hf_name(name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -229,7 +220,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     With tied embeddings ``lm_head.weight`` is optional; when present it must equal the embedding.
     ``rotary_emb.inv_freq`` buffers are ignored.
     """
-    expected = _expected_shapes(cfg)
+    expected = reference_shapes(cfg)
     hf_expected = {_to_hf_name(k): shape for k, shape in expected.items()}
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if cfg.tie_embeddings and _HF_LM_HEAD in sd:
@@ -251,7 +242,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
     """torchtsp ``Transformer`` state dict -> HF ``LlamaForCausalLM`` names (no ``lm_head`` when tied)."""
-    expected = _expected_shapes(cfg)
+    expected = reference_shapes(cfg)
     _check_state_dict(sd, expected, "torchtsp state dict")
     return {_to_hf_name(k): sd[k] for k in expected}
 
@@ -455,7 +446,7 @@ def _remove_weight_files(path: Path) -> None:
 
 def save_torchtsp_checkpoint(path: str | os.PathLike, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Write ``torchtsp.json`` + ``model.safetensors`` (torchtsp names; a tied embedding is stored once)."""
-    _check_state_dict(sd, _expected_shapes(cfg), "torchtsp state dict")
+    _check_state_dict(sd, reference_shapes(cfg), "torchtsp state dict")
     tensors = _prepare_for_saving(sd)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -492,78 +483,7 @@ def load_torchtsp_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict
         raise FileNotFoundError(f"weights file {weights} not found; re-save the checkpoint")
     sd = _load_safetensors(weights)
     try:
-        _check_state_dict(sd, _expected_shapes(cfg), f"{weights}")
+        _check_state_dict(sd, reference_shapes(cfg), f"{weights}")
     except ValueError as e:
         raise ValueError(f"{e} (config from {meta_path})") from e
     return cfg, sd
-
-
-# --------------------------------------------------------------------------- conversion
-
-
-def _is_training_checkpoint(path: Path) -> bool:
-    return (path / "meta.json").is_file() or (path / "checkpoints" / "latest").is_file()
-
-
-def _load_training_checkpoint(path):
-    from .train.checkpoint import load_full_state_dict  # needs torch.distributed.checkpoint
-
-    return load_full_state_dict(path)
-
-
-def detect_checkpoint_kind(path: str | os.PathLike) -> str:
-    """``"torchtsp"`` if the directory holds torchtsp.json, ``"hf"`` if it holds config.json,
-    ``"train"`` for a training checkpoint (a ``torchtsp train`` run folder or one of its checkpoints)."""
-    path = Path(path)
-    _require_dir(path)
-    if _is_training_checkpoint(path):
-        return "train"
-    if (path / TORCHTSP_CONFIG_NAME).is_file():
-        return "torchtsp"
-    if (path / HF_CONFIG_NAME).is_file():
-        return "hf"
-    raise FileNotFoundError(
-        f"{path} is not a checkpoint directory: it has neither {TORCHTSP_CONFIG_NAME} (torchtsp) "
-        f"nor {HF_CONFIG_NAME} (Hugging Face)"
-    )
-
-
-_LOADERS = {"hf": load_hf_checkpoint, "torchtsp": load_torchtsp_checkpoint, "train": _load_training_checkpoint}
-
-
-def convert_checkpoint(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    to: str | None = None,
-    overwrite: bool = False,
-    max_shard_bytes: int | None = None,
-) -> str:
-    """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
-
-    Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint).
-    A non-empty ``dst`` is refused unless
-    ``overwrite`` (CLI ``--force``); then only checkpoint files in it are replaced.
-    """
-    if to not in (None, "hf", "torchtsp"):
-        raise ValueError(f"unknown target format to={to!r}; choose 'hf' or 'torchtsp'")
-    src, dst = Path(src), Path(dst)
-    kind = detect_checkpoint_kind(src)
-    target = to or ("torchtsp" if kind == "hf" else "hf")
-    if dst.exists():
-        if not dst.is_dir():
-            raise ValueError(f"destination {dst} exists and is not a directory")
-        if dst.resolve() == src.resolve():
-            raise ValueError(f"destination {dst} is the source directory; choose another destination")
-        if any(dst.iterdir()) and not overwrite:
-            raise ValueError(f"destination {dst} is not empty; pass --force (overwrite=True) to overwrite it")
-    cfg, sd = _LOADERS[kind](src)
-    if dst.exists():
-        # Drop the other format's marker so detection of dst cannot find a stale one.
-        for name in (TORCHTSP_CONFIG_NAME, HF_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME):
-            if (dst / name).is_file():
-                (dst / name).unlink()
-    if target == "hf":
-        save_hf_checkpoint(dst, sd, cfg, max_shard_bytes=max_shard_bytes)
-    else:
-        save_torchtsp_checkpoint(dst, sd, cfg)
-    return target

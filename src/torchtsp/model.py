@@ -151,3 +151,9 @@ class Transformer(nn.Module):
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def reference_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the reference model, built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in Transformer(cfg).state_dict().items()}

@@ -1,11 +1,192 @@
-"""Names of the parallel schemes (torch-free, for the command line)."""
+"""The scheme registry: what torchtsp knows about each parallel scheme, in one place, without torch.
 
-# scheme -> "module:class" under torchtsp.parallel; imported on first use.
-SCHEMES = {
-    "tsp": "tsp:TSPTransformer",
-    "dp": "dp:DPTransformer",
-    "tp": "tp:TPTransformer",
-    "sp": "sp:SPTransformer",
-    "tp_sp": "tp_sp:TPSPTransformer",
-    "torch_tp": "torch_tp:TorchTPTransformer",
-}
+Every part of torchtsp that depends on the scheme (``parallelize``, the trainer, ``bench``, ``plan``,
+the memory and traffic models) reads it from here: the mesh axes a scheme uses, how its degrees come
+from flags or the world size, which layouts it can split (``validate``, raised before any rank
+communicates), and the names of its memory and traffic formulas in ``torchtsp.analysis``. Adding a
+scheme means one file under ``parallel/``, one entry below and its formulas (docs/design.md,
+"Adding a scheme").
+
+Data parallelism is not a model axis of any scheme: it is applied over every scheme by
+``parallel/dp.py`` on the ``dp`` mesh axis. The ``dp`` scheme is that wrapper over a model axis of
+size 1 (the whole model on each rank).
+
+This module imports no torch, so ``torchtsp --help`` and ``torchtsp plan`` start instantly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Mesh axes, outermost first: data-parallel replicas, then the sequence axis of TP x SP, then TP, then TSP
+# (innermost, so that one TSP group stays inside a node).
+AXES = ("dp", "sp", "tp", "tsp")
+
+
+def _prod(values) -> int:
+    return math.prod(values)
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One parallel scheme.
+
+    ``axes``: the model axes it parallelises over (``dp`` is applied over any scheme from outside).
+    ``weight_axes``: axes whose ranks each hold 1/degree of every weight matrix and vocabulary row.
+    ``token_axes``: axes whose ranks each hold 1/degree of every sequence (zigzag layout).
+    ``free_axis``: the axis that takes the ranks the flags leave over (``None``: a square T x Σ split).
+    ``options``: keyword options ``parallelize`` accepts besides ``timeout_s``.
+    ``memory_walk``: the memory model's walk for it (``analysis.memory_model``); ``traffic``: the name of
+    its per-step traffic formula in ``analysis.comm_model``. ``None`` for both: not modelled (its traffic
+    is not counted by our comm layer).
+    """
+
+    name: str
+    label: str
+    description: str
+    axes: tuple[str, ...]
+    weight_axes: tuple[str, ...] = ()
+    token_axes: tuple[str, ...] = ()
+    free_axis: str | None = None
+    options: tuple[str, ...] = ()
+    memory_walk: str | None = None
+    traffic: str | None = None
+
+    # -- degrees --------------------------------------------------------------------------
+
+    def degrees(self, world: int, dp: int | None = None, tsp: int | None = None, tp: int | None = None,
+                sp: int | None = None) -> dict[str, int]:
+        """Degree of every mesh axis on ``world`` ranks from the flags given (``None``: not given).
+
+        Axes the scheme does not use must be 1; the scheme's unset axis takes the ranks the others leave
+        (TP x SP with neither given: the most square T x Σ, T >= Σ). Raises ValueError with what to change.
+        """
+        given = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
+        for axis, value in given.items():
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"--{axis} must be a positive integer, got {value!r}")
+        ignored = [f"--{axis} {value}" for axis, value in given.items()
+                   if value not in (None, 1) and axis != "dp" and axis not in self.axes]
+        if ignored:
+            raise ValueError(f"scheme {self.name!r} does not use {', '.join(ignored)}: it parallelises over "
+                             f"{self._axes_text()}; drop the flag or choose a scheme that uses that axis")
+        degrees = {axis: given[axis] or 1 for axis in AXES}
+        unset = [axis for axis in (*self.axes, "dp") if given[axis] is None]
+        free = [self.free_axis] if self.free_axis in unset else [a for a in unset if a in self.axes]
+        if free:
+            rest = _prod(v for a, v in degrees.items() if a not in free)
+            if world % rest:
+                raise ValueError(f"{self._shown(degrees, free)} needs a multiple of {rest} ranks, but the world "
+                                 f"has {world}; change the degrees or the number of ranks")
+            left = world // rest
+            if len(free) == 1:
+                degrees[free[0]] = left
+            else:  # TP x SP: the most square split, T >= Σ
+                sp_degree = max(d for d in range(1, math.isqrt(left) + 1) if left % d == 0)
+                degrees.update(tp=left // sp_degree, sp=sp_degree)
+        if _prod(degrees.values()) != world:
+            raise ValueError(f"mesh {self._shown(degrees)} needs {_prod(degrees.values())} ranks but the world has "
+                             f"{world}; make the degrees multiply to {world}")
+        return degrees
+
+    def _axes_text(self) -> str:
+        return ", ".join(self.axes) + " (and dp)" if self.axes else "dp only"
+
+    @staticmethod
+    def _shown(degrees: dict, free=()) -> str:
+        return " x ".join(f"{a}={'?' if a in free else degrees[a]}" for a in AXES)
+
+    def weight_degree(self, degrees: dict[str, int]) -> int:
+        """Ranks that split each weight matrix (1: replicated)."""
+        return _prod(degrees.get(a, 1) for a in self.weight_axes)
+
+    def token_degree(self, degrees: dict[str, int]) -> int:
+        """Ranks that split each sequence (1: every rank of a replica holds whole sequences)."""
+        return _prod(degrees.get(a, 1) for a in self.token_axes)
+
+    def label_for(self, degrees: dict[str, int], sequence_parallel: bool = False) -> str:
+        """Display name of a layout, e.g. ``DP2xTSP4``, ``TP4+seqpar``, ``TP2xSP2``."""
+        parts = [f"DP{degrees['dp']}"] if degrees.get("dp", 1) > 1 else []
+        if self.axes:
+            model = "x".join(f"{a.upper()}{degrees.get(a, 1)}" for a in self.axes)
+            parts.append(model + ("+seqpar" if sequence_parallel else ""))
+        return "x".join(parts) or "DP1"
+
+    # -- legality -------------------------------------------------------------------------
+
+    def check_mesh(self, sizes: dict[str, int]) -> None:
+        """Refuse a mesh (axis name -> size) that lacks one of the scheme's axes or has another axis of size
+        > 1 that the scheme would ignore (``dp`` is always allowed: data parallelism wraps any scheme)."""
+        missing = [a for a in self.axes if a not in sizes]
+        if missing:
+            raise ValueError(f"scheme {self.name!r} needs a mesh with the axis {', '.join(missing)}, got axes "
+                             f"{', '.join(sizes) or 'none'}; build it with torchtsp.init_mesh")
+        ignored = {a: n for a, n in sizes.items() if n > 1 and a != "dp" and a not in self.axes}
+        if ignored:
+            shown = ", ".join(f"{a}={n}" for a, n in ignored.items())
+            raise ValueError(f"scheme {self.name!r} does not use the mesh axis {shown}: it parallelises over "
+                             f"{self._axes_text()}; give those ranks to its axes or choose a scheme that uses them")
+
+    def check_model(self, cfg, degrees: dict[str, int]) -> None:
+        """Refuse a model whose heads, KV heads or FFN width do not split over the weight-sharding degree."""
+        ways = self.weight_degree(degrees)
+        for field in ("n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(cfg, field) % ways:
+                axes = " x ".join(f"{a}={degrees.get(a, 1)}" for a in self.weight_axes)
+                raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
+                                 f"choose a degree that divides it")
+
+    def check_batch(self, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False) -> None:
+        """Refuse a global batch the layout cannot split (rows over dp, zigzag chunks, Megatron-SP chunks)."""
+        if batch < 1 or seq_len < 1:
+            raise ValueError(f"batch and sequence length must be positive, got {batch} and {seq_len}")
+        dp = degrees.get("dp", 1)
+        if batch % dp:
+            raise ValueError(f"batch size {batch} must be divisible by the DP degree {dp}")
+        tokens = self.token_degree(degrees)
+        if tokens > 1 and seq_len % (2 * tokens):
+            raise ValueError(f"sequence length {seq_len} must be divisible by 2x{tokens} for zigzag sharding "
+                             f"over {tokens} ranks; pick a multiple of {2 * tokens}")
+        if sequence_parallel:
+            if "sequence_parallel" not in self.options:
+                raise ValueError(f"sequence_parallel (Megatron-SP) applies to tp and torch_tp, not {self.name}")
+            if seq_len % degrees.get("tp", 1):
+                raise ValueError(f"sequence length {seq_len} must be divisible by T={degrees['tp']} with "
+                                 f"Megatron-SP")
+
+    def validate(self, cfg, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False):
+        """Every check above: the clear error a run would raise, before any rank communicates."""
+        for axis, value in degrees.items():
+            if axis not in AXES or not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"degree {axis}={value!r} must be a positive integer on one of {', '.join(AXES)}")
+        self.check_mesh({a: degrees.get(a, 1) for a in AXES})
+        self.check_model(cfg, degrees)
+        self.check_batch(batch, seq_len, degrees, sequence_parallel)
+
+
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
+           axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic"),
+    Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
+           axes=("tp",), weight_axes=("tp",), free_axis="tp",
+           options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),
+    Scheme("sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
+           axes=("sp",), token_axes=("sp",), free_axis="sp",
+           options=("recompute",), memory_walk="reference", traffic="sp_step_traffic"),
+    Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
+           axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
+           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic"),
+    Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
+           axes=(), free_axis="dp", memory_walk="reference", traffic="dp_step_traffic"),
+    Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
+           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",)),
+)}
+
+
+def get_scheme(name: str) -> Scheme:
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}") from None

@@ -1,4 +1,4 @@
-"""Analytic communication volume per layer, in elements received per rank (DESIGN.md section 5).
+"""Analytic communication volume per layer and per step, received per rank (docs/design.md, "Traffic and memory").
 
 Symbols: B batch, S sequence, h = n_q·d model width, g = n_q / n_kv, F ffn width, D (or T, Σ) axis sizes.
 The counts follow the accounting of ``torchtsp.distributed.comm`` (all-reduce = ring algorithm,
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
+from ..schemes import get_scheme
 
 
 def layer_weight_elements(cfg: ModelConfig) -> int:
@@ -55,17 +56,8 @@ def tp_sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int
 def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_len: int,
                                 dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1) -> int:
     """Elements one rank receives during one layer's forward under ``scheme`` (DP moves nothing forward)."""
-    if scheme == "dp":
-        return 0
-    if scheme == "tsp":
-        return tsp_layer_forward_recv_elements(cfg, batch // dp, seq_len, tsp)
-    if scheme == "tp":
-        return tp_layer_forward_recv_elements(cfg, batch // dp, seq_len, tp)
-    if scheme == "sp":
-        return sp_layer_forward_recv_elements(cfg, batch // dp, seq_len, sp)
-    if scheme == "tp_sp":
-        return tp_sp_layer_forward_recv_elements(cfg, batch // dp, seq_len, tp, sp)
-    raise ValueError(f"no communication model for scheme {scheme!r}")
+    degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
+    return _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, 1, False).layer_forward
 
 
 # ---------------------------------------------------------------- crossover and whole-step traffic
@@ -106,8 +98,8 @@ class CommBreakdown:
     layer_forward / layer_backward: one decoder layer (backward includes the re-run forward under
     recompute, and TSP's weight-gradient reduce and travelling gradients, which are part of its
     schedule). embed_head_forward / embed_head_backward: embedding, LM head and loss. grad_sync:
-    all-reduces of gradients of replicated weights (every weight for DP and SP, sp-replicated shards
-    for TP x SP, norms for TSP and Megatron-SP) plus the trainer's all-reduce over ``dp`` replicas.
+    all-reduces of gradients of replicated weights (every weight for SP, sp-replicated shards for
+    TP x SP, norms for TSP and Megatron-SP) plus the sums over ``dp`` replicas.
     total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync.
     """
 
@@ -122,6 +114,102 @@ class CommBreakdown:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class SchemeTraffic:
+    """One replica's bytes per rank for one training step, as a scheme's formula gives them (the dp sums
+    and the recompute and inference variants are added by ``predict_comm``). ``loss``: the all-reduces of
+    the NLL sum and token count. ``local_tensors``: element counts of the parameters one rank holds, each
+    summed over dp replicas by its own all-reduce."""
+
+    layer_forward: int
+    layer_backward: int
+    embed_head_forward: int
+    embed_head_backward: int
+    loss: int
+    grad_sync: int
+    local_tensors: list[int]
+
+
+def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+    """TSP over D: attention shards broadcast (twice), K/V gathered (twice) and dK/dV reduce-scattered per group,
+    partial weight gradients reduced to their owner, MLP/embedding/head shards around the ring (the head again
+    in backward) with their gradients travelling along, norm gradients all-reduced."""
+    h, L, D = cfg.dim, cfg.n_layers, degrees["tsp"]
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    p_attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * kv_width
+    p_mlp = 3 * h * cfg.ffn_dim
+    rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
+    kv = 2 * B * (seq_len // D) * kv_width // D * e  # one group's K/V of one rank
+    travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
+    bwd = ((D - 1) * p_attn // D * e  # broadcasts again
+           + 2 * D * (D - 1) * kv  # K/V all-gather again + dK/dV reduce-scatter, every group
+           + (D - 1) * p_attn // D * e  # partial weight gradients reduced to their owner
+           + (D - 1) * p_mlp // D * e + travel * p_mlp // D * e)  # ring again + travelling gradient
+    head = [] if cfg.tie_embeddings else [rows]
+    return SchemeTraffic(
+        layer_forward=tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e, layer_backward=bwd,
+        embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
+        embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * e,  # head ring again; two gradients travel
+        loss=2 * _all_reduce(4, D),
+        grad_sync=(2 * L + 1) * _all_reduce(h * e, D),  # norm weights
+        local_tensors=[rows] + [h, p_attn // D, h, p_mlp // D] * L + [h] + head)
+
+
+def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+    """The whole model on each rank: nothing moves but the sums over dp replicas."""
+    return SchemeTraffic(0, 0, 0, 0, 0, 0, _reference_tensors(cfg))
+
+
+def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+    """SP over Σ: the K/V all-gather per layer, mirrored by the dK/dV reduce-scatter; every gradient all-reduced."""
+    sp = degrees["sp"]
+    fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp) * e
+    return SchemeTraffic(
+        layer_forward=fwd, layer_backward=fwd, embed_head_forward=0, embed_head_backward=0,
+        loss=2 * _all_reduce(4, sp),
+        grad_sync=sum(_all_reduce(n * e, sp) for n in _reference_tensors(cfg)),
+        local_tensors=_reference_tensors(cfg))
+
+
+def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+    """Megatron TP over T on the B·S/Σ tokens of an sp group (Σ = 1 for plain TP), with the K/V gather over
+    Σ of TP x SP and, with Megatron-SP, all-gather / reduce-scatter pairs instead of all-reduces."""
+    h, L, T, sp = cfg.dim, cfg.n_layers, degrees["tp"], degrees["sp"]
+    tokens = B * seq_len // sp
+    act = tokens * h * e  # one [B, S/Σ, h] activation
+    chunk = (T - 1) * act // T  # one all-gather or reduce-scatter of it
+    rows = -(-cfg.vocab_size // T) * h
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    kv_sp = (sp - 1) * 2 * B * (seq_len // sp) * (kv_width // T) * e  # K/V gather over sp, per layer
+    fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp) if sp > 1
+           else tp_layer_forward_recv_elements(cfg, B, seq_len, T)) * e
+    grad_sync = 0
+    if sequence_parallel:
+        bwd = 6 * chunk + kv_sp  # re-gather + reduce-scatter (column), all-gather (row), twice
+        emb_fwd = chunk + chunk  # embedding reduce-scatter, head input all-gather
+        emb_bwd = chunk + 2 * chunk  # embedding gradient all-gather; head re-gather + reduce-scatter
+        grad_sync = (2 * L + 1) * _all_reduce(h * e, T)  # norms see only local tokens
+    else:
+        bwd = 2 * _all_reduce(act, T) + kv_sp  # column-parallel dX all-reduces
+        emb_fwd = _all_reduce(act, T)  # vocabulary-parallel embedding
+        emb_bwd = _all_reduce(act, T)  # head input gradient
+    emb_fwd += (T - 1) * 3 * tokens * 4  # cross-entropy statistics (max, sum-exp, target), fp32
+    local = _reference_tensors(cfg, T)
+    loss = 2 * _all_reduce(4, sp)  # NLL sum and token count over sp (nothing for plain TP)
+    if sp > 1:
+        # Every use of a weight is wrapped in an all-reduce over sp: a tied vocabulary shard twice.
+        grad_sync += sum(_all_reduce(n * e, sp) for n in local + ([rows] if cfg.tie_embeddings else []))
+    return SchemeTraffic(fwd, bwd, emb_fwd, emb_bwd, loss, grad_sync, local)
+
+
+def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int,
+                    sequence_parallel: bool) -> SchemeTraffic:
+    spec = get_scheme(scheme)
+    if spec.traffic is None:
+        raise ValueError(f"no communication model for scheme {scheme!r} (its collectives are not counted)")
+    return globals()[spec.traffic](cfg, B, seq_len, degrees, e, sequence_parallel)
+
+
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                  tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                  mode: str = "train", recompute: bool = False) -> CommBreakdown:
@@ -129,81 +217,26 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     (``mode="infer"``: the forward only, no loss), under ``scheme`` as our parallel/ modules run it.
 
     ``batch`` is the global batch (B/dp rows per replica). Activations and weights move in the model
-    dtype (``dtype_bytes``); loss statistics in fp32. The per-layer forward equals
-    ``layer_forward_recv_elements(...) · dtype_bytes`` for every scheme.
+    dtype (``dtype_bytes``); loss statistics and the gradient sums over dp replicas in fp32. The per-layer
+    forward equals ``layer_forward_recv_elements(...) · dtype_bytes`` for every scheme. The scheme's own
+    formula is the function its registry entry names (``torchtsp.schemes``).
     """
-    from .memory_model import check_layout  # the same layout rules as the memory model
-
-    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp, sequence_parallel=sequence_parallel)
+    degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
+    get_scheme(scheme).validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-    e, h, L = dtype_bytes, cfg.dim, cfg.n_layers
-    B = batch // dp
-    kv_width = cfg.n_kv_heads * cfg.head_dim
-    P = layer_weight_elements(cfg)
-    p_attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * kv_width
-    p_mlp = 3 * h * cfg.ffn_dim
-    fwd = layer_forward_recv_elements(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp) * e
-    loss_scalars = 0
-    grad_sync = 0
-    local_params = sum(_reference_tensors(cfg))  # replaced below for sharding schemes
-
-    if scheme == "tsp":
-        D = tsp
-        rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
-        kv = 2 * B * (seq_len // D) * kv_width // D * e  # one group's K/V of one rank
-        travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
-        bwd = ((D - 1) * p_attn // D * e  # broadcasts again
-               + 2 * D * (D - 1) * kv  # K/V all-gather again + dK/dV reduce-scatter, every group
-               + (D - 1) * p_attn // D * e  # partial weight gradients reduced to their owner
-               + (D - 1) * p_mlp // D * e + travel * p_mlp // D * e)  # ring again + travelling gradient
-        emb_fwd = 2 * (D - 1) * rows * e  # embedding and head rings
-        emb_bwd = (D - 1) * rows * e + 2 * travel * rows * e  # head ring again; head and embedding gradients
-        loss_scalars = 2 * _all_reduce(4, D)  # token count and NLL sum
-        grad_sync = (2 * L + 1) * _all_reduce(h * e, D)  # norm weights
-        local_params = L * P // D + 2 * rows + (2 * L + 1) * h - (0 if not cfg.tie_embeddings else rows)
-    elif scheme == "dp":
-        bwd = emb_fwd = emb_bwd = 0
-        loss_scalars = 2 * _all_reduce(4, dp)
-        grad_sync = sum(_all_reduce(n * e, dp) for n in _reference_tensors(cfg))
-    elif scheme == "sp":
-        bwd = fwd  # dK/dV reduce-scatter mirrors the K/V all-gather
-        emb_fwd = emb_bwd = 0
-        loss_scalars = 2 * _all_reduce(4, sp)
-        grad_sync = sum(_all_reduce(n * e, sp) for n in _reference_tensors(cfg))
-    else:  # tp, tp_sp (Megatron TP on the B·S/Σ tokens of an sp group)
-        T = tp
-        tokens = B * seq_len // sp
-        act = tokens * h * e  # one [B, S/Σ, h] activation
-        chunk = (T - 1) * act // T  # one all-gather or reduce-scatter of it
-        rows = -(-cfg.vocab_size // T) * h
-        kv_sp = 0
-        if scheme == "tp_sp":
-            kv_sp = (sp - 1) * 2 * B * (seq_len // sp) * (kv_width // T) * e  # K/V gather over sp, per layer
-        if sequence_parallel:
-            bwd = 6 * chunk + kv_sp  # re-gather + reduce-scatter (column), all-gather (row), twice
-            emb_fwd = chunk + chunk  # embedding reduce-scatter, head input all-gather
-            emb_bwd = chunk + 2 * chunk  # embedding gradient all-gather; head re-gather + reduce-scatter
-            grad_sync = (2 * L + 1) * _all_reduce(h * e, T)  # norms see only local tokens
-        else:
-            bwd = 2 * _all_reduce(act, T) + kv_sp  # column-parallel dX all-reduces
-            emb_fwd = _all_reduce(act, T)  # vocabulary-parallel embedding
-            emb_bwd = _all_reduce(act, T)  # head input gradient
-        emb_fwd += (T - 1) * 3 * tokens * 4  # cross-entropy statistics (max, sum-exp, target), fp32
-        local_params = (L * P + 2 * rows - (rows if cfg.tie_embeddings else 0)) // T + (2 * L + 1) * h
-        if scheme == "tp_sp":
-            loss_scalars = 2 * _all_reduce(4, sp)
-            # Every use of a weight is wrapped in an all-reduce over sp: a tied vocabulary shard twice.
-            tensors = _reference_tensors(cfg, T) + ([rows] if cfg.tie_embeddings else [])
-            grad_sync += sum(_all_reduce(n * e, sp) for n in tensors)
+    t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel)
+    fwd, bwd, emb_fwd, emb_bwd, grad_sync = (t.layer_forward, t.layer_backward, t.embed_head_forward,
+                                             t.embed_head_backward, t.grad_sync)
     if recompute:
         bwd += fwd
-    if dp > 1 and scheme != "dp":
-        grad_sync += _all_reduce(local_params * e, dp)  # the trainer's flat all-reduce over replicas
-    if mode == "infer":
+    if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss
         bwd = emb_bwd = grad_sync = 0
-        loss_scalars = 0
-    emb_fwd += loss_scalars
-    total = L * (fwd + bwd) + emb_fwd + emb_bwd + grad_sync
+    else:
+        # Data parallelism (parallel/dp.py): the NLL sum and token count over replicas, and each local
+        # gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
+        emb_fwd += t.loss + 2 * _all_reduce(4, dp)
+        grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
+    total = cfg.n_layers * (fwd + bwd) + emb_fwd + emb_bwd + grad_sync
     return CommBreakdown(layer_forward=fwd, layer_backward=bwd, embed_head_forward=emb_fwd,
                          embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total)

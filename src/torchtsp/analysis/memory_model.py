@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
+from ..schemes import Scheme, get_scheme
 
-SCHEMES = ("dp", "tp", "sp", "tp_sp", "tsp")
 FP32 = 4
 INDEX = 8  # int64 token ids and labels
 
@@ -61,48 +61,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_layout(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
-                 tp: int = 1, sp: int = 1, sequence_parallel: bool = False) -> None:
-    """Raise ValueError if ``scheme`` cannot split this model and batch over the given degrees."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
-    used = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    for name, value in used.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"degree {name}={value!r} must be a positive integer")
-    allowed = {"dp": {"dp"}, "tsp": {"dp", "tsp"}, "tp": {"dp", "tp"}, "sp": {"dp", "sp"},
-               "tp_sp": {"dp", "tp", "sp"}}[scheme]
-    extra = [f"{name}={value}" for name, value in used.items() if value > 1 and name not in allowed]
-    if extra:
-        raise ValueError(f"scheme {scheme!r} does not use {', '.join(extra)}")
-    if batch < 1 or seq_len < 1:
-        raise ValueError(f"batch and seq_len must be positive, got {batch} and {seq_len}")
-    if batch % dp:
-        raise ValueError(f"batch size {batch} must be divisible by the DP degree {dp}")
-    heads = tsp * tp
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % heads:
-            raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by the weight-sharding degree {heads}")
-    tokens = tsp * sp
-    if tokens > 1 and seq_len % (2 * tokens):
-        raise ValueError(f"sequence length {seq_len} must be divisible by 2x{tokens} for zigzag sharding")
-    if sequence_parallel and scheme != "tp":
-        raise ValueError("sequence_parallel (Megatron-SP) applies to TP only")
-    if sequence_parallel and seq_len % tp:
-        raise ValueError(f"sequence length {seq_len} must be divisible by T={tp} with Megatron-SP")
-
-
 # ---------------------------------------------------------------- parameters
 
 
 def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> dict[str, int]:
     """Parameter elements one rank holds, by part: layers (matrices), norms, embedding, head.
 
-    TSP (D) and TP (T) split every layer matrix and the vocabulary rows (padded up to a multiple of
-    the degree); norms are replicated. DP and SP replicate everything.
+    Schemes that shard weights (TSP over D, TP over T) split every layer matrix and the vocabulary rows
+    (padded up to a multiple of the degree); norms are replicated. DP and SP replicate everything.
     """
     h, d = cfg.dim, cfg.head_dim
-    w = tsp * tp if scheme in ("tsp", "tp", "tp_sp") else 1
+    w = get_scheme(scheme).weight_degree({"tsp": tsp, "tp": tp})
     matrices = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
     rows = _ceil_div(cfg.vocab_size, w)
     return {
@@ -116,10 +85,11 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
 def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> int:
     """Elements of the largest parameter tensor a rank holds (TSP packs each block's shards into one)."""
     h, d = cfg.dim, cfg.head_dim
-    rows = _ceil_div(cfg.vocab_size, tsp * tp)
-    if scheme == "tsp":
+    spec = get_scheme(scheme)
+    w = spec.weight_degree({"tsp": tsp, "tp": tp})
+    rows = _ceil_div(cfg.vocab_size, w)
+    if spec.memory_walk == "tsp":
         return max(rows * h, (2 * cfg.n_heads * d + 2 * cfg.n_kv_heads * d) * h // tsp, 3 * cfg.ffn_dim * h // tsp)
-    w = tp if scheme in ("tp", "tp_sp") else 1
     return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w)
 
 
@@ -163,14 +133,12 @@ class _Shape:
         return 2 * FP32 * self.d * self.s_loc
 
 
-def _shape(scheme: str, cfg: ModelConfig, batch_local: int, seq_len: int, *, tsp: int, tp: int, sp: int,
-           e: int) -> _Shape:
-    w, tok = tsp * tp, tsp * sp
-    sharded_vocab = scheme in ("tsp", "tp", "tp_sp")
+def _shape(spec: Scheme, cfg: ModelConfig, batch_local: int, seq_len: int, degrees: dict[str, int], e: int) -> _Shape:
+    w, tok = spec.weight_degree(degrees), spec.token_degree(degrees)
+    # Every scheme's attention sees the K/V of whole sequences (gathered when tokens are split).
     return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=cfg.n_kv_heads * cfg.head_dim // w,
                   ff=cfg.ffn_dim // w, nq=cfg.n_heads // w, d=cfg.head_dim, n=batch_local * seq_len // tok,
-                  s_loc=seq_len // tok, v=_ceil_div(cfg.vocab_size, w) if sharded_vocab else cfg.vocab_size,
-                  kv_len=batch_local * seq_len if scheme in ("tsp", "sp", "tp_sp") else batch_local * seq_len // tok)
+                  s_loc=seq_len // tok, v=_ceil_div(cfg.vocab_size, w), kv_len=batch_local * seq_len)
 
 
 # ---------------------------------------------------------------- the backward walk
@@ -216,17 +184,17 @@ def _reference_saved(s: _Shape, n_rep: int, zigzag: bool) -> tuple[int, int]:
     return attention, mlp
 
 
-def _reference_walk(scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, recompute, base, parts):
+def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, recompute, base, parts):
     """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards)."""
     e, h, n, L = s.e, s.h, s.n, cfg.n_layers
     n_rep = n // tp if sequence_parallel and tp > 1 else n
     gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
-    zigzag = scheme in ("sp", "tp_sp")
+    zigzag = bool(spec.token_axes)  # the zigzag attention kernel (SP, TP x SP)
     att, mlp = _reference_saved(s, n_rep, zigzag)
     final = n_rep * s.norm + e * h * n  # final norm and the head's input
     layer_in = e * h * n_rep
     saved_layers = L * (layer_in if recompute else att + mlp)
-    if scheme in ("tp", "tp_sp"):
+    if "tp" in spec.weight_axes:
         # Vocabulary-parallel cross-entropy saves its fp32 softmax slice [n, V/T]; backward scales it
         # into a new fp32 tensor and casts that to the model dtype.
         saved_loss = FP32 * n * s.v
@@ -345,7 +313,11 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     per-tensor loop (the default on CPU) two temporaries of the largest tensor.
     ``mode="infer"``: a prefill forward, no gradients or optimizer, plus its KV cache.
     """
-    check_layout(scheme, cfg, batch, seq_len, dp=dp, tsp=tsp, tp=tp, sp=sp, sequence_parallel=sequence_parallel)
+    spec = get_scheme(scheme)
+    degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
+    spec.validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
+    if spec.memory_walk is None:
+        raise ValueError(f"no memory model for scheme {scheme!r}")
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     if optimizer not in ("adamw", None):
@@ -355,9 +327,9 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     e = dtype_bytes
     parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
     n_params = sum(parts.values())
-    s = _shape(scheme, cfg, batch // dp, seq_len, tsp=tsp, tp=tp, sp=sp, e=e)
+    s = _shape(spec, cfg, batch // dp, seq_len, degrees, e)
     if mode == "infer":
-        return _predict_infer(scheme, cfg, s, tsp=tsp, tp=tp, sequence_parallel=sequence_parallel,
+        return _predict_infer(spec, cfg, s, tsp=tsp, tp=tp, sequence_parallel=sequence_parallel,
                               params=n_params * e)
 
     master = (e < FP32) if master_weights is None else master_weights
@@ -366,15 +338,13 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     if optimizer == "adamw":
         opt = n_params * (2 * FP32 + (FP32 if master else 0))
         # AdamW's sqrt(v) temporaries; mixed precision keeps fp32 copies of the gradients for the masters;
-        # the trainer's flat DP all-reduce buffer (schemes other than dp) lives through the step.
         step_extra = FP32 * (n_params if foreach else 2 * _largest_param(scheme, cfg, tsp=tsp, tp=tp))
         step_extra += n_params * FP32 if master else 0
-        step_extra += n_params * e if dp > 1 and scheme != "dp" else 0
     base = params + opt
-    if scheme == "tsp":
+    if spec.memory_walk == "tsp":
         acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts)
     else:
-        acts, (peak, phase, transient) = _reference_walk(scheme, cfg, s, tp=tp, sp=sp,
+        acts, (peak, phase, transient) = _reference_walk(spec, cfg, s, tp=tp, sp=sp,
                                                          sequence_parallel=sequence_parallel,
                                                          recompute=recompute, base=base, parts=parts)
     if optimizer == "adamw" and base + grads + step_extra > peak:
@@ -383,7 +353,7 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
                            kv_cache=0, total=peak, phase=phase)
 
 
-def _predict_infer(scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params) -> MemoryBreakdown:
+def _predict_infer(spec: Scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params) -> MemoryBreakdown:
     """Prefill: weights, the KV cache of every layer, and the largest working set of one layer.
 
     The cache holds K and V (n_kv heads, not expanded) of the tokens a rank owns: TSP and SP shard it
@@ -394,7 +364,7 @@ def _predict_infer(scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params
     # every head group), TP its heads of every token, SP all heads of its tokens.
     kv_cache = cfg.n_layers * 2 * e * (cfg.n_kv_heads * cfg.head_dim // tp) * n
     expand = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0
-    if scheme == "tsp":
+    if spec.memory_walk == "tsp":
         bufs = min(tsp - 1, 2)
         attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
         working = max(bufs * attn_w + 3 * (2 * e * s.hkv * s.kv_len) + expand + e * n * (4 * s.hq + 3 * h),

@@ -12,14 +12,15 @@ import json
 from dataclasses import dataclass
 
 from ..config import PRESETS, ModelConfig, get_preset
+from ..schemes import SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .memory_model import predict_memory
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
+SCHEMES_DP = "dp"  # the registry's whole-model data parallelism: the planner's baseline row
 
-# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1 (DESIGN.md).
-PAPER_GPUS = 8
+# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1 (docs/design.md).
 PAPER_FIGURES = (
     # (layout label, scheme, degrees, sequence length, paper GB)
     ("TSP8", "tsp", {"tsp": 8}, 131072, 38.8),
@@ -34,7 +35,7 @@ PAPER_ASSUMPTIONS = dict(batch=1, dtype_bytes=2, optimizer="adamw", recompute=Tr
 
 @dataclass
 class Layout:
-    """One way to spread the model over the GPUs."""
+    """One way to spread the model over the GPUs: a registered scheme and its mesh degrees."""
 
     scheme: str
     dp: int = 1
@@ -45,19 +46,13 @@ class Layout:
 
     @property
     def label(self) -> str:
-        parts = [f"DP{self.dp}"] if self.dp > 1 else []
-        if self.scheme == "tsp":
-            parts.append(f"TSP{self.tsp}")
-        elif self.scheme == "tp":
-            parts.append(f"TP{self.tp}" + ("+seqpar" if self.sequence_parallel else ""))
-        elif self.scheme == "sp":
-            parts.append(f"SP{self.sp}")
-        elif self.scheme == "tp_sp":
-            parts.append(f"TP{self.tp}xSP{self.sp}")
-        return "x".join(parts) or "DP1"
+        return get_scheme(self.scheme).label_for(self.mesh(), self.sequence_parallel)
+
+    def mesh(self) -> dict:
+        return dict(dp=self.dp, tsp=self.tsp, tp=self.tp, sp=self.sp)
 
     def degrees(self) -> dict:
-        return dict(dp=self.dp, tsp=self.tsp, tp=self.tp, sp=self.sp, sequence_parallel=self.sequence_parallel)
+        return dict(**self.mesh(), sequence_parallel=self.sequence_parallel)
 
 
 @dataclass
@@ -75,17 +70,31 @@ class Row:
         return {**out, "fits": self.fits, "memory_bytes": self.memory.to_dict(), "comm_bytes": self.comm.to_dict()}
 
 
+def _splits(n: int, axes: tuple[str, ...]):
+    """Every way to give ``n`` ranks to ``axes`` with each axis at least 2 (one axis: just n)."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in range(n - 1, 1, -1):
+        if n % d == 0:
+            for rest in _splits(n // d, axes[1:]):
+                if all(v > 1 for v in rest.values()):
+                    yield {axes[0]: d, **rest}
+
+
 def layouts(gpus: int) -> list[Layout]:
-    """Every layout of ``gpus`` GPUs the planner compares: DP, TP (with and without Megatron-SP), SP,
-    each TP x SP factorization, TSP, and DP x TSP factorizations."""
+    """Every layout of ``gpus`` GPUs the planner compares: each modelled scheme of the registry on all of them
+    (each factorization for schemes of several axes, with and without Megatron-SP where the scheme takes it),
+    then data parallelism over each of them on fewer GPUs, and plain DP."""
     if gpus < 1:
         raise ValueError(f"--gpus must be positive, got {gpus}")
-    out = [Layout("dp", dp=gpus)]
-    if gpus > 1:
-        out += [Layout("tp", tp=gpus), Layout("tp", tp=gpus, sequence_parallel=True), Layout("sp", sp=gpus)]
-        out += [Layout("tp_sp", tp=t, sp=gpus // t) for t in range(gpus - 1, 1, -1) if gpus % t == 0]
-        out += [Layout("tsp", tsp=gpus)]
-        out += [Layout("tsp", dp=gpus // d, tsp=d) for d in range(gpus - 1, 1, -1) if gpus % d == 0]
+    modelled = [s for s in SCHEMES.values() if s.memory_walk is not None and s.axes]
+    out = [Layout(SCHEMES_DP, dp=gpus)]
+    for dp in (d for d in range(1, gpus // 2 + 1) if gpus % d == 0):
+        for spec in modelled:
+            for split in _splits(gpus // dp, spec.axes):
+                for seqpar in ((False, True) if "sequence_parallel" in spec.options and dp == 1 else (False,)):
+                    out.append(Layout(spec.name, dp=dp, sequence_parallel=seqpar, **split))
     return out
 
 
@@ -101,6 +110,8 @@ def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str
                                     recompute=recompute, **lay.degrees())
             row.fits = row.memory.total <= gpu_mem_gb * GB
         except ValueError as e:
+            if lay.dp > 1 and get_scheme(lay.scheme).axes:
+                continue  # data parallelism over a scheme that this batch cannot feed: not a candidate
             row.error = str(e)
         rows.append(row)
     return rows

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ..config import PRESETS
+from ..schemes import SCHEMES
 
-ALL_SCHEMES = ("tsp", "tp", "sp", "tp_sp", "dp", "torch_tp")
+ALL_SCHEMES = tuple(SCHEMES)
 DEFAULT_SCHEMES = ",".join(ALL_SCHEMES)
 DEFAULT_SEQ_LENS = "256,512,1024,2048"
 # The benchmark's model when no --preset is given: small enough that the default sweep at 4 CPU ranks
@@ -64,6 +65,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=3, metavar="N", help="timed steps per cell; the median is reported (default: 3)")
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
         help="Megatron sequence parallelism for tp and torch_tp alike (default: off, plain TP)")
+    add("--recompute", action="store_true",
+        help="every scheme keeps each layer's input only and re-runs its forward in backward (default: off: "
+             "every scheme saves its activations); a scheme without recompute (torch_tp) is reported n/a")
     add("--max-seq-under", type=_positive_float, metavar="GB",
         help="instead of the sweep: for each scheme, the longest sequence (doubling from --max-seq-start) whose "
              "measured per-rank peak stays within GB GiB (2^30 bytes)")

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..schemes import SCHEMES
+
 MiB = 2**20
-SCHEME_ORDER = ("tsp", "tp", "sp", "tp_sp", "dp", "torch_tp")
+SCHEME_ORDER = tuple(SCHEMES)  # the registry's order
 COLORS = {"tsp": "#d62728", "tp": "#1f77b4", "sp": "#2ca02c", "tp_sp": "#9467bd", "dp": "#8c564b",
           "torch_tp": "#7f7f7f"}
 # Distinct markers, so that schemes with equal values (tp and torch_tp have the same memory) stay visible.

@@ -268,3 +268,32 @@ class AxisComm:
             return dist.batch_isend_irecv(ops)
 
         return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)
+
+
+class Traffic:
+    """``with Traffic(comms) as traffic:`` counts this rank's transfers on several axes at once.
+
+    ``comms`` maps axis names to ``AxisComm`` (a model's ``comms()``); afterwards ``traffic.recv`` is the bytes
+    received on all of them, ``traffic.by_op`` the bytes received per axis and operation, and
+    ``traffic.stats`` each axis's ``CommStats``.
+    """
+
+    def __init__(self, comms: dict[str, AxisComm]):
+        self.comms = comms
+        self.stats: dict[str, CommStats] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Traffic:
+        self.stats = {name: self._stack.enter_context(c.counting()) for name, c in self.comms.items()}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    @property
+    def recv(self) -> int:
+        return sum(s.total_recv for s in self.stats.values())
+
+    @property
+    def by_op(self) -> dict[str, dict[str, int]]:
+        return {axis: dict(s.bytes_recv) for axis, s in self.stats.items() if s.bytes_recv}

@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from ..schemes import AXES
 from . import comm
-
-# Outermost first: data parallel replicas, then the sequence axis of TP x SP, then TP, then TSP.
-AXES = ("dp", "sp", "tp", "tsp")
 
 
 def default_device_type() -> str:
+    """The device type a new mesh uses: CUDA (with NCCL) when there is a GPU, else the CPU (with gloo)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device this rank computes on under ``mesh`` (init_mesh selected this rank's GPU under CUDA)."""
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """Axis name -> size; a ``None`` mesh is one rank on every axis."""
+    if mesh is None:
+        return dict.fromkeys(AXES, 1)
+    names = tuple(mesh.mesh_dim_names or ())
+    return {name: mesh.size(i) for i, name in enumerate(names)}
 
 
 def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, device_type: str | None = None,
@@ -36,7 +50,3 @@ def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, device_typ
         raise ValueError(f"mesh {shown} needs {product} ranks but the world has {world}; "
                          f"make the degrees multiply to {world}")
     return comm.make_device_mesh(device_type, tuple(degrees[n] for n in AXES), AXES)
-
-
-def axis_size(mesh, name: str) -> int:
-    return mesh.size(AXES.index(name)) if mesh is not None else 1

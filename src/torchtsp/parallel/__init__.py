@@ -1,3 +1,3 @@
-from .api import SCHEMES, parallelize
+from .api import SCHEME_CLASSES, parallelize
 
-__all__ = ["SCHEMES", "parallelize"]
+__all__ = ["SCHEME_CLASSES", "parallelize"]

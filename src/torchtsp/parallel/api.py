@@ -2,31 +2,54 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
-
+from ..distributed.comm import DEFAULT_TIMEOUT_S
+from ..distributed.mesh import mesh_sizes
 from ..model import Transformer
-from ..schemes import SCHEMES
+from ..schemes import SCHEMES, get_scheme
+from .base import ParallelTransformer
+from .dp import DataParallel, Replica
+from .sp import SPTransformer
+from .torch_tp import TorchTPTransformer
+from .tp import TPTransformer
+from .tp_sp import TPSPTransformer
+from .tsp import TSPTransformer
+
+# The model side of each registered scheme (torchtsp.schemes.SCHEMES); data parallelism wraps any of them.
+SCHEME_CLASSES: dict[str, type[ParallelTransformer]] = {
+    "tsp": TSPTransformer,
+    "tp": TPTransformer,
+    "sp": SPTransformer,
+    "tp_sp": TPSPTransformer,
+    "dp": Replica,
+    "torch_tp": TorchTPTransformer,
+}
+assert SCHEME_CLASSES.keys() == SCHEMES.keys(), "every registered scheme needs its class here"
 
 
-def parallelize(model: Transformer, mesh, scheme: str = "tsp", **options):
+def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: bool | None = None,
+                sequence_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelTransformer:
     """Split ``model`` over ``mesh`` with ``scheme``; returns a module with the same interface for every scheme:
     ``loss(tokens, labels)``, ``loss_on_shard``, ``shard_batch``, ``full_grads()``, ``full_state_dict()``.
 
-    The reference model is consumed: schemes that shard weights move its parameters to the meta device
-    (each rank keeps only its shards), replicated schemes adopt it. Use the returned module afterwards.
-    Options are scheme-specific: ``timeout_s`` (all), ``recompute`` (tsp, tp, sp, tp_sp),
-    ``sequence_parallel`` (tp, torch_tp).
+    The scheme runs on its own mesh axes; a ``dp`` axis of size > 1 replicates it (``parallel/dp.py``), and the
+    ``dp`` scheme is data parallelism over the whole model. The reference model is consumed: schemes that shard
+    weights move its parameters to the meta device (each rank keeps only its shards), replicated schemes adopt
+    it. Use the returned module afterwards.
+
+    Options (``None``: not given): ``recompute`` (every scheme but torch_tp) keeps each layer's input only and
+    re-runs its forward in backward; ``sequence_parallel`` (tp, torch_tp) adds Megatron-SP; ``timeout_s``
+    bounds every collective. An option the scheme does not take is a ValueError.
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; choose one of: {', '.join(SCHEMES)}")
-    module, name = SCHEMES[scheme].split(":")
-    cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
-    accepted = set(inspect.signature(cls).parameters) - {"model", "mesh"}
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise ValueError(f"scheme {scheme!r} does not support {', '.join(unknown)}; "
-                         f"its options are: {', '.join(sorted(accepted)) or 'none'}")
-    return cls(model, mesh, **options)
+    spec = get_scheme(scheme)
+    options = {name: value for name, value in (("recompute", recompute), ("sequence_parallel", sequence_parallel))
+               if value is not None}
+    unsupported = sorted(set(options) - set(spec.options))
+    if unsupported:
+        raise ValueError(f"scheme {scheme!r} does not support {', '.join(unsupported)}; "
+                         f"its options are: {', '.join(spec.options) or 'none'}")
+    built = SCHEME_CLASSES[scheme](model, mesh, timeout_s=timeout_s, **options)
+    if scheme == "dp" or mesh_sizes(mesh).get("dp", 1) > 1:  # the dp scheme is the wrapper over Replica
+        return DataParallel(built, mesh, timeout_s)
+    return built

@@ -1,4 +1,4 @@
-"""What every parallel scheme shares: the public interface and two tiny autograd bridges."""
+"""What every parallel scheme shares: the public interface, the mesh-axis check and two tiny autograd bridges."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from ..distributed.comm import AxisComm
+from ..distributed.mesh import mesh_sizes
 from ..model import IGNORE_INDEX
+from ..schemes import SCHEMES
 
 
 class SumOverAxis(torch.autograd.Function):
@@ -39,26 +41,30 @@ class ReplicatedGrad(torch.autograd.Function):
         return ctx.comm.all_reduce(grad.contiguous(), label="replicated.grad"), None
 
 
-def global_mean(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm) -> torch.Tensor:
-    """Mean loss over every token of every rank on ``comm``: sum of local NLL sums / global token count.
-
-    A batch without any target is 0 with zero gradients (not 0/0 = NaN, which would poison a
-    data-parallel gradient sum).
-    """
+def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm):
+    """(sum of every rank's NLL sum, count of every rank's targets) over ``comm``, for ranks that hold
+    different tokens; the sum back-propagates each rank's own share."""
     count = comm.all_reduce((labels != IGNORE_INDEX).sum().to(nll_sum.dtype), label="loss")
-    return SumOverAxis.apply(nll_sum, comm) / count.clamp_min(1)
+    return SumOverAxis.apply(nll_sum, comm), count
 
 
 class ParallelTransformer(nn.Module):
     """The interface every scheme exposes (see ``torchtsp.parallelize``).
 
-    Subclasses implement ``shard_batch``, ``loss_on_shard`` and ``_full``.
+    Subclasses set ``scheme`` (a name in ``torchtsp.schemes.SCHEMES``, whose entry lists the mesh axes the
+    scheme uses) and implement ``shard_batch``, ``nll_sum_and_count`` and ``_full``. The constructor refuses,
+    on every rank and before any communication, a mesh that lacks the scheme's axes or has another axis of
+    size > 1 the scheme would ignore, and a model whose heads or FFN width do not split over it.
     """
 
     scheme = "?"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, mesh):
         super().__init__()
+        spec = SCHEMES[self.scheme]
+        sizes = mesh_sizes(mesh)
+        spec.check_mesh(sizes)
+        spec.check_model(cfg, sizes)
         self.cfg = cfg
 
     def comms(self) -> dict[str, AxisComm]:
@@ -69,9 +75,19 @@ class ParallelTransformer(nn.Module):
         """This rank's share of a global [B, S] batch (tokens or labels)."""
         raise NotImplementedError
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy from this rank's share of tokens and labels."""
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, number of targets) over every token of the scheme's ranks, from this rank's
+        share of tokens and labels; identical on those ranks. Data parallelism sums both over replicas."""
         raise NotImplementedError
+
+    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Global mean cross-entropy from this rank's share of tokens and labels.
+
+        A batch without any target is 0 with zero gradients (not 0/0 = NaN, which would poison a
+        data-parallel gradient sum).
+        """
+        nll_sum, count = self.nll_sum_and_count(tokens, labels)
+        return nll_sum / count.clamp_min(1)
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Reference-named full tensors assembled from ``pick(param)`` of every rank."""
@@ -109,13 +125,14 @@ class ParallelTransformer(nn.Module):
 
 
 class ReplicatedTransformer(ParallelTransformer):
-    """Base of schemes that keep the whole model on every rank of one axis (DP, SP): the reference
-    model is adopted as this rank's replica, and its gradients are summed over the axis."""
+    """Base of schemes that keep the whole model on every rank of one axis whose ranks see different
+    tokens (SP): the reference model is adopted as this rank's replica, and its gradients are summed over
+    the axis."""
 
     axis = "?"
 
     def __init__(self, model, mesh, timeout_s: float):
-        super().__init__(model.cfg)
+        super().__init__(model.cfg, mesh)
         self.comm = AxisComm.from_mesh(mesh, self.axis, timeout_s)
         self.module = model  # the replica
         for p in model.parameters():

@@ -1,29 +1,102 @@
-"""DP: every rank holds the whole model and 1/D of the batch rows; gradients are all-reduced."""
+"""Data parallelism over any scheme, on the ``dp`` mesh axis.
+
+``DataParallel`` wraps a scheme's model (TSP, TP, SP, TP x SP, torch_tp, or ``Replica``, the whole model
+on one rank): each of the dp replicas takes B/dp rows of the global batch and runs the scheme on them
+over the model axes; the loss is the mean over every token of every replica (both the NLL sum and the
+target count are summed over dp), and every gradient is summed over dp as backward produces it. The
+``dp`` scheme is this wrapper over ``Replica``, i.e. over a model axis of size 1.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer
-from .base import ReplicatedTransformer, global_mean
+from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
+from .base import ParallelTransformer, SumOverAxis
 
 
-class DPTransformer(ReplicatedTransformer):
+class Replica(ParallelTransformer):
+    """The whole reference model on this rank, on whole sequences: the model side of the ``dp`` scheme."""
+
     scheme = "dp"
-    axis = "dp"
 
-    def __init__(self, model: Transformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model, mesh, timeout_s)
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(model.cfg, mesh)
+        self.module = model
+        self.recompute = recompute
+
+    def comms(self):
+        return {}
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.shape[0] % self.comm.size:
-            raise ValueError(f"batch size {tokens.shape[0]} must be divisible by the DP degree {self.comm.size}")
-        return tokens.chunk(self.comm.size, dim=0)[self.comm.rank]
+        return tokens
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.module(tokens)  # each weight's gradient is all-reduced as soon as backward produces it
+    def nll_sum_and_count(self, tokens, labels):
+        m, cfg = self.module, self.cfg
+        cos, sin = rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), cfg.head_dim, cfg.rope_theta)
+        x = m.tok_embeddings(tokens)
+        for layer in m.layers:
+            # Recompute keeps only each layer's input; backward re-runs its forward.
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if self.recompute else layer(x, cos, sin)
+        logits = F.linear(m.norm(x), m.output_weight)
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return global_mean(nll_sum, labels, self.comm)
+        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+
+    def reference_parts(self, name, local):
+        return [(name.removeprefix("module."), local, {})]
+
+    def _full(self, pick):
+        return {name: pick(p) for name, p in self.module.named_parameters()}
+
+
+class DataParallel(ParallelTransformer):
+    """``inner`` (a scheme's model on this rank's model axes) replicated over the ``dp`` mesh axis."""
+
+    def __init__(self, inner: ParallelTransformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.scheme = inner.scheme  # the instance attribute the base class reads (mesh already checked)
+        super().__init__(inner.cfg, mesh)
+        self.module = inner
+        self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
+        for p in inner.parameters():
+            # On the gradient flowing into each weight (before accumulation into .grad): accumulation over
+            # several backward passes stays exact, and the sums overlap the rest of backward.
+            p.register_hook(self._sum_over_replicas)
+
+    def _sum_over_replicas(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.dp.size == 1:
+            return grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # torch_tp: this rank's DTensor piece
+        # Summed in float32: a bf16 sum over replicas would lose the low bits of every gradient.
+        total = self.dp.all_reduce(local.to(torch.float32, copy=True), label="dp.grad").to(local.dtype)
+        if local is grad:
+            return total
+        return type(grad).from_local(total, grad.device_mesh, grad.placements, run_check=False,
+                                     shape=grad.shape, stride=grad.stride())
+
+    @property
+    def recompute(self) -> bool:
+        return getattr(self.module, "recompute", False)
+
+    def comms(self):
+        return {**self.module.comms(), "dp": self.dp}
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This replica's B/dp rows, then the inner scheme's share of them."""
+        if tokens.shape[0] % self.dp.size:
+            raise ValueError(f"batch size {tokens.shape[0]} must be divisible by the DP degree {self.dp.size}")
+        return self.module.shard_batch(tokens.chunk(self.dp.size, dim=0)[self.dp.rank])
+
+    def nll_sum_and_count(self, tokens, labels):
+        nll_sum, count = self.module.nll_sum_and_count(tokens, labels)
+        count = self.dp.all_reduce(count.clone(), label="loss")
+        return SumOverAxis.apply(nll_sum, self.dp), count
+
+    def reference_parts(self, name, local):
+        return self.module.reference_parts(name.removeprefix("module."), local)
+
+    def _full(self, pick):
+        return self.module._full(pick)

@@ -49,14 +49,6 @@ class PackedLayout:
                 for i, p in enumerate(self.parts)}
 
 
-def check_splittable(cfg, world: int, scheme: str, symbol: str) -> None:
-    """Raise ValueError (before any communication) unless heads, KV heads and the FFN split over ``world``."""
-    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
-        if getattr(cfg, name) % world:
-            raise ValueError(f"{scheme} over {symbol}={world} ranks needs {name}={getattr(cfg, name)} divisible by "
-                             f"{world}; choose a {scheme} degree that divides it")
-
-
 def vocab_shard(weight: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """Rank's rows of a [V, h] vocabulary weight, V padded with zero rows to a multiple of ``world``."""
     padded = -(-weight.shape[0] // world) * world

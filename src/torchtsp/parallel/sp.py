@@ -23,7 +23,7 @@ from ..distributed import zigzag
 from ..distributed.attention import GatherKV, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
-from .base import ReplicatedTransformer, global_mean
+from .base import ReplicatedTransformer, global_sum_and_count
 
 
 class SPTransformer(ReplicatedTransformer):
@@ -64,8 +64,8 @@ class SPTransformer(ReplicatedTransformer):
         return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                           w["feed_forward.w_down.weight"])
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy from this rank's zigzag shard [B, S/Σ] of tokens and labels."""
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+        """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
         cfg = self.cfg
         w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
         cos, sin = self.rope(tokens.shape[1], device=tokens.device)
@@ -81,4 +81,4 @@ class SPTransformer(ReplicatedTransformer):
         logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return global_mean(nll_sum, labels, self.comm)
+        return global_sum_and_count(nll_sum, labels, self.comm)

@@ -55,7 +55,6 @@ from torch.distributed.tensor.parallel import (
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
 from .base import ParallelTransformer
-from .shards import check_splittable
 
 
 class _LossParallelCrossEntropy(torch.autograd.Function):
@@ -90,19 +89,11 @@ class TorchTPTransformer(ParallelTransformer):
 
     def __init__(self, model: Transformer, mesh, sequence_parallel: bool = True,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model.cfg)
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if "tp" not in names:
-            raise ValueError(f"torch_tp needs a device mesh with a 'tp' axis, got axes {names}")
-        others = {n: mesh.size(i) for i, n in enumerate(names) if n != "tp" and mesh.size(i) > 1}
-        if others:
-            raise ValueError(f"torch_tp parallelises over the 'tp' axis only; other axes must have size 1, "
-                             f"got {others}")
+        super().__init__(model.cfg, mesh)
         self.mesh = mesh["tp"]
         self.tp = self.mesh.size()
         self.sequence_parallel = sequence_parallel
         self.timeout_s = timeout_s  # not applied: DTensor's collectives use the process group's timeout
-        check_splittable(model.cfg, self.tp, "torch_tp", "T")
 
         sp = sequence_parallel
         resid = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
@@ -163,8 +154,8 @@ class TorchTPTransformer(ParallelTransformer):
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy of the global batch (``shard_batch`` is the identity)."""
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+        """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
@@ -172,7 +163,8 @@ class TorchTPTransformer(ParallelTransformer):
         for layer in m.layers:
             x = layer(x, cos, sin)
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
-        return nll_sum / (labels != IGNORE_INDEX).sum()  # every rank holds every token: a local count is global
+        # Every rank holds every token: the local count is the global one.
+        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t

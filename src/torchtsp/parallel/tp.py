@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin
 from .base import ParallelTransformer, ReplicatedGrad
-from .shards import check_splittable, real_vocab_rows, vocab_shard
+from .shards import real_vocab_rows, vocab_shard
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
 
@@ -227,15 +227,6 @@ LAYER_PARAMS = {
 }
 
 
-def check_mesh_axes(mesh, scheme: str, axes: tuple[str, ...]) -> None:
-    """Raise ValueError if ``mesh`` has an axis of size > 1 that ``scheme`` does not use (dp is the trainer's)."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    unused = {n: mesh.size(i) for i, n in enumerate(names) if n not in (*axes, "dp") and mesh.size(i) > 1}
-    if unused:
-        raise ValueError(f"{scheme} parallelises over the mesh axes {', '.join(axes)} (and dp); other axes "
-                         f"must have size 1, got {unused}; choose the scheme that uses them")
-
-
 def _slice(t: torch.Tensor, dim: int | None, world: int, rank: int) -> torch.Tensor:
     if dim is None:
         return t.clone()
@@ -255,12 +246,10 @@ class TPTransformer(ParallelTransformer):
     """A reference ``Transformer`` split over the ``tp`` mesh axis; each rank keeps only its shards."""
 
     scheme = "tp"
-    axes = ("tp",)  # mesh axes this scheme parallelises over
 
     def __init__(self, model: Transformer, mesh, sequence_parallel: bool = False, recompute: bool = False,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model.cfg)
-        check_mesh_axes(mesh, self.scheme, self.axes)
+        super().__init__(model.cfg, mesh)
         self.tp = AxisComm.from_mesh(mesh, "tp", timeout_s)
         self.sequence_parallel = bool(sequence_parallel)
         self.recompute = recompute
@@ -268,7 +257,6 @@ class TPTransformer(ParallelTransformer):
 
     def _shard(self, model: Transformer, tp: AxisComm) -> None:
         cfg, T, p = model.cfg, tp.size, tp.rank
-        check_splittable(cfg, T, "TP", "T")
         full = {name: t.detach() for name, t in model.state_dict().items()}
         self.embedding_shard = nn.Parameter(vocab_shard(full["tok_embeddings.weight"], T, p))
         self.layers = nn.ModuleList(
@@ -297,9 +285,9 @@ class TPTransformer(ParallelTransformer):
         g = self.cfg.group_size
         return F.scaled_dot_product_attention(q, expand_kv_heads(k, g), expand_kv_heads(v, g), is_causal=True)
 
-    def _mean(self, nll_sum: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Every rank holds every token and the same NLL: the local mean is the global mean.
-        return nll_sum / (labels != IGNORE_INDEX).sum()
+    def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
+        # Every rank holds every token and the same NLL: the local sum and count are the global ones.
+        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
 
     # -- forward -------------------------------------------------------------------
 
@@ -326,8 +314,8 @@ class TPTransformer(ParallelTransformer):
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
         return x + RowParallelLinear.apply(F.silu(gate) * up, w(layer.w_down), tp, sp)
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy from this rank's tokens and labels (the global batch for TP)."""
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+        """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         if sp and tokens.shape[1] % tp.size:
             raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
@@ -342,7 +330,7 @@ class TPTransformer(ParallelTransformer):
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
         nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)
-        return self._mean(nll.sum(), labels)
+        return self._sum_and_count(nll.sum(), labels)
 
     # -- full views (for checks, checkpoints, export) -------------------------------
 

@@ -28,7 +28,7 @@ from ..distributed import zigzag
 from ..distributed.attention import GatherKV, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import Transformer, expand_kv_heads
-from .base import ReplicatedGrad, global_mean
+from .base import ReplicatedGrad, global_sum_and_count
 from .tp import TPTransformer
 
 
@@ -36,7 +36,6 @@ class TPSPTransformer(TPTransformer):
     """A reference ``Transformer`` split over ``init_mesh(tp=T, sp=Σ)``: weights over tp, tokens over sp."""
 
     scheme = "tp_sp"
-    axes = ("tp", "sp")
 
     def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(model, mesh, sequence_parallel=False, recompute=recompute, timeout_s=timeout_s)
@@ -66,5 +65,5 @@ class TPSPTransformer(TPTransformer):
         kv = GatherKV.apply(torch.stack([k, v]), sp)  # [2, B, H_kv/T, S, d], global order
         return zigzag_causal_attention(q, expand_kv_heads(kv[0], g), expand_kv_heads(kv[1], g), sp.rank, sp.size)
 
-    def _mean(self, nll_sum, labels):
-        return global_mean(nll_sum, labels, self.sp)
+    def _sum_and_count(self, nll_sum, labels):
+        return global_sum_and_count(nll_sum, labels, self.sp)

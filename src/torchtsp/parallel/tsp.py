@@ -27,8 +27,8 @@ from ..distributed import zigzag
 from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
-from .base import ParallelTransformer, ReplicatedGrad, global_mean
-from .shards import PackedLayout, Part, check_splittable, real_vocab_rows, vocab_shard
+from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count
+from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard
 
 WEIGHT_TAG, GRAD_TAG = 0, 1  # separate point-to-point streams for weights and travelling gradients
 
@@ -324,11 +324,10 @@ class TSPTransformer(ParallelTransformer):
     scheme = "tsp"
 
     def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model.cfg)
+        super().__init__(model.cfg, mesh)
         self.recompute = recompute
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
         cfg, D, p = model.cfg, comm.size, comm.rank
-        check_splittable(cfg, D, "TSP", "D")
         self.comm = comm
         self.blocks = TSPBlocks(cfg, comm)
         full = {name: t.detach() for name, t in model.state_dict().items()}
@@ -355,8 +354,8 @@ class TSPTransformer(ParallelTransformer):
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy from this rank's zigzag shard [B, S/D] of tokens and labels."""
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+        """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
         cfg, comm = self.cfg, self.comm
         seq_len = tokens.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=tokens.device)
@@ -376,7 +375,7 @@ class TSPTransformer(ParallelTransformer):
         z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, blocks)
-        return global_mean(nll.sum(), labels, comm)
+        return global_sum_and_count(nll.sum(), labels, comm)
 
     # -- full views (for checks, checkpoints, export) -----------------------
 

@@ -19,16 +19,11 @@ import torch
 
 from ..config import ModelConfig
 from ..distributed import comm
-from ..model import Transformer
+from ..model import reference_shapes
 
 FORMAT = "torchtsp-train"
 META = "meta.json"
 LATEST = "latest"
-
-
-def reference_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
 
 
 def training_state(model, optimizer, named_params, mesh, step: int) -> dict:

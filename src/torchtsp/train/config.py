@@ -13,10 +13,12 @@ class TrainConfig:
     preset: str = "tiny"
     init_from_hf: str | None = None  # HF Llama checkpoint directory to start from (overrides preset)
     scheme: str = "tsp"
-    dp: int = 1
-    tsp: int | None = None  # default: every rank not used by dp (for scheme tsp)
-    tp: int = 1
-    sp: int = 1
+    # Mesh degrees; None: not given. The scheme's own axis takes the ranks the others leave
+    # (torchtsp.schemes.Scheme.degrees); axes the scheme does not use must stay 1.
+    dp: int | None = None
+    tsp: int | None = None
+    tp: int | None = None
+    sp: int | None = None
     nproc: int | None = None  # local CPU ranks to spawn when not under torchrun (default: product of degrees)
     batch_size: int = 8  # global, in sequences
     seq_len: int = 256
@@ -38,8 +40,8 @@ class TrainConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self):
-        for name in ("dp", "tp", "sp", "batch_size", "seq_len", "steps"):
-            if getattr(self, name) < 1:
+        for name in ("dp", "tsp", "tp", "sp", "batch_size", "seq_len", "steps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")

@@ -1,13 +1,12 @@
 """The training loop every rank runs: a ``dp x (scheme)`` mesh, AdamW on local shards, checkpoints.
 
-Data parallelism composes from outside the scheme: each dp replica takes B/dp rows of the global
-batch, its scheme's loss is weighted by the replica's share of the tokens, and gradients are summed
-over the dp axis, so the loss is the global mean over all tokens, exactly as on one device.
+The mesh degrees, and whether the model and batch split over them, come from the scheme registry
+(``torchtsp.schemes``) before any communication. ``parallelize`` applies data parallelism over the
+scheme, so the loss is the global mean over all tokens, exactly as on one device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import signal
@@ -20,23 +19,17 @@ from tqdm import tqdm
 
 from ..config import get_preset
 from ..distributed import comm
-from ..distributed.comm import AxisComm
-from ..distributed.mesh import init_mesh
+from ..distributed.comm import AxisComm, Traffic
+from ..distributed.mesh import init_mesh, mesh_device
 from ..memory import measure_peak
-from ..model import IGNORE_INDEX, Transformer
+from ..model import Transformer
 from ..parallel import parallelize
+from ..schemes import get_scheme
 from . import checkpoint
 from .config import TrainConfig
 from .data import ByteTokenizer, TokenWindows, load_corpus
 from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
 from .single import greedy_continue
-
-
-def mesh_degrees(cfg: TrainConfig, world: int) -> dict[str, int]:
-    """Degrees per mesh axis; TSP takes every rank the other axes leave when --tsp is not given."""
-    others = cfg.dp * cfg.tp * cfg.sp
-    tsp = cfg.tsp if cfg.tsp is not None else (max(1, world // others) if cfg.scheme == "tsp" else 1)
-    return {"dp": cfg.dp, "tsp": tsp, "tp": cfg.tp, "sp": cfg.sp}
 
 
 def model_config_and_weights(cfg: TrainConfig):
@@ -57,26 +50,22 @@ def model_config_and_weights(cfg: TrainConfig):
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.degrees = mesh_degrees(cfg, comm.world_size())
+        scheme = get_scheme(cfg.scheme)
+        self.degrees = scheme.degrees(comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
+        self.model_cfg, weights = model_config_and_weights(cfg)
+        scheme.validate(self.model_cfg, cfg.batch_size, cfg.seq_len, self.degrees)  # before any communication
         self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)  # creates the process group if needed
         self.rank = comm.global_rank()
-        # init_mesh picked the device (CUDA under NCCL): the model and every batch live there.
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
-            else torch.device("cpu")
-        self.model_cfg, weights = model_config_and_weights(cfg)
+        self.device = mesh_device(self.mesh)  # the model and every batch live there
 
         torch.manual_seed(cfg.seed)
         model = Transformer(self.model_cfg)
         if weights is not None:
             model.load_state_dict(weights)
         model.to(self.device)
-        options = {"recompute": True} if cfg.recompute else {}
-        self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s, **options)
-        # The dp scheme spans the dp axis itself; every other scheme is replicated over it from here.
-        self.dp = AxisComm(None, "dp") if cfg.scheme == "dp" else AxisComm.from_mesh(self.mesh, "dp", cfg.timeout_s)
-        if cfg.batch_size % self.dp.size:
-            raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --dp {self.dp.size}")
-        self.comms = self.model.comms() if cfg.scheme == "dp" else {**self.model.comms(), "dp": self.dp}
+        self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
+                                 recompute=cfg.recompute or None)
+        self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
         self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
@@ -93,17 +82,8 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         tokens, labels = (t.to(self.device) for t in self.windows.inputs_and_labels(step))
-        counts = [(rows != IGNORE_INDEX).sum().item() for rows in labels.chunk(self.dp.size)]
-        share = counts[self.dp.rank] / max(1, sum(counts))
-        rows = slice(self.dp.rank * len(tokens) // self.dp.size, (self.dp.rank + 1) * len(tokens) // self.dp.size)
-        loss = self.model.loss(tokens[rows], labels[rows])
-        (loss * share).backward()
-        params = [p for _, p in self.model.named_parameters()]
-        if self.dp.size > 1:  # one flat all-reduce of every gradient over the replicas
-            # Summed in float32: a bf16 sum over replicas would lose the low bits of every gradient.
-            flat = self.dp.all_reduce(torch.cat([p.grad.reshape(-1).float() for p in params]), label="dp.grad")
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad.copy_(g.view_as(p))
+        loss = self.model.loss(tokens, labels)  # the global batch: the model takes its replica's rows
+        loss.backward()  # gradients are summed over dp replicas as backward produces them
         if self.master:
             self.master.grads_to_masters()
         norm = self.clip_gradients()
@@ -114,8 +94,7 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         if self.master:
             self.master.masters_to_params()
-        global_loss = self.dp.all_reduce(loss.detach().float() * share, label="loss")
-        return global_loss.item(), norm
+        return loss.item(), norm
 
     def clip_gradients(self) -> float:
         pieces = ((piece, dims) for name, p in self.named_trained
@@ -164,11 +143,6 @@ class Trainer:
         path.write_text("".join(line + "\n" for line in kept))
         return path.open("a")
 
-    def _counting(self):
-        stack = contextlib.ExitStack()
-        stats = [stack.enter_context(c.counting()) for c in self.comms.values()]
-        return stack, stats
-
     def run(self) -> dict:
         cfg = self.cfg
         if cfg.resume:
@@ -185,9 +159,8 @@ class Trainer:
             step = self.start_step
             while step < cfg.steps:
                 measure = peak is None and (step > self.start_step or cfg.steps - step == 1)
-                stack, stats = self._counting()
                 start = time.perf_counter()
-                with stack:
+                with Traffic(self.comms) as traffic:
                     if measure:  # live-tensor peak of a whole step once optimizer state exists
                         (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
                                                                 self.optimizer)
@@ -200,7 +173,7 @@ class Trainer:
                 times.append(elapsed)
                 record = {"step": step, "loss": loss, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"],
                           "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
-                          "bytes_recv_rank0": sum(s.total_recv for s in stats)}
+                          "bytes_recv_rank0": traffic.recv}
                 if measure:
                     record["peak_mem_bytes"] = peak
                 if log:
