@@ -1,4 +1,4 @@
-"""Analytic communication volume per layer, in elements received per rank (DESIGN.md section 5).
+"""Analytic communication volume per layer, in elements received per rank (docs/design.md, "Traffic and memory").
 
 Symbols: B batch, S sequence, h = n_q·d model width, g = n_q / n_kv, F ffn width, D (or T, Σ) axis sizes.
 The counts follow the accounting of ``torchtsp.distributed.comm`` (all-reduce = ring algorithm,

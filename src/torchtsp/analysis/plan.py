@@ -18,7 +18,8 @@ from .memory_model import predict_memory
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
 
-# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1 (DESIGN.md).
+# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1
+# (docs/design.md, "Where we differ from the paper").
 PAPER_GPUS = 8
 PAPER_FIGURES = (
     # (layout label, scheme, degrees, sequence length, paper GB)
