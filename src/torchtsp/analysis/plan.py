@@ -20,7 +20,8 @@ GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
 SCHEMES_DP = "dp"  # the registry's whole-model data parallelism: the planner's baseline row
 
-# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1 (docs/design.md).
+# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1
+# (docs/design.md, "Where we differ from the paper").
 PAPER_FIGURES = (
     # (layout label, scheme, degrees, sequence length, paper GB)
     ("TSP8", "tsp", {"tsp": 8}, 131072, 38.8),

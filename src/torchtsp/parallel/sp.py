@@ -1,7 +1,7 @@
 """SP: sequence (context) parallelism over the ``sp`` mesh axis (size Σ).
 
 Every rank holds the whole model (the replica) and 1/Σ of every sequence in the zigzag layout of
-DESIGN.md section 1 (chunks p and 2Σ-1-p), so causal attention work is balanced. Per layer:
+docs/design.md, "Tokens: zigzag" (chunks p and 2Σ-1-p), so causal attention work is balanced. Per layer:
 
 * RMSNorm, the Q/K/V projections (with RoPE at each local token's *global* position), the output
   projection and the gated MLP run on local tokens with the full, replicated weights;

@@ -1,4 +1,4 @@
-"""TSP: tensor and sequence parallelism folded onto one mesh axis (see shared DESIGN.md).
+"""TSP: tensor and sequence parallelism folded onto one mesh axis (see docs/design.md).
 
 Every rank p of the ``tsp`` axis (size D) holds 1/D of every weight and 1/D of the tokens
 (zigzag layout). Weights move, activations stay:
