@@ -60,7 +60,7 @@ BAD = [
     ("kv_heads", "tp", "tp", SP, dict(n_heads=8, n_kv_heads=2), 16, r"n_kv_heads=2 divisible by 4"),
     ("ffn", "tp", "tp", {}, dict(ffn_dim=90), 16, r"ffn_dim=90 divisible by 4"),
     ("seq", "tp", "tp", SP, {}, 10, r"sequence length 10 must be divisible by the TP degree T=4"),
-    ("mesh", "tp", "tp_sp", {}, {}, 16, r"other axes must have size 1, got \{'sp': 2\}"),
+    ("mesh", "tp", "tp_sp", {}, {}, 16, r"scheme 'tp' does not use the mesh axis sp=2"),
     ("tp_sp-kv_heads", "tp_sp", "tp_sp", {}, dict(n_heads=4, n_kv_heads=1), 16, r"n_kv_heads=1 divisible by 2"),
     ("tp_sp-seq", "tp_sp", "tp_sp", {}, {}, 6, r"sequence length 6 must be divisible by 2\*D = 4"),
 ]
