@@ -110,3 +110,22 @@ def test_hf_and_train_do_not_import_each_other():
     code = ("import sys, torchtsp.hf\n"
             "assert not any(m.startswith('torchtsp.train') for m in sys.modules), 'hf imports train'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def dp_traffic_on_rank(scheme, degrees, batch, seq_len):
+    from torchtsp.distributed.comm import Traffic
+
+    torch.manual_seed(0)
+    model = torchtsp.parallelize(torchtsp.Transformer(CFG), torchtsp.init_mesh(**degrees), scheme)
+    tokens = torch.randint(0, CFG.vocab_size, (batch, seq_len))
+    with Traffic(model.comms()) as traffic:
+        model.loss(tokens, tokens).backward()
+    return traffic.recv
+
+
+@pytest.mark.parametrize("scheme,degrees", [("tsp", {"dp": 2, "tsp": 2}), ("dp", {"dp": 4})])
+def test_data_parallel_traffic_equals_the_formula(pools, scheme, degrees):
+    from torchtsp.analysis import predict_comm
+
+    expected = predict_comm(scheme, CFG, 4, 16, **degrees).total
+    assert pools(4).run(dp_traffic_on_rank, scheme, degrees, 4, 16) == [expected] * 4
