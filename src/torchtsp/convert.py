@@ -10,25 +10,19 @@ import os
 from pathlib import Path
 
 from .hf import (
+    DEFAULT_SHARD_BYTES,
     HF_CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     TORCHTSP_CONFIG_NAME,
     _require_dir,
-    load_hf_checkpoint,
-    load_torchtsp_checkpoint,
-    save_hf_checkpoint,
-    save_torchtsp_checkpoint,
+    open_hf_weights,
+    open_torchtsp_weights,
+    write_weights,
 )
 
 
 def _is_training_checkpoint(path: Path) -> bool:
     return (path / "meta.json").is_file() or (path / "checkpoints" / "latest").is_file()
-
-
-def _load_training_checkpoint(path):
-    from .train.checkpoint import load_full_state_dict  # imports torch.distributed.checkpoint: only when needed
-
-    return load_full_state_dict(path)
 
 
 def detect_checkpoint_kind(path: str | os.PathLike) -> str:
@@ -48,7 +42,14 @@ def detect_checkpoint_kind(path: str | os.PathLike) -> str:
     )
 
 
-_LOADERS = {"hf": load_hf_checkpoint, "torchtsp": load_torchtsp_checkpoint, "train": _load_training_checkpoint}
+def open_weights(path: str | os.PathLike):
+    """``(kind, weights)`` of a checkpoint directory of any kind, nothing read yet (see ``torchtsp.weights``)."""
+    kind = detect_checkpoint_kind(path)
+    if kind == "train":
+        from .train.checkpoint import CheckpointWeights  # imports torch.distributed.checkpoint: only when needed
+
+        return kind, CheckpointWeights(path)
+    return kind, (open_hf_weights if kind == "hf" else open_torchtsp_weights)(path)[1]
 
 
 def convert_checkpoint(
@@ -61,13 +62,14 @@ def convert_checkpoint(
     """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
 
     Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint).
-    A non-empty ``dst`` is refused unless
-    ``overwrite`` (CLI ``--force``); then only checkpoint files in it are replaced.
+    A non-empty ``dst`` is refused unless ``overwrite`` (CLI ``--force``); then only checkpoint files in it are
+    replaced. Streamed: one tensor is read at a time and at most one output file (``max_shard_bytes``, default
+    1 GiB) is held, so a model larger than memory converts.
     """
     if to not in (None, "hf", "torchtsp"):
         raise ValueError(f"unknown target format to={to!r}; choose 'hf' or 'torchtsp'")
     src, dst = Path(src), Path(dst)
-    kind = detect_checkpoint_kind(src)
+    kind, weights = open_weights(src)
     target = to or ("torchtsp" if kind == "hf" else "hf")
     if dst.exists():
         if not dst.is_dir():
@@ -76,14 +78,10 @@ def convert_checkpoint(
             raise ValueError(f"destination {dst} is the source directory; choose another destination")
         if any(dst.iterdir()) and not overwrite:
             raise ValueError(f"destination {dst} is not empty; pass --force (overwrite=True) to overwrite it")
-    cfg, sd = _LOADERS[kind](src)
-    if dst.exists():
         # Drop the other format's marker so detection of dst cannot find a stale one.
         for name in (TORCHTSP_CONFIG_NAME, HF_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME):
             if (dst / name).is_file():
                 (dst / name).unlink()
-    if target == "hf":
-        save_hf_checkpoint(dst, sd, cfg, max_shard_bytes=max_shard_bytes)
-    else:
-        save_torchtsp_checkpoint(dst, sd, cfg)
+    write_weights(dst, weights, target, max_shard_bytes or DEFAULT_SHARD_BYTES,
+                  dtype=getattr(weights, "stored_dtype", None))
     return target

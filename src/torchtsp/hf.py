@@ -13,6 +13,7 @@ No weight permutation is needed between the two: ``torchtsp.model.apply_rope`` u
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -487,3 +488,115 @@ def load_torchtsp_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict
     except ValueError as e:
         raise ValueError(f"{e} (config from {meta_path})") from e
     return cfg, sd
+
+
+# --------------------------------------------------------------------------- reading slice by slice
+
+
+def _hf_weight_files(path: Path) -> dict[str, Path]:
+    """Stored tensor name -> the safetensors file that holds it (one file, or the shards of an index)."""
+    from safetensors import SafetensorError, safe_open
+
+    single, index = path / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file() and not single.is_file():
+        weight_map = _read_json(index, "").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object; regenerate the index or the checkpoint")
+        missing = sorted({s for s in weight_map.values() if not (path / s).is_file()})
+        if missing:
+            raise FileNotFoundError(f"shard(s) named in {index} are missing from {path}: {_fmt_names(missing)}; "
+                                    "re-download the complete checkpoint")
+        return {name: path / shard for name, shard in weight_map.items()}
+    candidates = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
+    if len(candidates) != 1:
+        _load_hf_weights(path)  # raises the same clear error as a whole-checkpoint load
+    try:
+        with safe_open(str(candidates[0]), framework="pt", device="cpu") as f:
+            return dict.fromkeys(f.keys(), candidates[0])
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ValueError(f"{candidates[0]} is not a readable safetensors file (truncated or corrupt?): {e}; "
+                         "re-download or re-save it") from e
+
+
+def open_hf_weights(path: str | os.PathLike):
+    """``(cfg, weights)`` of an HF checkpoint directory without reading its tensors: ``weights`` is a
+    ``torchtsp.weights.SafetensorsWeights`` that ``parallelize(..., weights=weights)`` reads slice by slice,
+    so each rank reads only the bytes of its own shards."""
+    from .weights import SafetensorsWeights
+
+    path = Path(path)
+    _require_dir(path)
+    cfg_path = path / HF_CONFIG_NAME
+    hf_config = _read_json(cfg_path, "a Hugging Face checkpoint directory needs config.json")
+    try:
+        cfg = config_from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
+    files = _hf_weight_files(path)
+    try:
+        return cfg, SafetensorsWeights(cfg, files, _to_hf_name)
+    except ValueError as e:
+        raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
+
+
+def open_torchtsp_weights(path: str | os.PathLike):
+    """``(cfg, weights)`` of a native torchtsp checkpoint directory, read slice by slice like ``open_hf_weights``."""
+    from .weights import SafetensorsWeights
+
+    path = Path(path)
+    _require_dir(path)
+    meta_path = path / TORCHTSP_CONFIG_NAME
+    meta = _read_json(meta_path, "a torchtsp checkpoint directory needs torchtsp.json")
+    if meta.get("format") != "torchtsp" or meta.get("version") != TORCHTSP_FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: not a torchtsp checkpoint of version {TORCHTSP_FORMAT_VERSION}")
+    try:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path}: invalid model config: {e}") from e
+    try:
+        return cfg, SafetensorsWeights(cfg, _hf_weight_files(path), lambda name: name)
+    except ValueError as e:
+        raise ValueError(f"weights in {path} do not match {meta_path}: {e}") from e
+
+
+DEFAULT_SHARD_BYTES = 2**30  # streamed exports hold at most one output file of this size
+
+
+def write_weights(path: str | os.PathLike, weights, fmt: str = "hf", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  dtype: torch.dtype | None = None) -> None:
+    """Write the model ``weights`` (a ``torchtsp.weights.WeightSource``) as a Hugging Face (``fmt="hf"``) or
+    native torchtsp checkpoint, streaming: tensors are read one at a time in reference order and written as
+    soon as an output file of ``max_shard_bytes`` is full, so at most one file's worth is ever held. A model
+    under ``max_shard_bytes`` is one ``model.safetensors``; a larger one, shards plus an index."""
+    if fmt not in ("hf", "torchtsp"):
+        raise ValueError(f"unknown checkpoint format {fmt!r}; choose 'hf' or 'torchtsp'")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    cfg = weights.cfg
+    stored = _to_hf_name if fmt == "hf" else (lambda name: name)
+    dtype = dtype or weights.dtype
+    nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in weights.shapes.items()}
+    groups: list[list[str]] = [[]]
+    for name in weights.shapes:  # reference order
+        if groups[-1] and sum(nbytes[n] for n in groups[-1]) + nbytes[name] > max_shard_bytes:
+            groups.append([])
+        groups[-1].append(name)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _remove_weight_files(path)
+    metadata = {"format": "pt"} if fmt == "hf" else {"format": "pt", "torchtsp": str(TORCHTSP_FORMAT_VERSION)}
+    weight_map = {}
+    for i, names in enumerate(groups, start=1):
+        fname = SAFE_WEIGHTS_NAME if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {stored(n): weights.get(n).to(dtype).contiguous() for n in names}
+        _save_safetensors(path / fname, tensors, metadata)
+        weight_map.update(dict.fromkeys(tensors, fname))
+        del tensors
+    if len(groups) > 1:
+        _write_json(path / SAFE_WEIGHTS_INDEX_NAME,
+                    {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map})
+    if fmt == "hf":
+        _write_json(path / HF_CONFIG_NAME, config_to_hf(cfg, dtype=str(dtype).removeprefix("torch.")))
+    else:
+        _write_json(path / TORCHTSP_CONFIG_NAME,
+                    {"format": "torchtsp", "version": TORCHTSP_FORMAT_VERSION, "model": cfg.to_dict()})

@@ -18,4 +18,6 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     with tracker:
         result = fn()
     peaks = tracker.get_tracker_snapshot("peak")
-    return result, max((by_kind["Total"] for by_kind in peaks.values()), default=0)
+    # Meta tensors (a model built on the meta device) have no storage: they are not memory.
+    return result, max((by_kind["Total"] for device, by_kind in peaks.items() if torch.device(device).type != "meta"),
+                       default=0)

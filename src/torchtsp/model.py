@@ -7,6 +7,8 @@ schemes call the same functions on their shards so both compute identical ops.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,34 @@ from torch import nn
 from .config import ModelConfig
 
 IGNORE_INDEX = -100
+INIT_STD = 0.02
+INIT_BLOCK_ROWS = 256  # initial values are drawn per block of rows, so a rank can draw just the rows it keeps
+
+
+def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed + 1_000_003 * zlib.crc32(name.encode()) + block) % 2**63)
+
+
+def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The initial value of parameter ``name`` (float32, CPU) of a model whose init seed is ``seed``,
+    or of its rows [start, stop): norm weights are ones, biases zeros, every other weight normal(0, 0.02).
+
+    Each block of ``INIT_BLOCK_ROWS`` rows has its own generator, seeded from (seed, name, block), so any
+    rows can be drawn alone, in any order, on any rank, and equal the whole tensor's rows.
+    """
+    start, stop = rows or (0, shape[0])
+    out_shape = (stop - start, *shape[1:])
+    if name.endswith("norm.weight"):
+        return torch.ones(out_shape)
+    if name.endswith(".bias"):
+        return torch.zeros(out_shape)
+    out = torch.empty(out_shape)
+    for block in range(start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)):
+        lo, hi = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, shape[0])
+        values = torch.empty(hi - lo, *shape[1:]).normal_(0.0, INIT_STD, generator=_block_generator(seed, name, block))
+        a, b = max(start, lo), min(stop, hi)
+        out[a - start:b - start] = values[a - lo:b - lo]
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,23 +138,32 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``Transformer(cfg)(tokens) -> logits [B, S, V]``; ``loss(tokens, labels)`` -> mean cross-entropy."""
+    """``Transformer(cfg)(tokens) -> logits [B, S, V]``; ``loss(tokens, labels)`` -> mean cross-entropy.
 
-    def __init__(self, cfg: ModelConfig):
+    Construction draws one seed from the global (CPU) RNG and derives every initial value from it
+    (``initial_value``), so a model built on the meta device (``device="meta"``: nothing allocated) still
+    knows its weights: parallel schemes materialise just their own shards of them, identical to what
+    ``Transformer(cfg)`` after the same ``torch.manual_seed`` holds.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        with torch.device("meta"):  # shapes only; values come from reset_parameters
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.reset_parameters()
 
-    def reset_parameters(self, std: float = 0.02):
+    @torch.no_grad()
+    def reset_parameters(self):
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                nn.init.normal_(p, std=std)
+            p.copy_(initial_value(self.init_seed, name, p.shape))
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -78,9 +78,8 @@ class _Built:
     def __init__(self, spec: CellSpec, mesh):
         self.device = mesh_device(mesh)
         torch.manual_seed(spec.seed)
-        with torch.device(self.device):
-            reference = Transformer(spec.cfg)
-        self.model = parallelize(reference, mesh, spec.scheme, timeout_s=spec.timeout_s, **spec.options)
+        self.model = parallelize(Transformer(spec.cfg, device="meta"), mesh, spec.scheme, timeout_s=spec.timeout_s,
+                                 **spec.options)
         g = torch.Generator().manual_seed(spec.seed)
         shape = (spec.batch, spec.seq_len)
         self.tokens = torch.randint(0, spec.cfg.vocab_size, shape, generator=g).to(self.device)

@@ -6,6 +6,7 @@ from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..distributed.mesh import mesh_sizes
 from ..model import Transformer
 from ..schemes import SCHEMES, get_scheme
+from ..weights import WeightSource
 from .base import ParallelTransformer
 from .dp import DataParallel, Replica
 from .sp import SPTransformer
@@ -27,7 +28,8 @@ assert SCHEME_CLASSES.keys() == SCHEMES.keys(), "every registered scheme needs i
 
 
 def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: bool | None = None,
-                sequence_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelTransformer:
+                sequence_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                weights: WeightSource | None = None) -> ParallelTransformer:
     """Split ``model`` over ``mesh`` with ``scheme``; returns a module with the same interface for every scheme:
     ``loss(tokens, labels)``, ``loss_on_shard``, ``shard_batch``, ``full_grads()``, ``full_state_dict()``.
 
@@ -35,6 +37,11 @@ def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: boo
     ``dp`` scheme is data parallelism over the whole model. The reference model is consumed: schemes that shard
     weights move its parameters to the meta device (each rank keeps only its shards), replicated schemes adopt
     it. Use the returned module afterwards.
+
+    A model too large for one device is built with ``Transformer(cfg, device="meta")``: each rank then draws
+    only its own shards of the seeded initial values (the same values ``Transformer(cfg)`` would hold), or
+    reads them from ``weights`` (``torchtsp.hf.open_hf_weights``: a checkpoint read slice by slice), on the
+    device this rank computes on. No rank holds more than its shards and one tensor being read.
 
     Options (``None``: not given): ``recompute`` (every scheme but torch_tp) keeps each layer's input only and
     re-runs its forward in backward; ``sequence_parallel`` (tp, torch_tp) adds Megatron-SP; ``timeout_s``
@@ -49,7 +56,7 @@ def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: boo
     if unsupported:
         raise ValueError(f"scheme {scheme!r} does not support {', '.join(unsupported)}; "
                          f"its options are: {', '.join(spec.options) or 'none'}")
-    built = SCHEME_CLASSES[scheme](model, mesh, timeout_s=timeout_s, **options)
+    built = SCHEME_CLASSES[scheme](model, mesh, timeout_s=timeout_s, weights=weights, **options)
     if scheme == "dp" or mesh_sizes(mesh).get("dp", 1) > 1:  # the dp scheme is the wrapper over Replica
         return DataParallel(built, mesh, timeout_s)
     return built

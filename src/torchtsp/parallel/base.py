@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from ..distributed.comm import AxisComm
-from ..distributed.mesh import mesh_sizes
-from ..model import IGNORE_INDEX
+from ..distributed.mesh import mesh_device, mesh_sizes
+from ..model import IGNORE_INDEX, reference_shapes
 from ..schemes import SCHEMES
+from ..weights import ModelWeights, SeededWeights, WeightSource
 
 
 class SumOverAxis(torch.autograd.Function):
@@ -46,6 +47,33 @@ def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: Axis
     different tokens; the sum back-propagates each rank's own share."""
     count = comm.all_reduce((labels != IGNORE_INDEX).sum().to(nll_sum.dtype), label="loss")
     return SumOverAxis.apply(nll_sum, comm), count
+
+
+def weight_source(model, mesh, weights: WeightSource | None = None) -> WeightSource:
+    """Where a scheme's shards come from, on the device this rank computes on: ``weights`` if given; else the
+    model's own tensors, or, for a model built on the meta device, its seeded initial values."""
+    on_meta = next(model.parameters()).device.type == "meta"
+    device = mesh_device(mesh) if on_meta else next(model.parameters()).device
+    if weights is None:
+        weights = SeededWeights(model.cfg, model.init_seed) if on_meta else ModelWeights(model)
+    elif weights.shapes != reference_shapes(model.cfg):
+        raise ValueError("the weights describe another model than the one given to parallelize; build the model "
+                         "from the checkpoint's config")
+    return weights.on(device)
+
+
+@torch.no_grad()
+def materialize(model, mesh, weights: WeightSource | None = None) -> None:
+    """Give a replicated scheme's whole model its weights, one tensor at a time: from ``weights`` if given,
+    from the seeded initial values if it is on the meta device; a built model without ``weights`` is kept."""
+    on_meta = next(model.parameters()).device.type == "meta"
+    if weights is None and not on_meta:
+        return
+    weights = weight_source(model, mesh, weights)
+    if on_meta:
+        model.to_empty(device=weights.device)
+    for name, p in model.named_parameters():
+        p.copy_(weights.get(name))
 
 
 class ParallelTransformer(nn.Module):
@@ -131,9 +159,10 @@ class ReplicatedTransformer(ParallelTransformer):
 
     axis = "?"
 
-    def __init__(self, model, mesh, timeout_s: float):
+    def __init__(self, model, mesh, timeout_s: float, weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.comm = AxisComm.from_mesh(mesh, self.axis, timeout_s)
+        materialize(model, mesh, weights)
         self.module = model  # the replica
         for p in model.parameters():
             # A hook on the gradient flowing into each weight (before accumulation into .grad), so

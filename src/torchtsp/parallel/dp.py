@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
-from .base import ParallelTransformer, SumOverAxis
+from .base import ParallelTransformer, SumOverAxis, materialize
 
 
 class Replica(ParallelTransformer):
@@ -23,8 +23,10 @@ class Replica(ParallelTransformer):
 
     scheme = "dp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights=None):
         super().__init__(model.cfg, mesh)
+        materialize(model, mesh, weights)
         self.module = model
         self.recompute = recompute
 

@@ -38,9 +38,17 @@ class PackedLayout:
         pieces = flat.split([r * c for r, c in shapes])
         return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
 
-    def pack(self, full: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
-        """Rank's flat buffer cut from the full weights."""
-        return torch.cat([full[p.name].chunk(self.world, p.shard_dim)[rank].reshape(-1) for p in self.parts])
+    def pack(self, weights, prefix: str, rank: int) -> torch.Tensor:
+        """Rank's flat buffer, its parts read one at a time from ``weights`` (a ``WeightSource``) under
+        ``prefix`` (e.g. ``layers.3.``): only this rank's slices and the buffer are ever alive."""
+        flat, offset = None, 0
+        for p in self.parts:
+            piece = weights.get(prefix + p.name, p.shard_dim, self.world, rank)
+            if flat is None:
+                flat = torch.empty(self.numel, dtype=piece.dtype, device=piece.device)
+            flat[offset:offset + piece.numel()].copy_(piece.reshape(-1))
+            offset += piece.numel()
+        return flat
 
     def unpack_gathered(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every rank's buffer [D, numel] -> the full weights by reference name."""
@@ -49,10 +57,12 @@ class PackedLayout:
                 for i, p in enumerate(self.parts)}
 
 
-def vocab_shard(weight: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """Rank's rows of a [V, h] vocabulary weight, V padded with zero rows to a multiple of ``world``."""
-    padded = -(-weight.shape[0] // world) * world
-    return torch.nn.functional.pad(weight, (0, 0, 0, padded - weight.shape[0])).chunk(world)[rank].clone()
+def vocab_shard(weights, name: str, world: int, rank: int) -> torch.Tensor:
+    """Rank's rows of the [V, h] vocabulary weight ``name`` from ``weights`` (a ``WeightSource``), V padded
+    with zero rows to a multiple of ``world`` (torch.chunk's split, so the real rows are those of chunk rank)."""
+    rows = -(-weights.shapes[name][0] // world)
+    piece = weights.get(name, 0, world, rank)
+    return torch.nn.functional.pad(piece, (0, 0, 0, rows - piece.shape[0]))
 
 
 def real_vocab_rows(local: torch.Tensor, vocab_size: int, rank: int) -> torch.Tensor:

@@ -32,8 +32,9 @@ class SPTransformer(ReplicatedTransformer):
     scheme = "sp"
     axis = "sp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model, mesh, timeout_s)
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights=None):
+        super().__init__(model, mesh, timeout_s, weights)
         self.recompute = recompute
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:

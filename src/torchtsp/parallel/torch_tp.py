@@ -54,7 +54,8 @@ from torch.distributed.tensor.parallel import (
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
-from .base import ParallelTransformer
+from ..weights import WeightSource
+from .base import ParallelTransformer, weight_source
 
 
 class _LossParallelCrossEntropy(torch.autograd.Function):
@@ -88,7 +89,7 @@ class TorchTPTransformer(ParallelTransformer):
     scheme = "torch_tp"
 
     def __init__(self, model: Transformer, mesh, sequence_parallel: bool = True,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.mesh = mesh["tp"]
         self.tp = self.mesh.size()
@@ -123,7 +124,21 @@ class TorchTPTransformer(ParallelTransformer):
             top_plan["output"] = ColwiseParallel(input_layouts=resid,
                                                  output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(model, self.mesh, top_plan)
+        self._materialize(model, mesh, weights)
         self.module = model
+
+    @torch.no_grad()
+    def _materialize(self, model: Transformer, mesh, weights: WeightSource | None) -> None:
+        """A model built on the meta device (or given ``weights``): each DTensor's local piece is read alone."""
+        if weights is None and next(model.parameters()).device.type != "meta":
+            return  # parallelize_module already distributed the built model's weights
+        weights = weight_source(model, mesh, weights)
+        model.to_empty(device=weights.device)
+        rank = self.mesh.get_local_rank()
+        for name, p in model.named_parameters():
+            (placement,) = p.placements
+            dim = placement.dim if placement.is_shard() else None
+            p.to_local().copy_(weights.get(name, dim, self.tp, rank))
 
     def comms(self):
         return {}  # DTensor runs its own collectives; our comm layer does not see them

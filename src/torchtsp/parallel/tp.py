@@ -48,7 +48,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin
-from .base import ParallelTransformer, ReplicatedGrad
+from ..weights import WeightSource
+from .base import ParallelTransformer, ReplicatedGrad, weight_source
 from .shards import real_vocab_rows, vocab_shard
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
@@ -227,12 +228,6 @@ LAYER_PARAMS = {
 }
 
 
-def _slice(t: torch.Tensor, dim: int | None, world: int, rank: int) -> torch.Tensor:
-    if dim is None:
-        return t.clone()
-    return t.chunk(world, dim)[rank].clone(memory_format=torch.contiguous_format)
-
-
 class TPLayer(nn.Module):
     """One decoder block's parameters on this rank (see ``LAYER_PARAMS``)."""
 
@@ -248,23 +243,23 @@ class TPTransformer(ParallelTransformer):
     scheme = "tp"
 
     def __init__(self, model: Transformer, mesh, sequence_parallel: bool = False, recompute: bool = False,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.tp = AxisComm.from_mesh(mesh, "tp", timeout_s)
         self.sequence_parallel = bool(sequence_parallel)
         self.recompute = recompute
-        self._shard(model, self.tp)
+        self._shard(model, self.tp, weight_source(model, mesh, weights))
 
-    def _shard(self, model: Transformer, tp: AxisComm) -> None:
+    def _shard(self, model: Transformer, tp: AxisComm, weights: WeightSource) -> None:
+        """Materialise this rank's shards one reference tensor at a time."""
         cfg, T, p = model.cfg, tp.size, tp.rank
-        full = {name: t.detach() for name, t in model.state_dict().items()}
-        self.embedding_shard = nn.Parameter(vocab_shard(full["tok_embeddings.weight"], T, p))
+        self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", T, p))
         self.layers = nn.ModuleList(
-            TPLayer({attr: _slice(full[f"layers.{i}.{ref}"], dim, T, p) for attr, (ref, dim) in LAYER_PARAMS.items()})
+            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p) for attr, (ref, dim) in LAYER_PARAMS.items()})
             for i in range(cfg.n_layers))
-        self.norm = nn.Parameter(full["norm.weight"].clone())
-        self.output_shard = None if cfg.tie_embeddings else nn.Parameter(vocab_shard(full["output.weight"], T, p))
-        model.to("meta")  # release the full weights: this rank keeps only its shards
+        self.norm = nn.Parameter(weights.get("norm.weight"))
+        self.output_shard = None if cfg.tie_embeddings else nn.Parameter(vocab_shard(weights, "output.weight", T, p))
+        model.to("meta")  # release the full weights, if any: this rank keeps only its shards
 
     # -- hooks that TP x SP (tp_sp.py) overrides ---------------------------------
 

@@ -37,8 +37,10 @@ class TPSPTransformer(TPTransformer):
 
     scheme = "tp_sp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(model, mesh, sequence_parallel=False, recompute=recompute, timeout_s=timeout_s)
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights=None):
+        super().__init__(model, mesh, sequence_parallel=False, recompute=recompute, timeout_s=timeout_s,
+                         weights=weights)
         self.sp = AxisComm.from_mesh(mesh, "sp", timeout_s)
 
     def comms(self):

@@ -27,7 +27,8 @@ from ..distributed import zigzag
 from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
-from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count
+from ..weights import WeightSource
+from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, weight_source
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard
 
 WEIGHT_TAG, GRAD_TAG = 0, 1  # separate point-to-point streams for weights and travelling gradients
@@ -323,27 +324,28 @@ class TSPTransformer(ParallelTransformer):
 
     scheme = "tsp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.recompute = recompute
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
         cfg, D, p = model.cfg, comm.size, comm.rank
         self.comm = comm
         self.blocks = TSPBlocks(cfg, comm)
-        full = {name: t.detach() for name, t in model.state_dict().items()}
-        self.embedding_shard = nn.Parameter(vocab_shard(full["tok_embeddings.weight"], D, p))
+        # This rank's shards, one reference tensor at a time: the full model is never materialised here.
+        weights = weight_source(model, mesh, weights)
+        self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", D, p))
         self.layers = nn.ModuleList()
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
-            layer = {name.removeprefix(prefix): t for name, t in full.items() if name.startswith(prefix)}
             self.layers.append(TSPLayer(
-                self.blocks.attention_layout.pack(layer, p), self.blocks.mlp_layout.pack(layer, p),
-                layer["attention_norm.weight"].clone(), layer["ffn_norm.weight"].clone()))
-        self.norm = nn.Parameter(full["norm.weight"].clone())
+                self.blocks.attention_layout.pack(weights, prefix, p), self.blocks.mlp_layout.pack(weights, prefix, p),
+                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight")))
+        self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
         if not cfg.tie_embeddings:
-            self.output_shard = nn.Parameter(vocab_shard(full["output.weight"], D, p))
-        model.to("meta")  # release the full weights: this rank keeps only its shards
+            self.output_shard = nn.Parameter(vocab_shard(weights, "output.weight", D, p))
+        model.to("meta")  # release the full weights, if any: this rank keeps only its shards
 
     # -- batches ------------------------------------------------------------
 

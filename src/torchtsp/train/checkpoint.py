@@ -20,6 +20,7 @@ import torch
 from ..config import ModelConfig
 from ..distributed import comm
 from ..model import reference_shapes
+from ..weights import WeightSource
 
 FORMAT = "torchtsp-train"
 META = "meta.json"
@@ -141,3 +142,27 @@ def load_full_state_dict(checkpoint: str | Path) -> tuple[ModelConfig, dict[str,
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         load(checkpoint, {**state, "train/rng": torch.get_rng_state()})
     return cfg, {name.removeprefix("model/"): t for name, t in state.items()}
+
+
+class CheckpointWeights(WeightSource):
+    """The model weights of a training checkpoint, read one tensor at a time (for a streamed export): each
+    read loads just that tensor from the DCP files, in a single process, resharded to its full shape."""
+
+    def __init__(self, checkpoint: str | Path):
+        self.checkpoint = resolve(checkpoint)
+        meta = read_meta(self.checkpoint)
+        super().__init__(ModelConfig.from_dict(meta["model"]))
+
+    def _read(self, name, shape, dim, start, stop):
+        full = torch.empty(shape)
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            try:
+                comm.load_checkpoint({f"model/{name}": full}, str(self.checkpoint))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+                cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
+                raise ValueError(f"checkpoint {self.checkpoint} could not be loaded, it looks damaged or "
+                                 f"incomplete ({cause[0][:200]})") from None
+        return full.narrow(dim, start, stop - start)

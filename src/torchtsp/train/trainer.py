@@ -33,10 +33,12 @@ from .single import greedy_continue
 
 
 def model_config_and_weights(cfg: TrainConfig):
+    """The model's config, and where its weights come from: a Hugging Face checkpoint read slice by slice, or
+    (``None``) the seeded initial values."""
     if cfg.init_from_hf:
-        from ..hf import load_hf_checkpoint
+        from ..hf import open_hf_weights
 
-        model_cfg, weights = load_hf_checkpoint(cfg.init_from_hf)
+        model_cfg, weights = open_hf_weights(cfg.init_from_hf)
     else:
         model_cfg, weights = get_preset(cfg.preset), None
     if cfg.seq_len > model_cfg.max_seq_len:
@@ -59,12 +61,11 @@ class Trainer:
         self.device = mesh_device(self.mesh)  # the model and every batch live there
 
         torch.manual_seed(cfg.seed)
-        model = Transformer(self.model_cfg)
-        if weights is not None:
-            model.load_state_dict(weights)
-        model.to(self.device)
+        # Built on the meta device: each rank materialises only its own shards (of the seeded initial values, or
+        # read from the checkpoint), never the whole model.
+        model = Transformer(self.model_cfg, device="meta")
         self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
-                                 recompute=cfg.recompute or None)
+                                 recompute=cfg.recompute or None, weights=weights)
         self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
