@@ -129,3 +129,13 @@ def test_data_parallel_traffic_equals_the_formula(pools, scheme, degrees):
 
     expected = predict_comm(scheme, CFG, 4, 16, **degrees).total
     assert pools(4).run(dp_traffic_on_rank, scheme, degrees, 4, 16) == [expected] * 4
+
+
+@pytest.mark.parametrize("flags", [["--tp", "4"], ["--scheme", "dp", "--tsp", "4"],
+                                   ["--scheme", "sp", "--tp", "2", "--sp", "2"]])
+def test_train_refuses_a_mesh_its_scheme_would_ignore_before_starting_ranks(flags, capsys):
+    from torchtsp.cli import main
+
+    assert main(["train", "--nproc", "4", *flags, "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("torchtsp: error: scheme") and "does not use" in err and len(err.splitlines()) == 1

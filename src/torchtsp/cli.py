@@ -10,7 +10,7 @@ import sys
 from .config import PRESETS
 from .errors import RankFailedError
 from .runenv import launched_by_torchrun
-from .schemes import SCHEMES
+from .schemes import SCHEMES, get_scheme
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -29,6 +29,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             comm.destroy_process_group()
     else:
         nproc = cfg.nproc or (cfg.dp or 1) * (cfg.tsp or 1) * (cfg.tp or 1) * (cfg.sp or 1)
+        # A mesh the scheme cannot use is refused here, before any rank starts.
+        get_scheme(cfg.scheme).degrees(nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
         if nproc == 1:
             summary = run_training(cfg)
         else:

@@ -39,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..runenv import launched_by_torchrun
+
 DEFAULT_TIMEOUT_S = float(300)
 
 
@@ -57,7 +59,7 @@ def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

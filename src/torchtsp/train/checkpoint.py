@@ -132,16 +132,9 @@ def load(checkpoint: Path, state: dict) -> None:
 
 
 def load_full_state_dict(checkpoint: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Single process: the full model weights of a training checkpoint (for export)."""
-    checkpoint = resolve(checkpoint)
-    meta = read_meta(checkpoint)
-    cfg = ModelConfig.from_dict(meta["model"])
-    shapes = reference_shapes(cfg)
-    state = {f"model/{name}": torch.empty(shape) for name, shape in shapes.items()}
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        load(checkpoint, {**state, "train/rng": torch.get_rng_state()})
-    return cfg, {name.removeprefix("model/"): t for name, t in state.items()}
+    """Single process: the full model weights of a training checkpoint (for checks; exports stream instead)."""
+    weights = CheckpointWeights(checkpoint)
+    return weights.cfg, {name: weights.get(name) for name in weights.shapes}
 
 
 class CheckpointWeights(WeightSource):
