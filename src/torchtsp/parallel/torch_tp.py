@@ -136,6 +136,9 @@ class TorchTPTransformer(ParallelTransformer):
         model.to_empty(device=weights.device)
         rank = self.mesh.get_local_rank()
         for name, p in model.named_parameters():
+            if not isinstance(p, DTensor):  # left alone by the plan (norms without sequence parallelism)
+                p.copy_(weights.get(name))
+                continue
             (placement,) = p.placements
             dim = placement.dim if placement.is_shard() else None
             p.to_local().copy_(weights.get(name, dim, self.tp, rank))
