@@ -110,10 +110,15 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * d, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=cfg.qkv_bias)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * d, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.wo = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
+        if cfg.qkv_bias:
+            # Added as zeros, not nn.Linear(bias=True), which would draw random numbers: a feature must not
+            # shift the random stream, so every weight matrix is the same with or without it for one seed.
+            for linear in (self.wq, self.wk, self.wv):
+                linear.bias = nn.Parameter(torch.zeros(linear.out_features))
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
