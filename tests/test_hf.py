@@ -215,14 +215,24 @@ def test_config_from_hf_legacy_and_defaults():
 @pytest.mark.parametrize(
     "change,match",
     [
-        ({"model_type": "mistral"}, r"model_type='mistral'"),
+        ({"model_type": "gemma"}, r"model_type='gemma'"),
         ({"attention_bias": True}, r"attention_bias=True"),
+        ({"model_type": "qwen3", "attention_bias": True}, r"attention_bias=True: in qwen3 it also biases o_proj"),
+        ({"model_type": "mistral", "sliding_window": 1024}, r"sliding_window=1024"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 256, "max_window_layers": 0},
+         r"sliding_window=256 with use_sliding_window=true"),
+        ({"model_type": "qwen3", "head_dim": 128}, r"head_dim=128"),
         ({"mlp_bias": True}, r"mlp_bias=True"),
         ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
         ({"head_dim": 32}, r"head_dim=32"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling.*'yarn'"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling.*'linear'"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, r"rope_parameters.*llama3"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, r"rope_parameters.*'yarn'"),
+        # llama3 scaling is supported, but only complete.
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+            r"rope_parameters=.*rope_type 'llama3' needs low_freq_factor, high_freq_factor",
+        ),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
         ({"num_key_value_heads": 3}, r"n_kv_heads=3"),
         ({"vocab_size": None}, r"vocab_size"),

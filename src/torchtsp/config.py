@@ -5,10 +5,33 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SCALINGS = ("llama3",)
+_LLAMA3_FIELDS = (
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position_embeddings",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) and the features of its family.
+
+    The family features all default to off, which is plain Llama:
+
+    * ``rope_scaling="llama3"`` rescales the RoPE frequencies as Llama 3.1+ does, with the four
+      ``rope_*`` factors below (Hugging Face's ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+      ``original_max_position_embeddings``); they must be None when ``rope_scaling`` is None.
+    * ``qkv_bias``: q, k and v projections have a bias, o has none (Qwen2 / Qwen2.5).
+    * ``qk_norm``: an RMSNorm over head_dim, one weight shared by all heads, applied to each q and k
+      head after the projection and before RoPE, with ``norm_eps`` (Qwen3).
+    * ``family`` only names the Hugging Face architecture an export writes (``hf_model_type``). None
+      infers it from the features: qwen3 with qk_norm, qwen2 with qkv_bias, llama otherwise; a family
+      equal to the inferred one is stored as None. So in practice only "mistral" (Llama's math) is
+      ever stored, to export a Mistral checkpoint as Mistral again.
+    """
 
     dim: int = 128
     n_layers: int = 2
@@ -20,6 +43,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_position_embeddings: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    family: str | None = None
 
     def __post_init__(self):
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
@@ -32,6 +63,58 @@ class ModelConfig:
             raise ValueError(f"head_dim = dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        self._check_rope_scaling()
+        self._check_family()
+
+    def _check_rope_scaling(self):
+        if self.rope_scaling is None:
+            for name in _LLAMA3_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"ModelConfig.{name}={getattr(self, name)!r} needs rope_scaling='llama3'; "
+                        "set rope_scaling or leave the field None"
+                    )
+            return
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r} is not supported; use None or 'llama3'"
+            )
+        for name in _LLAMA3_FIELDS:
+            value = getattr(self, name)
+            if value is None or not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be positive with rope_scaling='llama3', got {value!r}")
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(
+                f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} (llama3 RoPE interpolates between them)"
+            )
+
+    def _check_family(self):
+        if self.family is None:
+            return
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"ModelConfig.family={self.family!r} is unknown; use None or one of: {', '.join(FAMILIES)}"
+            )
+        if self.family == self._inferred_family():
+            # One spelling per model, so that configs compare equal however they were made.
+            object.__setattr__(self, "family", None)
+            return
+        # What each Hugging Face architecture can express: an export must not drop or invent a feature.
+        wants_bias, wants_norm = self.family == "qwen2", self.family == "qwen3"
+        if self.qkv_bias != wants_bias or self.qk_norm != wants_norm:
+            raise ValueError(
+                f"ModelConfig.family={self.family!r} needs qkv_bias={wants_bias} and qk_norm={wants_norm}, got "
+                f"qkv_bias={self.qkv_bias} and qk_norm={self.qk_norm}; fix them or set family=None"
+            )
+
+    def _inferred_family(self) -> str:
+        return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+
+    @property
+    def hf_model_type(self) -> str:
+        """The Hugging Face model_type an export writes: ``family``, or the one the features imply."""
+        return self.family or self._inferred_family()
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +140,14 @@ class ModelConfig:
         return cls(**values)
 
 
+# Llama 3.1 / 3.2's RoPE scaling, except the factor, which differs between sizes.
+_LLAMA3_ROPE = dict(
+    rope_scaling="llama3",
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_position_embeddings=8192,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # Trains in seconds on a CPU; GQA (g=2) and every head count divisible by 1, 2 and 4.
     "tiny": ModelConfig(),
@@ -75,6 +166,60 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256,
         max_seq_len=131072,
         rope_theta=500000.0,
+    ),
+    # The shapes of public checkpoints (their config.json), to try scale with random weights, nothing downloaded.
+    # Llama 3.2 1B: tied embeddings, llama3 RoPE scaling by 32 from an 8K pretraining context.
+    "llama3.2-1b": ModelConfig(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+        **_LLAMA3_ROPE,
+        rope_factor=32.0,
+    ),
+    # Llama 3.1 8B: llama3 RoPE scaling by 8.
+    "llama3.1-8b": ModelConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=128256,
+        max_seq_len=131072,
+        rope_theta=500000.0,
+        **_LLAMA3_ROPE,
+        rope_factor=8.0,
+    ),
+    # Qwen2.5 7B: q/k/v bias, 28 query and 4 KV heads (g=7), head_dim 128.
+    "qwen2.5-7b": ModelConfig(
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_dim=18944,
+        vocab_size=152064,
+        max_seq_len=131072,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+    ),
+    # Qwen3 8B: per-head q/k RMSNorm, head_dim 128 = 4096/32.
+    "qwen3-8b": ModelConfig(
+        dim=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=12288,
+        vocab_size=151936,
+        max_seq_len=40960,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qk_norm=True,
     ),
 }
 

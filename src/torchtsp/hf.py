@@ -1,13 +1,16 @@
-"""Hugging Face Llama interop: configs, state-dict names, and safetensors IO (conversion lives in convert.py).
+"""Hugging Face interop: configs, state-dict names, and safetensors IO (conversion lives in convert.py).
 
-Two on-disk formats are handled:
+The families handled are Llama (with Llama 3's ``llama3`` RoPE scaling), Mistral (without a sliding
+window that masks anything), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); every other
+feature is refused with its config field named. Two on-disk formats are handled:
 
 * **Hugging Face** (``config.json`` + ``model.safetensors``, or ``model.safetensors.index.json`` + shards),
-  loadable by ``transformers.LlamaForCausalLM.from_pretrained``.
+  loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 * **torchtsp native** (``torchtsp.json`` + ``model.safetensors`` in torchtsp parameter names).
 
 No weight permutation is needed between the two: ``torchtsp.model.apply_rope`` uses the same half-split
-("rotate_half") RoPE convention as HF Llama, so q/k projections map one to one.
+("rotate_half") RoPE convention as these HF models, so q/k projections map one to one, and all four
+families use the same HF parameter names.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ _LAYER_NAMES = {
     "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
     "feed_forward.w_up.weight": "mlp.up_proj.weight",
     "feed_forward.w_down.weight": "mlp.down_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # qkv_bias (Qwen2)
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # qk_norm (Qwen3)
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
@@ -64,12 +72,26 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 # --------------------------------------------------------------------------- configs
 
+# Hugging Face model_type -> the CausalLM class config_to_hf names, so AutoModelForCausalLM picks it.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_LLAMA3_KEYS = {  # HF rope dict key -> ModelConfig field
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position_embeddings",
+}
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from an HF config, checking that the RoPE variant is the plain (unscaled) one.
+
+def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
+    """ModelConfig's RoPE fields from an HF config: plain RoPE or rope_type 'llama3', anything else refused.
 
     transformers < 5 writes ``rope_theta`` at top level and ``rope_scaling`` (null for plain RoPE);
-    transformers >= 5 writes ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``.
+    transformers >= 5 writes ``rope_parameters = {"rope_type": ..., "rope_theta": ..., <scaling keys>}``.
     Like transformers, a non-empty ``rope_scaling`` takes precedence over ``rope_parameters``.
     """
     field, params = None, None
@@ -78,14 +100,28 @@ def _rope_theta(hf: dict) -> float:
             field, params = name, hf[name]
             break
     theta = hf.get("rope_theta")
+    fields: dict = {}
     if params is not None:
         if not isinstance(params, dict):
             raise ValueError(f"unsupported {field}={params!r}: expected a dict or null")
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in (None, "default"):
+        if rope_type == "llama3":
+            # As transformers 5: a top-level original_max_position_embeddings wins, then the rope dict's,
+            # then max_position_embeddings.
+            params = {"original_max_position_embeddings": max_position_embeddings, **params}
+            if hf.get("original_max_position_embeddings") is not None:
+                params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
+            if missing:
+                raise ValueError(f"unsupported {field}={params!r}: rope_type 'llama3' needs {', '.join(missing)}")
+            fields = {"rope_scaling": "llama3", **{ours: params[k] for k, ours in _LLAMA3_KEYS.items()}}
+            fields["rope_original_max_position_embeddings"] = int(fields["rope_original_max_position_embeddings"])
+            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+                fields[name] = float(fields[name])
+        elif rope_type not in (None, "default"):
             raise ValueError(
-                f"unsupported {field} rope_type={rope_type!r} ({field}={params!r}): torchtsp implements only "
-                "plain RoPE (rope_type 'default'); scaled RoPE variants (linear, dynamic, yarn, llama3, longrope) "
+                f"unsupported {field} rope_type={rope_type!r} ({field}={params!r}): torchtsp implements plain "
+                "RoPE (rope_type 'default') and Llama 3's 'llama3' scaling; linear, dynamic, yarn and longrope "
                 "are not supported"
             )
         theta = params.get("rope_theta", theta)
@@ -94,11 +130,37 @@ def _rope_theta(hf: dict) -> float:
         partial = hf.get("partial_rotary_factor")
     if partial is not None and partial != 1:
         raise ValueError(f"unsupported partial_rotary_factor={partial!r}: torchtsp rotates the full head_dim")
-    return 10000.0 if theta is None else float(theta)
+    return {"rope_theta": 10000.0 if theta is None else float(theta), **fields}
+
+
+def _check_sliding_window(hf: dict, model_type: str, max_position_embeddings: int) -> None:
+    """Refuse a sliding window that can bite: torchtsp always attends to the whole causal context.
+
+    A window of at least max_position_embeddings never masks anything, so it is accepted (Qwen2.5 ships
+    ``sliding_window == max_position_embeddings`` with ``use_sliding_window: false``).
+    """
+    window = hf.get("sliding_window")
+    if window is None or int(window) >= max_position_embeddings:
+        return
+    if model_type == "mistral":
+        raise ValueError(
+            f"unsupported sliding_window={window}: torchtsp attends to the full causal context; only null or "
+            f">= max_position_embeddings={max_position_embeddings} is accepted"
+        )
+    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        # transformers: the layers marked "sliding_attention", by default those from max_window_layers on.
+        n_layers, first = int(hf["num_hidden_layers"]), hf.get("max_window_layers", 28)
+        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full" for i in range(n_layers)]
+        if "sliding_attention" in layer_types:
+            raise ValueError(
+                f"unsupported sliding_window={window} with use_sliding_window=true: torchtsp attends to the full "
+                f"causal context; set use_sliding_window to false, or sliding_window to null or "
+                f">= max_position_embeddings={max_position_embeddings}"
+            )
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
-    """ModelConfig for an HF ``LlamaConfig`` dict (``config.json`` contents or ``LlamaConfig.to_dict()``).
+    """ModelConfig for an HF Llama, Mistral, Qwen2 or Qwen3 config dict (``config.json`` or ``to_dict()``).
 
     Raises ValueError, naming the field and its value, for anything torchtsp's model cannot reproduce.
     """
@@ -106,15 +168,23 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         raise TypeError(f"HF config must be a dict, got {type(hf_config).__name__}")
     hf = hf_config
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"unsupported model_type={model_type!r}: only 'llama' checkpoints can be converted")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type={model_type!r}: torchtsp converts {', '.join(map(repr, _ARCHITECTURES))} "
+            "checkpoints"
+        )
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in required if hf.get(k) is None]
     if missing:
         raise ValueError(f"HF config is missing required field(s): {', '.join(missing)}")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ValueError(f"unsupported {flag}={hf[flag]!r}: torchtsp's linear layers have no bias")
+    # Flags that transformers reads for this model_type (Mistral and Qwen2 hard-code their biases).
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        raise ValueError(
+            f"unsupported attention_bias={hf['attention_bias']!r}: in {model_type} it also biases o_proj; "
+            "torchtsp has biases on q/k/v only (Qwen2's)"
+        )
+    if model_type == "llama" and hf.get("mlp_bias"):
+        raise ValueError(f"unsupported mlp_bias={hf['mlp_bias']!r}: torchtsp's MLP has no bias")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act={act!r}: torchtsp's MLP is SwiGLU (hidden_act 'silu')")
@@ -130,7 +200,9 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             f"unsupported head_dim={head_dim}: torchtsp requires head_dim == hidden_size / num_attention_heads "
             f"= {dim // n_heads}"
         )
-    rope_theta = _rope_theta(hf)
+    max_seq_len = int(hf.get("max_position_embeddings") or 2048)
+    rope = _rope_fields(hf, max_seq_len)
+    _check_sliding_window(hf, model_type, max_seq_len)
     try:
         return ModelConfig(
             dim=dim,
@@ -139,20 +211,32 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             n_kv_heads=n_kv_heads,
             ffn_dim=int(hf["intermediate_size"]),
             vocab_size=int(hf["vocab_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings") or 2048),
-            rope_theta=rope_theta,
+            max_seq_len=max_seq_len,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            family=model_type,
+            **rope,
         )
     except ValueError as e:
         raise ValueError(f"unsupported HF config: {e}") from e
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """A ``config.json`` dict that transformers 4.x and 5.x both load as a ``LlamaConfig``."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    """A ``config.json`` dict that transformers 4.x and 5.x both load as the config's family
+    (``cfg.hf_model_type``: llama, mistral, qwen2 or qwen3)."""
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise ValueError("qkv_bias and qk_norm together have no Hugging Face family (Qwen3's bias also covers o_proj)")
+    model_type = cfg.hf_model_type
+    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rope_scaling_keys = ("rope_type", *_LLAMA3_KEYS)
+    if cfg.rope_scaling == "llama3":
+        rope_parameters = {"rope_type": "llama3", "rope_theta": cfg.rope_theta}
+        rope_parameters.update((k, getattr(cfg, ours)) for k, ours in _LLAMA3_KEYS.items())
+    hf = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -166,17 +250,23 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         # transformers < 5 reads rope_theta/rope_scaling; >= 5 reads rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "attention_bias": False,
+        "rope_scaling": None if cfg.rope_scaling is None else {k: rope_parameters[k] for k in rope_scaling_keys},
+        "rope_parameters": rope_parameters,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": dtype,  # transformers < 5
         "dtype": dtype,  # transformers >= 5
     }
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif model_type == "mistral":
+        hf.update(sliding_window=None)
+    else:  # qwen2, qwen3: full attention in every layer
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+        if model_type == "qwen3":
+            hf.update(attention_bias=False)
+    return hf
 
 
 # --------------------------------------------------------------------------- state dicts
@@ -216,7 +306,7 @@ def _check_state_dict(sd: dict, expected: dict[str, tuple[int, ...]], what: str)
 
 
 def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
-    """HF ``LlamaForCausalLM`` state dict -> torchtsp ``Transformer`` state dict (same tensors, renamed).
+    """HF ``*ForCausalLM`` state dict -> torchtsp ``Transformer`` state dict (same tensors, renamed).
 
     With tied embeddings ``lm_head.weight`` is optional; when present it must equal the embedding.
     ``rotary_emb.inv_freq`` buffers are ignored.
@@ -242,7 +332,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
 
 
 def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
-    """torchtsp ``Transformer`` state dict -> HF ``LlamaForCausalLM`` names (no ``lm_head`` when tied)."""
+    """torchtsp ``Transformer`` state dict -> HF ``*ForCausalLM`` names (no ``lm_head`` when tied)."""
     expected = reference_shapes(cfg)
     _check_state_dict(sd, expected, "torchtsp state dict")
     return {_to_hf_name(k): sd[k] for k in expected}
@@ -376,7 +466,7 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF Llama checkpoint directory; returns ``(cfg, state dict in torchtsp names)``."""
+    """Read an HF checkpoint directory of a supported family; returns ``(cfg, state dict in torchtsp names)``."""
     path = Path(path)
     _require_dir(path)
     cfg_path = path / HF_CONFIG_NAME
@@ -397,7 +487,7 @@ def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
 def save_hf_checkpoint(
     path: str | os.PathLike, sd: dict[str, torch.Tensor], cfg: ModelConfig, max_shard_bytes: int | None = None
 ) -> None:
-    """Write ``sd`` (torchtsp names) as an HF checkpoint ``LlamaForCausalLM.from_pretrained`` can load.
+    """Write ``sd`` (torchtsp names) as an HF checkpoint ``AutoModelForCausalLM.from_pretrained`` loads.
 
     One ``model.safetensors``, or, when the tensors exceed ``max_shard_bytes``, shards
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Weight files of an

@@ -1,12 +1,13 @@
 """Single-device reference Llama decoder: the ground truth for every parallel scheme.
 
-It knows nothing about parallelism. The small functions below (``rms_norm``,
-``rope_cos_sin``, ``apply_rope``, ``swiglu``) are the model's math; parallel
+It knows nothing about parallelism. The small functions below (``rms_norm``, ``head_norm``,
+``rope_tables``, ``apply_rope``, ``swiglu``, ``expand_kv_heads``) are the model's math; parallel
 schemes call the same functions on their shards so both compute identical ops.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -53,12 +54,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [len(positions), head_dim] for the given (global) token positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's q/k norm: RMSNorm of each head of x [..., H, d] over d, with one weight [d] for all heads.
+
+    Per head, so it needs no other head's values: a scheme holding some heads applies it to them alone.
+    """
+    return rms_norm(x, weight, eps)
+
+
+def _rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling, op for op as transformers' ``_compute_llama3_parameters``.
+
+    Wavelengths shorter than original_max/high_freq_factor are kept, longer than original_max/low_freq_factor
+    are stretched by ``factor``, and the band between is interpolated smoothly.
+    """
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_context_len = cfg.rope_original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (unscaled) RoPE cos/sin tables [len(positions), head_dim] for the given (global) positions."""
+    return _cos_sin(positions, _rope_inv_freq(head_dim, theta, positions.device))
+
+
+def rope_tables(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE cos/sin tables [len(positions), head_dim] for the given (global) positions.
+
+    Every caller gets its tables here, so a RoPE variant of the config (``rope_scaling``) applies everywhere.
+    """
+    inv_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
+    if cfg.rope_scaling == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, cfg)
+    elif cfg.rope_scaling is not None:  # ModelConfig refuses others; a new variant must be added here
+        raise ValueError(f"rope_scaling={cfg.rope_scaling!r} has no implementation in rope_tables")
+    return _cos_sin(positions, inv_freq)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,13 +143,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.wo = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
+        if cfg.qkv_bias:
+            # Added as zeros, not nn.Linear(bias=True), which would draw random numbers: a feature must not
+            # shift the random stream, so every weight matrix is the same with or without it for one seed.
+            for linear in (self.wq, self.wk, self.wv):
+                linear.bias = nn.Parameter(torch.zeros(linear.out_features))
+        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin):
         B, S, _ = x.shape
         cfg, d = self.cfg, self.cfg.head_dim
         # Head counts come from the weights (-1), so the same code runs on head-sharded weights.
-        q = apply_rope(self.wq(x).view(B, S, -1, d), cos, sin)
-        k = apply_rope(self.wk(x).view(B, S, -1, d), cos, sin)
+        q, k = self.wq(x).view(B, S, -1, d), self.wk(x).view(B, S, -1, d)
+        if cfg.qk_norm:
+            q, k = head_norm(q, self.q_norm.weight, cfg.norm_eps), head_norm(k, self.k_norm.weight, cfg.norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.wv(x).view(B, S, -1, d)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Expanded K/V (not enable_gqa) keeps CPU SDPA on its flash kernel, which never builds S x S.
@@ -175,7 +230,7 @@ class Transformer(nn.Module):
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
         positions = torch.arange(S, device=tokens.device)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_tables(positions, self.cfg)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
