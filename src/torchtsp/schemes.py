@@ -22,6 +22,8 @@ from dataclasses import dataclass
 # Mesh axes, outermost first: data-parallel replicas, then the sequence axis of TP x SP, then TP, then TSP
 # (innermost, so that one TSP group stays inside a node).
 AXES = ("dp", "sp", "tp", "tsp")
+# Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
+MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm")
 
 
 def _prod(values) -> int:
@@ -39,7 +41,8 @@ class Scheme:
     ``options``: keyword options ``parallelize`` accepts besides ``timeout_s``.
     ``memory_walk``: the memory model's walk for it (``analysis.memory_model``); ``traffic``: the name of
     its per-step traffic formula in ``analysis.comm_model``. ``None`` for both: not modelled (its traffic
-    is not counted by our comm layer).
+    is not counted by our comm layer). ``features``: the ``MODEL_FEATURES`` it implements; a model with
+    another is refused, never run without it.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Scheme:
     options: tuple[str, ...] = ()
     memory_walk: str | None = None
     traffic: str | None = None
+    features: tuple[str, ...] = MODEL_FEATURES
 
     # -- degrees --------------------------------------------------------------------------
 
@@ -130,6 +134,11 @@ class Scheme:
 
     def check_model(self, cfg, degrees: dict[str, int]) -> None:
         """Refuse a model whose heads, KV heads or FFN width do not split over the weight-sharding degree."""
+        missing = [f for f in MODEL_FEATURES if getattr(cfg, f, None) and f not in self.features]
+        if missing:
+            able = [s.name for s in SCHEMES.values() if not set(missing) - set(s.features)]
+            raise ValueError(f"scheme {self.name!r} does not implement the model's {', '.join(missing)} yet; "
+                             f"use one of: {', '.join(able)}")
         ways = self.weight_degree(degrees)
         for field in ("n_heads", "n_kv_heads", "ffn_dim"):
             if getattr(cfg, field) % ways:
@@ -168,7 +177,7 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic"),
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=()),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
            options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),
@@ -181,7 +190,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
            axes=(), free_axis="dp", memory_walk="reference", traffic="dp_step_traffic"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
-           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",)),
+           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=()),
 )}
 
 

@@ -86,6 +86,8 @@ def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[int]:
     h, d = cfg.dim, cfg.head_dim
     layer = [h, cfg.n_heads * d * h // tp, cfg.n_kv_heads * d * h // tp, cfg.n_kv_heads * d * h // tp,
              h * cfg.n_heads * d // tp, h, cfg.ffn_dim * h // tp, cfg.ffn_dim * h // tp, h * cfg.ffn_dim // tp]
+    layer += [cfg.n_heads * d // tp, cfg.n_kv_heads * d // tp, cfg.n_kv_heads * d // tp] if cfg.qkv_bias else []
+    layer += [d, d] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
     vocab = -(-cfg.vocab_size // tp) * h if tp > 1 else cfg.vocab_size * h
     head = [] if cfg.tie_embeddings else [vocab]
     return [vocab] + layer * cfg.n_layers + [h] + head
@@ -194,6 +196,8 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
         emb_fwd = _all_reduce(act, T)  # vocabulary-parallel embedding
         emb_bwd = _all_reduce(act, T)  # head input gradient
     emb_fwd += (T - 1) * 3 * tokens * 4  # cross-entropy statistics (max, sum-exp, target), fp32
+    if cfg.qk_norm:  # q/k norm weights act on this rank's heads only: their gradients are summed over tp
+        grad_sync += L * 2 * _all_reduce(cfg.head_dim * e, T)
     local = _reference_tensors(cfg, T)
     loss = 2 * _all_reduce(4, sp)  # NLL sum and token count over sp (nothing for plain TP)
     if sp > 1:

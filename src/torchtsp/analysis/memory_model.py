@@ -73,10 +73,11 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     h, d = cfg.dim, cfg.head_dim
     w = get_scheme(scheme).weight_degree({"tsp": tsp, "tp": tp})
     matrices = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
+    matrices += (cfg.n_heads + 2 * cfg.n_kv_heads) * d if cfg.qkv_bias else 0  # biases shard with their heads
     rows = _ceil_div(cfg.vocab_size, w)
     return {
         "layers": cfg.n_layers * matrices // w,
-        "norms": (2 * cfg.n_layers + 1) * h,
+        "norms": (2 * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0),
         "embedding": rows * h,
         "head": 0 if cfg.tie_embeddings else rows * h,
     }

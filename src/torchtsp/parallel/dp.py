@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
+from ..model import IGNORE_INDEX, Transformer, rope_tables
 from .base import ParallelTransformer, SumOverAxis, materialize
 
 
@@ -38,7 +38,7 @@ class Replica(ParallelTransformer):
 
     def nll_sum_and_count(self, tokens, labels):
         m, cfg = self.module, self.cfg
-        cos, sin = rope_cos_sin(torch.arange(tokens.shape[1], device=tokens.device), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
         x = m.tok_embeddings(tokens)
         for layer in m.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward.

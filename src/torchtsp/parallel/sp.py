@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import GatherKV, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
+from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, head_norm, rms_norm, rope_tables, swiglu
 from .base import ReplicatedTransformer, global_sum_and_count
 
 
@@ -45,7 +45,7 @@ class SPTransformer(ReplicatedTransformer):
         """cos/sin of this rank's local tokens at their global zigzag positions."""
         comm = self.comm
         positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_tables(positions, self.cfg)
 
     def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
@@ -54,9 +54,12 @@ class SPTransformer(ReplicatedTransformer):
         B, L, _ = x.shape
         d = cfg.head_dim
         h = rms_norm(x, w["attention_norm.weight"], cfg.norm_eps)
-        q = apply_rope(F.linear(h, w["attention.wq.weight"]).view(B, L, -1, d), cos, sin).transpose(1, 2)
-        k = apply_rope(F.linear(h, w["attention.wk.weight"]).view(B, L, -1, d), cos, sin).transpose(1, 2)
-        v = F.linear(h, w["attention.wv.weight"]).view(B, L, -1, d).transpose(1, 2)
+        q, k, v = (F.linear(h, w[f"attention.{n}.weight"], w.get(f"attention.{n}.bias")).view(B, L, -1, d)
+                   for n in ("wq", "wk", "wv"))
+        if cfg.qk_norm:
+            q = head_norm(q, w["attention.q_norm.weight"], cfg.norm_eps)
+            k = head_norm(k, w["attention.k_norm.weight"], cfg.norm_eps)
+        q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         kv = GatherKV.apply(torch.stack([k, v]), comm)  # [2, B, H_kv, S, d], global token order
         k_all, v_all = expand_kv_heads(kv[0], cfg.group_size), expand_kv_heads(kv[1], cfg.group_size)
         out = zigzag_causal_attention(q, k_all, v_all, comm.rank, comm.size)

@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer, rope_cos_sin
+from ..model import IGNORE_INDEX, Transformer, rope_tables
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
 
@@ -176,7 +176,7 @@ class TorchTPTransformer(ParallelTransformer):
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(positions, cfg)
         x = m.tok_embeddings(tokens)  # [B, S, h], or [B, S/T, h] local sequence shard with SP
         for layer in m.layers:
             x = layer(x, cos, sin)

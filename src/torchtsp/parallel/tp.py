@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin
+from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, head_norm, rms_norm, rope_tables
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, weight_source
 from .shards import real_vocab_rows, vocab_shard
@@ -226,6 +226,14 @@ LAYER_PARAMS = {
     "w_up": ("feed_forward.w_up.weight", 0),
     "w_down": ("feed_forward.w_down.weight", 1),
 }
+# Model features' parameters: q/k/v biases shard with their heads' rows; q/k norms act per head, replicated.
+BIAS_PARAMS = {"bq": ("attention.wq.bias", 0), "bk": ("attention.wk.bias", 0), "bv": ("attention.wv.bias", 0)}
+HEAD_NORM_PARAMS = {"q_norm": ("attention.q_norm.weight", None), "k_norm": ("attention.k_norm.weight", None)}
+
+
+def layer_params(cfg) -> dict[str, tuple[str, int | None]]:
+    """The per-layer parameters of ``cfg``'s model: attribute -> (reference name under ``layers.i.``, tp dim)."""
+    return {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {})}
 
 
 class TPLayer(nn.Module):
@@ -254,8 +262,9 @@ class TPTransformer(ParallelTransformer):
         """Materialise this rank's shards one reference tensor at a time."""
         cfg, T, p = model.cfg, tp.size, tp.rank
         self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", T, p))
+        params = layer_params(cfg)
         self.layers = nn.ModuleList(
-            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p) for attr, (ref, dim) in LAYER_PARAMS.items()})
+            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p) for attr, (ref, dim) in params.items()})
             for i in range(cfg.n_layers))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None if cfg.tie_embeddings else nn.Parameter(vocab_shard(weights, "output.weight", T, p))
@@ -299,10 +308,14 @@ class TPTransformer(ParallelTransformer):
         d, eps = cfg.head_dim, cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
         q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), w(layer.wk), w(layer.wv))
+        if cfg.qkv_bias:  # this rank's heads' biases; every rank sees every token, so no extra reduction
+            q, k, v = q + w(layer.bq), k + w(layer.bk), v + w(layer.bv)
         B, S, _ = q.shape
-        q = apply_rope(q.view(B, S, -1, d), cos, sin).transpose(1, 2)
-        k = apply_rope(k.view(B, S, -1, d), cos, sin).transpose(1, 2)
-        v = v.view(B, S, -1, d).transpose(1, 2)
+        q, k, v = q.view(B, S, -1, d), k.view(B, S, -1, d), v.view(B, S, -1, d)
+        if cfg.qk_norm:  # replicated weights applied to this rank's heads only: gradients summed over tp
+            q = head_norm(q, w(ReplicatedGrad.apply(layer.q_norm, tp)), eps)
+            k = head_norm(k, w(ReplicatedGrad.apply(layer.k_norm, tp)), eps)
+        q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
@@ -315,7 +328,7 @@ class TPTransformer(ParallelTransformer):
         if sp and tokens.shape[1] % tp.size:
             raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
                              f"with sequence parallelism; pick a multiple of {tp.size}")
-        cos, sin = rope_cos_sin(self._positions(tokens), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(self._positions(tokens), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
         for layer in self.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
@@ -336,7 +349,7 @@ class TPTransformer(ParallelTransformer):
         if name == "norm":
             return [("norm.weight", local, {})]
         prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>
-        ref, dim = LAYER_PARAMS[attr]
+        ref, dim = layer_params(self.cfg)[attr]
         return [(f"{prefix}.{ref}", local, {} if dim is None else {"tp": dim})]
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
@@ -346,7 +359,7 @@ class TPTransformer(ParallelTransformer):
             self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0), dim=dim)
         out = {"tok_embeddings.weight": gather(self.embedding_shard, 0)[:V]}
         for i, layer in enumerate(self.layers):
-            for attr, (ref, dim) in LAYER_PARAMS.items():
+            for attr, (ref, dim) in layer_params(self.cfg).items():
                 out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim)
         out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:

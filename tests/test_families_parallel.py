@@ -1,0 +1,101 @@
+"""Model families under the parallel schemes, against transformers: loss and every gradient of Llama 3 (llama3
+RoPE scaling, tied), Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm) and Mistral, at D = 2 and 4.
+
+The transformers model runs once in the test process; the ranks get its weights, loss and gradients (mapped
+to torchtsp names) and compare their scheme's against them. A scheme that does not implement a feature yet
+refuses the model with a clear error (tested too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+import torchtsp  # noqa: E402
+from test_families import FAMILIES, make_hf, rel_err  # noqa: E402
+from torchtsp.hf import config_from_hf, from_hf_state_dict  # noqa: E402
+from torchtsp.model import IGNORE_INDEX  # noqa: E402
+from torchtsp.schemes import MODEL_FEATURES, get_scheme  # noqa: E402
+
+# One float32 model against another (within 1e-5 of each other, see tests/test_families.py), plus the
+# scheme's own round-off from summing partial results over ranks in another order (~1e-7): 2e-5 leaves room
+# for both, while a feature applied wrongly on a shard (a bias on the wrong heads, a norm gradient not summed
+# over ranks) is off by 1e-3 or more.
+TOL = 2e-5
+B, S = 4, 16  # S divisible by 2·D for zigzag at D = 4; B by D for dp
+# D = 4 needs 4 KV heads: the same features at 8 heads / 4 KV heads.
+WIDE = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}
+
+
+def hf_reference(family: str, world: int):
+    config_cls, model_cls, values = FAMILIES[family]
+    if world == 4:
+        FAMILIES[family] = (config_cls, model_cls, {**values, **WIDE})
+    try:
+        hf = make_hf(family)
+    finally:
+        FAMILIES[family] = (config_cls, model_cls, values)
+    cfg = config_from_hf(hf.config.to_dict())
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(cfg.vocab_size, (B, S), generator=g)
+    labels = torch.randint(cfg.vocab_size, (B, S), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    logits = hf(input_ids=tokens).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    weights = from_hf_state_dict({n: p.detach() for n, p in hf.named_parameters()}, cfg)
+    grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
+    return cfg, weights, grads, loss.item(), tokens, labels
+
+
+def scheme_on_rank(cfg, weights, tokens, labels, scheme, degrees):
+    model = torchtsp.Transformer(cfg)
+    model.load_state_dict(weights)
+    pmodel = torchtsp.parallelize(model, torchtsp.init_mesh(**degrees), scheme)
+    loss = pmodel.loss(tokens, labels)
+    loss.backward()
+    return loss.item(), pmodel.full_grads()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_under_every_scheme_that_implements_it(pools, family, world):
+    cfg, weights, grads, hf_loss, tokens, labels = hf_reference(family, world)
+    for scheme, degrees in (("tsp", {"tsp": world}), ("tp", {"tp": world}), ("sp", {"sp": world}),
+                            ("dp", {"dp": world})):
+        spec = get_scheme(scheme)
+        if any(getattr(cfg, f) and f not in spec.features for f in MODEL_FEATURES):
+            with pytest.raises(ValueError, match=f"scheme '{scheme}' does not implement the model's"):
+                spec.validate(cfg, B, S, degrees)
+            continue
+        for loss, full in pools(world).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, degrees):
+            assert abs(loss - hf_loss) <= TOL * hf_loss, (scheme, loss, hf_loss)
+            assert full.keys() == grads.keys()
+            errs = {n: rel_err(full[n], g) for n, g in grads.items()}
+            worst = max(errs, key=errs.get)
+            assert errs[worst] <= TOL, (scheme, worst, errs[worst])
+
+
+def traffic_on_rank(cfg, scheme, degrees):
+    from torchtsp.distributed.comm import Traffic
+
+    torch.manual_seed(0)
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(**degrees), scheme)
+    tokens = torch.randint(cfg.vocab_size, (B, S))
+    with Traffic(model.comms()) as traffic:
+        model.loss(tokens, tokens).backward()
+    return traffic.recv
+
+
+@pytest.mark.parametrize("scheme,degrees", [("tp", {"tp": 4}), ("tp_sp", {"tp": 2, "sp": 2}), ("sp", {"sp": 4}),
+                                            ("tp", {"dp": 2, "tp": 2})])
+def test_feature_parameters_are_in_the_traffic_formula(pools, scheme, degrees):
+    from torchtsp.analysis import predict_comm
+
+    cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2)
+    for features in (dict(qkv_bias=True, qk_norm=False), dict(qkv_bias=False, qk_norm=True)):
+        cfg = cfg.replace(**features)
+        expected = predict_comm(scheme, cfg, B, S, **degrees).total
+        assert pools(4).run(traffic_on_rank, cfg, scheme, degrees) == [expected] * 4, features
