@@ -1,0 +1,114 @@
+"""The KV cache of one rank, attention against it, and the exact merge of per-rank partial attention.
+
+Every scheme keeps its cache in the same shape: per layer K and V ``[B, heads, slots, d]``, plus, per
+slot and sequence, the token's global position and whether the slot holds a real token. Slots are
+filled in the order tokens arrive on this rank; attention never relies on slot order, only on the
+positions (causality) and the validity mask (prompt padding, slots of other sequences' lengths).
+That is what lets TSP and SP keep an arbitrary 1/D share of the tokens (the zigzag share of the
+prompt, then decoded tokens assigned to ranks in turn) while TP keeps its heads of every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KEY_BLOCK = 1024  # keys per block of the attention loop: bounds its score matrix to [B, H, T, KEY_BLOCK]
+
+
+class KVCache:
+    """Preallocated K/V of ``n_layers`` layers for ``heads`` KV heads and up to ``capacity`` tokens per sequence."""
+
+    def __init__(self, n_layers: int, batch: int, heads: int, capacity: int, head_dim: int, dtype, device):
+        shape = (batch, heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.capacity, self.filled = capacity, 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V held (the preallocated storage, every layer)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> slice:
+        """Claim slots for tokens at positions ``pos`` [B, T] (``valid`` [B, T]); returns the slot range.
+
+        T may be 0 (this rank stores none of the step's tokens)."""
+        T = pos.shape[1]
+        if self.filled + T > self.capacity:
+            raise ValueError(f"KV cache full: {self.filled} + {T} tokens exceed its {self.capacity} slots")
+        slots = slice(self.filled, self.filled + T)
+        self.pos[:, slots] = pos
+        self.valid[:, slots] = valid
+        self.filled += T
+        return slots
+
+    def write(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
+        """Store k, v [B, h, T, d] of the given heads in the reserved slots."""
+        self.k[layer][:, heads, slots] = k
+        self.v[layer][:, heads, slots] = v
+
+    def keys(self, layer: int, heads: slice = slice(None)):
+        """(K, V, positions, valid) of the filled slots (views)."""
+        n = self.filled
+        return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos/sin [B, T, 1, d] for per-sequence positions [B, T] (sequences of a batch sit at different positions)."""
+    from ..model import rope_cos_sin
+
+    cos, sin = rope_cos_sin(positions.reshape(-1), head_dim, theta)
+    return cos.view(*positions.shape, 1, head_dim), sin.view(*positions.shape, 1, head_dim)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``torchtsp.model.apply_rope`` with per-sequence tables: x [B, T, H, d], cos/sin [B, T, 1, d]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid):
+    """Attention of queries q [B, Hq, T, d] against keys/values [B, Hkv, N, d] in float32.
+
+    A query at position i sees the valid keys at positions <= i. Returns (out [B, Hq, T, d] float32,
+    lse [B, Hq, T] float32); a query that sees no key here gets out = 0, lse = -inf, which the merge
+    weighs by exp(-inf) = 0. GQA: query head j uses KV head j // g, without expanding K/V.
+    """
+    B, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    qf = q.float().reshape(B, Hkv, g * T, d) * d**-0.5
+    qp = q_pos[:, None, None, :].expand(B, 1, g, T).reshape(B, 1, g * T, 1)
+    out = torch.zeros(B, Hkv, g * T, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hkv, g * T), float("-inf"), dtype=torch.float32, device=q.device)
+    for a in range(0, k.shape[2], KEY_BLOCK):
+        b = min(a + KEY_BLOCK, k.shape[2])
+        s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]
+        seen = k_valid[:, None, None, a:b] & (k_pos[:, None, None, a:b] <= qp)
+        s = s.masked_fill(~seen, float("-inf"))
+        new_lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+        # Rows that have seen no key yet keep lse = -inf; a finite stand-in avoids -inf - -inf = NaN.
+        ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+        out = out * torch.exp(lse - ref).unsqueeze(-1) + torch.exp(s - ref.unsqueeze(-1)) @ v[:, :, a:b].float()
+        lse = new_lse
+    return out.view(B, Hq, T, d), lse.view(B, Hq, T)
+
+
+def merge_partials(comm, out, lse, to_head_groups: bool):
+    """Exact softmax merge of per-rank partial attention over disjoint key sets (flash-decoding).
+
+    out [B, Hq, T, d] and lse [B, Hq, T] (float32) from ``attend`` on this rank's keys. The LSEs are
+    all-gathered (small), each rank rescales its partial output by exp(lse_p - lse) and the sum over
+    ranks is either delivered to the head-group owners (reduce-scatter: rank p gets heads
+    [p·Hq/D, (p+1)·Hq/D)) or to everyone (all-reduce). float32 throughout.
+    """
+    lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
+    weight = torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0))
+    scaled = out * weight.unsqueeze(-1)
+    if not to_head_groups:
+        return comm.all_reduce(scaled, label="infer.attention.merge")
+    B, Hq, T, d = out.shape
+    per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
+    return comm.reduce_scatter(per_group, label="infer.attention.merge")
