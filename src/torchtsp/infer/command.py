@@ -149,24 +149,25 @@ def run_generate(job: GenerateJob) -> dict:
     model = _load_model(job, cfg).to(mesh.device_type)
     model = parallelize(model, mesh, job.scheme, timeout_s=job.timeout_s)
     rank0 = comm.global_rank() == 0
-    printed = [""]
+    show = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
+    single = len(job.prompts) == 1 and job.stream and rank0
+    streamed = list(job.prompts[0])
+    printed = [show(streamed)]
 
     def stream(step, ids):
-        """Rank 0 prints the single prompt's new text as it is produced (re-decoding keeps UTF-8 whole)."""
-        new_ids = [int(i) for i in ids.tolist()]
-        if new_ids[0] < 0:
+        """Rank 0 prints the single prompt's new text as it is produced: prompt and new ids are decoded
+        together (word joins, whole UTF-8 characters) and the new part of the text is printed."""
+        new_id = int(ids[0])
+        if new_id < 0:
             return
-        streamed.append(new_ids[0])
-        text = tokenizer.decode(streamed) if tokenizer is not None else " ".join(map(str, streamed))
+        streamed.append(new_id)
+        text = show(streamed).rstrip("\ufffd")  # an unfinished UTF-8 character waits for its next bytes
         if text.startswith(printed[0]):
-            print(text[len(printed[0]):] if tokenizer is not None else f" {new_ids[0]}", end="", flush=True)
+            print(text[len(printed[0]):], end="", flush=True)
             printed[0] = text
 
-    streamed: list[int] = []
-    single = len(job.prompts) == 1 and job.stream and rank0
     if single:
-        prompt = job.prompts[0]
-        print(tokenizer.decode(prompt) if tokenizer is not None else " ".join(map(str, prompt)), end="", flush=True)
+        print(printed[0], end="", flush=True)
     result, peak = measure_peak(lambda: generate(
         model, job.prompts, job.max_new_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
         seed=job.seed, stop_token_ids=job.stop_token_ids, eos_token_id=job.eos_token_id, schedule=job.schedule,
@@ -175,8 +176,7 @@ def run_generate(job: GenerateJob) -> dict:
         print(flush=True)
     elif job.stream and rank0:
         for i, tokens in enumerate(result.tokens):
-            shown = tokenizer.decode(tokens) if tokenizer is not None else " ".join(map(str, tokens))
-            print(f"[{i}] {shown}", flush=True)
+            print(f"[{i}] {show(tokens)}", flush=True)
     per_rank = AxisComm.world(job.timeout_s).all_gather(torch.tensor([peak, result.kv_cache_bytes]),
                                                         label="generate.summary")
     summary = {"tokens": result.tokens, "prefill_s": result.prefill_s,
