@@ -80,19 +80,26 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
     Hkv = k.shape[1]
     g = Hq // Hkv
     qf = q.float().reshape(B, Hkv, g * T, d) * d**-0.5
-    qp = q_pos[:, None, None, :].expand(B, 1, g, T).reshape(B, 1, g * T, 1)
     out = torch.zeros(B, Hkv, g * T, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((B, Hkv, g * T), float("-inf"), dtype=torch.float32, device=q.device)
+    run_max = torch.full((B, Hkv, g * T), float("-inf"), dtype=torch.float32, device=q.device)
+    run_sum = torch.zeros_like(run_max)
     for a in range(0, k.shape[2], KEY_BLOCK):
         b = min(a + KEY_BLOCK, k.shape[2])
-        s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]
-        seen = k_valid[:, None, None, a:b] & (k_pos[:, None, None, a:b] <= qp)
-        s = s.masked_fill(~seen, float("-inf"))
-        new_lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
-        # Rows that have seen no key yet keep lse = -inf; a finite stand-in avoids -inf - -inf = NaN.
-        ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
-        out = out * torch.exp(lse - ref).unsqueeze(-1) + torch.exp(s - ref.unsqueeze(-1)) @ v[:, :, a:b].float()
-        lse = new_lse
+        s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]: the one score-sized buffer
+        # The mask is per (query token, key), shared by the g query heads of a KV head: [B, 1, 1, T, b-a].
+        seen = k_valid[:, None, None, None, a:b] & (k_pos[:, None, None, None, a:b] <= q_pos[:, None, None, :, None])
+        s.view(B, Hkv, g, T, b - a).masked_fill_(~seen, float("-inf"))
+        new_max = torch.maximum(run_max, s.amax(dim=-1))
+        # Rows that have seen no key yet keep max = -inf; a finite stand-in avoids -inf - -inf = NaN.
+        shift = torch.where(torch.isfinite(new_max), new_max, 0.0)
+        p = s.sub_(shift.unsqueeze(-1)).exp_()  # in place: online softmax (flash attention)
+        rescale = torch.exp(run_max - shift)
+        run_sum = run_sum * rescale + p.sum(dim=-1)
+        out = out * rescale.unsqueeze(-1) + p @ v[:, :, a:b].float()
+        run_max = new_max
+    seen_any = run_sum > 0
+    out = out / torch.where(seen_any, run_sum, 1.0).unsqueeze(-1)
+    lse = torch.where(seen_any, torch.where(torch.isfinite(run_max), run_max, 0.0) + run_sum.log(), float("-inf"))
     return out.view(B, Hq, T, d), lse.view(B, Hq, T)
 
 
