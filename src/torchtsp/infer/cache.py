@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 KEY_BLOCK = 1024  # keys per block of the attention loop: bounds its score matrix to [B, H, T, KEY_BLOCK]
+MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
 
 
 class KVCache:
@@ -103,19 +104,31 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
     return out.view(B, Hq, T, d), lse.view(B, Hq, T)
 
 
-def merge_partials(comm, out, lse, to_head_groups: bool):
+def merge_partials(comm, out, lse, heads: slice | None = None):
     """Exact softmax merge of per-rank partial attention over disjoint key sets (flash-decoding).
 
-    out [B, Hq, T, d] and lse [B, Hq, T] (float32) from ``attend`` on this rank's keys. The LSEs are
-    all-gathered (small), each rank rescales its partial output by exp(lse_p - lse) and the sum over
-    ranks is either delivered to the head-group owners (reduce-scatter: rank p gets heads
-    [p·Hq/D, (p+1)·Hq/D)) or to everyone (all-reduce). float32 throughout.
+    out [B, Hq, T, d] and lse [B, Hq, T] (float32) from ``attend`` on this rank's keys; the merged output
+    of the query heads ``heads`` (all by default), [B, h, T, d] float32, on every rank.
+
+    Few tokens (decode): one all-gather of (out, lse) packed together, merged locally: one collective
+    instead of two, and collectives of a few kB cost their latency, not their bytes. Many tokens (an
+    activations-move prefill chunk): the LSEs are all-gathered (small), each rank rescales its partial
+    output by exp(lse_p - lse) and one reduce-scatter sums the head groups to their owners (``heads``
+    must then be this rank's group), so no rank ever holds D partial outputs.
     """
-    lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
-    weight = torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0))
-    scaled = out * weight.unsqueeze(-1)
-    if not to_head_groups:
-        return comm.all_reduce(scaled, label="infer.attention.merge")
     B, Hq, T, d = out.shape
+    heads = heads or slice(0, Hq)
+    if T * comm.size <= MERGE_BY_GATHER_MAX_TOKENS:
+        # Every rank sends all heads (an all-gather, not an all-to-all); each keeps the heads it needs.
+        parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1),
+                                label="infer.attention.merge")[:, :, heads]  # [D, B, h, T, d + 1]
+        outs, lses = parts[..., :d], parts[..., d]
+        total = torch.logsumexp(lses, dim=0)
+        weight = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0))
+        return (outs * weight.unsqueeze(-1)).sum(dim=0)
+    lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
+    scaled = out * torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0)).unsqueeze(-1)
+    if heads == slice(0, Hq):
+        return comm.all_reduce(scaled, label="infer.attention.merge")
     per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
     return comm.reduce_scatter(per_group, label="infer.attention.merge")

@@ -95,5 +95,5 @@ class SPEngine(Engine):
             cache.write(i, slots, k[:, :, keep], v[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
             out, lse = attend(q, k_own, v_own, pos, k_pos, k_valid)
-            x = self._rest(w, x, merge_partials(comm, out, lse, to_head_groups=False))
+            x = self._rest(w, x, merge_partials(comm, out, lse))
         return self.head(rms_norm(x, self.norm, cfg.norm_eps)[:, 0])

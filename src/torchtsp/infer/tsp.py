@@ -16,7 +16,7 @@ sequence's last real token are then gathered, for the vocabulary-sharded LM head
 replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
 rank all heads' q/k/v of the step's tokens (each rank stores its share of K/V); every rank attends all
 heads' queries to its own cache and returns (O_p, LSE_p); the partials are merged exactly by
-log-sum-exp and delivered to the head-group owners (``merge_partials``); the ``wo`` and ``w_down``
+log-sum-exp for the head-group owners (``merge_partials``); the ``wo`` and ``w_down``
 partial outputs are all-reduced. Embedding: vocabulary-slice lookup plus all-reduce.
 
 ``schedule="auto"`` picks per phase: weights move when the tokens in flight per step (B x tokens per
@@ -144,7 +144,7 @@ class TSPEngine(Engine):
             cache.write(i, slots, k_all[:, :, keep], v_all[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
             out, lse = attend(q_all, k_own, v_own, pos, k_pos, k_valid)
-            mine = merge_partials(comm, out, lse, to_head_groups=True)  # [B, Hq/D, T, d]: group p's heads
+            mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
             y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), wo)
             x = x + comm.all_reduce(y, label="infer.attention")
             h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
