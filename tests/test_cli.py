@@ -25,9 +25,9 @@ def test_train_loss_falls(tmp_path):
     assert first > last
 
 
-def test_unimplemented_command(capsys):
+def test_generate_without_prompt_is_a_one_line_error(capsys):
     assert main(["generate"]) == 2
-    assert "torchtsp generate: not implemented yet" in capsys.readouterr().err
+    assert capsys.readouterr().err == "torchtsp: error: no prompt: give --prompt TEXT or --prompt-ids IDS\n"
 
 
 def test_plan_runs_from_the_command_line():

@@ -73,6 +73,97 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")
 
 
+def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    add = gen.add_argument
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama checkpoint (text through its tokenizer.json)")
+    source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders "
+                        "(byte tokenizer)")
+    source.add_argument("--preset", choices=list(PRESETS), help="random weights of a preset shape (default: tiny)")
+    add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
+    add("--prompt-ids", metavar="IDS", help='token ids, e.g. "1,2,3;4,5" (";" separates the prompts of a batch)')
+    add("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most (default: 32)")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    add("--top-k", type=int, help="sample among the k most likely tokens")
+    add("--top-p", type=float, help="sample in the nucleus of probability p")
+    add("--seed", type=int, default=0, help="sampling seed (and the init seed of --preset); default 0")
+    add("--stop-token-ids", metavar="IDS", help='ids that end a sequence, e.g. "2,13" (besides the model\'s EOS)')
+    add("--scheme", choices=["tsp", "tp", "sp", "dp"], default="tsp", help="parallel scheme (default: tsp)")
+    for axis in ("tsp", "tp", "sp", "dp"):
+        add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
+    add("--nproc", type=int, help="local CPU ranks to spawn when not under torchrun (default: the degree, or 1)")
+    add("--schedule", choices=["auto", "weights", "activations"], default="auto",
+        help="tsp: weights move or activations move; auto picks per phase by tokens in flight (default)")
+    add("--prefill-chunk", type=int, help="prefill at most this many tokens per prompt at a time (bounds memory)")
+    add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
+    add("--json", action="store_true", help="print one JSON object (tokens, text, timings, memory) as the last line")
+    add("--timeout-s", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .infer.api import check_request
+    from .infer.command import (
+        GenerateJob,
+        model_config_and_tokenizer,
+        parse_ids,
+        parse_prompt_ids,
+        print_json,
+        run_generate,
+    )
+
+    source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
+                            ("preset", "tiny"))
+    cfg, tokenizer, eos = model_config_and_tokenizer(source, location)
+    if args.prompt and tokenizer is None:
+        raise ValueError("this model has no tokenizer (no tokenizer.json, or the tokenizers library is missing); "
+                         "give --prompt-ids")
+    prompts = [tokenizer.encode(text) for text in args.prompt]
+    prompts += parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else []
+    if not prompts:
+        raise ValueError("no prompt: give --prompt TEXT or --prompt-ids IDS")
+    check_request(cfg, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.prefill_chunk)
+    others = [axis for axis in ("tsp", "tp", "sp", "dp") if axis != args.scheme and getattr(args, axis)]
+    if others:
+        raise ValueError(f"--scheme {args.scheme} runs on the {args.scheme} axis only; drop --{others[0]}")
+    degree = getattr(args, args.scheme)
+    if _launched_by_torchrun():
+        from .distributed import comm
+
+        world = comm.world_size()
+    else:
+        world = args.nproc or degree or 1
+    if degree and degree != world:
+        raise ValueError(f"--{args.scheme} {degree} must equal the number of ranks ({world})")
+    if args.scheme in ("tsp", "tp"):
+        from .parallel.shards import check_splittable
+
+        check_splittable(cfg, world, args.scheme.upper(), "D")
+    job = GenerateJob(source=source, location=location, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                      scheme=args.scheme, world=world, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, seed=args.seed, stop_token_ids=parse_ids(args.stop_token_ids,
+                                                                                 "--stop-token-ids"),
+                      eos_token_id=eos, schedule=args.schedule, prefill_chunk=args.prefill_chunk,
+                      dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s)
+    if _launched_by_torchrun():
+        from .distributed import comm
+
+        try:
+            summary = run_generate(job)
+            show = comm.global_rank() == 0
+        finally:
+            comm.destroy_process_group()
+    elif world == 1:
+        summary, show = run_generate(job), True
+    else:
+        from .distributed.launch import WorkerPool
+
+        with WorkerPool(world, timeout_s=args.timeout_s) as pool:
+            summary, show = pool.run(run_generate, job)[0], True
+    if args.json and show:
+        print_json(summary)
+    return 0
+
+
 def cmd_not_implemented(args: argparse.Namespace) -> int:
     print(f"torchtsp {args.command}: not implemented yet", file=sys.stderr)
     return 2
@@ -119,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
-    sub.add_parser("generate", help="generate text from a checkpoint (not implemented yet)").set_defaults(
-        func=cmd_not_implemented)
+    generate = sub.add_parser("generate", help="generate text with TSP (or a baseline scheme), local ranks or torchrun")
+    add_generate_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
 
     convert = sub.add_parser("convert", help="convert checkpoints between torchtsp and Hugging Face formats")
     convert.add_argument("src", help="checkpoint to read")

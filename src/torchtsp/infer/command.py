@@ -1,0 +1,192 @@
+"""``torchtsp generate``: the launcher-side checks and the function every rank runs.
+
+The launcher resolves the model's shape, the tokenizer and the prompts and checks them (one-line errors
+before any rank starts); every rank then loads the weights, builds its mesh axis, parallelizes, and calls
+``generate``. Rank 0 streams the text, or the launcher prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class GenerateJob:
+    """Everything a rank needs (picklable)."""
+
+    source: str  # "hf", "checkpoint" or "preset"
+    location: str  # directory, run/step folder or preset name
+    prompts: list[list[int]]
+    max_new_tokens: int
+    scheme: str = "tsp"
+    world: int = 1
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+    schedule: str = "auto"
+    prefill_chunk: int | None = None
+    dtype: str = "float32"
+    stream: bool = True
+    timeout_s: float = 300.0
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def model_config_and_tokenizer(source: str, location: str):
+    """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights."""
+    from ..train.data import ByteTokenizer
+
+    if source == "hf":
+        from ..hf import HF_CONFIG_NAME, _read_json, config_from_hf
+
+        path = Path(location)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--hf {location}: not a directory (give a Hugging Face checkpoint folder)")
+        hf_config = _read_json(path / HF_CONFIG_NAME, "a Hugging Face checkpoint directory needs config.json")
+        cfg = config_from_hf(hf_config)
+        eos = hf_config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            try:
+                tokenizer = HFTokenizer(path / "tokenizer.json")
+            except ImportError:
+                tokenizer = None  # ids only, without the optional tokenizers library
+        return cfg, tokenizer, eos if isinstance(eos, int) else None
+    if source == "checkpoint":
+        from ..config import ModelConfig
+        from ..train import checkpoint
+
+        meta = checkpoint.read_meta(checkpoint.resolve(location))
+        return ModelConfig.from_dict(meta["model"]), ByteTokenizer(), ByteTokenizer.eot_id
+    from ..config import get_preset
+
+    cfg = get_preset(location)
+    return cfg, (ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None), None
+
+
+def parse_prompt_ids(text: str) -> list[list[int]]:
+    """``"1,2,3;4,5"`` -> [[1, 2, 3], [4, 5]] (``;`` separates prompts)."""
+    prompts = []
+    for i, part in enumerate(text.split(";")):
+        try:
+            prompts.append([int(t) for t in part.replace(" ", "").split(",") if t != ""])
+        except ValueError:
+            raise ValueError(f"--prompt-ids: prompt {i} ({part.strip()!r}) is not a comma-separated list of "
+                             f"integers") from None
+    return prompts
+
+
+def parse_ids(text: str | None, flag: str) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+
+
+# ---------------------------------------------------------------- on every rank
+
+
+def _load_model(job: GenerateJob, cfg):
+    import torch
+
+    from ..model import Transformer
+
+    if job.source == "hf":
+        from ..hf import load_hf_checkpoint
+
+        cfg, weights = load_hf_checkpoint(job.location)
+    elif job.source == "checkpoint":
+        from ..train.checkpoint import load_full_state_dict
+
+        cfg, weights = load_full_state_dict(job.location)
+    else:
+        torch.manual_seed(job.seed)
+        weights = None
+    model = Transformer(cfg)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model.to(getattr(torch, job.dtype)).eval()
+
+
+def run_generate(job: GenerateJob) -> dict:
+    """On every rank: load, parallelize, generate; returns the summary (per-rank figures gathered)."""
+    import torch
+
+    from ..distributed import comm
+    from ..distributed.comm import AxisComm
+    from ..distributed.mesh import init_mesh
+    from ..memory import measure_peak
+    from ..parallel import parallelize
+    from .api import generate
+
+    cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location)
+    mesh = init_mesh(**{job.scheme: job.world}, timeout_s=job.timeout_s)
+    model = _load_model(job, cfg).to(mesh.device_type)
+    model = parallelize(model, mesh, job.scheme, timeout_s=job.timeout_s)
+    rank0 = comm.global_rank() == 0
+    show = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
+    single = len(job.prompts) == 1 and job.stream and rank0
+    streamed = list(job.prompts[0])
+    printed = [show(streamed)]
+
+    def stream(step, ids):
+        """Rank 0 prints the single prompt's new text as it is produced: prompt and new ids are decoded
+        together (word joins, whole UTF-8 characters) and the new part of the text is printed."""
+        new_id = int(ids[0])
+        if new_id < 0:
+            return
+        streamed.append(new_id)
+        text = show(streamed).rstrip("\ufffd")  # an unfinished UTF-8 character waits for its next bytes
+        if text.startswith(printed[0]):
+            print(text[len(printed[0]):], end="", flush=True)
+            printed[0] = text
+
+    if single:
+        print(printed[0], end="", flush=True)
+    result, peak = measure_peak(lambda: generate(
+        model, job.prompts, job.max_new_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+        seed=job.seed, stop_token_ids=job.stop_token_ids, eos_token_id=job.eos_token_id, schedule=job.schedule,
+        prefill_chunk=job.prefill_chunk, on_step=stream if single else None), model)
+    if single:
+        print(flush=True)
+    elif job.stream and rank0:
+        for i, tokens in enumerate(result.tokens):
+            print(f"[{i}] {show(tokens)}", flush=True)
+    per_rank = AxisComm.world(job.timeout_s).all_gather(torch.tensor([peak, result.kv_cache_bytes]),
+                                                        label="generate.summary")
+    summary = {"tokens": result.tokens, "prefill_s": result.prefill_s,
+               "decode_s_per_token": result.decode_s_per_token,
+               "peak_mem_bytes_per_rank": per_rank[:, 0].tolist(), "kv_cache_bytes_per_rank": per_rank[:, 1].tolist(),
+               "schedule": result.schedule, "scheme": job.scheme, "world": job.world}
+    if tokenizer is not None:
+        summary["text"] = [tokenizer.decode(t) for t in result.tokens]
+    return summary
+
+
+def print_json(summary: dict) -> None:
+    print(json.dumps(summary), file=sys.stdout, flush=True)

@@ -1,0 +1,98 @@
+"""What every scheme's inference engine shares: chunked prefill, the last-token logits, the vocabulary slice.
+
+An engine runs on one rank and owns that rank's KV cache. ``generate`` (api.py) drives it:
+``start`` (allocate the cache), ``prefill`` (the padded prompts; returns this rank's slice of the
+logits at each sequence's last real token), then ``decode`` once per new token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed.comm import AxisComm
+
+
+def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """float32 logits [B, rows] of hidden states z [B, h] against a vocabulary slice; padding rows -inf."""
+    logits = F.linear(z, head_slice).float()
+    real = vocab_size - vocab_start
+    if real < head_slice.shape[0]:
+        logits[:, max(real, 0):] = float("-inf")
+    return logits
+
+
+def masked_lookup(ids: torch.Tensor, rows: torch.Tensor, first_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding rows of the ids inside a vocabulary slice starting at ``first_id``, zeros for the others,
+    and the hit mask (no boolean indexing: no host sync)."""
+    local = ids - first_id
+    hit = (local >= 0) & (local < rows.shape[0])
+    found = F.embedding(local.clamp(0, rows.shape[0] - 1), rows)
+    return torch.where(hit.unsqueeze(-1), found, 0.0), hit
+
+
+def select_last(z: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of z [B, T, h] where pos [B, T] is the sequence's last real position (0 if absent)."""
+    here = (pos == (lengths - 1).unsqueeze(1)).unsqueeze(-1)
+    return torch.where(here, z, 0.0).sum(dim=1)
+
+
+class Engine:
+    """Base class. Subclasses set ``cfg``, ``device``, ``dtype``, ``vocab_comm``, ``vocab_start`` and implement
+    ``start``, ``prefill_chunk``, ``decode`` and ``head``."""
+
+    scheme = "?"
+    vocab_comm: AxisComm
+    vocab_start = 0
+
+    def __init__(self):
+        self.cache = None
+        self.schedule = {"prefill": self.scheme, "decode": self.scheme}
+
+    # -- what generate needs to know -------------------------------------------------
+
+    @property
+    def token_multiple(self) -> int:
+        """Prefill chunks must hold a multiple of this many tokens (2D for the zigzag layout)."""
+        return 1
+
+    def batch_rows(self, batch: int) -> slice:
+        """The rows of the global batch this rank decodes (DP splits them)."""
+        return slice(0, batch)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
+
+    def choose_schedule(self, schedule: str, batch: int, prefill_tokens: int) -> None:
+        """TSP picks weights-move or activations-move per phase; the other schemes have one schedule each."""
+
+    # -- steps ------------------------------------------------------------------------
+
+    def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
+        raise NotImplementedError
+
+    def prefill_chunk(self, ids, pos, valid, lengths) -> torch.Tensor:
+        """Run one chunk of the prompts; return this rank's share of the last-real-token hidden states [B, h]."""
+        raise NotImplementedError
+
+    def finish_last(self, last: torch.Tensor) -> torch.Tensor:
+        """Combine the ranks' shares of the last hidden states (identity when every rank saw every token)."""
+        return last
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B, h] -> this rank's float32 logits slice [B, cols]."""
+        raise NotImplementedError
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed one token per sequence (ids, positions [B]); returns the logits slice of the next one."""
+        raise NotImplementedError
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Prompts [B, S_pad] (right padded; S_pad a multiple of ``chunk``) -> logits slice at the last real tokens."""
+        B, S = tokens.shape
+        last = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
+        for c0 in range(0, S, chunk):
+            pos = torch.arange(c0, c0 + chunk, device=self.device).expand(B, chunk)
+            last += self.prefill_chunk(tokens[:, c0:c0 + chunk], pos, pos < lengths.unsqueeze(1), lengths)
+        return self.head(self.finish_last(last))

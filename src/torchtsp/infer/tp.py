@@ -1,0 +1,82 @@
+"""Megatron decode: every rank computes every token with its heads and FFN slice; the cache is head-sharded.
+
+Rank r holds KV heads [r·Hkv/T, (r+1)·Hkv/T) of every token, so its cache is 1/T of the single-device
+cache only while T <= n_kv_heads. Per layer the partial outputs of ``wo`` and ``w_down`` are all-reduced;
+the embedding is a vocabulary-slice lookup plus an all-reduce; the LM head gives this rank's vocabulary
+slice of the logits. With a one-rank comm and the full weights this is the single-device reference
+engine (reference.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import rms_norm, swiglu
+from .cache import KVCache, apply_rope, attend, rope_tables
+from .engine import Engine, masked_lookup, select_last, vocab_logits
+
+LAYER_WEIGHTS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
+
+
+class MegatronEngine(Engine):
+    """``layers``: per layer a dict of LAYER_WEIGHTS (this rank's slices); ``embedding`` / ``head``: this rank's
+    vocabulary rows (padded to equal slices); ``comm``: the axis the slices are split over."""
+
+    scheme = "tp"
+
+    def __init__(self, cfg, comm, layers, embedding, head, norm):
+        self.cfg, self.comm, self.layers = cfg, comm, layers
+        self.embedding, self.head_rows, self.norm = embedding, head, norm
+        self.device, self.dtype = embedding.device, embedding.dtype
+        self.vocab_comm, self.vocab_start = comm, comm.rank * embedding.shape[0]
+        super().__init__()
+
+    def start(self, batch, prompt_len, max_new_tokens):
+        cfg = self.cfg
+        self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads // self.comm.size, prompt_len + max_new_tokens - 1,
+                             cfg.head_dim, self.dtype, self.device)
+
+    def _sum(self, partial, label):
+        return self.comm.all_reduce(partial, label=label) if self.comm.size > 1 else partial
+
+    def forward(self, ids, pos, valid):
+        """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
+        cfg, cache, d = self.cfg, self.cache, self.cfg.head_dim
+        B, T = ids.shape
+        x = self._sum(masked_lookup(ids, self.embedding, self.vocab_start)[0], "infer.tp.embedding")
+        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        slots = cache.reserve(pos, valid)
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
+            q = apply_rope(F.linear(h, w["wq"]).view(B, T, -1, d), cos, sin).transpose(1, 2)
+            k = apply_rope(F.linear(h, w["wk"]).view(B, T, -1, d), cos, sin).transpose(1, 2)
+            v = F.linear(h, w["wv"]).view(B, T, -1, d).transpose(1, 2)
+            cache.write(i, slots, k, v)
+            k_all, v_all, k_pos, k_valid = cache.keys(i)
+            out, _ = attend(q, k_all, v_all, pos, k_pos, k_valid)
+            out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
+            x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
+            h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
+            x = x + self._sum(swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), "infer.tp.mlp")
+        return rms_norm(x, self.norm, cfg.norm_eps)
+
+    def prefill_chunk(self, ids, pos, valid, lengths):
+        return select_last(self.forward(ids, pos, valid), pos, lengths)
+
+    def head(self, z):
+        return vocab_logits(z, self.head_rows, self.vocab_start, self.cfg.vocab_size)
+
+    def decode(self, ids, pos, step):
+        valid = torch.ones_like(ids, dtype=torch.bool).unsqueeze(1)
+        return self.head(self.forward(ids.unsqueeze(1), pos.unsqueeze(1), valid)[:, 0])
+
+
+def tp_engine(model) -> MegatronEngine:
+    """The engine of a ``TPTransformer`` (its own shards, read in place)."""
+    if getattr(model, "sequence_parallel", False):
+        raise ValueError("inference runs TP without sequence parallelism; parallelize with sequence_parallel=False")
+    layers = [{name: getattr(layer, name).detach() for name in LAYER_WEIGHTS} for layer in model.layers]
+    head = model.embedding_shard if model.output_shard is None else model.output_shard
+    return MegatronEngine(model.cfg, model.tp, layers, model.embedding_shard.detach(), head.detach(),
+                          model.norm.detach())

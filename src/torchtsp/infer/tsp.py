@@ -1,0 +1,186 @@
+"""TSP inference: one layout (weights 1/D by head group, FFN slice and vocabulary slice; tokens and KV cache
+1/D by sequence), two schedules (docs/design.md, "Inference: two schedules on one layout").
+
+**KV cache.** Rank p keeps the K/V of *all* KV heads for *its own* tokens: the zigzag share of each
+prompt chunk, then decoded token t on rank t mod D. Its cache is 1/D of the single-device cache
+whatever the number of KV heads.
+
+**Weights move** (the training forward; many tokens in flight, e.g. a long prefill). Each rank holds
+its share of the step's tokens. Per layer the packed attention shards are broadcast head group by head
+group: every rank projects its tokens with group j's weights, stores their K/V in its cache (group j's
+heads), all-gathers group j's K/V of every rank's cache (1/D of the layer's cache) and attends its
+queries to it; the gated MLP and the embedding take the weight ring. Only the hidden states of each
+sequence's last real token are then gathered, for the vocabulary-sharded LM head.
+
+**Activations move, weights stay** (few tokens in flight, e.g. decode). The step's hidden states are
+replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
+rank all heads' q/k/v of the step's tokens (each rank stores its share of K/V); every rank attends all
+heads' queries to its own cache and returns (O_p, LSE_p); the partials are merged exactly by
+log-sum-exp for the head-group owners (``merge_partials``); the ``wo`` and ``w_down``
+partial outputs are all-reduced. Embedding: vocabulary-slice lookup plus all-reduce.
+
+``schedule="auto"`` picks per phase: weights move when the tokens in flight per step (B x tokens per
+sequence) reach ``tsp_tp_crossover_tokens(cfg)``, the paper's B·S >= P/(4h - 2h/g) at which moving the
+weights costs no more traffic than moving activations. Both schedules compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import zigzag
+from ..model import rms_norm, swiglu
+from ..parallel.tsp import broadcast_each, ring_each
+from .cache import KVCache, apply_rope, attend, merge_partials, rope_tables
+from .engine import Engine, masked_lookup, select_last, vocab_logits
+
+FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
+
+
+def _layouts(model):
+    """(attention, mlp) packed layouts of a TSPTransformer: the one place that knows where they live."""
+    return model.blocks.attention_layout, model.blocks.mlp_layout
+
+
+class TSPEngine(Engine):
+    scheme = "tsp"
+
+    def __init__(self, model):
+        self.model, self.cfg, self.comm = model, model.cfg, model.comm
+        self.attention_layout, self.mlp_layout = _layouts(model)
+        self.embedding = model.embedding_shard.detach()
+        self.head_rows = (model.embedding_shard if model.output_shard is None else model.output_shard).detach()
+        self.device, self.dtype = self.embedding.device, self.embedding.dtype
+        self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
+        super().__init__()
+        self.schedule = {"prefill": "weights", "decode": "activations"}
+
+    @property
+    def token_multiple(self):
+        return 2 * self.comm.size
+
+    def choose_schedule(self, schedule, batch, prefill_tokens):
+        from ..analysis import tsp_tp_crossover_tokens
+
+        crossover = tsp_tp_crossover_tokens(self.cfg)
+        pick = lambda tokens: "weights" if tokens >= crossover else "activations"
+        self.schedule = ({"prefill": pick(batch * prefill_tokens), "decode": pick(batch)} if schedule == "auto"
+                         else {"prefill": schedule, "decode": schedule})
+
+    def start(self, batch, prompt_len, max_new_tokens):
+        D, cfg = self.comm.size, self.cfg
+        self.fills = [0] * D  # slots used on every rank (known everywhere: the assignment is deterministic)
+        capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
+        self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
+
+    # -- the two schedules ---------------------------------------------------------------
+
+    def _reserve(self, pos, valid, counts):
+        """Claim this rank's slots for its tokens (counts: tokens stored by each rank this step)."""
+        self.fills = [f + c for f, c in zip(self.fills, counts)]
+        return self.cache.reserve(pos, valid)
+
+    def weights_move(self, ids, pos, valid, counts):
+        """This rank's tokens ids [B, T_p] (any share; T_p may be 0) through the model with the weights moving.
+        Returns their final-norm hidden states [B, T_p, h]."""
+        cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
+        B, T = ids.shape
+        x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
+        for s, w in ring_each(comm, self.model.embedding_shard.detach(), "infer.embedding"):
+            found, hit = masked_lookup(ids, w, s * w.shape[0])
+            x = torch.where(hit.unsqueeze(-1), found, x)
+        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        slots = self._reserve(pos, valid, counts)
+        m = max(self.fills)  # gather every rank's slots up to the fullest rank's
+        key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="infer.kv.positions")
+        key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the gathered K/V below
+        seen = torch.ones_like(key_pos, dtype=torch.bool)
+        hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
+        for i, layer in enumerate(self.model.layers):
+            h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
+            y = torch.zeros_like(x)
+            for j, w in broadcast_each(comm, layer.attention_shard.detach(), "infer.attention"):
+                wq, wk, wv, wo = self.attention_layout.unpack(w)
+                # Explicit head counts: a rank may hold no token of this step (T = 0).
+                q = apply_rope(F.linear(h, wq).view(B, T, hq, d), cos, sin).transpose(1, 2)
+                k = apply_rope(F.linear(h, wk).view(B, T, hkv, d), cos, sin).transpose(1, 2)
+                v = F.linear(h, wv).view(B, T, hkv, d).transpose(1, 2)
+                group = slice(j * hkv, (j + 1) * hkv)
+                cache.write(i, slots, k, v, heads=group)
+                kv = torch.stack([cache.k[i][:, group, :m], cache.v[i][:, group, :m]])
+                kv = comm.all_gather(kv, label="infer.kv")  # [D, 2, B, H/D, m, d]
+                kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H/D, D·m, d]
+                out, _ = attend(q, kv[0], kv[1], pos, key_pos, seen)
+                y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), wo)
+            x = x + y
+            h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
+            y = torch.zeros_like(x)
+            for _, w in ring_each(comm, layer.mlp_shard.detach(), "infer.mlp"):
+                y += swiglu(h, *self.mlp_layout.unpack(w))
+            x = x + y
+        return rms_norm(x, self.model.norm.detach(), cfg.norm_eps)
+
+    def activations_move(self, ids, pos, valid, keep, counts):
+        """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
+        of tokens ``keep`` (indices into T). Returns the final-norm hidden states [B, T, h] (replicated)."""
+        cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
+        B, T = ids.shape
+        hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
+        x = comm.all_reduce(masked_lookup(ids, self.embedding, self.vocab_start)[0], label="infer.embedding")
+        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        slots = self._reserve(pos[:, keep], valid[:, keep], counts)
+        for i, layer in enumerate(self.model.layers):
+            wq, wk, wv, wo = self.attention_layout.unpack(layer.attention_shard.detach())
+            h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
+            q = apply_rope(F.linear(h, wq).view(B, T, hq, d), cos, sin)
+            k = apply_rope(F.linear(h, wk).view(B, T, hkv, d), cos, sin)
+            v = F.linear(h, wv).view(B, T, hkv, d)
+            qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
+            qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
+            # [B, heads, T, d] each, heads in global order
+            q_all, k_all, v_all = (qkv[:, :, :, a:b].flatten(2, 3).transpose(1, 2)
+                                   for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+            cache.write(i, slots, k_all[:, :, keep], v_all[:, :, keep])
+            k_own, v_own, k_pos, k_valid = cache.keys(i)
+            out, lse = attend(q_all, k_own, v_own, pos, k_pos, k_valid)
+            mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
+            y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), wo)
+            x = x + comm.all_reduce(y, label="infer.attention")
+            h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
+            y = swiglu(h, *self.mlp_layout.unpack(layer.mlp_shard.detach()))
+            x = x + comm.all_reduce(y, label="infer.mlp")
+        return rms_norm(x, self.model.norm.detach(), cfg.norm_eps)
+
+    # -- phases --------------------------------------------------------------------------
+
+    def prefill_chunk(self, ids, pos, valid, lengths):
+        D, p = self.comm.size, self.comm.rank
+        counts = [ids.shape[1] // D] * D
+        if self.schedule["prefill"] == "weights":
+            share = lambda t: zigzag.shard(t, D, p, dim=1)
+            return select_last(self.weights_move(share(ids), share(pos), share(valid), counts), pos=share(pos),
+                               lengths=lengths)
+        keep = zigzag.shard(torch.arange(ids.shape[1], device=ids.device), D, p, dim=0)
+        return select_last(self.activations_move(ids, pos, valid, keep, counts), pos, lengths)
+
+    def finish_last(self, last):
+        if self.schedule["prefill"] == "weights":  # each sequence's last token lives on one rank
+            return self.comm.all_reduce(last, label="infer.last_hidden")
+        return last
+
+    def head(self, z):
+        return vocab_logits(z, self.head_rows, self.vocab_start, self.cfg.vocab_size)
+
+    def decode(self, ids, pos, step):
+        D, p = self.comm.size, self.comm.rank
+        owner = step % D  # decoded tokens go to the ranks in turn
+        counts = [int(r == owner) for r in range(D)]
+        ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        if self.schedule["decode"] == "weights":
+            mine = slice(0, 1) if p == owner else slice(0, 0)
+            z = self.weights_move(ids[:, mine], pos[:, mine], valid[:, mine], counts).sum(dim=1)
+            return self.head(self.comm.all_reduce(z, label="infer.last_hidden"))
+        keep = torch.arange(1 if p == owner else 0, device=ids.device)
+        return self.head(self.activations_move(ids, pos, valid, keep, counts)[:, 0])

@@ -1,0 +1,34 @@
+"""bench/infer.py: per-scheme inference figures on local ranks, and the longest prompt under a budget."""
+
+from torchtsp.bench.infer import format_infer_table, max_context_under, run_infer_bench
+
+MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=257)
+
+
+def test_every_scheme_side_by_side(pools):
+    rows = run_infer_bench(MODEL, 2, [32, 64], new_tokens=3, pool=pools(2))
+    cells = [(n, s) for n in (32, 64) for s in ("tsp", "tp", "sp", "dp")]
+    assert [(r["prompt_len"], r["scheme"]) for r in rows] == cells
+    by = {(r["prompt_len"], r["scheme"]): r for r in rows}
+    for r in rows:
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and r["peak_bytes_per_rank"] > 0 and r["kv_bytes_per_rank"] > 0
+    for n in (32, 64):
+        # Sequence-sharded (tsp, sp) and head-sharded (tp, T <= n_kv) caches: half of dp's replicated one.
+        assert by[n, "tsp"]["kv_bytes_per_rank"] == by[n, "sp"]["kv_bytes_per_rank"]
+        assert by[n, "tsp"]["kv_bytes_per_rank"] < by[n, "dp"]["kv_bytes_per_rank"]
+        assert by[n, "tp"]["kv_bytes_per_rank"] < by[n, "dp"]["kv_bytes_per_rank"]
+        # Weights split in two: below the schemes that replicate the model.
+        assert by[n, "tsp"]["peak_bytes_per_rank"] < min(by[n, "sp"]["peak_bytes_per_rank"],
+                                                         by[n, "dp"]["peak_bytes_per_rank"])
+    assert by[64, "tsp"]["kv_bytes_per_rank"] > by[32, "tsp"]["kv_bytes_per_rank"]
+    table = format_infer_table(rows)
+    assert table.count("\n") == len(rows) and "tsp" in table
+
+
+def test_longest_prompt_under_a_budget(pools):
+    rows = run_infer_bench(MODEL, 2, [64], new_tokens=2, schemes=("tsp",), pool=pools(2))
+    budget = rows[0]["peak_bytes_per_rank"]
+    found = max_context_under(MODEL, 2, budget, schemes=("tsp", "dp"), new_tokens=2, start=32, limit=256,
+                              pool=pools(2))
+    assert found["tsp"] is not None and 64 <= found["tsp"] < 256
+    assert found["dp"] is None or found["dp"] < found["tsp"]  # dp holds the whole model and cache
