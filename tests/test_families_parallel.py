@@ -99,3 +99,33 @@ def test_feature_parameters_are_in_the_traffic_formula(pools, scheme, degrees):
         cfg = cfg.replace(**features)
         expected = predict_comm(scheme, cfg, B, S, **degrees).total
         assert pools(4).run(traffic_on_rank, cfg, scheme, degrees) == [expected] * 4, features
+
+
+def generate_on_rank(cfg, weights, prompt, scheme, degrees):
+    from torchtsp.infer import generate
+
+    model = torchtsp.Transformer(cfg)
+    model.load_state_dict(weights)
+    if scheme != "reference":
+        model = torchtsp.parallelize(model, torchtsp.init_mesh(**degrees), scheme)
+    result = generate(model, [prompt], 4, return_logits=True)
+    return result.tokens[0], [t.float() for t in result.logits]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_generate_with_family_features_equals_transformers(pools, family):
+    """Greedy tokens equal transformers' generate; every step's logits its forward, for each scheme that
+    implements the family's features (1e-4: logits are summed over 2 ranks and 4 decode steps in float32)."""
+    cfg, weights, _, _, _, _ = hf_reference(family, 2)
+    hf = make_hf(family)
+    prompt = [3, 17, 5, 42, 8, 1, 9]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, min_new_tokens=4)[0].tolist()
+    for scheme, degrees in (("reference", {}), ("tp", {"tp": 2}), ("sp", {"sp": 2}), ("dp", {"dp": 2})):
+        runs = [generate_on_rank(cfg, weights, prompt, scheme, degrees)] if scheme == "reference" else \
+            pools(2).run(generate_on_rank, cfg, weights, prompt, scheme, degrees)
+        for tokens, logits in runs:
+            assert tokens == expected, (scheme, tokens, expected)
+            with torch.no_grad():
+                full = hf(torch.tensor([tokens[:-1]])).logits[0]
+            for step, step_logits in enumerate(logits):
+                assert rel_err(step_logits.reshape(-1), full[len(prompt) - 1 + step]) <= 1e-4, (scheme, step)

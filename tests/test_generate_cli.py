@@ -107,7 +107,7 @@ def test_training_checkpoint_with_the_byte_tokenizer(tmp_path):
     (["--prompt-ids", "1,x"], "is not a comma-separated list of integers"),
     (["--prompt", "a", "--max-new-tokens", "1024"], "exceeds the model's max_seq_len=1024"),
     (["--prompt", "a", "--tsp", "3"], "n_heads=8 divisible by 3"),
-    (["--prompt", "a", "--scheme", "tp", "--tsp", "2"], "drop --tsp"),
+    (["--prompt", "a", "--scheme", "tp", "--tsp", "2"], "does not use --tsp 2"),
     (["--prompt", "a", "--top-p", "1.5"], "top_p"),
     (["--hf", "/does/not/exist", "--prompt", "a"], "not a directory"),
 ])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -122,29 +123,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or --prompt-ids IDS")
     check_request(cfg, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.prefill_chunk)
-    others = [axis for axis in ("tsp", "tp", "sp", "dp") if axis != args.scheme and getattr(args, axis)]
-    if others:
-        raise ValueError(f"--scheme {args.scheme} runs on the {args.scheme} axis only; drop --{others[0]}")
-    degree = getattr(args, args.scheme)
-    if _launched_by_torchrun():
+    flags = {axis: getattr(args, axis) for axis in ("dp", "tsp", "tp", "sp")}
+    if launched_by_torchrun():
         from .distributed import comm
 
         world = comm.world_size()
     else:
-        world = args.nproc or degree or 1
-    if degree and degree != world:
-        raise ValueError(f"--{args.scheme} {degree} must equal the number of ranks ({world})")
-    if args.scheme in ("tsp", "tp"):
-        from .parallel.shards import check_splittable
-
-        check_splittable(cfg, world, args.scheme.upper(), "D")
+        world = args.nproc or math.prod(v or 1 for v in flags.values())
+    scheme = get_scheme(args.scheme)
+    degrees = scheme.degrees(world, **flags)
+    scheme.check_model(cfg, degrees)  # before any rank starts
     job = GenerateJob(source=source, location=location, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                      scheme=args.scheme, world=world, temperature=args.temperature, top_k=args.top_k,
+                      scheme=args.scheme, degrees=degrees, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, stop_token_ids=parse_ids(args.stop_token_ids,
                                                                                  "--stop-token-ids"),
                       eos_token_id=eos, schedule=args.schedule, prefill_chunk=args.prefill_chunk,
                       dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s)
-    if _launched_by_torchrun():
+    if launched_by_torchrun():
         from .distributed import comm
 
         try:
@@ -162,11 +157,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json and show:
         print_json(summary)
     return 0
-
-
-def cmd_not_implemented(args: argparse.Namespace) -> int:
-    print(f"torchtsp {args.command}: not implemented yet", file=sys.stderr)
-    return 2
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -25,9 +25,10 @@ def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + 1_000_003 * zlib.crc32(name.encode()) + block) % 2**63)
 
 
-def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = None,
+                  std: float = INIT_STD) -> torch.Tensor:
     """The initial value of parameter ``name`` (float32, CPU) of a model whose init seed is ``seed``,
-    or of its rows [start, stop): norm weights are ones, biases zeros, every other weight normal(0, 0.02).
+    or of its rows [start, stop): norm weights are ones, biases zeros, every other weight normal(0, std).
 
     Each block of ``INIT_BLOCK_ROWS`` rows has its own generator, seeded from (seed, name, block), so any
     rows can be drawn alone, in any order, on any rank, and equal the whole tensor's rows.
@@ -41,7 +42,7 @@ def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = No
     out = torch.empty(out_shape)
     for block in range(start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)):
         lo, hi = block * INIT_BLOCK_ROWS, min((block + 1) * INIT_BLOCK_ROWS, shape[0])
-        values = torch.empty(hi - lo, *shape[1:]).normal_(0.0, INIT_STD, generator=_block_generator(seed, name, block))
+        values = torch.empty(hi - lo, *shape[1:]).normal_(0.0, std, generator=_block_generator(seed, name, block))
         a, b = max(start, lo), min(stop, hi)
         out[a - start:b - start] = values[a - lo:b - lo]
     return out
@@ -216,9 +217,9 @@ class Transformer(nn.Module):
             self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self):
+    def reset_parameters(self, std: float = INIT_STD):
         for name, p in self.named_parameters():
-            p.copy_(initial_value(self.init_seed, name, p.shape))
+            p.copy_(initial_value(self.init_seed, name, p.shape, std=std))
 
     @property
     def output_weight(self) -> torch.Tensor:

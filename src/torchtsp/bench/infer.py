@@ -38,18 +38,19 @@ def infer_on_rank(cell: InferCell) -> dict:
     from ..memory import measure_peak
     from ..model import Transformer
     from ..parallel import parallelize
-    from ..parallel.shards import check_splittable
+    from ..schemes import get_scheme
 
     cfg = ModelConfig(**{**cell.model, "max_seq_len": max(cell.model.get("max_seq_len", 0),
                                                            cell.prompt_len + cell.new_tokens)})
-    if cell.scheme in ("tsp", "tp"):
-        try:
-            check_splittable(cfg, cell.world, cell.scheme.upper(), "D")
-        except ValueError as e:
-            return {"error": str(e)}
-    mesh = init_mesh(**{cell.scheme: cell.world}, timeout_s=cell.timeout_s)
+    scheme = get_scheme(cell.scheme)
+    degrees = scheme.degrees(cell.world)
+    try:
+        scheme.check_model(cfg, degrees)
+    except ValueError as e:
+        return {"error": str(e)}
+    mesh = init_mesh(**degrees, timeout_s=cell.timeout_s)
     torch.manual_seed(cell.seed)
-    model = parallelize(Transformer(cfg).to(mesh.device_type), mesh, cell.scheme, timeout_s=cell.timeout_s)
+    model = parallelize(Transformer(cfg, device="meta"), mesh, cell.scheme, timeout_s=cell.timeout_s)
     g = torch.Generator().manual_seed(cell.seed)
     prompts = torch.randint(cfg.vocab_size, (cell.batch, cell.prompt_len), generator=g).tolist()
     options = dict(schedule=cell.schedule, prefill_chunk=cell.prefill_chunk)

@@ -44,30 +44,24 @@ class GenerationResult:
 def make_engine(model) -> Engine:
     """The inference engine of a reference ``Transformer`` or a model from ``parallelize``."""
     from ..model import Transformer
+    from ..parallel.dp import DataParallel
+    from .dp import DPEngine
+    from .reference import ReferenceEngine
+    from .sp import SPEngine
+    from .tp import tp_engine
+    from .tsp import TSPEngine
 
     if isinstance(model, Transformer):
-        from .reference import ReferenceEngine
-
         return ReferenceEngine(model)
     scheme = getattr(model, "scheme", None)
-    if scheme == "tsp":
-        from .tsp import TSPEngine
-
-        return TSPEngine(model)
-    if scheme == "tp":
-        from .tp import tp_engine
-
-        return tp_engine(model)
-    if scheme == "sp":
-        from .sp import SPEngine
-
-        return SPEngine(model)
-    if scheme == "dp":
-        from .dp import DPEngine
-
-        return DPEngine(model)
-    raise ValueError(f"generate supports the reference Transformer and the tsp, tp, sp and dp schemes, "
-                     f"not {scheme or type(model).__name__!r}")
+    if isinstance(model, DataParallel) and scheme != "dp":
+        raise ValueError(f"generate runs {scheme} on its own axis; data-parallel replicas of it (dp > 1) are not "
+                         f"supported yet: generate with dp = 1")
+    engines = {"tsp": TSPEngine, "tp": tp_engine, "sp": SPEngine, "dp": DPEngine}
+    if scheme not in engines:
+        raise ValueError(f"generate supports the reference Transformer and the {', '.join(engines)} schemes, "
+                         f"not {scheme or type(model).__name__!r}")
+    return engines[scheme](model)
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:
@@ -173,7 +167,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             _sync(device)
             decode_s, steps = decode_s + time.perf_counter() - t0, steps + 1
     if engine.scheme == "dp":
-        new, seen_logits = _gather_rows(model.comm, new, seen_logits, B, max_new_tokens)
+        new, seen_logits = _gather_rows(engine.rows_comm, new, seen_logits, B, max_new_tokens)
     result_tokens = []
     for prompt, row in zip(prompts, new.tolist()):
         result_tokens.append(prompt + [i for i in row if i >= 0])

@@ -11,6 +11,7 @@ prompt, then decoded tokens assigned to ranks in turn) while TP keeps its heads 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 KEY_BLOCK = 1024  # keys per block of the attention loop: bounds its score matrix to [B, H, T, KEY_BLOCK]
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
@@ -56,12 +57,26 @@ class KVCache:
         return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
+def rope_tables(positions: torch.Tensor, cfg):
     """cos/sin [B, T, 1, d] for per-sequence positions [B, T] (sequences of a batch sit at different positions)."""
-    from ..model import rope_cos_sin
+    from ..model import rope_tables as tables
 
-    cos, sin = rope_cos_sin(positions.reshape(-1), head_dim, theta)
-    return cos.view(*positions.shape, 1, head_dim), sin.view(*positions.shape, 1, head_dim)
+    cos, sin = tables(positions.reshape(-1), cfg)
+    return cos.view(*positions.shape, 1, cfg.head_dim), sin.view(*positions.shape, 1, cfg.head_dim)
+
+
+def project_qkv(cfg, w: dict, h: torch.Tensor, cos, sin):
+    """Queries, keys and values [B, heads, T, d] of hidden states h [B, T, h] with the (possibly head-sliced)
+    weights ``w`` (``wq``, ``wk``, ``wv``; ``bq``, ``bk``, ``bv`` with q/k/v bias; ``q_norm``, ``k_norm`` with
+    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads."""
+    from ..model import head_norm
+
+    B, T, _ = h.shape
+    d = cfg.head_dim
+    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, -1, d) for n in "qkv")
+    if cfg.qk_norm:
+        q, k = head_norm(q, w["q_norm"], cfg.norm_eps), head_norm(k, w["k_norm"], cfg.norm_eps)
+    return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ class GenerateJob:
     prompts: list[list[int]]
     max_new_tokens: int
     scheme: str = "tsp"
-    world: int = 1
+    degrees: dict = field(default_factory=dict)  # mesh degrees (from the scheme registry)
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -111,25 +111,26 @@ def parse_ids(text: str | None, flag: str) -> list[int]:
 # ---------------------------------------------------------------- on every rank
 
 
-def _load_model(job: GenerateJob, cfg):
+def _load_model(job: GenerateJob, cfg, mesh):
+    """The parallel model, built on the meta device: each rank reads (a checkpoint, slice by slice) or draws
+    (a preset's seeded initial values) only its own shards."""
     import torch
 
     from ..model import Transformer
+    from ..parallel import parallelize
 
+    weights = None
     if job.source == "hf":
-        from ..hf import load_hf_checkpoint
+        from ..hf import open_hf_weights
 
-        cfg, weights = load_hf_checkpoint(job.location)
+        cfg, weights = open_hf_weights(job.location)
     elif job.source == "checkpoint":
-        from ..train.checkpoint import load_full_state_dict
+        from ..train.checkpoint import CheckpointWeights
 
-        cfg, weights = load_full_state_dict(job.location)
-    else:
-        torch.manual_seed(job.seed)
-        weights = None
-    model = Transformer(cfg)
-    if weights is not None:
-        model.load_state_dict(weights)
+        weights = CheckpointWeights(job.location)
+        cfg = weights.cfg
+    torch.manual_seed(job.seed)
+    model = parallelize(Transformer(cfg, device="meta"), mesh, job.scheme, timeout_s=job.timeout_s, weights=weights)
     return model.to(getattr(torch, job.dtype)).eval()
 
 
@@ -141,13 +142,11 @@ def run_generate(job: GenerateJob) -> dict:
     from ..distributed.comm import AxisComm
     from ..distributed.mesh import init_mesh
     from ..memory import measure_peak
-    from ..parallel import parallelize
     from .api import generate
 
     cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location)
-    mesh = init_mesh(**{job.scheme: job.world}, timeout_s=job.timeout_s)
-    model = _load_model(job, cfg).to(mesh.device_type)
-    model = parallelize(model, mesh, job.scheme, timeout_s=job.timeout_s)
+    mesh = init_mesh(**job.degrees, timeout_s=job.timeout_s)
+    model = _load_model(job, cfg, mesh)
     rank0 = comm.global_rank() == 0
     show = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: " ".join(map(str, ids)))
     single = len(job.prompts) == 1 and job.stream and rank0
@@ -182,7 +181,7 @@ def run_generate(job: GenerateJob) -> dict:
     summary = {"tokens": result.tokens, "prefill_s": result.prefill_s,
                "decode_s_per_token": result.decode_s_per_token,
                "peak_mem_bytes_per_rank": per_rank[:, 0].tolist(), "kv_cache_bytes_per_rank": per_rank[:, 1].tolist(),
-               "schedule": result.schedule, "scheme": job.scheme, "world": job.world}
+               "schedule": result.schedule, "scheme": job.scheme, "mesh": job.degrees}
     if tokenizer is not None:
         summary["text"] = [tokenizer.decode(t) for t in result.tokens]
     return summary

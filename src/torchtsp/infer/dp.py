@@ -10,8 +10,8 @@ class DPEngine(ReferenceEngine):
     scheme = "dp"
 
     def __init__(self, model):
-        super().__init__(model.module)
-        self.rows_comm = model.comm
+        super().__init__(model.module.module)  # DataParallel over Replica over the reference Transformer
+        self.rows_comm = model.dp
 
     def batch_rows(self, batch):
         """Rank r decodes rows [r·b, (r+1)·b) with b = ceil(B/D); rows past B are padding (dropped)."""

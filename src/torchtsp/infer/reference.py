@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from ..distributed.comm import AxisComm
+from ..parallel.tp import layer_params
 from .tp import MegatronEngine
 
 
 def reference_layers(model) -> list[dict]:
-    """Per layer, the full weights under the Megatron engine's names."""
-    return [{"attention_norm": layer.attention_norm.weight, "wq": layer.attention.wq.weight,
-             "wk": layer.attention.wk.weight, "wv": layer.attention.wv.weight, "wo": layer.attention.wo.weight,
-             "ffn_norm": layer.ffn_norm.weight, "w_gate": layer.feed_forward.w_gate.weight,
-             "w_up": layer.feed_forward.w_up.weight, "w_down": layer.feed_forward.w_down.weight}
-            for layer in model.layers]
+    """Per layer, the full weights under the Megatron engine's names (the TP layer's attribute names)."""
+    names = layer_params(model.cfg)
+    return [{attr: layer.get_parameter(ref) for attr, (ref, _) in names.items()} for layer in model.layers]
 
 
 class ReferenceEngine(MegatronEngine):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..model import rms_norm, swiglu
-from .cache import KVCache, apply_rope, attend, merge_partials, rope_tables
+from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
 from .engine import Engine, select_last, vocab_logits
 from .reference import reference_layers
 
@@ -44,14 +44,6 @@ class SPEngine(Engine):
         capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
         self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
 
-    def _qkv(self, w, h, cos, sin):
-        B, T, _ = h.shape
-        d = self.cfg.head_dim
-        q = apply_rope(F.linear(h, w["wq"]).view(B, T, self.cfg.n_heads, d), cos, sin).transpose(1, 2)
-        k = apply_rope(F.linear(h, w["wk"]).view(B, T, self.cfg.n_kv_heads, d), cos, sin).transpose(1, 2)
-        v = F.linear(h, w["wv"]).view(B, T, self.cfg.n_kv_heads, d).transpose(1, 2)
-        return q, k, v
-
     def _rest(self, w, x, out):
         """Output projection and gated MLP (replicated weights, no communication)."""
         B, T, _ = x.shape
@@ -62,14 +54,14 @@ class SPEngine(Engine):
         cfg, comm, cache = self.cfg, self.comm, self.cache
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
         x = F.embedding(ids, self.embedding)
-        cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos, valid)
         m = cache.filled  # the same on every rank during prefill
         key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="sp.kv.positions")
         key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V below
         seen = torch.ones_like(key_pos, dtype=torch.bool)
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
             cache.write(i, slots, k, v)
             kv = comm.all_gather(torch.stack([cache.k[i][:, :, :m], cache.v[i][:, :, :m]]), label="sp.kv")
             kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H, D·m, d]
@@ -88,10 +80,10 @@ class SPEngine(Engine):
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
         keep = torch.arange(1 if step % comm.size == comm.rank else 0, device=ids.device)
         x = F.embedding(ids, self.embedding)
-        cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos[:, keep], torch.ones_like(pos[:, keep], dtype=torch.bool))
         for i, w in enumerate(self.layers):
-            q, k, v = self._qkv(w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
             cache.write(i, slots, k[:, :, keep], v[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
             out, lse = attend(q, k_own, v_own, pos, k_pos, k_valid)

@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from ..model import rms_norm, swiglu
-from .cache import KVCache, apply_rope, attend, rope_tables
+from ..parallel.tp import layer_params
+from .cache import KVCache, attend, project_qkv, rope_tables
 from .engine import Engine, masked_lookup, select_last, vocab_logits
-
-LAYER_WEIGHTS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
 
 
 class MegatronEngine(Engine):
-    """``layers``: per layer a dict of LAYER_WEIGHTS (this rank's slices); ``embedding`` / ``head``: this rank's
-    vocabulary rows (padded to equal slices); ``comm``: the axis the slices are split over."""
+    """``layers``: per layer a dict of the weights ``parallel.tp.layer_params`` names (this rank's slices);
+    ``embedding`` / ``head``: this rank's vocabulary rows (padded to equal slices); ``comm``: the axis the slices
+    are split over."""
 
     scheme = "tp"
 
@@ -42,16 +42,13 @@ class MegatronEngine(Engine):
 
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
-        cfg, cache, d = self.cfg, self.cache, self.cfg.head_dim
+        cfg, cache = self.cfg, self.cache
         B, T = ids.shape
         x = self._sum(masked_lookup(ids, self.embedding, self.vocab_start)[0], "infer.tp.embedding")
-        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos, valid)
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
-            q = apply_rope(F.linear(h, w["wq"]).view(B, T, -1, d), cos, sin).transpose(1, 2)
-            k = apply_rope(F.linear(h, w["wk"]).view(B, T, -1, d), cos, sin).transpose(1, 2)
-            v = F.linear(h, w["wv"]).view(B, T, -1, d).transpose(1, 2)
+            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
             cache.write(i, slots, k, v)
             k_all, v_all, k_pos, k_valid = cache.keys(i)
             out, _ = attend(q, k_all, v_all, pos, k_pos, k_valid)
@@ -76,7 +73,8 @@ def tp_engine(model) -> MegatronEngine:
     """The engine of a ``TPTransformer`` (its own shards, read in place)."""
     if getattr(model, "sequence_parallel", False):
         raise ValueError("inference runs TP without sequence parallelism; parallelize with sequence_parallel=False")
-    layers = [{name: getattr(layer, name).detach() for name in LAYER_WEIGHTS} for layer in model.layers]
+    names = layer_params(model.cfg)  # the plain weights plus the model's biases and q/k norms
+    layers = [{name: getattr(layer, name).detach() for name in names} for layer in model.layers]
     head = model.embedding_shard if model.output_shard is None else model.output_shard
     return MegatronEngine(model.cfg, model.tp, layers, model.embedding_shard.detach(), head.detach(),
                           model.norm.detach())

@@ -90,7 +90,7 @@ class TSPEngine(Engine):
         for s, w in ring_each(comm, self.model.embedding_shard.detach(), "infer.embedding"):
             found, hit = masked_lookup(ids, w, s * w.shape[0])
             x = torch.where(hit.unsqueeze(-1), found, x)
-        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos, valid, counts)
         m = max(self.fills)  # gather every rank's slots up to the fullest rank's
         key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="infer.kv.positions")
@@ -128,7 +128,7 @@ class TSPEngine(Engine):
         B, T = ids.shape
         hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
         x = comm.all_reduce(masked_lookup(ids, self.embedding, self.vocab_start)[0], label="infer.embedding")
-        cos, sin = rope_tables(pos, d, cfg.rope_theta)
+        cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos[:, keep], valid[:, keep], counts)
         for i, layer in enumerate(self.model.layers):
             wq, wk, wv, wo = self.attention_layout.unpack(layer.attention_shard.detach())
