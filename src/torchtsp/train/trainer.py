@@ -29,7 +29,6 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import ByteTokenizer, TokenWindows, load_corpus
 from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
-from .single import greedy_continue
 
 
 def model_config_and_weights(cfg: TrainConfig):
@@ -214,13 +213,24 @@ class Trainer:
                 "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.degrees, "out": str(self.out)}
 
     def sample(self) -> str | None:
-        """Greedy continuation of the prompt from the trained weights (gathered; printed by rank 0)."""
-        weights = {k: v.float() for k, v in self.model.full_state_dict().items()}
-        if self.rank != 0:
-            return None
-        model = Transformer(self.model_cfg)
-        model.load_state_dict(weights)
-        return greedy_continue(model.eval(), self.cfg.prompt, self.cfg.sample_tokens)
+        """A continuation of the prompt by the parallel model itself (``torchtsp.infer.generate``: seeded sampling,
+        temperature 0.8, top-k 40); the weights are never gathered. Every replica of a dp run generates the same
+        tokens on its own model axis."""
+        from ..infer import generate
+        from ..parallel.dp import DataParallel
+
+        model = self.model
+        if isinstance(model, DataParallel) and model.scheme != "dp":
+            model = model.module  # the replicas hold the same weights: each samples alone
+        if model.scheme not in ("tsp", "tp", "sp", "dp"):
+            return None  # generate does not run this scheme (tp_sp, torch_tp)
+        tokenizer = ByteTokenizer()
+        prompt = tokenizer.encode(self.cfg.prompt) or [tokenizer.eot_id]
+        with torch.no_grad():
+            result = generate(model.eval(), [prompt], self.cfg.sample_tokens, temperature=0.8, top_k=40,
+                              seed=self.cfg.seed, stop_token_ids=[tokenizer.eot_id])
+        model.train()
+        return tokenizer.decode(result.new_tokens[0])
 
 
 def run_training(cfg: TrainConfig) -> dict:
