@@ -5,8 +5,12 @@ from torchtsp.bench.infer import format_infer_table, max_context_under, run_infe
 MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=257)
 
 
+def runner(pool):
+    return lambda fn, cell: pool.run(fn, cell)[0]  # every rank returns the same aggregated row
+
+
 def test_every_scheme_side_by_side(pools):
-    rows = run_infer_bench(MODEL, 2, [32, 64], new_tokens=3, pool=pools(2))
+    rows = run_infer_bench(MODEL, 2, [32, 64], new_tokens=3, run=runner(pools(2)))
     cells = [(n, s) for n in (32, 64) for s in ("tsp", "tp", "sp", "dp")]
     assert [(r["prompt_len"], r["scheme"]) for r in rows] == cells
     by = {(r["prompt_len"], r["scheme"]): r for r in rows}
@@ -26,9 +30,9 @@ def test_every_scheme_side_by_side(pools):
 
 
 def test_longest_prompt_under_a_budget(pools):
-    rows = run_infer_bench(MODEL, 2, [64], new_tokens=2, schemes=("tsp",), pool=pools(2))
+    rows = run_infer_bench(MODEL, 2, [64], new_tokens=2, schemes=("tsp",), run=runner(pools(2)))
     budget = rows[0]["peak_bytes_per_rank"]
     found = max_context_under(MODEL, 2, budget, schemes=("tsp", "dp"), new_tokens=2, start=32, limit=256,
-                              pool=pools(2))
+                              run=runner(pools(2)))
     assert found["tsp"] is not None and 64 <= found["tsp"] < 256
     assert found["dp"] is None or found["dp"] < found["tsp"]  # dp holds the whole model and cache

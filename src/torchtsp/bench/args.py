@@ -68,6 +68,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--recompute", action="store_true",
         help="every scheme keeps each layer's input only and re-runs its forward in backward (default: off: "
              "every scheme saves its activations); a scheme without recompute (torch_tp) is reported n/a")
+    add("--mode", choices=["train", "infer"], default="train",
+        help="train: steps (forward + backward + AdamW) over --seq-lens; infer: generate over --prompt-lens, "
+             "measuring time to first token, time per output token, per-rank peak and KV-cache bytes "
+             "(schemes tsp, tp, sp, dp)")
+    add("--prompt-lens", type=_int_list, default=_int_list("256,512,1024,2048"), metavar="LIST",
+        help="--mode infer: comma-separated prompt lengths (default: 256,512,1024,2048)")
+    add("--new-tokens", type=int, default=32, metavar="N", help="--mode infer: tokens generated (default: 32)")
+    add("--max-context-under", type=_positive_float, metavar="GB",
+        help="--mode infer, instead of the sweep: per scheme, the longest prompt whose measured per-rank peak "
+             "(prefill and decode) stays within GB GiB")
     add("--max-seq-under", type=_positive_float, metavar="GB",
         help="instead of the sweep: for each scheme, the longest sequence (doubling from --max-seq-start) whose "
              "measured per-rank peak stays within GB GiB (2^30 bytes)")

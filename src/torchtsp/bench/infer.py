@@ -3,7 +3,7 @@ bytes of each scheme against prompt length, and the longest prompt each scheme f
 
 ``infer_on_rank`` is what every rank runs for one (scheme, prompt length) cell; ``run_infer_bench`` drives
 a pool of local ranks, interleaving the schemes per prompt length so that they see the same machine load.
-Wiring into ``torchtsp bench --mode infer`` is left to the command line (bench/run.py).
+``torchtsp bench --mode infer`` (bench/run.py) drives them.
 """
 
 from __future__ import annotations
@@ -60,77 +60,99 @@ def infer_on_rank(cell: InferCell) -> dict:
             "kv_bytes": result.kv_cache_bytes, "schedule": result.schedule}
 
 
+def infer_cell_on_rank(cell: InferCell) -> dict:
+    """``infer_on_rank`` on every rank, then its figures gathered over the world: the same row on every rank
+    (the slowest rank's times, the largest per-rank peak and KV bytes), or the scheme's refusal."""
+    import torch
+
+    from ..distributed.comm import AxisComm
+
+    mine = infer_on_rank(cell)
+    if "error" in mine:
+        return aggregate(cell, [mine])
+    numbers = torch.tensor([mine["ttft_s"], mine["tpot_s"] or 0.0, mine["peak_bytes"], mine["kv_bytes"]],
+                           dtype=torch.float64)
+    rows = AxisComm.world(cell.timeout_s).all_gather(numbers, label="bench.infer").tolist()
+    return aggregate(cell, [{"ttft_s": r[0], "tpot_s": r[1], "peak_bytes": int(r[2]), "kv_bytes": int(r[3]),
+                             "schedule": mine["schedule"]} for r in rows])
+
+
 def aggregate(cell: InferCell, per_rank: list[dict]) -> dict:
-    """One row: the cell's settings, the slowest rank's times, the largest per-rank peak and KV bytes."""
+    """One row: the cell's settings, the slowest rank's times, the largest per-rank peak and KV bytes, and the
+    analytic model's prediction of the peak and the KV bytes (``torchtsp.analysis``, mode infer)."""
+    from ..analysis import predict_memory
+    from ..config import ModelConfig
+    from ..schemes import get_scheme
+
     row = {k: v for k, v in asdict(cell).items() if k not in ("model", "timeout_s")}
     if "error" in per_rank[0]:
         return {**row, "error": per_rank[0]["error"]}
+    cfg = ModelConfig(**{**cell.model, "max_seq_len": max(cell.model.get("max_seq_len", 0),
+                                                           cell.prompt_len + cell.new_tokens)})
+    try:
+        predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
+                                   **get_scheme(cell.scheme).degrees(cell.world))
+    except ValueError:  # the analytic model needs zigzag-divisible lengths; generate pads instead
+        predicted = None
+    peak = max(r["peak_bytes"] for r in per_rank)
     return {**row, "ttft_s": max(r["ttft_s"] for r in per_rank),
             "tpot_s": max(r["tpot_s"] or 0.0 for r in per_rank),
-            "peak_bytes_per_rank": max(r["peak_bytes"] for r in per_rank),
-            "kv_bytes_per_rank": max(r["kv_bytes"] for r in per_rank),
+            "peak_bytes_per_rank": peak, "kv_bytes_per_rank": max(r["kv_bytes"] for r in per_rank),
+            "predicted_peak_bytes": predicted and predicted.total,
+            "predicted_kv_bytes": predicted and predicted.kv_cache,
+            "peak_error_pct": predicted and 100.0 * (predicted.total - peak) / peak,
             "schedule": per_rank[0]["schedule"]}
 
 
-def run_infer_bench(model: dict, world: int, prompt_lens, schemes=INFER_SCHEMES, new_tokens: int = 32,
-                    batch: int = 1, repeats: int = 1, pool=None, **cell_options) -> list[dict]:
-    """Every scheme at every prompt length on ``world`` local ranks, interleaved; the best of ``repeats`` runs."""
-    from ..distributed.launch import WorkerPool
-
-    own_pool = pool is None
-    pool = pool or WorkerPool(world)
+def run_infer_bench(model: dict, world: int, prompt_lens, run, schemes=INFER_SCHEMES, new_tokens: int = 32,
+                    batch: int = 1, repeats: int = 1, progress=None, **cell_options) -> list[dict]:
+    """Every scheme at every prompt length on ``world`` ranks, interleaved per prompt length so that every scheme
+    sees the same load; the best of ``repeats`` runs. ``run(fn, cell)`` runs ``fn(cell)`` on every rank and
+    returns rank 0's result (``bench.run``'s runner, or a ``WorkerPool``'s ``run`` taking rank 0)."""
     rows = []
-    try:
-        for prompt_len in prompt_lens:
-            best: dict[str, dict] = {}
-            for _ in range(repeats):
-                for scheme in schemes:  # interleaved: every scheme sees the same load
-                    cell = InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options)
-                    row = aggregate(cell, pool.run(infer_on_rank, cell))
-                    kept = best.get(scheme)
-                    if kept is None or ("error" not in row and row["tpot_s"] + row["ttft_s"]
-                                        < kept["tpot_s"] + kept["ttft_s"]):
-                        best[scheme] = row
-            rows.extend(best[s] for s in schemes)
-    finally:
-        if own_pool:
-            pool.close()
+    for prompt_len in prompt_lens:
+        best: dict[str, dict] = {}
+        for _ in range(repeats):
+            for scheme in schemes:
+                row = run(infer_cell_on_rank, InferCell(scheme, world, model, prompt_len, new_tokens, batch,
+                                                        **cell_options))
+                kept = best.get(scheme)
+                if kept is None or ("error" not in row and "error" not in kept
+                                    and row["tpot_s"] + row["ttft_s"] < kept["tpot_s"] + kept["ttft_s"]):
+                    best[scheme] = row
+                if progress:
+                    progress(scheme, prompt_len)
+        rows.extend(best[s] for s in schemes)
     return rows
 
 
-def max_context_under(model: dict, world: int, budget_bytes: int, schemes=INFER_SCHEMES, new_tokens: int = 32,
-                      batch: int = 1, start: int = 256, limit: int = 1 << 20, pool=None, **cell_options) -> dict:
+def max_context_under(model: dict, world: int, budget_bytes: int, run, schemes=INFER_SCHEMES, new_tokens: int = 32,
+                      batch: int = 1, start: int = 256, limit: int = 1 << 20, progress=None,
+                      **cell_options) -> dict:
     """Per scheme, the longest prompt (a multiple of ``start``) whose per-rank peak stays within the budget
     while prefilling it and decoding ``new_tokens``: doubling, then bisection. None if even ``start`` fails."""
-    from ..distributed.launch import WorkerPool
-
-    own_pool = pool is None
-    pool = pool or WorkerPool(world)
     found = {}
 
     def fits(scheme, prompt_len):
-        cell = InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options)
-        row = aggregate(cell, pool.run(infer_on_rank, cell))
+        row = run(infer_cell_on_rank, InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options))
+        if progress:
+            progress(scheme, prompt_len)
         return "error" not in row and row["peak_bytes_per_rank"] <= budget_bytes
 
-    try:
-        for scheme in schemes:
-            if not fits(scheme, start):
-                found[scheme] = None
-                continue
-            good, bad = start, None
-            while bad is None and good * 2 <= limit:
-                if fits(scheme, good * 2):
-                    good *= 2
-                else:
-                    bad = good * 2
-            while bad is not None and bad - good > start:
-                mid = (good + bad) // 2 // start * start
-                good, bad = (mid, bad) if fits(scheme, mid) else (good, mid)
-            found[scheme] = good
-    finally:
-        if own_pool:
-            pool.close()
+    for scheme in schemes:
+        if not fits(scheme, start):
+            found[scheme] = None
+            continue
+        good, bad = start, None
+        while bad is None and good * 2 <= limit:
+            if fits(scheme, good * 2):
+                good *= 2
+            else:
+                bad = good * 2
+        while bad is not None and bad - good > start:
+            mid = (good + bad) // 2 // start * start
+            good, bad = (mid, bad) if fits(scheme, mid) else (good, mid)
+        found[scheme] = good
     return found
 
 

@@ -281,3 +281,62 @@ def write_max_seq(result: dict, out: Path, plots: bool = True) -> list[Path]:
     if plots:
         files.append(plot_max_seq(result, out / "max_seq.png"))
     return files
+
+
+# ---------------------------------------------------------------- --mode infer
+
+
+def infer_markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = ["# torchtsp bench --mode infer", "", _model_line(meta) + ".",
+             f"generate: the prompt(s), then {meta.get('new_tokens', '?')} new tokens, greedy; schemes timed "
+             f"interleaved per prompt length. TTFT = prefill of the prompt to the first token, TPOT = mean time per "
+             f"output token after it (slowest rank); peak = live tensor bytes of the whole generate call, max over "
+             f"ranks, against the analytic model (``plan --mode infer``); KV = this rank's cache.", ""]
+    if "max_context" in result:
+        mc = result["max_context"]
+        lines += [f"Longest prompt whose per-rank peak stays within {mc['budget_gib']:g} GiB:", "",
+                  "| scheme | longest prompt |", "|---|---:|"]
+        lines += [f"| {s} | {n if n is not None else 'none'} |" for s, n in mc["longest_prompt"].items()]
+        return "\n".join(lines) + "\n"
+    lines += ["| prompt | scheme | TTFT ms | TPOT ms | peak MiB/rank | predicted MiB | error | KV MiB/rank "
+              "| schedule |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(result["infer"], key=lambda r: (r["prompt_len"], _rank(r["scheme"]))):
+        if "error" in r:
+            lines.append(f"| {r['prompt_len']} | {r['scheme']} | n/a: {r['error']} | | | | | | |")
+            continue
+        sched = "/".join(dict.fromkeys(r["schedule"].values()))
+        lines.append(f"| {r['prompt_len']} | {r['scheme']} | {r['ttft_s'] * 1e3:.0f} | {r['tpot_s'] * 1e3:.1f} | "
+                     f"{_mib(r['peak_bytes_per_rank'])} | {_mib(r.get('predicted_peak_bytes'))} | "
+                     f"{_pct(r.get('peak_error_pct'))} | {_mib(r['kv_bytes_per_rank'])} | {sched} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_infer(result: dict, path: Path) -> Path:
+    rows = [r for r in result["infer"] if "error" not in r]
+    fig, axes = _figure(width=12.8, ncols=2)
+    for s in _order(r["scheme"] for r in rows):
+        pts = sorted((r["prompt_len"], r["peak_bytes_per_rank"], r["tpot_s"]) for r in rows if r["scheme"] == s)
+        axes[0].plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=s)
+        axes[1].plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], _style(s), color=COLORS.get(s), label=s)
+    for ax, title, unit in ((axes[0], "per-rank peak memory (generate)", "MiB"),
+                            (axes[1], "time per output token", "ms")):
+        _seq_axis(ax, sorted({r["prompt_len"] for r in rows}))
+        ax.set_xlabel("prompt length")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def write_infer(result: dict, out: Path, plots: bool = True) -> list[Path]:
+    """infer.json, infer.md and (``plots``, sweep only) infer.png in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "max_context" if "max_context" in result else "infer"
+    files = [out / f"{stem}.json", out / f"{stem}.md"]
+    files[0].write_text(json.dumps(result, indent=2) + "\n")
+    files[1].write_text(infer_markdown(result))
+    if plots and "infer" in result:
+        files.append(plot_infer(result, out / "infer.png"))
+    return files

@@ -109,6 +109,8 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
     if args.max_seq_under is not None and args.max_seq_start > args.max_seq_cap:
         raise ValueError(f"--max-seq-start {args.max_seq_start} exceeds --max-seq-cap {args.max_seq_cap}")
 
@@ -180,7 +182,8 @@ class _Runner:
 
 
 def _meta(args, cfg: ModelConfig, runner: _Runner, elapsed_s: float) -> dict:
-    return {"model": cfg.to_dict(), "batch": args.batch_size, "world": runner.world,
+    return {"model": cfg.to_dict(), "batch": args.batch_size, "world": runner.world, "mode": args.mode,
+            "new_tokens": args.new_tokens if args.mode == "infer" else None,
             "launcher": "torchrun" if runner.torchrun else "local WorkerPool",
             "device": runner.device if runner.device == "cpu" else torch.cuda.get_device_name(),
             "backend": "nccl" if runner.device == "cuda" else "gloo", "dtype": "float32",
@@ -288,6 +291,29 @@ def _max_seq(args, cfg: ModelConfig, runner: _Runner) -> dict:
     return out
 
 
+def _infer(args, cfg: ModelConfig, runner: _Runner) -> dict:
+    """--mode infer: every scheme that generate runs, interleaved per prompt length; or the longest prompt each
+    fits in --max-context-under GiB per rank."""
+    from .infer import INFER_SCHEMES, max_context_under, run_infer_bench
+
+    schemes = [s for s in args.schemes if s in INFER_SCHEMES]
+    model = {**cfg.to_dict()}
+    bar = tqdm(desc="bench infer", unit="cell", dynamic_ncols=True, file=sys.stderr, disable=runner.rank != 0)
+    progress = lambda scheme, n: (bar.set_postfix_str(f"{scheme} prompt={n}"), bar.update(1))
+    try:
+        if args.max_context_under is not None:
+            budget = int(args.max_context_under * GiB)
+            found = max_context_under(model, runner.world, budget, runner, schemes=schemes, new_tokens=args.new_tokens,
+                                      batch=args.batch_size, progress=progress, timeout_s=args.timeout_s)
+            return {"max_context": {"budget_gib": args.max_context_under, "longest_prompt": found}}
+        rows = run_infer_bench(model, runner.world, args.prompt_lens, runner, schemes=schemes,
+                               new_tokens=args.new_tokens, batch=args.batch_size, progress=progress,
+                               timeout_s=args.timeout_s)
+        return {"infer": rows}
+    finally:
+        bar.close()
+
+
 def run_bench(args) -> int:
     """Entry point of ``torchtsp bench`` (flags from ``add_bench_arguments``); returns the exit code.
 
@@ -299,14 +325,21 @@ def run_bench(args) -> int:
     runner = _Runner(args)
     start = time.perf_counter()
     try:
-        result = _max_seq(args, cfg, runner) if args.max_seq_under is not None else _sweep(args, cfg, runner)
+        if args.mode == "infer":
+            result = _infer(args, cfg, runner)
+        elif args.max_seq_under is not None:
+            result = _max_seq(args, cfg, runner)
+        else:
+            result = _sweep(args, cfg, runner)
     finally:
         runner.close()
     result = {"meta": _meta(args, cfg, runner, time.perf_counter() - start), **result}
     if runner.rank != 0:
         return 0
     out = Path(args.out)
-    if args.max_seq_under is not None:
+    if args.mode == "infer":
+        files = report.write_infer(result, out, plots=args.plots)
+    elif args.max_seq_under is not None:
         files = report.write_max_seq(result, out, plots=args.plots)
     else:
         files = report.write_sweep(result, out, plots=args.plots)
