@@ -86,7 +86,7 @@ def one_layer_traffic_on_rank(world, batch_size, seq_len):
     torch.manual_seed(0)
     mesh = torchtsp.init_mesh(tsp=world)
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), mesh, "tsp")
-    comm, layer, blocks = model.comm, model.layers[0], model.blocks
+    comm, layer, blocks = model.comm, model.layers[0], model.math
     x = torch.randn(batch_size, seq_len // world, cfg.dim, requires_grad=True)
     cos = sin = torch.ones(seq_len // world, cfg.head_dim)
     with comm.counting() as fwd:
