@@ -272,3 +272,24 @@ def test_bad_input_raises_value_error_on_every_rank_before_communicating(pools, 
     for rank, (message, issued) in enumerate(pools(4).run(bad_input_on_rank, 4, case)):
         assert message is not None and re.search(match, message), (rank, message)
         assert issued == 0, (rank, issued)
+
+
+def step_traffic_on_rank(world, dtype, recompute):
+    cfg = CASES["gqa4_untied"]
+    torch.manual_seed(0)
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg).to(dtype), torchtsp.init_mesh(tsp=world), "tsp",
+                                 recompute=recompute)
+    with model.comm.counting() as stats:
+        model.loss(*batch(cfg, 2, 32)).backward()
+    return stats.total_recv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
+def test_step_traffic_equals_analytic_model_in_both_dtypes(pools, dtype, recompute):
+    """bf16 weights and K/V travel in bf16, gradient sums in float32: the analytic model counts both."""
+    from torchtsp.analysis import predict_comm
+
+    expected = predict_comm("tsp", CASES["gqa4_untied"], 2, 32, tsp=2, dtype_bytes=dtype.itemsize,
+                            recompute=recompute).total
+    assert pools(2).run(step_traffic_on_rank, 2, dtype, recompute) == [expected, expected]

@@ -151,14 +151,15 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     if scheme == "tsp":
         D = tsp
         rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
-        kv = 2 * B * (seq_len // D) * kv_width // D * e  # one group's K/V of one rank
+        kv = 2 * B * (seq_len // D) * kv_width // D  # elements of one group's K/V of one rank
         travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
+        g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients) travel in float32
         bwd = ((D - 1) * p_attn // D * e  # broadcasts again
-               + 2 * D * (D - 1) * kv  # K/V all-gather again + dK/dV reduce-scatter, every group
-               + (D - 1) * p_attn // D * e  # partial weight gradients reduced to their owner
-               + (D - 1) * p_mlp // D * e + travel * p_mlp // D * e)  # ring again + travelling gradient
+               + D * (D - 1) * kv * (e + g)  # K/V all-gather again + dK/dV reduce-scatter, every group
+               + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
+               + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
         emb_fwd = 2 * (D - 1) * rows * e  # embedding and head rings
-        emb_bwd = (D - 1) * rows * e + 2 * travel * rows * e  # head ring again; head and embedding gradients
+        emb_bwd = (D - 1) * rows * e + 2 * travel * rows * g  # head ring again; head and embedding gradients
         loss_scalars = 2 * _all_reduce(4, D)  # token count and NLL sum
         grad_sync = (2 * L + 1) * _all_reduce(h * e, D)  # norm weights
         local_params = L * P // D + 2 * rows + (2 * L + 1) * h - (0 if not cfg.tie_embeddings else rows)

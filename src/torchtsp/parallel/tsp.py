@@ -156,21 +156,24 @@ class TSPAttention(torch.autograd.Function):
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
         nq, nkv, d = math.cfg.n_heads // D, math.cfg.n_kv_heads // D, math.cfg.head_dim
-        q_all = x.new_empty(D, B, nq, n, d)
-        kv_all = x.new_empty(D, 2, B, nkv, n, d)
-        out_all = x.new_empty(D, B, nq, n, d)
-        lse_all = x.new_empty(D, B, nq, n, dtype=torch.float32)
+        groups = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one group's slot is reused
+        q_all = x.new_empty(groups, B, nq, n, d)
+        kv_all = x.new_empty(groups, 2, B, nkv, n, d)
+        out_all = x.new_empty(groups, B, nq, n, d)
+        lse_all = x.new_empty(groups, B, nq, n, dtype=torch.float32)
         y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
         first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
         for j, w in broadcast_each(comm.weights, shard, "attention.forward", first):
             comm.mark(("attention.forward", j))
             wq, wk, wv, wo = math.attention_layout.unpack(w)
-            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[j])
-            gathering = gather_kv(comm, kv_all[j], async_op=True, label=("attention.forward", j))
-            q_all[j] = math.heads(x2 @ wq.t(), B, cos, sin)  # while the K/V gather is in flight
+            slot = j % groups
+            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[slot])
+            gathering = gather_kv(comm, kv_all[slot], async_op=True, label=("attention.forward", j))
+            q_all[slot] = math.heads(x2 @ wq.t(), B, cos, sin)  # while the K/V gather is in flight
             kv = gathering()
-            out_all[j], lse_all[j] = zigzag_attention_forward(q_all[j], kv[0], kv[1], comm.rank, D)
-            y.add_(math.merge_heads(out_all[j]) @ wo.t())
+            out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
+            kv = None
+            y.add_(math.merge_heads(out_all[slot]) @ wo.t())
         ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all)
         ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
         return y.view(B, n, h).to(x.dtype)
@@ -250,16 +253,18 @@ class TSPFeedForward(torch.autograd.Function):
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
         ff = math.cfg.ffn_dim // D
-        gate_all, up_all = x.new_empty(D, B * n, ff), x.new_empty(D, B * n, ff)
+        shards = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one shard's slot is reused
+        gate_all, up_all = x.new_empty(shards, B * n, ff), x.new_empty(shards, B * n, ff)
         y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
         for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.forward")):
             comm.mark(("mlp.forward", s))
             if prefetch is not None and k == max(D - 2, 0):  # queued after the last shard's transfer
                 prefetch[0].issue(*prefetch[1:])
             wg, wu, wd = math.mlp_layout.unpack(w)
-            torch.mm(x2, wg.t(), out=gate_all[s])
-            torch.mm(x2, wu.t(), out=up_all[s])
-            y.add_((F.silu(gate_all[s]) * up_all[s]) @ wd.t())
+            gate, up = gate_all[s % shards], up_all[s % shards]
+            torch.mm(x2, wg.t(), out=gate)
+            torch.mm(x2, wu.t(), out=up)
+            y.add_((F.silu(gate) * up) @ wd.t())
         ctx.save_for_backward(x, shard, gate_all, up_all)
         ctx.math, ctx.prefetch_backward = math, prefetch_backward
         return y.view(B, n, h).to(x.dtype)
