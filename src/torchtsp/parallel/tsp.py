@@ -58,23 +58,37 @@ def issue_broadcast(comm: AxisComm, own: torch.Tensor, src: int, label, buffer: 
     return comm.broadcast(buf, src=src, async_op=True, label=label)
 
 
-def broadcast_each(comm: AxisComm, own: torch.Tensor, label: str, first=None):
-    """Yield (j, rank j's shard) for j = 0..D-1; shard j+1's broadcast is in flight while j is used.
+class BroadcastStream:
+    """Every rank's shard in turn (j = 0..D-1), with at most two received buffers alive.
 
-    ``first``: shard 0's broadcast, already issued (cross-layer prefetch). At most two received buffers
-    are alive: the shard in use and the one in flight; a buffer is reused once its shard has been used.
+    Shards 0 and 1 are requested at once; shard j+2's broadcast is issued when shard j is released, into
+    the buffer shard j used. ``first``: shard 0's broadcast, already issued (cross-layer prefetch).
     """
-    spare: list[torch.Tensor] = []
-    pending, first = (first if first is not None else issue_broadcast(comm, own, 0, (label, 0))), None
+
+    def __init__(self, comm: AxisComm, own: torch.Tensor, label: str, first=None):
+        self.comm, self.own, self.label = comm, own, label
+        self.pending = {0: first if first is not None else issue_broadcast(comm, own, 0, (label, 0))}
+        if comm.size > 1:
+            self.pending[1] = issue_broadcast(comm, own, 1, (label, 1))
+
+    def get(self, j: int) -> torch.Tensor:
+        return self.pending[j].wait()
+
+    def release(self, j: int) -> None:
+        """Shard j is no longer used: its buffer receives shard j+2."""
+        buffer = self.pending.pop(j).wait()
+        if j + 2 < self.comm.size:
+            spare = buffer if j != self.comm.rank else None  # rank j's own shard is its parameter
+            self.pending[j + 2] = issue_broadcast(self.comm, self.own, j + 2, (self.label, j + 2), spare)
+
+
+def broadcast_each(comm: AxisComm, own: torch.Tensor, label: str, first=None):
+    """Yield (j, rank j's shard) for j = 0..D-1; shard j+1's broadcast is in flight while j is used
+    (``BroadcastStream`` in order; at most two received buffers)."""
+    stream = BroadcastStream(comm, own, label, first)
     for j in range(comm.size):
-        shard = pending.wait()
-        pending = None
-        if j + 1 < comm.size:
-            pending = issue_broadcast(comm, own, j + 1, (label, j + 1), spare.pop() if spare else None)
-        yield j, shard
-        if j != comm.rank:  # a received buffer (rank j's own shard is its parameter, or a prefetched copy)
-            spare.append(shard)
-        shard = None
+        yield j, stream.get(j)
+        stream.release(j)
 
 
 def ring_each(comm: AxisComm, own: torch.Tensor, label: str):
@@ -163,17 +177,31 @@ class TSPAttention(torch.autograd.Function):
         lse_all = x.new_empty(groups, B, nq, n, dtype=torch.float32)
         y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
         first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
-        for j, w in broadcast_each(comm.weights, shard, "attention.forward", first):
+        weights = BroadcastStream(comm.weights, shard, "attention.forward", first)
+        unpack = math.attention_layout.unpack
+
+        def start_kv(j):
+            """Project group j's local K/V and start their all-gather."""
+            _, wk, wv, _ = unpack(weights.get(j))
+            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[j % groups])
+            return gather_kv(comm, kv_all[j % groups], async_op=True, label=("attention.forward", j))
+
+        gathering = start_kv(0)
+        for j in range(D):
             comm.mark(("attention.forward", j))
-            wq, wk, wv, wo = math.attention_layout.unpack(w)
             slot = j % groups
-            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[slot])
-            gathering = gather_kv(comm, kv_all[slot], async_op=True, label=("attention.forward", j))
-            q_all[slot] = math.heads(x2 @ wq.t(), B, cos, sin)  # while the K/V gather is in flight
+            wq, _, _, wo = unpack(weights.get(j))
+            q_all[slot] = math.heads(x2 @ wq.t(), B, cos, sin)
+            # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
+            # group: nothing needed now queues behind it). Without saving, group j+1 shares slot 0: wait first.
             kv = gathering()
+            gathering = start_kv(j + 1) if j + 1 < D and groups > 1 else None
             out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
             kv = None
             y.add_(math.merge_heads(out_all[slot]) @ wo.t())
+            weights.release(j)
+            if gathering is None and j + 1 < D:
+                gathering = start_kv(j + 1)
         ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all)
         ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
         return y.view(B, n, h).to(x.dtype)
@@ -201,14 +229,15 @@ class TSPAttention(torch.autograd.Function):
         # K/V need no weights: group 0's gather starts at once, group j+1's right after group j's dK/dV.
         gathering = gather_kv(comm, kv_all[0], async_op=True, label=("attention.backward", 0))
         first = ctx.prefetch.take(("attention.backward", ctx.layer)) if ctx.prefetch is not None else None
-        for j, w in broadcast_each(comm.weights, shard, "attention.backward", first):
+        weights = BroadcastStream(comm.weights, shard, "attention.backward", first)
+        for j in range(D):
             comm.mark(("attention.backward", j))
-            wq, wk, wv, wo = layout.unpack(w)
+            wq, wk, wv, wo = layout.unpack(weights.get(j))
+            dout = math.split_heads(dy2 @ wo, B)  # before waiting for the K/V
             kv = gathering()
-            dout = math.split_heads(dy2 @ wo, B)
             dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
                                                    comm.rank, D)
-            kv = None
+            kv = dout = None
             # dK/dV of own tokens, summed over every rank's queries: in flight while the query path runs.
             scattering = scatter_kv_grad(comm, torch.stack([dk, dv]), async_op=True, label=("attention.backward", j))
             dk = dv = None
@@ -226,10 +255,13 @@ class TSPAttention(torch.autograd.Function):
             dx.add_(dk2 @ wk).add_(dv2 @ wv)
             _mm_into(dwk, dk2.t(), x2)
             _mm_into(dwv, dv2.t(), x2)
-            # Every rank's partial gradient of head group j goes to its owner j (on the weight stream, after
-            # shard j+1's broadcast); keep at most two in flight. (One reduce-scatter of all groups at the end
-            # moves the same bytes but would hold every group's partial gradient, the layer's worth, at once.)
+            wq = wk = wv = wo = None
+            # Every rank's partial gradient of head group j goes to its owner j, on the weight stream before
+            # shard j+2's broadcast (it is waited for first); keep at most two in flight. (One reduce-scatter
+            # of all groups at the end moves the same bytes but would hold every group's partial gradient,
+            # the layer's worth, at once.)
             reducing.append((j, comm.weights.reduce(dw, dst=j, async_op=True, label=("attention.backward", j))))
+            weights.release(j)
             settle(keep=1)
         settle(keep=0)
         return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None
