@@ -179,19 +179,26 @@ def test_forward_layer_traffic_equals_analytic_model(pools, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_next_shard_is_requested_before_current_compute(pools, world):
+def test_next_transfer_is_requested_before_current_compute(pools, world):
+    """What step j+1 needs is in flight while step j computes: the next weight shard (attention forward, MLP);
+    the next group's K/V, requested during step j after its own (forward: behind group j's attention) or before
+    step j (backward). Attention backward requests shard j+1 during step j, after group j's attention, so that
+    the larger dK/dV reduce-scatter of group j-1 runs behind that attention (two shard buffers at most)."""
     events = pools(world).run(one_layer_traffic_on_rank, world, 2, 32)[0]["events"]
     checked = 0
-    for phase in ("attention.forward", "attention.backward", "mlp.forward", "mlp.backward"):
+    for phase, ops, lead in (("attention.forward", ("broadcast",), 1), ("attention.forward", ("all_gather",), 0),
+                             ("attention.backward", ("all_gather",), 1), ("attention.backward", ("broadcast",), 0),
+                             ("mlp.forward", ("ring_shift",), 1), ("mlp.backward", ("ring_shift",), 1)):
         computes = [i for i, (kind, _, label) in enumerate(events) if kind == "mark" and label[0] == phase]
         transfers = {label[1]: i for i, (kind, op, label) in enumerate(events)
-                     if kind == "issue" and op in ("broadcast", "ring_shift") and label and label[0] == phase}
+                     if kind == "issue" and op in ops and label and label[0] == phase}
         assert len(computes) == world, (phase, events)
         order = [events[i][2][1] for i in computes]  # which shard each compute step used
         for step, nxt in enumerate(order[1:]):
-            assert transfers[nxt] < computes[step], f"{phase}: shard {nxt} requested after step {step} began"
+            # lead 1: requested before step `step` begins; lead 0: before step `step` + 1 begins.
+            assert transfers[nxt] < computes[step + 1 - lead], f"{phase} {ops}: {nxt} requested late"
             checked += 1
-    assert checked == 4 * (world - 1)
+    assert checked == 6 * (world - 1)
 
 
 def schedule_on_rank(world, name, recompute):

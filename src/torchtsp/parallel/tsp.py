@@ -226,43 +226,59 @@ class TSPAttention(torch.autograd.Function):
                 if owner == comm.rank:
                     dshard = result
 
-        # K/V need no weights: group 0's gather starts at once, group j+1's right after group j's dK/dV.
-        gathering = gather_kv(comm, kv_all[0], async_op=True, label=("attention.backward", 0))
+        # A two-group pipeline. On the activation group: gather K/V of groups 0 and 1, then per group j the
+        # dK/dV reduce-scatter of j and the gather of j+2; group j's dK/dV are waited for (and its key/value
+        # gradients finished) after group j+1's attention backward. On the weight group: shards 0 and 1, then
+        # per group j its partial weight-gradient reduce and shard j+2. So every transfer runs behind a
+        # group's attention, and on each group transfers are waited for in the order they were issued.
+        def gather(j):
+            return gather_kv(comm, kv_all[j], async_op=True, label=("attention.backward", j))
+
+        gathers = {j: gather(j) for j in range(min(D, 2))}
         first = ctx.prefetch.take(("attention.backward", ctx.layer)) if ctx.prefetch is not None else None
         weights = BroadcastStream(comm.weights, shard, "attention.backward", first)
-        for j in range(D):
-            comm.mark(("attention.backward", j))
-            wq, wk, wv, wo = layout.unpack(weights.get(j))
-            dout = math.split_heads(dy2 @ wo, B)  # before waiting for the K/V
-            kv = gathering()
-            dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
-                                                   comm.rank, D)
-            kv = dout = None
-            # dK/dV of own tokens, summed over every rank's queries: in flight while the query path runs.
-            scattering = scatter_kv_grad(comm, torch.stack([dk, dv]), async_op=True, label=("attention.backward", j))
-            dk = dv = None
-            if j + 1 < D:
-                gathering = gather_kv(comm, kv_all[j + 1], async_op=True, label=("attention.backward", j + 1))
-            dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
-            dwq, dwk, dwv, dwo = layout.unpack(dw)
-            _mm_into(dwo, dy2.t(), math.merge_heads(out_all[j]))
-            dq2 = math.unrotate(dq, B, cos, sin)
-            dx.add_(dq2 @ wq)
-            _mm_into(dwq, dq2.t(), x2)
+
+        def finish(j, scattering, dw):
+            """Group j's key/value path: wait for its dK/dV, then dX, dWk, dWv; reduce dW to its owner."""
+            _, wk, wv, _ = layout.unpack(weights.get(j))
+            _, dwk, dwv, _ = layout.unpack(dw)
             dkv = scattering.wait()
             dk2 = math.unrotate(dkv[0], B, cos, sin).to(x.dtype)
             dv2 = math.merge_heads(dkv[1]).to(x.dtype)
             dx.add_(dk2 @ wk).add_(dv2 @ wv)
             _mm_into(dwk, dk2.t(), x2)
             _mm_into(dwv, dv2.t(), x2)
-            wq = wk = wv = wo = None
-            # Every rank's partial gradient of head group j goes to its owner j, on the weight stream before
-            # shard j+2's broadcast (it is waited for first); keep at most two in flight. (One reduce-scatter
-            # of all groups at the end moves the same bytes but would hold every group's partial gradient,
-            # the layer's worth, at once.)
+            # Every rank's partial gradient of head group j goes to its owner j. (One reduce-scatter of all
+            # groups at the end moves the same bytes but would hold the layer's partial gradients at once.)
             reducing.append((j, comm.weights.reduce(dw, dst=j, async_op=True, label=("attention.backward", j))))
             weights.release(j)
-            settle(keep=1)
+
+        previous = None
+        for j in range(D):
+            comm.mark(("attention.backward", j))
+            settle(keep=0)  # reductions issued before shard j's broadcast
+            wq, _, _, wo = layout.unpack(weights.get(j))
+            dout = math.split_heads(dy2 @ wo, B)  # before waiting for the K/V
+            kv = gathers.pop(j)()
+            dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
+                                                   comm.rank, D)
+            kv = dout = None
+            # dK/dV of own tokens, summed over every rank's queries.
+            scattering = scatter_kv_grad(comm, torch.stack([dk, dv]), async_op=True, label=("attention.backward", j))
+            dk = dv = None
+            if j + 2 < D:
+                gathers[j + 2] = gather(j + 2)
+            dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
+            dwq, _, _, dwo = layout.unpack(dw)
+            _mm_into(dwo, dy2.t(), math.merge_heads(out_all[j]))
+            dq2 = math.unrotate(dq, B, cos, sin)
+            dx.add_(dq2 @ wq)
+            _mm_into(dwq, dq2.t(), x2)
+            dq = dq2 = wq = wo = None
+            if previous is not None:
+                finish(*previous)
+            previous = (j, scattering, dw)
+        finish(*previous)
         settle(keep=0)
         return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None
 
