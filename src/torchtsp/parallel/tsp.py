@@ -146,6 +146,11 @@ class ShardPrefetch:
         return self.pending.pop(key, None)
 
 
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b: in one GEMM when the dtypes agree, else the product is added in acc's (float32) precision."""
+    return acc.addmm_(a, b) if acc.dtype == a.dtype else acc.add_(a @ b)
+
+
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out = a @ b, written straight into ``out`` when the dtypes agree (else computed, then cast in)."""
     if out.dtype == a.dtype:
@@ -198,7 +203,7 @@ class TSPAttention(torch.autograd.Function):
             gathering = start_kv(j + 1) if j + 1 < D and groups > 1 else None
             out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
             kv = None
-            y.add_(math.merge_heads(out_all[slot]) @ wo.t())
+            _add_mm(y, math.merge_heads(out_all[slot]), wo.t())
             weights.release(j)
             if gathering is None and j + 1 < D:
                 gathering = start_kv(j + 1)
@@ -245,7 +250,7 @@ class TSPAttention(torch.autograd.Function):
             dkv = scattering.wait()
             dk2 = math.unrotate(dkv[0], B, cos, sin).to(x.dtype)
             dv2 = math.merge_heads(dkv[1]).to(x.dtype)
-            dx.add_(dk2 @ wk).add_(dv2 @ wv)
+            _add_mm(_add_mm(dx, dk2, wk), dv2, wv)
             _mm_into(dwk, dk2.t(), x2)
             _mm_into(dwv, dv2.t(), x2)
             # Every rank's partial gradient of head group j goes to its owner j. (One reduce-scatter of all
@@ -272,7 +277,7 @@ class TSPAttention(torch.autograd.Function):
             dwq, _, _, dwo = layout.unpack(dw)
             _mm_into(dwo, dy2.t(), math.merge_heads(out_all[j]))
             dq2 = math.unrotate(dq, B, cos, sin)
-            dx.add_(dq2 @ wq)
+            _add_mm(dx, dq2, wq)
             _mm_into(dwq, dq2.t(), x2)
             dq = dq2 = wq = wo = None
             if previous is not None:
@@ -312,7 +317,7 @@ class TSPFeedForward(torch.autograd.Function):
             gate, up = gate_all[s % shards], up_all[s % shards]
             torch.mm(x2, wg.t(), out=gate)
             torch.mm(x2, wu.t(), out=up)
-            y.add_((F.silu(gate) * up) @ wd.t())
+            _add_mm(y, F.silu(gate) * up, wd.t())
         ctx.save_for_backward(x, shard, gate_all, up_all)
         ctx.math, ctx.prefetch_backward = math, prefetch_backward
         return y.view(B, n, h).to(x.dtype)
@@ -339,7 +344,7 @@ class TSPFeedForward(torch.autograd.Function):
             dhidden = dy2 @ wd
             dgate = torch.ops.aten.silu_backward(dhidden * up, gate)  # the kernel autograd runs for F.silu
             dup = dhidden * silu
-            dx.add_(dgate @ wg).add_(dup @ wu)
+            _add_mm(_add_mm(dx, dgate, wg), dup, wu)
             _mm_into(dwg, dgate.t(), x2)
             _mm_into(dwu, dup.t(), x2)
             grads.add(dw)
@@ -417,7 +422,7 @@ class TSPHeadCrossEntropy(torch.autograd.Function):
             local, hit = vocab_slice_index(labels, rows, s)
             dlogits.scatter_add_(1, local.unsqueeze(1), -hit.to(dlogits.dtype).unsqueeze(1))  # minus one-hot
             dlogits = (dlogits * scale).to(z.dtype)
-            dz.add_(dlogits @ w)
+            _add_mm(dz, dlogits, w)
             grads.add(dlogits.t() @ z)
         return dz.to(z.dtype), None, grads.result(shard.dtype), None
 
