@@ -177,7 +177,7 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=()),
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling",)),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
            options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),

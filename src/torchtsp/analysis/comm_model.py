@@ -141,17 +141,18 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     p_attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * kv_width
     p_mlp = 3 * h * cfg.ffn_dim
     rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
-    kv = 2 * B * (seq_len // D) * kv_width // D * e  # one group's K/V of one rank
+    kv = 2 * B * (seq_len // D) * kv_width // D  # elements of one group's K/V of one rank
     travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
+    g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients) travel in float32
     bwd = ((D - 1) * p_attn // D * e  # broadcasts again
-           + 2 * D * (D - 1) * kv  # K/V all-gather again + dK/dV reduce-scatter, every group
-           + (D - 1) * p_attn // D * e  # partial weight gradients reduced to their owner
-           + (D - 1) * p_mlp // D * e + travel * p_mlp // D * e)  # ring again + travelling gradient
+           + D * (D - 1) * kv * (e + g)  # K/V all-gather again + dK/dV reduce-scatter, every group
+           + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
+           + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
     return SchemeTraffic(
         layer_forward=tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e, layer_backward=bwd,
         embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
-        embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * e,  # head ring again; two gradients travel
+        embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
         loss=2 * _all_reduce(4, D),
         grad_sync=(2 * L + 1) * _all_reduce(h * e, D),  # norm weights
         local_tensors=[rows] + [h, p_attn // D, h, p_mlp // D] * L + [h] + head)

@@ -242,31 +242,33 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     """Saved activations and the backward walk of TSP (parallel/tsp.py), calibrated on measurements."""
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
     many = D > 1
-    bufs = min(D - 1, 2)  # weight-shard double buffers (none at D = 1)
-    # Travelling gradients alive in a ring: the accumulator being sent, its receive buffer and, from
+    bufs = min(D - 1, 2)  # received weight-shard buffers (none at D = 1)
+    # Travelling float32 gradients alive in a ring: the accumulator being sent, its receive buffer and, from
     # D = 3 on, the previous accumulator whose send has not been reaped yet.
     flight = min(D, 3) if many else 0
     A = e * h * n  # one [n, h] tensor of local tokens
-    Q = e * s.hq * n  # one head group's [n, h/D] tensor
+    A32 = FP32 * h * n  # its float32 accumulator (input gradients, block outputs)
+    Q = e * s.hq * n  # one head group's [n, hq] tensor
     K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
-    X = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0  # the same expanded to the query heads (GQA)
-    attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
-    mlp_w = 3 * h * s.ff * e
-    vocab_w = s.v * h * e
-    # Each TSP block saves only its input; each norm saves as in the reference.
-    att = n * s.norm + A
-    mlp = n * s.norm + A
+    K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
+    attn_elems = 2 * h * s.hq + 2 * h * s.hkv
+    mlp_elems = 3 * h * s.ff
+    attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
+    # Saved (policy "save"): each norm as in the reference; each block's input; per head group the queries,
+    # local K/V, attention output (model dtype) and LSE (fp32); per FFN shard the gate and up projections.
+    att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n)
+    mlp = n * s.norm + A + D * 2 * e * s.ff * n
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
     layer_in = A
     saved_layers = L * (layer_in if recompute else att + mlp)
     acts = saved_layers + final + s.rope_tables
 
     events = [
-        # Head: the residual gradient dz, shard buffers, and per vocabulary shard two fp32 logit
-        # slices (logits, then exp) next to the previous shard's gradient; the travelling gradient
-        # and its receive buffer are in flight.
+        # Head: dz (fp32), shard buffers, float32 travelling gradients, and per vocabulary shard two fp32 logit
+        # slices (logits, then exp) next to the scaled slice in the model dtype.
         _Event("head backward",
-               A + (bufs + flight) * vocab_w + n * s.v * (2 * FP32 + (e if e < FP32 else 0) + (e if many else 0)),
+               A32 + bufs * vocab_w + flight * s.v * h * FP32
+               + n * s.v * (2 * FP32 + (e if e < FP32 else 0) + (e if many else 0)),
                freed=final - n * s.norm, added=vocab_w + A),
         _Event("final norm backward", s.norm_backward * n, freed=n * s.norm),
     ]
@@ -274,24 +276,23 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
         if recompute:
             events.append(_Event("layer recompute", att + mlp, added=att + mlp))
         events += [
-            # One ring step: dx, this shard's dx (and the previous one's), shard buffers, travelling
-            # gradients in flight, then either six [n, F/D] tensors (recomputed gate, silu, up, product;
-            # two gradients) beside the w_down part of the shard's gradient, or the three parts of the
-            # shard's gradient beside their packed copy.
-            _Event("mlp backward", (2 + many) * A + (bufs + flight) * mlp_w
-                   + max(mlp_w // 3 + 6 * e * s.ff * n, 2 * mlp_w), freed=A, added=mlp_w),
+            # One ring step: dx (fp32), a GEMM output, five [n, F/D] temporaries (silu, product, their
+            # gradients), shard buffers, the shard's float32 gradient and the travelling ones.
+            _Event("mlp backward", A32 + A + 5 * e * s.ff * n + bufs * mlp_w + (1 + flight) * FP32 * mlp_elems,
+                   freed=mlp - n * s.norm, added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n, freed=n * s.norm),
-            # One head group (coefficients fitted on measured traces at D = 1, 2, 4, g = 1, 2, 4, fp32 and
-            # bf16): local-token tensors (dx, output, their gradients, fp32 merges under bf16), the
-            # group's q/out/dq, gathered K/V and dK/dV, the previous group's gradients still referenced,
-            # partial weight gradients being reduced (one more in flight from D = 3), shard buffers.
-            _Event("attention backward", (7 + 2 * many) * A + (FP32 - e) * h * n + 6 * Q + (2 + many) * K + X
-                   + (2 + 3 * many + bufs + (D > 2)) * attn_w, freed=A, added=attn_w),
+            # One head group: dx (fp32), dY·Wo, the group's gathered K/V (and the next group's in flight), the
+            # output gradient and dq, float32 dK/dV (kernel output, stacked, per owner), shard buffers and the
+            # float32 partial weight gradients being reduced.
+            _Event("attention backward", A32 + A + 3 * Q + (2 + 2 * many) * K + 3 * K32
+                   + bufs * attn_w + (1 + many) * FP32 * attn_elems,
+                   freed=att - n * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
                    freed=n * s.norm + (layer_in if recompute else 0)),
         ]
-    # The embedding's gradient travels the ring: a fresh contribution, the accumulator and its receive buffer.
-    events.append(_Event("embedding backward", (1 + flight) * vocab_w, added=0 if cfg.tie_embeddings else vocab_w))
+    # The embedding's gradient travels the ring (float32): a contribution, the accumulator and its receive buffer.
+    events.append(_Event("embedding backward", (1 + flight) * s.v * h * FP32,
+                         added=0 if cfg.tie_embeddings else vocab_w))
     return acts, _walk(base + acts, events)
 
 
@@ -366,10 +367,12 @@ def _predict_infer(spec: Scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, 
     kv_cache = cfg.n_layers * 2 * e * (cfg.n_kv_heads * cfg.head_dim // tp) * n
     expand = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0
     if spec.memory_walk == "tsp":
+        # Received shard buffers, one group's K/V (local slot, gathered, in global order), q/out/LSE of one
+        # group (K/V never expanded for GQA), the block input and output and the float32 output accumulator.
         bufs = min(tsp - 1, 2)
         attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
-        working = max(bufs * attn_w + 3 * (2 * e * s.hkv * s.kv_len) + expand + e * n * (4 * s.hq + 3 * h),
-                      bufs * 3 * h * s.ff * e + e * n * (4 * s.ff + 3 * h))
+        working = max(bufs * attn_w + 3 * (2 * e * s.hkv * s.kv_len) + e * n * (4 * s.hq + 3 * h) + FP32 * h * n,
+                      bufs * 3 * h * s.ff * e + e * n * (4 * s.ff + 3 * h) + FP32 * h * n)
     else:
         n_rep = n // tp if sequence_parallel and tp > 1 else n
         kv_full = 2 * e * s.hkv * s.kv_len if s.kv_len > n else 0

@@ -57,14 +57,41 @@ def portable_backward(dout, q, k, v, out, lse, causal: bool):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _cuda_forward(q, k, v, causal: bool):
+    """PyTorch's fused CUDA kernels that return the LSE: flash for bf16/fp16, memory-efficient for fp32.
+
+    Written against the op schemas of torch 2.13 (``torch.ops.aten.<op>.default._schema``); not yet run
+    on a GPU (see README). The efficient kernel pads its LSE to a multiple of 32 queries: sliced off here.
+    """
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., : q.shape[-2]]
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal: bool):
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # read only with dropout > 0
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # cum_seq_q / cum_seq_k undefined (None): not a nested (variable-length) batch.
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, Lq, Lk, 0.0, causal, no_rng, no_rng)[:3]
+    padded = torch.nn.functional.pad(lse, (0, -(-Lq // 32) * 32 - Lq)).contiguous()
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, padded, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
+
+
 def _flash_forward(q, k, v, causal: bool):
     """(out [B,H,Lq,d], lse [B,H,Lq] float32) for same-head-count q, k, v of layout [B, H, L, d].
 
-    CPU: PyTorch's fused flash kernel (it returns the LSE). Elsewhere the portable kernel: exact and
-    memory-bounded, but unfused; a fused CUDA kernel with LSE in and out is future work (no GPU run yet).
+    CPU: PyTorch's fused flash kernel; CUDA: the fused SDPA kernels; any other device: the portable
+    kernel (exact and memory-bounded, but unfused).
     """
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if q.device.type == "cuda":
+        return _cuda_forward(q, k, v, causal)
     return portable_forward(q, k, v, causal)
 
 
@@ -72,7 +99,42 @@ def _flash_backward(dout, q, k, v, out, lse, causal: bool):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
+    if q.device.type == "cuda":
+        return _cuda_backward(dout, q, k, v, out, lse, causal)
     return portable_backward(dout, q, k, v, out, lse, causal)
+
+
+# GQA without expanded K/V: query head h uses KV head h // g, so the query heads i, g+i, 2g+i, ... (a strided
+# view q[:, i::g]) pair one to one with the KV heads. The kernel runs once per i on the unexpanded K/V; only
+# q-sized outputs are written. (The CPU flash kernel needs equal head counts; this works for every kernel.)
+
+
+def _gqa_forward(q, k, v, causal: bool):
+    g = q.shape[1] // k.shape[1]
+    if g == 1:
+        return _flash_forward(q, k, v, causal)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    for i in range(g):
+        out[:, i::g], lse[:, i::g] = _flash_forward(q[:, i::g], k, v, causal)
+    return out, lse
+
+
+def _gqa_backward(dout, q, k, v, out, lse, causal: bool, dk, dv):
+    """dq of this part; dK/dV summed over the g query heads of each KV head into float32 ``dk``, ``dv``."""
+    g = q.shape[1] // k.shape[1]
+    if g == 1:
+        dq, dk_p, dv_p = _flash_backward(dout, q, k, v, out, lse, causal)
+        dk.add_(dk_p)
+        dv.add_(dv_p)
+        return dq
+    dq = torch.empty_like(q)
+    for i in range(g):
+        dq[:, i::g], dk_p, dv_p = _flash_backward(dout[:, i::g], q[:, i::g], k, v, out[:, i::g],
+                                                  lse[:, i::g], causal)
+        dk.add_(dk_p)
+        dv.add_(dv_p)
+    return dq
 
 
 def _key_parts(chunk: int, chunk_len: int):
@@ -83,24 +145,54 @@ def _key_parts(chunk: int, chunk_len: int):
 
 def _merge(outs, lses):
     """Combine partial attention results over disjoint key sets, in float32."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
     lse = torch.logsumexp(torch.stack(lses), dim=0)
     out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in zip(outs, lses))
     return out.to(outs[0].dtype), lse
 
 
+def zigzag_attention_forward(q, k, v, rank: int, world: int):
+    """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against full keys k, v [B, Hkv, S, d].
+
+    Hkv may divide Hq (GQA): K/V are never expanded.
+    """
+    chunk_len = k.shape[-2] // (2 * world)
+    outs, lses = [], []
+    for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
+        q_c = q[..., local * chunk_len:(local + 1) * chunk_len, :]
+        parts = [_gqa_forward(q_c, k[..., a:b, :], v[..., a:b, :], causal)
+                 for a, b, causal in _key_parts(chunk, chunk_len)]
+        out_c, lse_c = _merge(*zip(*parts))
+        outs.append(out_c)
+        lses.append(lse_c)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def zigzag_attention_backward(dout, q, k, v, out, lse, rank: int, world: int):
+    """(dq, dk, dv) of ``zigzag_attention_forward`` from its (merged) output and LSE; dk, dv in float32
+    (summed over parts and query heads; they are summed over ranks next)."""
+    chunk_len = k.shape[-2] // (2 * world)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dout = dout.contiguous()
+    for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
+        rows = slice(local * chunk_len, (local + 1) * chunk_len)
+        q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
+        dq_c = None
+        for a, b, causal in _key_parts(chunk, chunk_len):
+            dq_p = _gqa_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal,
+                                 dk[..., a:b, :], dv[..., a:b, :])
+            dq_c = dq_p.float() if dq_c is None else dq_c.add_(dq_p)
+        dq[..., rows, :] = dq_c
+    return dq, dk, dv
+
+
 class ZigzagAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rank: int, world: int):
-        chunk_len = k.shape[-2] // (2 * world)
-        outs, lses = [], []
-        for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
-            q_c = q[..., local * chunk_len:(local + 1) * chunk_len, :]
-            parts = [_flash_forward(q_c, k[..., a:b, :], v[..., a:b, :], causal)
-                     for a, b, causal in _key_parts(chunk, chunk_len)]
-            out_c, lse_c = _merge(*zip(*parts))
-            outs.append(out_c)
-            lses.append(lse_c)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = zigzag_attention_forward(q, k, v, rank, world)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rank, ctx.world = rank, world
         return out
@@ -108,40 +200,33 @@ class ZigzagAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        chunk_len = k.shape[-2] // (2 * ctx.world)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dout = dout.contiguous()
-        for local, chunk in enumerate(zigzag.chunk_ids(ctx.rank, ctx.world)):
-            rows = slice(local * chunk_len, (local + 1) * chunk_len)
-            q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
-            for a, b, causal in _key_parts(chunk, chunk_len):
-                dq_p, dk_p, dv_p = _flash_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal)
-                dq[..., rows, :] += dq_p
-                dk[..., a:b, :] += dk_p
-                dv[..., a:b, :] += dv_p
-        return dq, dk, dv, None, None
+        dq, dk, dv = zigzag_attention_backward(dout, q, k, v, out, lse, ctx.rank, ctx.world)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
-    """q: [B, H, S/D, d] local zigzag queries; k, v: [B, H, S, d] full keys in global order."""
+    """q: [B, Hq, S/D, d] local zigzag queries; k, v: [B, Hkv, S, d] full keys in global order."""
     return ZigzagAttention.apply(q, k, v, rank, world)
 
 
-def gather_kv(comm, kv: torch.Tensor, async_op: bool = False):
+def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
     """[2, B, H, S/D, d] K/V of local zigzag tokens -> every rank's, in global order: [2, B, H, S, d].
 
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.
     """
-    pending = comm.all_gather(kv, async_op=True, label="kv")
+    pending = comm.all_gather(kv, async_op=True, label=label)
     finish = lambda: zigzag.unshard(pending.wait(), dim=3)
     return finish if async_op else finish()
 
 
-def scatter_kv_grad(comm, dkv_full: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``gather_kv`` for gradients: each rank receives the sum over ranks for its own tokens."""
+def scatter_kv_grad(comm, dkv_full: torch.Tensor, async_op: bool = False, label="kv.grad"):
+    """Inverse of ``gather_kv`` for gradients: each rank receives the sum over ranks for its own tokens.
+
+    ``dkv_full``: [2, B, H, S, d]. With ``async_op`` it returns the ``Pending`` reduce-scatter.
+    """
     per_rank = torch.stack([zigzag.shard(dkv_full, comm.size, r, dim=3) for r in range(comm.size)])
-    return comm.reduce_scatter(per_rank, label="kv.grad")
+    return comm.reduce_scatter(per_rank, async_op=async_op, label=label)
 
 
 class GatherKV(torch.autograd.Function):

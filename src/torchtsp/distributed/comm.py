@@ -7,8 +7,15 @@ through this module, so that
 * every operation is counted: bytes sent and received by this rank, per operation
   kind, readable through ``AxisComm.counting()`` and comparable with the analytic
   model in ``torchtsp.analysis``,
-* the order in which transfers are issued and waited on is recorded, so tests can
-  check that communication is requested before the compute it should hide behind.
+* the order in which transfers are issued and waited on is recorded, per process group,
+  so tests can check that communication is requested before the compute it should hide
+  behind, and that nothing needed now queues behind something needed later (NCCL runs
+  the collectives of one process group in issue order on one stream),
+* the seconds the host spends blocked in ``Pending.wait()`` are summed (exposed communication).
+
+An axis may carry a second process group over the same ranks (``weight_stream=True``):
+TSP moves weights on it, so that weight broadcasts and activation transfers never queue
+behind each other.
 
 Byte counts are the *logical payload* of each operation for this rank, the volume
 the analytic model speaks of (n = bytes of one rank's tensor, D = axis size):
@@ -30,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -66,8 +74,34 @@ def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
 
 
 def destroy_process_group() -> None:
+    _SIBLING_GROUPS.clear()  # they die with the default group
     if is_initialized():
         dist.destroy_process_group()
+
+
+# Second process groups over the ranks of a mesh axis, by (every slice's ranks, purpose): building a model
+# twice reuses them instead of leaking a new communicator per model.
+_SIBLING_GROUPS: dict = {}
+
+
+def sibling_group(mesh: DeviceMesh, name: str, purpose: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A second process group over this rank's ranks of mesh axis ``name`` (created once per purpose).
+
+    Every rank must call this, in the same order: ``new_group`` is collective over the default group,
+    so each rank creates the groups of every slice of the axis and keeps its own.
+    """
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
+    slices = tuple(tuple(row) for row in ranks.reshape(-1, ranks.shape[-1]).tolist())
+    key = (slices, purpose)
+    if key not in _SIBLING_GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine = None
+        for members in slices:
+            group = dist.new_group(list(members), timeout=timeout)
+            if global_rank() in members:
+                mine = group
+        _SIBLING_GROUPS[key] = mine
+    return _SIBLING_GROUPS[key]
 
 
 def world_size() -> int:
@@ -110,6 +144,17 @@ def barrier() -> None:
 # ---------------------------------------------------------------- accounting
 
 
+@dataclass(eq=False)
+class Transfer:
+    """One issued operation: its process group, and where its issue and its wait sit in ``events``."""
+
+    group: str
+    op: str
+    label: object
+    issued: int
+    waited: int | None = None
+
+
 @dataclass(eq=False)  # compared by identity: nested counting() blocks must each remove their own
 class CommStats:
     """What one rank moved while a ``counting()`` block was open."""
@@ -119,6 +164,14 @@ class CommStats:
     calls: Counter = field(default_factory=Counter)
     # (event, operation, label) in program order; event is "issue", "wait" or "mark".
     events: list = field(default_factory=list)
+    # Every operation in issue order (``Transfer``), with the process group it was queued on.
+    transfers: list = field(default_factory=list)
+    # Seconds the host spent blocked in ``Pending.wait()``: communication not hidden behind compute.
+    wait_s: float = 0.0
+
+    def issue_order(self, group: str) -> list[Transfer]:
+        """The operations queued on process group ``group`` (e.g. "tsp", "tsp.weights"), in issue order."""
+        return [t for t in self.transfers if t.group == group]
 
     @property
     def total_recv(self) -> int:
@@ -132,12 +185,14 @@ class CommStats:
 class Pending:
     """An issued transfer; ``wait()`` blocks (with the axis timeout) and returns its result tensor."""
 
-    def __init__(self, comm: AxisComm, works, result, op: str, label):
+    def __init__(self, comm: AxisComm, works, result, op: str, label, records=()):
         self._comm, self._works, self._result, self._op, self._label = comm, works, result, op, label
+        self._records = records  # (stats, Transfer) of every counting() block open at issue time
         self._done = False
 
     def wait(self) -> torch.Tensor:
         if not self._done:
+            start = time.perf_counter()
             for work in self._works:
                 if self._result.device.type != "cpu":
                     # NCCL: a wait with a timeout would block the host until the kernel ends; a plain wait
@@ -145,6 +200,10 @@ class Pending:
                     work.wait()
                 elif not work.wait(self._comm.timeout):
                     raise TimeoutError(f"{self._op} ({self._label}) on axis {self._comm.name!r} timed out")
+            blocked = time.perf_counter() - start
+            for stats, transfer in self._records:
+                stats.wait_s += blocked
+                transfer.waited = len(stats.events)
             self._comm._record("wait", self._op, self._label)
             self._done = True
         return self._result
@@ -153,13 +212,20 @@ class Pending:
 class AxisComm:
     """Collectives over one named axis of a device mesh (a process group of size D)."""
 
-    def __init__(self, group=None, name: str = "axis", timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group=None, name: str = "axis", timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 weight_group=None, stream: str | None = None, _active: list | None = None):
         self.group = group
         self.name = name
+        self.stream = stream or name  # the process group's name in ``CommStats.issue_order``
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self._active: list[CommStats] = []
+        self._active: list[CommStats] = [] if _active is None else _active
+        # Weight traffic: a sibling over a second process group of the same ranks (sharing this axis's
+        # counting()), or this comm itself when no second group was asked for.
+        self.weights = self
+        if weight_group is not None:
+            self.weights = AxisComm(weight_group, name, timeout_s, stream=f"{name}.weights", _active=self._active)
 
     @classmethod
     def world(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:
@@ -167,11 +233,20 @@ class AxisComm:
         return cls(dist.group.WORLD if world_size() > 1 else None, "world", timeout_s)
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh | None, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:
-        """The comm of mesh axis ``name``; a trivial one-rank comm if the mesh lacks that axis."""
+    def from_mesh(cls, mesh: DeviceMesh | None, name: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  weight_stream: bool = False) -> AxisComm:
+        """The comm of mesh axis ``name``; a trivial one-rank comm if the mesh lacks that axis.
+
+        ``weight_stream=True`` adds ``.weights``: the same ranks over a second process group (created
+        once, collectively, by ``sibling_group``), so weight transfers run on their own NCCL stream.
+        """
         if mesh is None or name not in (mesh.mesh_dim_names or ()):
             return cls(None, name, timeout_s)
-        return cls(mesh.get_group(name), name, timeout_s)
+        group = mesh.get_group(name)
+        weights = None
+        if weight_stream and mesh.size(mesh.mesh_dim_names.index(name)) > 1:
+            weights = sibling_group(mesh, name, "weights", timeout_s)
+        return cls(group, name, timeout_s, weight_group=weights)
 
     # -- accounting ---------------------------------------------------------
 
@@ -198,9 +273,12 @@ class AxisComm:
                 stats.bytes_recv[op] += recv
 
     def _issue(self, op, label, sent, recv, launch, result) -> Pending:
+        records = [(stats, Transfer(self.stream, op, label, len(stats.events))) for stats in self._active]
+        for stats, transfer in records:
+            stats.transfers.append(transfer)
         self._record("issue", op, label, sent, recv)
         works = launch() if self.size > 1 else []
-        return Pending(self, [w for w in works if w is not None], result, op, label)
+        return Pending(self, [w for w in works if w is not None], result, op, label, records)
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:

@@ -40,7 +40,7 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 
 def _layouts(model):
     """(attention, mlp) packed layouts of a TSPTransformer: the one place that knows where they live."""
-    return model.blocks.attention_layout, model.blocks.mlp_layout
+    return model.math.attention_layout, model.math.mlp_layout
 
 
 class TSPEngine(Engine):

@@ -69,3 +69,15 @@ def real_vocab_rows(local: torch.Tensor, vocab_size: int, rank: int) -> torch.Te
     """The non-padding rows of a vocabulary shard (a view); the split is torch.chunk's split of V."""
     rows = local.shape[0]
     return local[: max(0, min(rows, vocab_size - rank * rows))]
+
+
+def vocab_slice_index(ids: torch.Tensor, rows: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each id inside vocabulary shard ``shard`` of ``rows`` rows, clamped into range; whether it is there).
+
+    Ids outside the shard (and ignored labels, -100) get ``hit`` False and a valid row 0..rows-1, so callers
+    gather/scatter with ``where``/``index_select``/``scatter_add`` on fixed shapes: no boolean-mask indexing,
+    no ``nonzero``, hence no host-device synchronisation.
+    """
+    local = ids - shard * rows
+    hit = (local >= 0) & (local < rows)
+    return local.clamp(0, rows - 1), hit

@@ -12,8 +12,23 @@ Every rank p of the ``tsp`` axis (size D) holds 1/D of every weight and 1/D of t
   never holds more than local-token tensors. Attention weight gradients are reduced to
   their owner; ring gradients travel with the shard and arrive home after D hops.
 
-The next shard is always requested before the current one is used (double buffering),
-so transfers run behind compute.
+Activations (the ``recompute`` flag, as for every scheme): by default each block saves the
+activations of its local tokens, all 1/D-sized: per head group the queries, local K/V,
+attention output and log-sum-exp; per FFN shard the gate and up projections. Backward
+then moves weights and K/V again but recomputes no GEMM. ``recompute=True`` keeps each
+layer's input only and re-runs the layer's forward, transfers included, in backward.
+
+Overlap: weights (and their gradient reductions) travel on a second process group of the
+same ranks (``comm.weights``), activations, K/V and travelling gradients on the first, so
+on a GPU (NCCL runs one group's collectives in issue order) a weight prefetch never
+delays the K/V gather the current step waits for. On each group, transfers are issued in
+the order they are waited on. The next shard is always requested before the current one
+is used (at most two received shard buffers per block kind), and the next layer's first
+attention shard is broadcast while the current layer's MLP runs.
+
+bf16/fp16 runs accumulate partial sums in float32: outputs over head groups and shards,
+input gradients, travelling gradients and the gradient reductions (sent in float32).
+No step synchronises host and device (no ``.item()``, ``nonzero`` or boolean-mask indexing).
 """
 
 from __future__ import annotations
@@ -24,33 +39,57 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
-from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_causal_attention
+from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, rms_norm, rope_cos_sin, swiglu
+from ..model import IGNORE_INDEX, Transformer, apply_rope, rms_norm, rope_tables
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, weight_source
-from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard
+from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
 
-WEIGHT_TAG, GRAD_TAG = 0, 1  # separate point-to-point streams for weights and travelling gradients
+WEIGHT_TAG, GRAD_TAG = 0, 1  # distinct point-to-point tags for weights and travelling gradients
+ACC = torch.float32  # partial sums of every dtype accumulate in float32
 
 
 # ---------------------------------------------------------------- weight streams
 
 
-def broadcast_each(comm: AxisComm, own: torch.Tensor, label: str):
-    """Yield (j, rank j's shard) for j = 0..D-1; shard j+1's broadcast is in flight while j is used."""
-    buffers = [torch.empty_like(own) for _ in range(min(comm.size - 1, 2))]
+def issue_broadcast(comm: AxisComm, own: torch.Tensor, src: int, label, buffer: torch.Tensor | None = None):
+    """Start the broadcast of rank ``src``'s shard (``own`` there, ``buffer`` or a new buffer elsewhere)."""
+    buf = own if src == comm.rank else (torch.empty_like(own) if buffer is None else buffer)
+    return comm.broadcast(buf, src=src, async_op=True, label=label)
 
-    def issue(j):
-        buf = own if j == comm.rank else buffers[j % len(buffers)]
-        return comm.broadcast(buf, src=j, async_op=True, label=(label, j))
 
-    pending = issue(0)
+class BroadcastStream:
+    """Every rank's shard in turn (j = 0..D-1), with at most two received buffers alive.
+
+    Shards 0 and 1 are requested at once; shard j+2's broadcast is issued when shard j is released, into
+    the buffer shard j used. ``first``: shard 0's broadcast, already issued (cross-layer prefetch).
+    """
+
+    def __init__(self, comm: AxisComm, own: torch.Tensor, label: str, first=None):
+        self.comm, self.own, self.label = comm, own, label
+        self.pending = {0: first if first is not None else issue_broadcast(comm, own, 0, (label, 0))}
+        if comm.size > 1:
+            self.pending[1] = issue_broadcast(comm, own, 1, (label, 1))
+
+    def get(self, j: int) -> torch.Tensor:
+        return self.pending[j].wait()
+
+    def release(self, j: int) -> None:
+        """Shard j is no longer used: its buffer receives shard j+2."""
+        buffer = self.pending.pop(j).wait()
+        if j + 2 < self.comm.size:
+            spare = buffer if j != self.comm.rank else None  # rank j's own shard is its parameter
+            self.pending[j + 2] = issue_broadcast(self.comm, self.own, j + 2, (self.label, j + 2), spare)
+
+
+def broadcast_each(comm: AxisComm, own: torch.Tensor, label: str, first=None):
+    """Yield (j, rank j's shard) for j = 0..D-1; shard j+1's broadcast is in flight while j is used
+    (``BroadcastStream`` in order; at most two received buffers)."""
+    stream = BroadcastStream(comm, own, label, first)
     for j in range(comm.size):
-        shard = pending.wait()
-        if j + 1 < comm.size:
-            pending = issue(j + 1)
-        yield j, shard
+        yield j, stream.get(j)
+        stream.release(j)
 
 
 def ring_each(comm: AxisComm, own: torch.Tensor, label: str):
@@ -71,54 +110,117 @@ def ring_each(comm: AxisComm, own: torch.Tensor, label: str):
 
 
 class GradientRing:
-    """The gradient accumulator of the shard passing by travels with it around the ring.
+    """The gradient accumulator of the shard passing by travels with it around the ring (in float32).
 
     Call ``add`` once per ring step with this rank's contribution to the current shard; after the
-    last step ``result()`` is this rank's own shard's gradient, summed over every rank.
+    last step ``result(dtype)`` is this rank's own shard's gradient, summed over every rank.
     """
 
     def __init__(self, comm: AxisComm, label: str):
-        self.comm, self.label, self.pending = comm, label, None
+        self.comm, self.label, self.pending, self.step = comm, label, None, 0
 
     def add(self, contribution: torch.Tensor) -> None:
-        acc = contribution if self.pending is None else self.pending.wait().add_(contribution)
-        self.pending = self.comm.ring_shift(acc, async_op=True, tag=GRAD_TAG, label=self.label)
+        if self.pending is None:
+            acc = contribution.to(ACC)
+        else:
+            acc = self.pending.wait().add_(contribution)
+        self.pending = self.comm.ring_shift(acc, async_op=True, tag=GRAD_TAG, label=(self.label, self.step))
+        self.step += 1
 
-    def result(self) -> torch.Tensor:
-        return self.pending.wait()
+    def result(self, dtype) -> torch.Tensor:
+        return self.pending.wait().to(dtype)
 
 
-def _vjp(fn, inputs, grad_output):
-    """Recompute ``fn(*inputs)`` with autograd and return its vector-Jacobian product for each input."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        return torch.autograd.grad(fn(*leaves), leaves, grad_output)
+class ShardPrefetch:
+    """Shard 0 of a layer's attention, broadcast while the block before it finishes (cross-layer prefetch).
+
+    ``issue(key, ...)`` and ``take(key)`` pair up; every rank issues and takes the same keys in the same order.
+    """
+
+    def __init__(self, comm: AxisComm):
+        self.comm, self.pending = comm, {}
+
+    def issue(self, key, own: torch.Tensor) -> None:
+        self.pending[key] = issue_broadcast(self.comm, own, 0, (key[0], 0))
+
+    def take(self, key):
+        return self.pending.pop(key, None)
+
+
+def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b: in one GEMM when the dtypes agree, else the product is added in acc's (float32) precision."""
+    return acc.addmm_(a, b) if acc.dtype == a.dtype else acc.add_(a @ b)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, written straight into ``out`` when the dtypes agree (else computed, then cast in)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
 
 
 # ---------------------------------------------------------------- attention
 
 
 class TSPAttention(torch.autograd.Function):
-    """y = attention(x) for local tokens x [B, S/D, h]; weights broadcast head group by head group."""
+    """y = attention(x) for local tokens x [B, S/D, h]; weights broadcast head group by head group.
+
+    Saves (default) per head group the local queries, K/V, attention output and LSE; backward broadcasts
+    the weights again, all-gathers the saved K/V again and recomputes no projection.
+    """
 
     @staticmethod
-    def forward(ctx, x, shard, cos, sin, block: TSPBlocks):
-        comm = block.comm
-        y = torch.zeros_like(x)
-        for j, w in broadcast_each(comm, shard, "attention.forward"):
+    def forward(ctx, x, shard, cos, sin, math: TSPShardMath, prefetch=None, layer: int = 0):
+        comm, D = math.comm, math.comm.size
+        B, n, h = x.shape
+        x2 = x.reshape(-1, h)
+        nq, nkv, d = math.cfg.n_heads // D, math.cfg.n_kv_heads // D, math.cfg.head_dim
+        groups = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one group's slot is reused
+        q_all = x.new_empty(groups, B, nq, n, d)
+        kv_all = x.new_empty(groups, 2, B, nkv, n, d)
+        out_all = x.new_empty(groups, B, nq, n, d)
+        lse_all = x.new_empty(groups, B, nq, n, dtype=torch.float32)
+        y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
+        weights = BroadcastStream(comm.weights, shard, "attention.forward", first)
+        unpack = math.attention_layout.unpack
+
+        def start_kv(j):
+            """Project group j's local K/V and start their all-gather."""
+            _, wk, wv, _ = unpack(weights.get(j))
+            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[j % groups])
+            return gather_kv(comm, kv_all[j % groups], async_op=True, label=("attention.forward", j))
+
+        gathering = start_kv(0)
+        for j in range(D):
             comm.mark(("attention.forward", j))
-            kv_full = gather_kv(comm, block.project_kv(x, w, cos, sin), async_op=True)
-            q = block.project_q(x, w, cos, sin)  # while the K/V gather is in flight
-            y += block.attend(q, kv_full(), w)
-        ctx.save_for_backward(x, shard, cos, sin)
-        ctx.block = block
-        return y
+            slot = j % groups
+            wq, _, _, wo = unpack(weights.get(j))
+            q_all[slot] = math.heads(x2 @ wq.t(), B, cos, sin)
+            # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
+            # group: nothing needed now queues behind it). Without saving, group j+1 shares slot 0: wait first.
+            kv = gathering()
+            gathering = start_kv(j + 1) if j + 1 < D and groups > 1 else None
+            out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
+            kv = None
+            _add_mm(y, math.merge_heads(out_all[slot]), wo.t())
+            weights.release(j)
+            if gathering is None and j + 1 < D:
+                gathering = start_kv(j + 1)
+        ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all)
+        ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
+        return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard, cos, sin = ctx.saved_tensors
-        block, comm = ctx.block, ctx.block.comm
-        dx = torch.zeros_like(x)
+        x, shard, cos, sin, q_all, kv_all, out_all, lse_all = ctx.saved_tensors
+        math = ctx.math
+        comm, D = math.comm, math.comm.size
+        B, n, h = x.shape
+        x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
+        dx = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        layout = math.attention_layout
         dshard, reducing = None, []  # (owner, pending reduce) of partial gradients in flight
 
         def settle(keep: int):
@@ -130,57 +232,124 @@ class TSPAttention(torch.autograd.Function):
                 if owner == comm.rank:
                     dshard = result
 
-        for j, w in broadcast_each(comm, shard, "attention.backward"):
+        # A two-group pipeline. On the activation group: gather K/V of groups 0 and 1, then per group j the
+        # dK/dV reduce-scatter of j and the gather of j+2; group j's dK/dV are waited for (and its key/value
+        # gradients finished) after group j+1's attention backward. On the weight group: shards 0 and 1, then
+        # per group j its partial weight-gradient reduce and shard j+2. So every transfer runs behind a
+        # group's attention, and on each group transfers are waited for in the order they were issued.
+        def gather(j):
+            return gather_kv(comm, kv_all[j], async_op=True, label=("attention.backward", j))
+
+        gathers = {j: gather(j) for j in range(min(D, 2))}
+        first = ctx.prefetch.take(("attention.backward", ctx.layer)) if ctx.prefetch is not None else None
+        weights = BroadcastStream(comm.weights, shard, "attention.backward", first)
+
+        def finish(j, scattering, dw):
+            """Group j's key/value path: wait for its dK/dV, then dX, dWk, dWv; reduce dW to its owner."""
+            _, wk, wv, _ = layout.unpack(weights.get(j))
+            _, dwk, dwv, _ = layout.unpack(dw)
+            dkv = scattering.wait()
+            dk2 = math.unrotate(dkv[0], B, cos, sin).to(x.dtype)
+            dv2 = math.merge_heads(dkv[1]).to(x.dtype)
+            _add_mm(_add_mm(dx, dk2, wk), dv2, wv)
+            _mm_into(dwk, dk2.t(), x2)
+            _mm_into(dwv, dv2.t(), x2)
+            # Every rank's partial gradient of head group j goes to its owner j. (One reduce-scatter of all
+            # groups at the end moves the same bytes but would hold the layer's partial gradients at once.)
+            reducing.append((j, comm.weights.reduce(dw, dst=j, async_op=True, label=("attention.backward", j))))
+            weights.release(j)
+
+        previous = None
+        for j in range(D):
             comm.mark(("attention.backward", j))
-            with torch.enable_grad():
-                x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-                kv = block.project_kv(x_, w_, cos, sin)
-                gathering = gather_kv(comm, kv.detach(), async_op=True)
-                q = block.project_q(x_, w_, cos, sin)
-                kv_full = gathering().requires_grad_()
-                dx_q, dw_q, dkv_full = torch.autograd.grad(
-                    block.attend(q, kv_full, w_), (x_, w_, kv_full), dy, retain_graph=True)
-                dkv = scatter_kv_grad(comm, dkv_full)  # dK/dV of own tokens, summed over every rank's queries
-                dx_kv, dw_kv = torch.autograd.grad(kv, (x_, w_), dkv)
-            dx += dx_q + dx_kv
-            # Every rank's partial gradient of head group j goes to its owner j; keep at most two in flight.
-            # (One reduce-scatter of all groups at the end moves the same bytes but would hold every
-            # group's partial gradient, the full layer's worth, at once: the 1/D promise forbids it.)
-            reducing.append((j, comm.reduce(dw_q + dw_kv, dst=j, async_op=True, label=("attention.backward", j))))
-            settle(keep=1)
+            settle(keep=0)  # reductions issued before shard j's broadcast
+            wq, _, _, wo = layout.unpack(weights.get(j))
+            dout = math.split_heads(dy2 @ wo, B)  # before waiting for the K/V
+            kv = gathers.pop(j)()
+            dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
+                                                   comm.rank, D)
+            kv = dout = None
+            # dK/dV of own tokens, summed over every rank's queries.
+            scattering = scatter_kv_grad(comm, torch.stack([dk, dv]), async_op=True, label=("attention.backward", j))
+            dk = dv = None
+            if j + 2 < D:
+                gathers[j + 2] = gather(j + 2)
+            dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
+            dwq, _, _, dwo = layout.unpack(dw)
+            _mm_into(dwo, dy2.t(), math.merge_heads(out_all[j]))
+            dq2 = math.unrotate(dq, B, cos, sin)
+            _add_mm(dx, dq2, wq)
+            _mm_into(dwq, dq2.t(), x2)
+            dq = dq2 = wq = wo = None
+            if previous is not None:
+                finish(*previous)
+            previous = (j, scattering, dw)
+        finish(*previous)
         settle(keep=0)
-        return dx, dshard, None, None, None
+        return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None
 
 
 # ---------------------------------------------------------------- gated MLP
 
 
 class TSPFeedForward(torch.autograd.Function):
-    """y = swiglu(x) for local tokens x; packed (w_gate, w_up, w_down) shards pass around a ring."""
+    """y = swiglu(x) for local tokens x; packed (w_gate, w_up, w_down) shards pass around a ring.
+
+    Saves (default) the gate and up projections of the local tokens for every shard; backward passes the
+    shards around again and recomputes only the elementwise silu and product. ``prefetch`` = (ShardPrefetch,
+    key, attention shard) starts the broadcast of the next attention's shard 0 during the last ring step
+    (forward); ``prefetch_backward`` the same for this layer's attention in backward.
+    """
 
     @staticmethod
-    def forward(ctx, x, shard, block: TSPBlocks):
-        comm = block.comm
-        y = torch.zeros_like(x)
-        for s, w in ring_each(comm, shard, "mlp.forward"):
+    def forward(ctx, x, shard, math: TSPShardMath, prefetch=None, prefetch_backward=None):
+        comm, D = math.comm, math.comm.size
+        B, n, h = x.shape
+        x2 = x.reshape(-1, h)
+        ff = math.cfg.ffn_dim // D
+        shards = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one shard's slot is reused
+        gate_all, up_all = x.new_empty(shards, B * n, ff), x.new_empty(shards, B * n, ff)
+        y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.forward")):
             comm.mark(("mlp.forward", s))
-            y += swiglu(x, *block.mlp_layout.unpack(w))
-        ctx.save_for_backward(x, shard)
-        ctx.block = block
-        return y
+            if prefetch is not None and k == max(D - 2, 0):  # queued after the last shard's transfer
+                prefetch[0].issue(*prefetch[1:])
+            wg, wu, wd = math.mlp_layout.unpack(w)
+            gate, up = gate_all[s % shards], up_all[s % shards]
+            torch.mm(x2, wg.t(), out=gate)
+            torch.mm(x2, wu.t(), out=up)
+            _add_mm(y, F.silu(gate) * up, wd.t())
+        ctx.save_for_backward(x, shard, gate_all, up_all)
+        ctx.math, ctx.prefetch_backward = math, prefetch_backward
+        return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard = ctx.saved_tensors
-        block, comm = ctx.block, ctx.block.comm
-        dx = torch.zeros_like(x)
+        x, shard, gate_all, up_all = ctx.saved_tensors
+        math, prefetch = ctx.math, ctx.prefetch_backward
+        comm, D = math.comm, math.comm.size
+        B, n, h = x.shape
+        x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
+        dx = torch.zeros(B * n, h, dtype=ACC, device=x.device)
         grads = GradientRing(comm, "mlp.grad")
-        for s, w in ring_each(comm, shard, "mlp.backward"):
+        for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.backward")):
             comm.mark(("mlp.backward", s))
-            dx_s, dw_s = _vjp(lambda x_, w_: swiglu(x_, *block.mlp_layout.unpack(w_)), (x, w), dy)
-            dx += dx_s
-            grads.add(dw_s)
-        return dx, grads.result(), None
+            if prefetch is not None and k == max(D - 2, 0):
+                prefetch[0].issue(*prefetch[1:])
+            wg, wu, wd = math.mlp_layout.unpack(w)
+            gate, up = gate_all[s], up_all[s]
+            silu = F.silu(gate)
+            dw = torch.empty(math.mlp_layout.numel, dtype=ACC, device=x.device)
+            dwg, dwu, dwd = math.mlp_layout.unpack(dw)
+            _mm_into(dwd, dy2.t(), silu * up)
+            dhidden = dy2 @ wd
+            dgate = torch.ops.aten.silu_backward(dhidden * up, gate)  # the kernel autograd runs for F.silu
+            dup = dhidden * silu
+            _add_mm(_add_mm(dx, dgate, wg), dup, wu)
+            _mm_into(dwg, dgate.t(), x2)
+            _mm_into(dwu, dup.t(), x2)
+            grads.add(dw)
+        return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None
 
 
 # ---------------------------------------------------------------- embedding and LM head
@@ -190,79 +359,81 @@ class TSPEmbedding(torch.autograd.Function):
     """Rows of the local token ids, picked from vocabulary shards as they pass around the ring."""
 
     @staticmethod
-    def forward(ctx, ids, shard, block: TSPBlocks):
-        comm, rows = block.comm, shard.shape[0]
+    def forward(ctx, ids, shard, math: TSPShardMath):
+        comm, rows = math.comm, shard.shape[0]
         x = shard.new_zeros(*ids.shape, shard.shape[1])
-        for s, w in ring_each(comm, shard, "embedding.forward"):
+        for s, w in ring_each(comm.weights, shard, "embedding.forward"):
             comm.mark(("embedding.forward", s))
-            local = ids - s * rows
-            hit = (local >= 0) & (local < rows)
-            x[hit] = w[local[hit]]
+            local, hit = vocab_slice_index(ids, rows, s)
+            x = torch.where(hit.unsqueeze(-1), F.embedding(local, w), x)
         ctx.save_for_backward(ids)
-        ctx.block, ctx.shard_shape = block, shard.shape
+        ctx.math, ctx.shard_shape, ctx.dtype = math, shard.shape, shard.dtype
         return x
 
     @staticmethod
     def backward(ctx, dx):
         (ids,) = ctx.saved_tensors
-        comm, rows = ctx.block.comm, ctx.shard_shape[0]
+        comm, rows = ctx.math.comm, ctx.shard_shape[0]
         grads = GradientRing(comm, "embedding.grad")
+        dx = dx.reshape(-1, dx.shape[-1]).to(ACC)
+        ids = ids.reshape(-1)
         for k in range(comm.size):  # only gradients travel: the lookup needs no weights
             s = (comm.rank - k) % comm.size
-            local = ids - s * rows
-            hit = (local >= 0) & (local < rows)
-            grads.add(dx.new_zeros(ctx.shard_shape).index_add_(0, local[hit], dx[hit]))
-        return None, grads.result(), None
+            local, hit = vocab_slice_index(ids, rows, s)
+            rows_of_shard = torch.where(hit.unsqueeze(-1), dx, 0.0)
+            grads.add(dx.new_zeros(ctx.shard_shape).index_add_(0, local, rows_of_shard))
+        return None, grads.result(ctx.dtype), None
 
 
 class TSPHeadCrossEntropy(torch.autograd.Function):
     """Per-token NLL of the LM head without materialising [tokens, V] logits.
 
     Vocabulary shards pass around the ring; logits of local tokens against each slice are folded
-    into an online log-sum-exp and the target logit.
+    into an online log-sum-exp and the target logit. Backward passes the shards around again and
+    recomputes each slice's logits (saving them would hold [tokens, V] per rank).
     """
 
     @staticmethod
-    def forward(ctx, z, labels, shard, block: TSPBlocks):
-        comm, rows = block.comm, shard.shape[0]
+    def forward(ctx, z, labels, shard, math: TSPShardMath):
+        comm, rows = math.comm, shard.shape[0]
         lse = z.new_full((z.shape[0],), float("-inf"), dtype=torch.float32)
         target = torch.zeros_like(lse)
-        for s, w in ring_each(comm, shard, "head.forward"):
+        for s, w in ring_each(comm.weights, shard, "head.forward"):
             comm.mark(("head.forward", s))
-            logits = block.vocab_logits(z, w, s)
+            logits = math.vocab_logits(z, w, s)
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
-            local = labels - s * rows
-            hit = (local >= 0) & (local < rows)
-            target[hit] = logits[hit, local[hit]]
+            local, hit = vocab_slice_index(labels, rows, s)
+            target = torch.where(hit, logits.gather(1, local.unsqueeze(1)).squeeze(1), target)
         valid = labels != IGNORE_INDEX
         ctx.save_for_backward(z, labels, shard, lse)
-        ctx.block = block
+        ctx.math = math
         return torch.where(valid, lse - target, 0.0)
 
     @staticmethod
     def backward(ctx, dnll):
         z, labels, shard, lse = ctx.saved_tensors
-        block, comm, rows = ctx.block, ctx.block.comm, shard.shape[0]
+        math, rows = ctx.math, shard.shape[0]
+        comm = math.comm
         scale = torch.where(labels != IGNORE_INDEX, dnll, 0.0)[:, None]
-        dz = torch.zeros_like(z)
+        dz = torch.zeros(z.shape, dtype=ACC, device=z.device)
         grads = GradientRing(comm, "head.grad")
-        for s, w in ring_each(comm, shard, "head.backward"):
+        for s, w in ring_each(comm.weights, shard, "head.backward"):
             comm.mark(("head.backward", s))
-            dlogits = torch.exp(block.vocab_logits(z, w, s) - lse[:, None])  # softmax slice
-            local = labels - s * rows
-            hit = ((local >= 0) & (local < rows)).nonzero().squeeze(-1)
-            dlogits[hit, local[hit]] -= 1.0
+            dlogits = torch.exp(math.vocab_logits(z, w, s) - lse[:, None])  # softmax slice
+            local, hit = vocab_slice_index(labels, rows, s)
+            dlogits.scatter_add_(1, local.unsqueeze(1), -hit.to(dlogits.dtype).unsqueeze(1))  # minus one-hot
             dlogits = (dlogits * scale).to(z.dtype)
-            dz += dlogits @ w
+            _add_mm(dz, dlogits, w)
             grads.add(dlogits.t() @ z)
-        return dz, None, grads.result(), None
+        return dz.to(z.dtype), None, grads.result(shard.dtype), None
 
 
-# ---------------------------------------------------------------- the model
+# ---------------------------------------------------------------- per-shard math
 
 
-class TSPBlocks:
-    """Shapes, layouts and the per-shard math shared by the autograd functions of one model."""
+class TSPShardMath:
+    """What every rank computes with one passing shard: the packed layouts of a layer's attention and MLP
+    shards, head reshapes, RoPE and its transpose, and the vocabulary-slice logits (no parameters)."""
 
     def __init__(self, cfg, comm: AxisComm):
         D, h, d = comm.size, cfg.dim, cfg.head_dim
@@ -279,27 +450,28 @@ class TSPBlocks:
             Part("feed_forward.w_down.weight", (h, cfg.ffn_dim), 1),
         ), D)
 
-    def _heads(self, x, weight, cos=None, sin=None):
-        """x [B, S/D, h] through a projection -> [B, heads, S/D, d], rotated if cos/sin are given."""
-        B, S_local, _ = x.shape
-        y = F.linear(x, weight).view(B, S_local, -1, self.cfg.head_dim)
+    def heads(self, y2, batch: int, cos=None, sin=None):
+        """[B·S/D, H·d] -> [B, H, S/D, d], rotated if cos/sin are given."""
+        y = y2.view(batch, -1, y2.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
         return (y if cos is None else apply_rope(y, cos, sin)).transpose(1, 2)
 
-    def project_q(self, x, w, cos, sin):
-        """Local tokens' queries of head group w: [B, Hq/D, S/D, d]."""
-        return self._heads(x, self.attention_layout.unpack(w)[0], cos, sin)
+    def split_heads(self, y2, batch: int):
+        return self.heads(y2, batch)
 
-    def project_kv(self, x, w, cos, sin):
-        """Local tokens' keys and values of head group w: [2, B, Hkv/D, S/D, d]."""
-        _, wk, wv, _ = self.attention_layout.unpack(w)
-        return torch.stack([self._heads(x, wk, cos, sin), self._heads(x, wv)])
+    @staticmethod
+    def merge_heads(t):
+        """[B, H, S/D, d] -> [B·S/D, H·d]."""
+        return t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])
 
-    def attend(self, q, kv_full, w):
-        *_, wo = self.attention_layout.unpack(w)
-        g = self.cfg.group_size
-        k, v = expand_kv_heads(kv_full[0], g), expand_kv_heads(kv_full[1], g)
-        out = zigzag_causal_attention(q, k, v, self.comm.rank, self.comm.size)
-        return F.linear(out.transpose(1, 2).flatten(2), wo)
+    def unrotate(self, g, batch: int, cos, sin):
+        """Gradient through RoPE: [B, H, S/D, d] -> [B·S/D, H·d] (the rotation's transpose is by -angle)."""
+        del batch
+        return self.merge_heads(apply_rope(g.transpose(1, 2), cos, -sin).transpose(1, 2))
+
+    def project_kv(self, x2, wk, wv, cos, sin, batch: int, out):
+        """Local tokens' rotated keys and values of one head group into ``out`` [2, B, Hkv/D, S/D, d]."""
+        out[0] = self.heads(x2 @ wk.t(), batch, cos, sin)
+        out[1] = self.heads(x2 @ wv.t(), batch)
 
     def vocab_logits(self, z, w, s):
         """float32 logits [N, V/D] of local tokens against vocabulary shard s; padding rows -> -inf."""
@@ -328,10 +500,10 @@ class TSPTransformer(ParallelTransformer):
                  weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.recompute = recompute
-        comm = AxisComm.from_mesh(mesh, "tsp", timeout_s)
+        comm = AxisComm.from_mesh(mesh, "tsp", timeout_s, weight_stream=True)
         cfg, D, p = model.cfg, comm.size, comm.rank
         self.comm = comm
-        self.blocks = TSPBlocks(cfg, comm)
+        self.math = TSPShardMath(cfg, comm)
         # This rank's shards, one reference tensor at a time: the full model is never materialised here.
         weights = weight_source(model, mesh, weights)
         self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", D, p))
@@ -339,7 +511,7 @@ class TSPTransformer(ParallelTransformer):
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             self.layers.append(TSPLayer(
-                self.blocks.attention_layout.pack(weights, prefix, p), self.blocks.mlp_layout.pack(weights, prefix, p),
+                self.math.attention_layout.pack(weights, prefix, p), self.math.mlp_layout.pack(weights, prefix, p),
                 weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight")))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
@@ -361,49 +533,59 @@ class TSPTransformer(ParallelTransformer):
         cfg, comm = self.cfg, self.comm
         seq_len = tokens.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=tokens.device)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-        eps, blocks = cfg.norm_eps, self.blocks
+        cos, sin = rope_tables(positions, cfg)
+        eps, math = cfg.norm_eps, self.math
+        # Cross-layer prefetch of the next attention's first shard; off under recompute, where a layer's
+        # forward also runs inside backward and would prefetch for the wrong block.
+        prefetch = None if self.recompute else ShardPrefetch(comm.weights)
+        layers = list(self.layers)
 
-        def block(x, layer):
+        def block(x, i):
+            layer = layers[i]
             h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm), eps)
-            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, blocks)
+            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i)
             h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
-            return x + TSPFeedForward.apply(h, layer.mlp_shard, blocks)
+            ahead = None
+            if prefetch is not None and i + 1 < len(layers):
+                ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
+            behind = None if prefetch is None else (prefetch, ("attention.backward", i),
+                                                    layer.attention_shard.detach())
+            return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind)
 
-        x = TSPEmbedding.apply(tokens, self.embedding_shard, blocks)
-        for layer in self.layers:
+        x = TSPEmbedding.apply(tokens, self.embedding_shard, math)
+        for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
-            x = checkpoint(block, x, layer, use_reentrant=False) if self.recompute else block(x, layer)
+            x = checkpoint(block, x, i, use_reentrant=False) if self.recompute else block(x, i)
         z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
-        nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, blocks)
+        nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, math)
         return global_sum_and_count(nll.sum(), labels, comm)
 
     # -- full views (for checks, checkpoints, export) -----------------------
 
     def reference_parts(self, name, local):
-        blocks, p = self.blocks, self.comm.rank
+        math, p = self.math, self.comm.rank
         if name in ("embedding_shard", "output_shard"):
             ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
             return [(ref, real_vocab_rows(local, self.cfg.vocab_size, p), {"tsp": 0})]
         layer, _, kind = name.rpartition(".")
         if kind in ("attention_shard", "mlp_shard"):
-            layout = blocks.attention_layout if kind == "attention_shard" else blocks.mlp_layout
+            layout = math.attention_layout if kind == "attention_shard" else math.mlp_layout
             return [(f"{layer}.{part.name}", view, {"tsp": part.shard_dim})
                     for part, view in zip(layout.parts, layout.unpack(local))]
         return [(f"{name}.weight", local, {})]  # norms: replicated
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
-        blocks, V = self.blocks, self.cfg.vocab_size
+        math, V = self.math, self.cfg.vocab_size
         gather = lambda t: self.comm.all_gather(t, label="gather_full")
         out = {"tok_embeddings.weight": gather(pick(self.embedding_shard)).flatten(0, 1)[:V]}
         for i, layer in enumerate(self.layers):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
-            for name, t in blocks.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
+            for name, t in math.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
                 out[f"layers.{i}.{name}"] = t
             out[f"layers.{i}.ffn_norm.weight"] = pick(layer.ffn_norm)
-            for name, t in blocks.mlp_layout.unpack_gathered(gather(pick(layer.mlp_shard))).items():
+            for name, t in math.mlp_layout.unpack_gathered(gather(pick(layer.mlp_shard))).items():
                 out[f"layers.{i}.{name}"] = t
         out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
