@@ -9,3 +9,11 @@ class RankFailedError(RuntimeError):
         self.rank, self.traceback = rank, traceback_text
         lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
         self.summary = f"rank {rank}: {lines[-1].strip()}" if lines else message
+
+
+class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an error
+    """The launcher was asked to stop twice (``signum``: the signal): abort without waiting for the ranks."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
