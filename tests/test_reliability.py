@@ -62,6 +62,17 @@ def group_members(pgid):
     return found
 
 
+def ranks_in(pgid):
+    return [pid for pid in group_members(pgid) if b"spawn_main" in _read(f"/proc/{pid}/cmdline")]
+
+
+def _read(path):
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
 def wait_until_gone(pgid, limit=10.0):
     deadline = time.monotonic() + limit
     while (left := group_members(pgid)) and time.monotonic() < deadline:
@@ -114,9 +125,12 @@ def test_nothing_is_left_behind_under_timeout(tmp_path):
     assert wait_until_gone(proc.pid) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 def test_ctrl_c_during_start_up_is_an_interruption_not_a_dead_rank(tmp_path):
     proc = launcher(tmp_path)
-    time.sleep(1.0)  # the ranks are still importing torch
+    while len(ranks_in(proc.pid)) < 2:  # the ranks exist, and are still importing torch
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground process group
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
