@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from .config import PRESETS
 from .errors import Interrupted, RankFailedError
@@ -49,18 +50,21 @@ def _launch(cfg, nproc: int) -> dict:
     from .distributed.launch import WorkerPool
     from .train.trainer import run_training
 
-    received: list[int] = []
+    stop: dict = {}  # the first signal and when it came
 
     def on_signal(signum, frame):
-        received.append(signum)
-        if len(received) > 1:
+        if not stop:
+            stop.update(signum=signum, at=time.monotonic())
+            print("torchtsp: passing the stop on to every rank (signal again to abort without saving)",
+                  file=sys.stderr)
+        # `timeout` signals the launcher, then its whole process group: a repeat within a second is one request.
+        elif time.monotonic() - stop["at"] > 1.0:
             raise Interrupted(signum)
-        print("torchtsp: stopping: the ranks finish their step and save (signal again to abort)", file=sys.stderr)
 
     def forward():
         # Ranks ignore signals until their trainer listens: sending again until they stop loses none.
-        if received:
-            pool.signal_ranks(received[0])
+        if stop:
+            pool.signal_ranks(stop["signum"])
 
     with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -69,8 +73,6 @@ def _launch(cfg, nproc: int) -> dict:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    if received and summary["status"] == "done":  # the signal came after the last step: still a stop
-        summary = {**summary, "status": "interrupted", "signal": received[0]}
     return summary
 
 

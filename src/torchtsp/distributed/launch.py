@@ -182,18 +182,24 @@ class WorkerPool:
         return [results[r] for r in range(self.nprocs)]
 
     def _failure(self, name, rank: int | None, traceback_text: str) -> RankFailedError:
-        """The error to report, once the pool is closed: a rank that died (the first seen) outranks one that
-        raised, since survivors of a dead peer raise 'connection reset' errors of their own."""
+        """The error to report, once the pool is closed. A rank that died outranks one that raised, since the
+        survivors of a dead peer raise 'connection reset' errors of their own; among ranks that raised within
+        a moment of each other (the same error on every rank, as a checked value gives), the lowest."""
+        raised = {rank: traceback_text} if rank is not None else {}
         deadline = time.monotonic() + REPORT_GRACE_S
-        while not (dead := self._dead()) and rank is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not (dead := self._dead()) and raised and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                other, ok, value = self._results.get(timeout=0.05)
+                if not ok:
+                    raised.setdefault(other, value)
         codes = {r: self._procs[r].exitcode for r in dead}
         self.close(force=True)
         if dead:
             first = dead[0]
             return RankFailedError(f"{name} on {self.nprocs} ranks: rank {first} died ({_death(codes[first])})",
                                    first)
-        return RankFailedError(f"rank {rank} raised:", rank, traceback_text)
+        first = min(raised)
+        return RankFailedError(f"rank {first} raised:", first, raised[first])
 
     def close(self, force: bool = False) -> None:
         if not force:
