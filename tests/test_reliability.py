@@ -141,13 +141,33 @@ def test_ctrl_c_during_start_up_is_an_interruption_not_a_dead_rank(tmp_path):
     assert wait_until_gone(proc.pid) == []
 
 
-def test_killing_torchrun_leaves_no_rank_behind(tmp_path):
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_torchrun_leaves_no_rank_behind(tmp_path, sig):
     torchrun = Path(sys.executable).parent / "torchrun"
     proc = launcher(tmp_path, cmd=[str(torchrun), "--nproc-per-node", "2", "-m", "torchtsp", "train"])
     wait_for_step(tmp_path, 1, proc)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=30)
+    os.kill(proc.pid, sig)  # SIGTERM: torchrun passes it to the ranks; SIGKILL: the ranks must notice alone
+    proc.communicate(timeout=120)
     assert wait_until_gone(proc.pid, limit=5.0) == []
+    if sig == signal.SIGTERM:  # the ranks finished their step and saved it
+        last = max(r["step"] for r in metrics(tmp_path))
+        assert (tmp_path / "checkpoints" / "latest").read_text() == f"step_{last:06d}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+def test_a_second_signal_aborts_at_once(tmp_path):
+    proc = launcher(tmp_path)
+    while len(ranks_in(proc.pid)) < 2:  # signalled during start-up, the ranks cannot stop for seconds
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(1.1)  # a second, separate request (a repeat within a second counts as the same one)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "aborted; the ranks were stopped without saving" in err, err
+    assert wait_until_gone(proc.pid, limit=5.0) == []
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def die_on_rank(dead):

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print("torchtsp: interrupted", file=sys.stderr)
         return 130
     except Interrupted as e:
-        print("torchtsp: interrupted; ranks stopped without saving", file=sys.stderr)
+        print("torchtsp: aborted; the ranks were stopped without saving", file=sys.stderr)
         return 128 + e.signum
     except (ValueError, OSError, RankFailedError, MemoryError, RuntimeError) as e:  # OSError: FileNotFoundError too
         if os.environ.get("TORCHTSP_DEBUG") == "1" or (isinstance(e, RuntimeError) and not isinstance(
