@@ -513,3 +513,27 @@ def test_exported_files_have_ordinary_permissions(tmp_path):
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert modes == {"model.safetensors": 0o644, "config.json": 0o644}, modes
+
+
+def rank_and_world():
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def test_a_port_taken_before_the_ranks_bind_it_is_chosen_again(monkeypatch):
+    """Another process may take the chosen port before rank 0 listens on it (EADDRINUSE): the pool starts again."""
+    import socket
+
+    from torchtsp.distributed import launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        free = launch._free_port
+        monkeypatch.setattr(launch, "_free_port", lambda: next(ports, None) or free())
+        starts = []
+        start = launch.WorkerPool._start
+        monkeypatch.setattr(launch.WorkerPool, "_start", lambda self: starts.append(1) or start(self))
+        with launch.WorkerPool(2, timeout_s=60) as pool:
+            assert pool.run(rank_and_world) == [(0, 2), (1, 2)]
+        assert len(starts) == 2  # the first start lost its port

@@ -29,6 +29,7 @@ from . import comm
 
 PARENT_POLL_S = 0.5
 REPORT_GRACE_S = 1.0  # after a rank fails, how long to look for a rank that died first
+READY = "torchtsp: rank ready"  # what a rank sends once its process group is up
 
 
 def _free_port() -> int:
@@ -79,6 +80,7 @@ def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
     except BaseException:  # noqa: BLE001 - report anything, the parent decides
         results.put((rank, False, traceback.format_exc()))
         return
+    results.put((rank, True, READY))
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
@@ -117,21 +119,29 @@ class WorkerPool:
                  device_type: str | None = "cpu"):
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-        backend, self.device_type = rank_backend(nprocs, device_type)
-        self.nprocs, self.timeout_s = nprocs, timeout_s
+        self._backend, self.device_type = rank_backend(nprocs, device_type)
+        self.nprocs, self.timeout_s, self._threads = nprocs, timeout_s, threads_per_rank
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        self._tasks = [ctx.Queue() for _ in range(nprocs)]
+        self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         self._results = ctx.Queue()
+        self._ready: set[int] = set()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, nprocs, port, timeout_s, threads_per_rank, backend, self._tasks[r],
-                                              self._results), daemon=True)
-            for r in range(nprocs)
+            ctx.Process(target=_worker, args=(r, self.nprocs, port, self.timeout_s, self._threads, self._backend,
+                                              self._tasks[r], self._results), daemon=True)
+            for r in range(self.nprocs)
         ]
         in_main_thread = threading.current_thread() is threading.main_thread()
         with _signals_ignored() if in_main_thread else contextlib.nullcontext():
             for p in self._procs:
                 p.start()
+
+    def _port_taken(self, rank: int, ok: bool, value) -> bool:
+        """Whether rank 0 could not listen on its port: another process took it between our choice and its bind."""
+        return not ok and rank == 0 and rank not in self._ready and "EADDRINUSE" in str(value)
 
     @property
     def alive(self) -> bool:
@@ -160,6 +170,7 @@ class WorkerPool:
             raise RankFailedError("worker pool is closed or a rank has died")
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        restarts = 0
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
         name = getattr(fn, "__name__", fn)
@@ -175,6 +186,17 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     self.close(force=True)
                     raise RankFailedError(f"{name} on {self.nprocs} ranks: no answer within {limit:.0f}s") from None
+                continue
+            if ok and isinstance(value, str) and value == READY:
+                self._ready.add(rank)
+                continue
+            if self._port_taken(rank, ok, value) and restarts < 3:
+                restarts += 1  # start again on another port: nothing has run yet
+                self.close(force=True)
+                self._start()
+                for q in self._tasks:
+                    q.put((fn, args, kwargs))
+                results.clear()
                 continue
             if not ok:
                 raise self._failure(name, rank, value)
