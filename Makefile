@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo
+	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo --overwrite
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q

@@ -133,7 +133,7 @@ def damaged_copy(src, tmp_path):
 @pytest.mark.parametrize("case,match", [
     ("shape", "holds a different model shape"),
     ("missing", "does not exist"),
-    ("damaged", "looks damaged or incomplete"),
+    ("damaged", "is damaged: __0_0.distcp does not match the checksum"),
     ("mesh", "needs 6 ranks but the world has 2"),
 ])
 def test_bad_input_is_one_clear_error_and_a_non_zero_exit(tmp_path, uninterrupted, case, match):

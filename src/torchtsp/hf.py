@@ -384,7 +384,14 @@ def _save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates its files 0600; exports are ordinary files
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it
+    os.umask(mask)
+    return mask
 
 
 def _prepare_for_saving(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

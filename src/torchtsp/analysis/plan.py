@@ -192,7 +192,7 @@ def _check_args(args) -> ModelConfig:
     for name in ("seq_len", "gpus", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.gpu_mem <= 0:
+    if not 0 < args.gpu_mem < float("inf"):  # NaN fails every comparison
         raise ValueError(f"--gpu-mem must be positive, got {args.gpu_mem}")
     return cfg
 

@@ -1,14 +1,23 @@
-"""Run a function on N local CPU ranks: ``spawn`` for one job, ``WorkerPool`` to reuse the ranks.
+"""Run a function on N local ranks: ``spawn`` for one job, ``WorkerPool`` to reuse the ranks.
 
-A rank that raises, dies, or does not answer within the timeout fails the whole job with
-that rank's traceback; the other ranks are killed rather than left waiting in a collective.
+A rank that raises, dies, or does not answer within the timeout fails the whole job; the report
+names the rank that failed first (a rank that died before the survivors that lost their connection
+to it); the other ranks are killed rather than left waiting in a collective.
+
+The ranks belong to the process that started them: a rank whose parent has gone exits within a
+second, and ranks start with SIGINT and SIGTERM ignored, so that a Ctrl-C during start-up leaves
+the decision to the launcher (see ``signal_ranks``) instead of killing some ranks half-way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 
@@ -18,6 +27,10 @@ import torch.multiprocessing as mp
 from ..errors import RankFailedError
 from . import comm
 
+PARENT_POLL_S = 0.5
+REPORT_GRACE_S = 1.0  # after a rank fails, how long to look for a rank that died first
+READY = "torchtsp: rank ready"  # what a rank sends once its process group is up
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -25,16 +38,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, nprocs, port, timeout_s, threads, tasks, results):
+def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
+    """Exit this process soon after its parent dies (the parent's pid changes when it is re-parented)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"torchtsp: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) has gone; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="torchtsp-parent-watch", daemon=True).start()
+
+
+def rank_backend(nprocs: int, device_type: str | None) -> tuple[str, str]:
+    """(process group backend, device type) for ``nprocs`` local ranks: NCCL with one GPU per rank on a CUDA
+    host, gloo on CPU. ``device_type`` None picks CUDA when available."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cpu":
+        return "gloo", "cpu"
+    if device_type != "cuda":
+        raise ValueError(f"device_type must be 'cpu', 'cuda' or None, got {device_type!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < nprocs:
+        raise ValueError(f"{nprocs} local ranks need {nprocs} GPUs (one per rank) but this host has {gpus}; "
+                         f"use --nproc {gpus} or fewer, or run on CPU with CUDA_VISIBLE_DEVICES=\"\"")
+    return "nccl", "cuda"
+
+
+def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
+    watch_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs))
     # One thread per rank: N ranks share few cores; oversubscription makes gloo runs crawl.
     torch.set_num_threads(threads)
     try:
-        comm.init_process_group("gloo", timeout_s)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        comm.init_process_group(backend, timeout_s)
     except BaseException:  # noqa: BLE001 - report anything, the parent decides
         results.put((rank, False, traceback.format_exc()))
         return
+    results.put((rank, True, READY))
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
@@ -44,52 +90,138 @@ def _worker(rank, nprocs, port, timeout_s, threads, tasks, results):
     comm.destroy_process_group()
 
 
-class WorkerPool:
-    """N spawned ranks with an initialised gloo process group, kept alive between ``run`` calls."""
+@contextlib.contextmanager
+def _signals_ignored():
+    """Children inherit ignored signals across exec (Python keeps SIGINT ignored if it starts so)."""
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
-    def __init__(self, nprocs: int, timeout_s: float = comm.DEFAULT_TIMEOUT_S, threads_per_rank: int = 1):
-        if nprocs < 1:
-            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-        self.nprocs, self.timeout_s = nprocs, timeout_s
+
+def _death(exitcode: int) -> str:
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        return f"killed by {name}" + (" (out of memory, or killed from outside)" if name == "SIGKILL" else "")
+    return f"exited with code {exitcode}"
+
+
+class WorkerPool:
+    """N spawned ranks with an initialised process group, kept alive between ``run`` calls.
+
+    ``device_type`` "cpu" (default): gloo. "cuda": NCCL, rank r on GPU r. None: CUDA when available.
+    Must be created from the main thread when signals are to be handled (as Python requires).
+    """
+
+    def __init__(self, nprocs: int, timeout_s: float = comm.DEFAULT_TIMEOUT_S, threads_per_rank: int = 1,
+                 device_type: str | None = "cpu"):
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
+        self._backend, self.device_type = rank_backend(nprocs, device_type)
+        self.nprocs, self.timeout_s, self._threads = nprocs, timeout_s, threads_per_rank
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        self._tasks = [ctx.Queue() for _ in range(nprocs)]
+        self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         self._results = ctx.Queue()
+        self._ready: set[int] = set()
         port = _free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, nprocs, port, timeout_s, threads_per_rank, self._tasks[r],
-                                              self._results), daemon=True)
-            for r in range(nprocs)
+            ctx.Process(target=_worker, args=(r, self.nprocs, port, self.timeout_s, self._threads, self._backend,
+                                              self._tasks[r], self._results), daemon=True)
+            for r in range(self.nprocs)
         ]
-        for p in self._procs:
-            p.start()
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        with _signals_ignored() if in_main_thread else contextlib.nullcontext():
+            for p in self._procs:
+                p.start()
+
+    def _port_taken(self, rank: int, ok: bool, value) -> bool:
+        """Whether rank 0 could not listen on its port: another process took it between our choice and its bind."""
+        return not ok and rank == 0 and rank not in self._ready and "EADDRINUSE" in str(value)
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
-    def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
-        """``fn(*args, **kwargs)`` on every rank (fn must be importable); returns results by rank."""
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def signal_ranks(self, signum: int) -> None:
+        """Send ``signum`` to every live rank (the trainer stops at the next step boundary on SIGINT/SIGTERM)."""
+        for p in self._procs:
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    def _dead(self) -> list[int]:
+        return [r for r, p in enumerate(self._procs) if not p.is_alive()]
+
+    def run(self, fn, *args, timeout_s: float | None = None, on_wait=None, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank (fn must be importable); returns results by rank.
+
+        ``on_wait()``, if given, is called about every half second while the ranks work.
+        """
         if not self.alive:
             raise RankFailedError("worker pool is closed or a rank has died")
         for q in self._tasks:
             q.put((fn, args, kwargs))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        restarts = 0
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
+        name = getattr(fn, "__name__", fn)
         results: dict[int, object] = {}
         while len(results) < self.nprocs:
+            if on_wait is not None:
+                on_wait()
             try:
-                rank, ok, value = self._results.get(timeout=1.0)
+                rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
+                if self._dead():
+                    raise self._failure(name, None, "") from None
+                if time.monotonic() > deadline:
                     self.close(force=True)
-                    why = f"rank(s) {dead} died" if dead else f"no answer within {timeout_s or self.timeout_s:.0f}s"
-                    raise RankFailedError(f"{getattr(fn, '__name__', fn)} on {self.nprocs} ranks: {why}") from None
+                    raise RankFailedError(f"{name} on {self.nprocs} ranks: no answer within {limit:.0f}s") from None
+                continue
+            if ok and isinstance(value, str) and value == READY:
+                self._ready.add(rank)
+                continue
+            if self._port_taken(rank, ok, value) and restarts < 3:
+                restarts += 1  # start again on another port: nothing has run yet
+                self.close(force=True)
+                self._start()
+                for q in self._tasks:
+                    q.put((fn, args, kwargs))
+                results.clear()
                 continue
             if not ok:
-                self.close(force=True)
-                raise RankFailedError(f"rank {rank} raised:", rank, value)
+                raise self._failure(name, rank, value)
             results[rank] = value
         return [results[r] for r in range(self.nprocs)]
+
+    def _failure(self, name, rank: int | None, traceback_text: str) -> RankFailedError:
+        """The error to report, once the pool is closed. A rank that died outranks one that raised, since the
+        survivors of a dead peer raise 'connection reset' errors of their own; among ranks that raised within
+        a moment of each other (the same error on every rank, as a checked value gives), the lowest."""
+        raised = {rank: traceback_text} if rank is not None else {}
+        deadline = time.monotonic() + REPORT_GRACE_S
+        while not (dead := self._dead()) and raised and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                other, ok, value = self._results.get(timeout=0.05)
+                if not ok:
+                    raised.setdefault(other, value)
+        codes = {r: self._procs[r].exitcode for r in dead}
+        self.close(force=True)
+        if dead:
+            first = dead[0]
+            return RankFailedError(f"{name} on {self.nprocs} ranks: rank {first} died ({_death(codes[first])})",
+                                   first)
+        first = min(raised)
+        return RankFailedError(f"rank {first} raised:", first, raised[first])
 
     def close(self, force: bool = False) -> None:
         if not force:

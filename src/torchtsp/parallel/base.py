@@ -140,6 +140,11 @@ class ParallelTransformer(nn.Module):
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), "
                              f"got [{tokens.min().item()}, {tokens.max().item()}]")
+        # A target outside the vocabulary would read a padding row (or nothing) of a sharded output layer.
+        bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.cfg.vocab_size))
+        if bad.any():
+            raise ValueError(f"labels must lie in [0, {self.cfg.vocab_size}) or be the ignore index {IGNORE_INDEX}, "
+                             f"got {labels[bad][0].item()}")
         return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,11 +1,20 @@
-"""Training run settings: defaults, overridden by a TOML file, overridden by command-line flags."""
+"""Training run settings: defaults, overridden by a TOML file, overridden by command-line flags.
+
+Every value is checked here, whatever its source: a wrong type or a value outside its domain is
+one ``ValueError`` naming the setting, before any rank starts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..config import PRESETS
+from ..schemes import SCHEMES
 
 
 @dataclass
@@ -28,9 +37,12 @@ class TrainConfig:
     warmup_steps: int | None = None  # default: steps // 10
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm that may be skipped before failing
     data: str | None = None  # text file or folder; default: the Python standard library
-    out: str = "runs/latest"
+    out: str | None = None  # default: the --resume run folder, else runs/latest
+    overwrite: bool = False  # replace the run already in `out` (its metrics and checkpoints)
     checkpoint_every: int = 0  # 0: only the final checkpoint
+    keep_last: int | None = None  # keep only the newest N checkpoints (default: all)
     resume: str | None = None  # a run folder (its latest checkpoint) or a checkpoint folder
     dtype: str = "float32"  # or bfloat16: bf16 compute, fp32 master weights and optimizer state
     recompute: bool = False
@@ -38,15 +50,33 @@ class TrainConfig:
     sample_tokens: int = 64  # greedy continuation printed after training (0: none)
     prompt: str = "def "
     timeout_s: float = 300.0
+    mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
 
     def __post_init__(self):
-        for name in ("dp", "tsp", "tp", "sp", "batch_size", "seq_len", "steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.checkpoint_every < 0:
-            raise ValueError("--checkpoint-every must be >= 0")
+        hints = typing.get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), hints[f.name]))
+        at_least = {"dp": 1, "tp": 1, "sp": 1, "tsp": 1, "nproc": 1, "batch_size": 1, "seq_len": 1, "steps": 1,
+                    "warmup_steps": 0, "skip_nonfinite": 0, "checkpoint_every": 0, "keep_last": 1,
+                    "sample_tokens": 0, "mem_every": 0, "seed": 0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{_name(name)} must be >= {low}, got {value}")
+        for name in ("lr", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_name(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_name(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"{_name('min_lr_ratio')} must lie in [0, 1], got {self.min_lr_ratio}")
+        for name, choices in (("dtype", ("float32", "bfloat16")), ("scheme", tuple(SCHEMES)),
+                              ("preset", tuple(PRESETS))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_name(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.out is None:  # a resumed run continues in its own folder unless told otherwise
+            self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
 
     @property
     def warmup(self) -> int:
@@ -59,6 +89,45 @@ class TrainConfig:
 FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 
 
+def _name(field: str) -> str:
+    return f"{field} (--{field.replace('_', '-')})"
+
+
+def _checked_type(name: str, value, hint):
+    """``value`` as the field's type: ints stay ints (64.0 is refused), floats accept ints and must be finite,
+    booleans must be booleans (the string "false" is refused, not read as true)."""
+    kinds = typing.get_args(hint) or (hint,)
+    if value is None:
+        if type(None) in kinds:
+            return None
+        raise ValueError(f"{_name(name)} must be set, got nothing")
+    kind = next(k for k in kinds if k is not type(None))
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{_name(name)} must be a finite number, got {value}")
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ValueError(f"{_name(name)} must be {what}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def run_folder_of(resume: str) -> Path:
+    """The run folder a resume path belongs to: the folder itself, or the run of a ``checkpoints/step_N`` folder."""
+    p = Path(resume)
+    if p.parent.name == "checkpoints" and not (p / "checkpoints").exists():
+        return p.parent.parent
+    return p
+
+
 def load_toml(path: str) -> dict:
     """Settings from a TOML file: top-level keys, or a [train] table; names as fields or as flags."""
     p = Path(path)
@@ -66,9 +135,11 @@ def load_toml(path: str) -> dict:
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
         raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     raw = raw.get("train", raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: [train] must be a table of settings")
     values = {k.replace("-", "_"): v for k, v in raw.items()}
     unknown = sorted(set(values) - FIELDS)
     if unknown:

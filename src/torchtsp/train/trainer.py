@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
+import shutil
 import signal
 import sys
 import time
@@ -29,6 +32,19 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import ByteTokenizer, TokenWindows, load_corpus
 from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: run folders are not locked there
+    fcntl = None
+
+LOCK = ".lock"
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or infinity: metrics.jsonl writes them as null."""
+    return value if math.isfinite(value) else None
+
 
 
 def model_config_and_weights(cfg: TrainConfig):
@@ -87,6 +103,11 @@ class Trainer:
         if self.master:
             self.master.grads_to_masters()
         norm = self.clip_gradients()
+        global_loss = loss.item()  # already the mean over every token of every replica
+        if not (math.isfinite(global_loss) and math.isfinite(norm)):  # never let a non-finite step reach the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
+            return global_loss, norm
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * warmup_cosine(step, self.cfg.steps, self.cfg.warmup, self.cfg.min_lr_ratio)
         self.optimizer.step()
@@ -94,7 +115,7 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         if self.master:
             self.master.masters_to_params()
-        return loss.item(), norm
+        return global_loss, norm
 
     def clip_gradients(self) -> float:
         pieces = ((piece, dims) for name, p in self.named_trained
@@ -112,13 +133,22 @@ class Trainer:
         return checkpoint.training_state(self.model, self.optimizer, self.named_trained, self.mesh, step)
 
     def save(self, step: int) -> Path:
+        state = self.state(step)
+        # Skipped steps keep non-finite values out of the weights; this check makes sure no checkpoint holds any.
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in state.values() if isinstance(t, torch.Tensor)]
+        bad = torch.stack([~torch.isfinite(t).all() for t in local if t.is_floating_point()]).any().float()
+        if AxisComm.world(self.cfg.timeout_s).all_reduce(bad, label="finite").item() > 0:
+            raise ValueError(f"step {step}: the weights or optimizer state hold non-finite values; "
+                             f"refusing to publish them as a checkpoint")
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
                 "mesh": self.degrees, "train": self.cfg.to_dict()}
-        return checkpoint.save(self.out, self.state(step), meta)
+        return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
         ckpt = checkpoint.resolve(path)
-        checkpoint.check_model_matches(checkpoint.read_meta(ckpt), self.model_cfg, ckpt)
+        meta = checkpoint.read_meta(ckpt)
+        checkpoint.check_model_matches(meta, self.model_cfg, ckpt)
+        checkpoint.verify(ckpt, meta, AxisComm.world(self.cfg.timeout_s), self.device)
         state = self.state(0)
         checkpoint.load(ckpt, state)
         checkpoint.restore_optimizer_steps(self.optimizer, state)
@@ -126,79 +156,165 @@ class Trainer:
             self.master.masters_to_params()
         self.start_step = state["train/step"]
 
+    # -- the run folder -----------------------------------------------------
+
+    def _claim_run_folder(self):
+        """Rank 0: lock ``out`` for this run (released when the process ends, however it ends) and refuse to
+        mix this run with another one already in it. Returns the open lock file."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = open(self.out / LOCK, "a+")  # noqa: SIM115 - held open for the whole run
+        if fcntl is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                lock.seek(0)
+                holder = lock.read().strip() or "?"
+                lock.close()
+                raise ValueError(f"run folder {self.out} is in use by another run (pid {holder}); wait for it to "
+                                 f"end or choose another --out") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        try:
+            contents = sorted(p.name for p in self.out.iterdir() if p.name != LOCK)
+            here = self.cfg.resume and checkpoint.resolve(self.cfg.resume).resolve().is_relative_to(self.out.resolve())
+            if contents and not here:
+                if not self.cfg.overwrite:
+                    raise ValueError(f"--out {self.out} already holds a run ({', '.join(contents[:4])}); pass "
+                                     f"--resume {self.out} to continue it, --overwrite to replace it, or choose "
+                                     f"another --out")
+                (self.out / "metrics.jsonl").unlink(missing_ok=True)
+                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+        except BaseException:
+            lock.close()
+            raise
+        return lock
+
+    def _open_metrics(self):
+        """metrics.jsonl: a fresh run starts it anew; a resumed run keeps the steps up to its checkpoint.
+
+        The checkpoint is the truth: lines past its step are cut, and damaged lines (a crash mid-write) dropped.
+        """
+        path = self.out / "metrics.jsonl"
+        kept, damaged = [], 0
+        if self.cfg.resume and path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                    if record["step"] <= self.start_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    damaged += bool(line.strip())
+        if damaged:
+            tqdm.write(f"torchtsp: dropped {damaged} damaged line(s) of {path}", file=sys.stderr)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        return path.open("a")
+
     # -- the loop -----------------------------------------------------------
 
     def _request_stop(self, signum, frame):
         if self.rank == 0 and not self.stop_requested:
             tqdm.write("torchtsp: stopping after this step and saving a checkpoint", file=sys.stderr)
-        self.stop_requested = True
-
-    def _open_metrics(self):
-        """metrics.jsonl: a fresh run starts it anew; a resumed run keeps the steps up to its checkpoint."""
-        path = self.out / "metrics.jsonl"
-        kept = []
-        if self.cfg.resume and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.start_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        return path.open("a")
+        self.stop_requested = self.stop_requested or signum
 
     def run(self) -> dict:
         cfg = self.cfg
-        if cfg.resume:
-            self.resume(cfg.resume)
-        self.out.mkdir(parents=True, exist_ok=True)
-        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         world = AxisComm.world(cfg.timeout_s)
-        log = self._open_metrics() if self.rank == 0 else None
-        bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
-                   dynamic_ncols=True, disable=self.rank != 0)
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        lock, problem = None, None
+        if self.rank == 0:
+            try:
+                lock = self._claim_run_folder()
+            except (ValueError, OSError) as e:
+                problem = e
+        # Every rank learns whether rank 0 could take the folder; only rank 0 raises, with the reason.
+        refused = world.all_reduce(torch.tensor(float(problem is not None), device=self.device), label="out").item()
+        if problem is not None:
+            raise problem
+        if refused:
+            return {"status": "aborted", "out": str(self.out)}
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        log, bar = None, None
         losses, times, peak, status = [], [], None, "done"
         try:
-            step = self.start_step
-            while step < cfg.steps:
-                measure = peak is None and (step > self.start_step or cfg.steps - step == 1)
+            if cfg.resume:
+                self.resume(cfg.resume)
+            log = self._open_metrics() if self.rank == 0 else None
+            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
+                       dynamic_ncols=True, disable=self.rank != 0)
+            tokens_per_step = cfg.batch_size * cfg.seq_len
+            step = saved = self.start_step
+            skipped = 0
+            while True:
+                flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
+                stop = world.all_reduce(flag, label="stop").item() > 0
+                if stop or step >= cfg.steps:
+                    break
+                has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state exists (or last step)
+                measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
                 start = time.perf_counter()
                 with Traffic(self.comms) as traffic:
                     if measure:  # live-tensor peak of a whole step once optimizer state exists
                         (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
                                                                 self.optimizer)
-                        peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
+                        step_peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
+                        peak = max(peak or 0, step_peak)
                     else:
                         loss, norm = self.train_step(step)
                 elapsed = time.perf_counter() - start
                 step += 1
                 losses.append(loss)
                 times.append(elapsed)
-                record = {"step": step, "loss": loss, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"],
-                          "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                finite = math.isfinite(loss) and math.isfinite(norm)
+                record = {"step": step, "loss": _finite_or_none(loss), "grad_norm": _finite_or_none(norm),
+                          "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+                          "tokens_per_s": tokens_per_step / elapsed,
                           "bytes_recv_rank0": traffic.recv}
                 if measure:
-                    record["peak_mem_bytes"] = peak
+                    record["peak_mem_bytes"] = step_peak
+                if not finite:
+                    record["skipped"] = "non-finite"
                 if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                    try:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                    except OSError as e:
+                        raise checkpoint.disk_error(e, self.out) from None
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
                                 mem=f"{peak / 2**20:.1f}MiB" if peak else "-")
-                flag = torch.tensor(float(self.stop_requested), device=self.device)
-                stop = world.all_reduce(flag, label="stop").item() > 0
-                if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                    where = self.save(step)
-                    if stop:
-                        status = "interrupted"
-                        if self.rank == 0:
-                            tqdm.write(f"torchtsp: interrupted at step {step}; checkpoint saved to {where}",
-                                       file=sys.stderr)
-                        break
+                if not finite:
+                    skipped += 1
+                    if skipped > cfg.skip_nonfinite:
+                        budget = f"{skipped - 1} skipped already, --skip-nonfinite {cfg.skip_nonfinite}" \
+                            if cfg.skip_nonfinite else "pass --skip-nonfinite N to skip up to N such steps"
+                        raise ValueError(f"step {step}: non-finite loss ({loss}) or gradient norm ({norm}); the step "
+                                         f"was not applied and no checkpoint was written; lower --lr ({budget})")
+                    if self.rank == 0:
+                        tqdm.write(f"torchtsp: step {step} skipped: non-finite loss ({loss}) or gradient norm "
+                                   f"({norm}); {skipped}/{cfg.skip_nonfinite} of the budget used", file=sys.stderr)
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    self.save(step)
+                    saved = step
+            if stop:
+                status = "interrupted"
+                where = self.save(step) if step != saved else None
+                if self.rank == 0:
+                    what = f"checkpoint saved to {where}" if where else "no new step to save"
+                    tqdm.write(f"torchtsp: interrupted at step {step}; {what}", file=sys.stderr)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             if log:
                 log.close()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            if lock is not None:
+                lock.close()
         summary = self.summary(losses, times, peak, status)
+        summary["signal"] = int(self.stop_requested) if status == "interrupted" else None
         if status == "done" and cfg.sample_tokens:
             summary["sample"] = self.sample()
         return summary
