@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.comm import AxisComm
+from ..parallel.shards import vocab_slice_index
 
 
 def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
@@ -22,13 +23,11 @@ def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vo
     return logits
 
 
-def masked_lookup(ids: torch.Tensor, rows: torch.Tensor, first_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embedding rows of the ids inside a vocabulary slice starting at ``first_id``, zeros for the others,
-    and the hit mask (no boolean indexing: no host sync)."""
-    local = ids - first_id
-    hit = (local >= 0) & (local < rows.shape[0])
-    found = F.embedding(local.clamp(0, rows.shape[0] - 1), rows)
-    return torch.where(hit.unsqueeze(-1), found, 0.0), hit
+def masked_lookup(ids: torch.Tensor, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embedding rows of the ids inside vocabulary shard ``shard`` (``rows``: its [V/D, h] weights), zeros for the
+    others, and the hit mask (``parallel.shards.vocab_slice_index``: no boolean indexing, no host sync)."""
+    local, hit = vocab_slice_index(ids, rows.shape[0], shard)
+    return torch.where(hit.unsqueeze(-1), F.embedding(local, rows), 0.0), hit
 
 
 def select_last(z: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

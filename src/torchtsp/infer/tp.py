@@ -44,7 +44,7 @@ class MegatronEngine(Engine):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
         cfg, cache = self.cfg, self.cache
         B, T = ids.shape
-        x = self._sum(masked_lookup(ids, self.embedding, self.vocab_start)[0], "infer.tp.embedding")
+        x = self._sum(masked_lookup(ids, self.embedding, self.comm.rank)[0], "infer.tp.embedding")
         cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos, valid)
         for i, w in enumerate(self.layers):

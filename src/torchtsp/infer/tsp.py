@@ -88,7 +88,7 @@ class TSPEngine(Engine):
         B, T = ids.shape
         x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
         for s, w in ring_each(comm, self.model.embedding_shard.detach(), "infer.embedding"):
-            found, hit = masked_lookup(ids, w, s * w.shape[0])
+            found, hit = masked_lookup(ids, w, s)
             x = torch.where(hit.unsqueeze(-1), found, x)
         cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos, valid, counts)
@@ -127,7 +127,7 @@ class TSPEngine(Engine):
         cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
         B, T = ids.shape
         hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
-        x = comm.all_reduce(masked_lookup(ids, self.embedding, self.vocab_start)[0], label="infer.embedding")
+        x = comm.all_reduce(masked_lookup(ids, self.embedding, comm.rank)[0], label="infer.embedding")
         cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos[:, keep], valid[:, keep], counts)
         for i, layer in enumerate(self.model.layers):

@@ -50,7 +50,7 @@ from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, head_norm, rms_norm, rope_tables
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, weight_source
-from .shards import real_vocab_rows, vocab_shard
+from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
 
@@ -151,9 +151,8 @@ class VocabParallelEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, w, comm: AxisComm, sequence_parallel: bool):
         rows = w.shape[0]
-        local = ids - comm.rank * rows
-        outside = (local < 0) | (local >= rows)
-        local = local.masked_fill(outside, 0)
+        local, hit = vocab_slice_index(ids, rows, comm.rank)
+        outside = ~hit
         x = F.embedding(local, w).masked_fill_(outside.unsqueeze(-1), 0.0)
         ctx.save_for_backward(local, outside)
         ctx.comm, ctx.sequence_parallel, ctx.rows = comm, sequence_parallel, rows
@@ -165,7 +164,7 @@ class VocabParallelEmbedding(torch.autograd.Function):
         if ctx.sequence_parallel:
             dx = gather_seq(ctx.comm, dx.contiguous(), label="tp.embedding.grad_gather")
         dx = dx.masked_fill(outside.unsqueeze(-1), 0.0)
-        # The kernel the reference embedding's backward runs (out-of-slice ids add zeros to row 0).
+        # The kernel the reference embedding's backward runs (out-of-slice ids add zeros to a clamped row).
         dw = torch.ops.aten.embedding_dense_backward(dx, local, ctx.rows, -1, False)
         return None, dw, None, None
 
@@ -187,9 +186,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         probs = logits.to(torch.float32, copy=True)
         if real < cols:
             probs[:, max(real, 0):] = float("-inf")
-        local = labels - start
-        hit = (local >= 0) & (local < real)
-        local = local.masked_fill(~hit, 0)
+        local, hit = vocab_slice_index(labels, cols, comm.rank)  # labels are < vocab_size: never a padding column
         target = torch.where(hit, probs.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
         m = probs.amax(dim=1).clamp_(min=torch.finfo(torch.float32).min)  # finite even for padding-only slices
         sum_exp = probs.sub_(m.unsqueeze(1)).exp_().sum(dim=1)
