@@ -96,14 +96,17 @@ class _Built:
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    def timed_step(self) -> float:
-        """One step started after a barrier (so every rank starts together); its wall time on this rank."""
+    def timed_step(self) -> tuple[float, float]:
+        """One step started after a barrier (so every rank starts together): (its wall time on this rank, the
+        seconds this rank was blocked waiting on transfers of the model's axes: exposed communication)."""
         _sync(self.device)
         comm.barrier()
-        start = time.perf_counter()
-        self.step()
-        _sync(self.device)
-        return time.perf_counter() - start
+        with Traffic(self.model.comms()) as traffic:
+            start = time.perf_counter()
+            self.step()
+            _sync(self.device)
+            elapsed = time.perf_counter() - start
+        return elapsed, sum(s.wait_s for s in traffic.stats.values())
 
 
 def _build(spec: CellSpec, mesh) -> _Built | str:
@@ -142,14 +145,17 @@ def _cell(spec: CellSpec, mesh) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     loss, peak = measure_peak(step, model, optimizer)
+    waited = 0.0
     if spec.mode == "sweep":
-        times = [built.timed_step() for _ in range(spec.steps)]
+        timed = [built.timed_step() for _ in range(spec.steps)]
+        times, waited = [t for t, _ in timed], sum(w for _, w in timed)
 
     world = AxisComm.world(spec.timeout_s)  # a separate comm: not counted with the model's axes
-    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), *times], dtype=torch.float64,
+    exposed = waited / sum(times) if times else 0.0
+    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, *times], dtype=torch.float64,
                          device=built.device)
     rows = world.all_gather(local).cpu().tolist()
-    step_times = [max(r[4 + i] for r in rows) for i in range(len(times))]
+    step_times = [max(r[5 + i] for r in rows) for i in range(len(times))]
     return {
         "error": None,
         "peak_bytes_per_rank": [int(r[0]) for r in rows],
@@ -157,6 +163,8 @@ def _cell(spec: CellSpec, mesh) -> dict:
         "step_bytes_per_rank": [int(r[2]) for r in rows] if spec.counted else None,
         "loss": rows[0][3],
         "step_times_s": step_times,
+        # Fraction of its timed steps each rank spent blocked on transfers; the largest over ranks.
+        "exposed_comm_fraction": max(r[4] for r in rows) if spec.counted else None,
         "forward_bytes_by_op_rank0": fwd_by_op if comm.global_rank() == 0 else None,
         "step_bytes_by_op_rank0": step_by_op if comm.global_rank() == 0 else None,
     }
@@ -197,7 +205,7 @@ def paired_on_rank(specs: list[CellSpec]) -> dict:
     for i in range(steps):
         order = list(range(len(specs)))
         for k in order if i % 2 == 0 else reversed(order):
-            times[k][i] = built[k].timed_step()
+            times[k][i] = built[k].timed_step()[0]
     device = built[0].device
     rows = AxisComm.world(specs[0].timeout_s).all_gather(
         torch.tensor([t for per in times for t in per], dtype=torch.float64, device=device)).cpu().tolist()

@@ -42,6 +42,10 @@ def _match(m) -> str:
     return "-" if m is None else ("yes" if m else "**NO**")
 
 
+def _share(f) -> str:
+    return "-" if f is None else f"{100 * f:.0f}%"
+
+
 def _pct(p) -> str:
     return "-" if p is None else f"{p:+.1f}%"
 
@@ -75,21 +79,24 @@ def sweep_markdown(result: dict) -> str:
         f"Step = forward + backward + AdamW; median of {meta['steps']} timed steps after {meta['warmup']} warm-up "
         f"step(s) (slowest rank per step); peak = live tensor bytes of one whole step with optimizer state, "
         f"max over ranks; bytes = received per rank in one forward, counted by the comm layer; "
-        f"tp and torch_tp sequence parallel: {'on' if meta['sequence_parallel'] else 'off'}. "
+        f"exposed comm = share of the timed steps a rank spent blocked on transfers (largest over ranks); "
+        f"tp and torch_tp sequence parallel: {'on' if meta['sequence_parallel'] else 'off'}; activations: "
+        f"{'every scheme recomputes each layer in backward' if meta.get('recompute') else 'saved by every scheme'}. "
         f"Run took {meta['elapsed_s']:.0f} s ({meta['date']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores).",
         "",
-        "| scheme | mesh | S | peak MiB | predicted MiB | error | step ms | tokens/s | fwd bytes | predicted fwd bytes "
-        "| match | step bytes match |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+        "| scheme | mesh | S | peak MiB | predicted MiB | error | step ms | tokens/s | exposed comm | fwd bytes "
+        "| predicted fwd bytes | match | step bytes match |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
     ]
     for S in sorted({c["seq_len"] for c in cells}):
         for c in sorted((c for c in cells if c["seq_len"] == S), key=lambda c: _rank(c["scheme"])):
             if c["status"] != "ok":
-                lines.append(f"| {c['scheme']} | {c['mesh']} | {S} | {c['status']} |  |  |  |  |  |  |  |  |")
+                lines.append(f"| {c['scheme']} | {c['mesh']} | {S} | {c['status']} |  |  |  |  |  |  |  |  |  |")
                 continue
             lines.append(
                 f"| {c['scheme']} | {c['mesh']} | {S} | {_mib(c['peak_bytes'])} | {_mib(c['predicted_peak_bytes'])} "
                 f"| {_pct(c['peak_error_pct'])} | {c['median_step_s'] * 1000:.0f} | {c['tokens_per_s']:,.0f} "
+                f"| {_share(c.get('exposed_comm_fraction'))} "
                 f"| {_int(c['forward_bytes'])} | {_int(c['predicted_forward_bytes'])} | {_match(c['bytes_match'])} "
                 f"| {_match(c['step_bytes_match'])} |")
     lines += ["", "Lowest measured per-rank peak: "

@@ -133,6 +133,7 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
         fwd, whole = result["forward_bytes_per_rank"], result["step_bytes_per_rank"]
         rec.update({
             "step_times_s": result["step_times_s"], "median_step_s": median,
+            "exposed_comm_fraction": result.get("exposed_comm_fraction"),
             "tokens_per_s": spec.batch * spec.seq_len / median,
             "forward_bytes": None if fwd is None else fwd[0], "forward_bytes_per_rank": fwd,
             "predicted_forward_bytes": pred["forward_bytes"],
