@@ -83,9 +83,10 @@ def test_a_rank_never_holds_more_than_its_shards_and_one_tensor(pools, tmp_path,
         print(f"\n{source}: peak {peak / 2**20:.2f} MiB, kept {kept / 2**20:.2f} MiB, whole model "
               f"{whole / 2**20:.2f} MiB, largest tensor {largest / 2**20:.2f} MiB")
         assert kept <= whole / 4 * 1.05  # 1/D of the model (vocabulary padding adds a few rows)
-        # Its shards, plus at most one tensor (the piece being read, a shard of the largest tensor at most)
-        # alive beside the packed buffer being filled.
-        assert peak <= kept + largest, (peak, kept, largest)
+        # Its shards, plus one tensor being read beside the packed buffer being filled. Reading from safetensors,
+        # that tensor is a view of the file's bytes (memory-mapped; MemTracker counts its whole storage, the
+        # largest tensor at most) and the copy of this rank's slice of it (1/D of it): kept + (1 + 1/D) x largest.
+        assert peak <= kept + largest * 5 // 4, (peak, kept, largest)
 
 
 def hf_load_on_rank(hf_dir, degrees, scheme):
