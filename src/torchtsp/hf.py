@@ -472,18 +472,23 @@ def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read an HF checkpoint directory of a supported family; returns ``(cfg, state dict in torchtsp names)``."""
-    path = Path(path)
+def _hf_dir_config(path: Path) -> tuple[ModelConfig, Path]:
+    """The ModelConfig of an HF checkpoint directory, and its config.json (errors name the file)."""
     _require_dir(path)
     cfg_path = path / HF_CONFIG_NAME
     hf_config = _read_json(
         cfg_path, "a Hugging Face checkpoint directory needs config.json (as written by save_pretrained)"
     )
     try:
-        cfg = config_from_hf(hf_config)
+        return config_from_hf(hf_config), cfg_path
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
+
+
+def load_hf_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an HF checkpoint directory of a supported family; returns ``(cfg, state dict in torchtsp names)``."""
+    path = Path(path)
+    cfg, cfg_path = _hf_dir_config(path)
     hf_sd = _load_hf_weights(path)
     try:
         return cfg, from_hf_state_dict(hf_sd, cfg)
@@ -622,13 +627,7 @@ def open_hf_weights(path: str | os.PathLike):
     from .weights import SafetensorsWeights
 
     path = Path(path)
-    _require_dir(path)
-    cfg_path = path / HF_CONFIG_NAME
-    hf_config = _read_json(cfg_path, "a Hugging Face checkpoint directory needs config.json")
-    try:
-        cfg = config_from_hf(hf_config)
-    except ValueError as e:
-        raise ValueError(f"{cfg_path}: {e}") from e
+    cfg, cfg_path = _hf_dir_config(path)
     files = _hf_weight_files(path)
     try:
         return cfg, SafetensorsWeights(cfg, files, _to_hf_name)

@@ -249,8 +249,8 @@ def restore_optimizer_steps(optimizer, state: dict) -> None:
         moments["step"].copy_(state["optim/step"])
 
 
-def load(checkpoint: Path, state: dict) -> None:
-    """Fill ``state`` (from ``training_state``) in place; reshards to this run's layout."""
+def _load_tensors(checkpoint: Path, state: dict) -> None:
+    """DCP load into ``state`` in place (resharding); a failure is one ValueError naming the checkpoint."""
     try:
         comm.load_checkpoint(state, str(checkpoint))
     except (KeyboardInterrupt, SystemExit):
@@ -260,6 +260,11 @@ def load(checkpoint: Path, state: dict) -> None:
         cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
         raise ValueError(f"checkpoint {checkpoint} could not be loaded, it looks damaged or incomplete "
                          f"({cause[0][:200]})") from None
+
+
+def load(checkpoint: Path, state: dict) -> None:
+    """Fill ``state`` (from ``training_state``) in place; reshards to this run's layout."""
+    _load_tensors(checkpoint, state)
     torch.set_rng_state(state["train/rng"])
 
 
@@ -283,12 +288,5 @@ class CheckpointWeights(WeightSource):
         full = torch.empty(shape)
         with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            try:
-                comm.load_checkpoint({f"model/{name}": full}, str(self.checkpoint))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
-                cause = [line.strip() for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
-                raise ValueError(f"checkpoint {self.checkpoint} could not be loaded, it looks damaged or "
-                                 f"incomplete ({cause[0][:200]})") from None
+            _load_tensors(self.checkpoint, {f"model/{name}": full})
         return full.narrow(dim, start, stop - start)
