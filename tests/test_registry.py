@@ -92,15 +92,16 @@ def test_a_mesh_without_the_schemes_axis_is_refused():
         get_scheme("tp").check_mesh({"tsp": 1})
 
 
-def dp_over_scheme_on_rank(scheme, degrees):
+def dp_over_scheme_on_rank(scheme, degrees, options):
     mesh = torchtsp.init_mesh(**degrees)
-    return run_against_reference(CFG, mesh, scheme, B=4, S=16)
+    return run_against_reference(CFG, mesh, scheme, B=4, S=16, **options)
 
 
-@pytest.mark.parametrize("scheme,degrees", [("tsp", {"dp": 2, "tsp": 2}), ("tp", {"dp": 2, "tp": 2}),
-                                            ("sp", {"dp": 2, "sp": 2})])
-def test_data_parallel_over_any_scheme_matches_the_reference(pools, scheme, degrees):
-    for r in pools(4).run(dp_over_scheme_on_rank, scheme, degrees):
+@pytest.mark.parametrize("scheme,degrees,options", [("tsp", {"dp": 2, "tsp": 2}, {}), ("tp", {"dp": 2, "tp": 2}, {}),
+                                                    ("sp", {"dp": 2, "sp": 2}, {}), ("dp", {"dp": 4}, {}),
+                                                    ("dp", {"dp": 4}, {"recompute": True})])
+def test_data_parallel_over_any_scheme_matches_the_reference(pools, scheme, degrees, options):
+    for r in pools(4).run(dp_over_scheme_on_rank, scheme, degrees, options):
         assert r["names"]
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"]  # float32 round-off of a sum over 4 ranks
         assert max(r["grad_err"].values()) <= 1e-4, r["grad_err"]  # partial sums added in another order

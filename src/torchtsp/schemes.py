@@ -188,7 +188,7 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
            options=("recompute",), memory_walk="reference", traffic="tp_step_traffic"),
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
-           axes=(), free_axis="dp", memory_walk="reference", traffic="dp_step_traffic"),
+           axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=()),
 )}
