@@ -99,6 +99,7 @@ def dp_over_scheme_on_rank(scheme, degrees, options):
 
 @pytest.mark.parametrize("scheme,degrees,options", [("tsp", {"dp": 2, "tsp": 2}, {}), ("tp", {"dp": 2, "tp": 2}, {}),
                                                     ("sp", {"dp": 2, "sp": 2}, {}), ("dp", {"dp": 4}, {}),
+                                                    ("torch_tp", {"dp": 2, "tp": 2}, {}),
                                                     ("dp", {"dp": 4}, {"recompute": True})])
 def test_data_parallel_over_any_scheme_matches_the_reference(pools, scheme, degrees, options):
     for r in pools(4).run(dp_over_scheme_on_rank, scheme, degrees, options):
