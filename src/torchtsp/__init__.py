@@ -2,12 +2,13 @@
 
 from .config import PRESETS, ModelConfig, get_preset
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize", "spawn"]
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize",
+           "pipeline_parallelize", "spawn"]
 __version__ = "0.1.0"
 
 # The torch-backed names load on first use, so that the command line starts fast (`torchtsp plan`).
 _LAZY = {"Transformer": "model", "WorkerPool": "distributed", "init_mesh": "distributed",
-         "parallelize": "parallel", "spawn": "distributed"}
+         "parallelize": "parallel", "pipeline_parallelize": "parallel", "spawn": "distributed"}
 
 
 def __getattr__(name):

@@ -22,6 +22,11 @@ from dataclasses import dataclass
 # Mesh axes, outermost first: data-parallel replicas, then the sequence axis of TP x SP, then TP, then TSP
 # (innermost, so that one TSP group stays inside a node).
 AXES = ("dp", "sp", "tp", "tsp")
+# Pipeline stages wrap a scheme from outside, like data parallelism, on one more axis outside all of AXES
+# (a mesh has it only when pp > 1). Only schemes with ``pipeline=True`` run as stages.
+PIPELINE_AXIS = "pp"
+# Schedules of torch.distributed.pipelining that ``--schedule`` names; interleaved runs several stages per rank.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
 MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm")
 
@@ -42,7 +47,8 @@ class Scheme:
     ``memory_walk``: the memory model's walk for it (``analysis.memory_model``); ``traffic``: the name of
     its per-step traffic formula in ``analysis.comm_model``. ``None`` for both: not modelled (its traffic
     is not counted by our comm layer). ``features``: the ``MODEL_FEATURES`` it implements; a model with
-    another is refused, never run without it.
+    another is refused, never run without it. ``pipeline``: whether it runs as the stages of a pipeline
+    (``parallel/pipeline.py``, the ``pp`` axis).
     """
 
     name: str
@@ -56,6 +62,7 @@ class Scheme:
     memory_walk: str | None = None
     traffic: str | None = None
     features: tuple[str, ...] = MODEL_FEATURES
+    pipeline: bool = False
 
     # -- degrees --------------------------------------------------------------------------
 
@@ -126,7 +133,10 @@ class Scheme:
         if missing:
             raise ValueError(f"scheme {self.name!r} needs a mesh with the axis {', '.join(missing)}, got axes "
                              f"{', '.join(sizes) or 'none'}; build it with torchtsp.init_mesh")
-        ignored = {a: n for a, n in sizes.items() if n > 1 and a != "dp" and a not in self.axes}
+        if sizes.get(PIPELINE_AXIS, 1) > 1 and not self.pipeline:
+            raise ValueError(f"scheme {self.name!r} does not run as pipeline stages (pp={sizes[PIPELINE_AXIS]}); "
+                             f"use one of: {', '.join(s.name for s in SCHEMES.values() if s.pipeline)}, or drop --pp")
+        ignored = {a: n for a, n in sizes.items() if n > 1 and a not in ("dp", PIPELINE_AXIS) and a not in self.axes}
         if ignored:
             shown = ", ".join(f"{a}={n}" for a, n in ignored.items())
             raise ValueError(f"scheme {self.name!r} does not use the mesh axis {shown}: it parallelises over "
@@ -177,7 +187,8 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling",)),
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling",),
+           pipeline=True),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
            options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),
@@ -192,6 +203,59 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=()),
 )}
+
+
+def stage_layer_ranges(n_layers: int, stages: int) -> list[range]:
+    """The contiguous layer range of every stage (equal sizes: ``check_pipeline`` refuses the rest)."""
+    per = n_layers // stages
+    return [range(s * per, (s + 1) * per) for s in range(stages)]
+
+
+def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch: int | None, degrees: dict[str, int],
+                   schedule: str = "1f1b") -> int:
+    """Refuse, before any communication, a pipeline the model, batch or schedule cannot run; return the
+    number of microbatches (default: one per stage, so that ``--pp N`` alone works). ``batch`` None: not known
+    yet (checked again when the batch arrives).
+
+    The stages (``pp`` of them, ``pp x v`` for the interleaved schedule, v = 2 stages per rank) are
+    contiguous, equal layer ranges; the embedding goes to the first, the final norm, head and loss to the last.
+    """
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"--pp must be a positive integer, got {pp!r}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of: {', '.join(PIPELINE_SCHEDULES)}")
+    microbatches = pp if microbatches is None else microbatches
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"--microbatches must be a positive integer, got {microbatches!r}")
+    if pp == 1:
+        return microbatches
+    if not scheme.pipeline:
+        raise ValueError(f"scheme {scheme.name!r} does not run as pipeline stages; use one of: "
+                         f"{', '.join(s.name for s in SCHEMES.values() if s.pipeline)}, or drop --pp")
+    stages = pp * stages_per_rank(schedule)
+    if microbatches < pp:
+        raise ValueError(f"--microbatches {microbatches} is fewer than the {pp} pipeline stages: a stage would idle "
+                         f"for the whole step; use at least {pp}")
+    rounds = max(1, microbatches // pp)
+    if schedule == "interleaved_1f1b" and microbatches % rounds:
+        raise ValueError(f"the interleaved schedule runs rounds of --pp {pp} microbatches: --microbatches "
+                         f"{microbatches} must be a multiple of {rounds}")
+    if cfg.n_layers % stages:
+        what = f"{pp} stages" if stages == pp else f"{stages} stages ({pp} ranks x {stages // pp} each)"
+        raise ValueError(f"the model's {cfg.n_layers} layers do not divide into {what}; choose --pp dividing "
+                         f"n_layers")
+    if getattr(cfg, "tie_embeddings", False):
+        raise ValueError("a model with tied embeddings cannot be split into pipeline stages yet (the embedding "
+                         "lives in the first stage, the head in the last); drop --pp or untie them")
+    rows = degrees.get("dp", 1) * microbatches
+    if batch is not None and batch % rows:
+        raise ValueError(f"batch size {batch} does not divide into {microbatches} microbatches on each of "
+                         f"{degrees.get('dp', 1)} data-parallel replicas; choose a batch divisible by {rows}")
+    return microbatches
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved_1f1b" else 1
 
 
 def get_scheme(name: str) -> Scheme:

@@ -29,7 +29,14 @@ reduce_scatter     (D-1)·n (n = output bytes)   (D-1)·n
 reduce             (D-1)·n at the destination   n elsewhere
 all_reduce         2(D-1)/D·n (ring algorithm)  2(D-1)/D·n
 ring_shift         n                            n
+pipeline_p2p       n per received tensor        n per sent tensor
 =================  ===========================  ===========================
+
+``pipeline_p2p`` is the one kind of traffic this module does not issue itself: the sends and
+receives of ``torch.distributed.pipelining`` between pipeline stages. Its stage hands every
+batch of point-to-point ops it is about to issue to ``AxisComm.count_p2p`` first (see
+``parallel/pipeline.py``), which counts the bytes of exactly those tensors; they run on a process
+group from ``pipeline_group`` whose timeout bounds every wait.
 """
 
 from __future__ import annotations
@@ -102,6 +109,16 @@ def sibling_group(mesh: DeviceMesh, name: str, purpose: str, timeout_s: float = 
                 mine = group
         _SIBLING_GROUPS[key] = mine
     return _SIBLING_GROUPS[key]
+
+
+def pipeline_group(mesh: DeviceMesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """This rank's process group along the ``pp`` mesh axis, for ``torch.distributed.pipelining``.
+
+    A group of its own (created once, collectively), with the run's timeout: the pipelining library waits on
+    its transfers without a timeout of its own, so the group's timeout is what turns a dead stage into an
+    error instead of a hang.
+    """
+    return sibling_group(mesh, "pp", "pipeline", timeout_s)
 
 
 def world_size() -> int:
@@ -271,6 +288,15 @@ class AxisComm:
                 stats.calls[op] += 1
                 stats.bytes_sent[op] += sent
                 stats.bytes_recv[op] += recv
+
+    def count_p2p(self, ops: list, label=None) -> list:
+        """Count point-to-point ops that a library issues itself (``dist.P2POp``: the pipeline stages' sends
+        and receives of activations and their gradients); returns ``ops`` unchanged."""
+        for op in ops:
+            n = self._nbytes(op.tensor)
+            sending = op.op in (dist.isend, dist.send)
+            self._record("issue", "pipeline_p2p", label, n if sending else 0, 0 if sending else n)
+        return ops
 
     def _issue(self, op, label, sent, recv, launch, result) -> Pending:
         records = [(stats, Transfer(self.stream, op, label, len(stats.events))) for stats in self._active]

@@ -1,10 +1,10 @@
-"""Named device meshes: ``init_mesh(dp=, tsp=, tp=, sp=)``."""
+"""Named device meshes: ``init_mesh(dp=, tsp=, tp=, sp=, pp=)``."""
 
 from __future__ import annotations
 
 import torch
 
-from ..schemes import AXES
+from ..schemes import AXES, PIPELINE_AXIS
 from . import comm
 
 
@@ -28,15 +28,20 @@ def mesh_sizes(mesh) -> dict[str, int]:
     return {name: mesh.size(i) for i, name in enumerate(names)}
 
 
-def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, device_type: str | None = None,
+def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, pp: int = 1, device_type: str | None = None,
               timeout_s: float = comm.DEFAULT_TIMEOUT_S):
     """A DeviceMesh with axes ``dp, sp, tp, tsp`` (all four always present; unused ones have size 1).
+
+    ``pp > 1`` adds the pipeline axis ``pp`` outermost: [pp, dp, sp, tp, tsp], so that a stage's TSP group
+    (and its data-parallel replicas) are neighbouring ranks and consecutive stages are ``dp x tsp`` ranks
+    apart (on a multi-node job, pipeline and data parallelism cross nodes, TSP stays inside one). A mesh
+    without pipeline keeps its four axes unchanged.
 
     Works whether or not the default process group exists: it is created from torchrun's
     environment if present, as a one-rank group otherwise. gloo on CPU, NCCL on CUDA.
     Raises ``ValueError`` before any collective if the degrees do not multiply to the world size.
     """
-    degrees = {"dp": dp, "sp": sp, "tp": tp, "tsp": tsp}
+    degrees = {PIPELINE_AXIS: pp, "dp": dp, "sp": sp, "tp": tp, "tsp": tsp}
     for name, value in degrees.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"mesh degree {name}={value!r} must be a positive integer")
@@ -44,9 +49,10 @@ def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, device_typ
     comm.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout_s)
     if device_type == "cuda":
         torch.cuda.set_device(comm.global_rank() % torch.cuda.device_count())
-    world, product = comm.world_size(), dp * sp * tp * tsp
+    names = ((PIPELINE_AXIS,) if pp > 1 else ()) + AXES
+    world, product = comm.world_size(), pp * dp * sp * tp * tsp
     if product != world:
-        shown = " x ".join(f"{n}={degrees[n]}" for n in AXES)
+        shown = " x ".join(f"{n}={degrees[n]}" for n in names)
         raise ValueError(f"mesh {shown} needs {product} ranks but the world has {world}; "
                          f"make the degrees multiply to {world}")
-    return comm.make_device_mesh(device_type, tuple(degrees[n] for n in AXES), AXES)
+    return comm.make_device_mesh(device_type, tuple(degrees[n] for n in names), names)

@@ -50,6 +50,9 @@ def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: boo
     if not isinstance(model, Transformer):
         raise TypeError(f"parallelize expects a torchtsp Transformer, got {type(model).__name__}")
     spec = get_scheme(scheme)
+    if mesh_sizes(mesh).get("pp", 1) > 1:
+        raise ValueError("a mesh with a pp axis is split into pipeline stages by "
+                         "torchtsp.parallel.pipeline.pipeline_parallelize, not parallelize")
     options = {name: value for name, value in (("recompute", recompute), ("sequence_parallel", sequence_parallel))
                if value is not None}
     unsupported = sorted(set(options) - set(spec.options))

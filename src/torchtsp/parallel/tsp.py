@@ -530,9 +530,19 @@ class TSPTransformer(ParallelTransformer):
 
     def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
+        return self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens)), labels)
+
+    # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
+        return TSPEmbedding.apply(tokens, self.embedding_shard, self.math)
+
+    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions)."""
         cfg, comm = self.cfg, self.comm
-        seq_len = tokens.shape[1] * comm.size
-        positions = zigzag.positions(seq_len, comm.size, comm.rank, device=tokens.device)
+        seq_len = x.shape[1] * comm.size
+        positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
         cos, sin = rope_tables(positions, cfg)
         eps, math = cfg.norm_eps, self.math
         # Cross-layer prefetch of the next attention's first shard; off under recompute, where a layer's
@@ -552,11 +562,15 @@ class TSPTransformer(ParallelTransformer):
                                                     layer.attention_shard.detach())
             return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind)
 
-        x = TSPEmbedding.apply(tokens, self.embedding_shard, math)
         for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
             x = checkpoint(block, x, i, use_reentrant=False) if self.recompute else block(x, i)
-        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), eps).flatten(0, 1)
+        return x
+
+    def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
+        """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
+        comm, math = self.comm, self.math
+        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), self.cfg.norm_eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, math)
         return global_sum_and_count(nll.sum(), labels, comm)
@@ -579,7 +593,9 @@ class TSPTransformer(ParallelTransformer):
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
         math, V = self.math, self.cfg.vocab_size
         gather = lambda t: self.comm.all_gather(t, label="gather_full")
-        out = {"tok_embeddings.weight": gather(pick(self.embedding_shard)).flatten(0, 1)[:V]}
+        out = {}
+        if self.embedding_shard is not None:  # None: a pipeline stage without the embedding
+            out["tok_embeddings.weight"] = gather(pick(self.embedding_shard)).flatten(0, 1)[:V]
         for i, layer in enumerate(self.layers):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
             for name, t in math.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
@@ -587,7 +603,8 @@ class TSPTransformer(ParallelTransformer):
             out[f"layers.{i}.ffn_norm.weight"] = pick(layer.ffn_norm)
             for name, t in math.mlp_layout.unpack_gathered(gather(pick(layer.mlp_shard))).items():
                 out[f"layers.{i}.{name}"] = t
-        out["norm.weight"] = pick(self.norm)
+        if self.norm is not None:  # None: a pipeline stage without the head
+            out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
             out["output.weight"] = gather(pick(self.output_shard)).flatten(0, 1)[:V]
         return out

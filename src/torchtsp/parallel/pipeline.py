@@ -1,0 +1,269 @@
+"""Pipeline stages around TSP, on a [pp, dp, tsp] mesh (see docs/design.md, "Pipeline stages").
+
+The model's layers are cut into contiguous, equal ranges, one per stage (two per rank for the
+interleaved schedule). Stage s runs on the ranks whose ``pp`` coordinate holds it: each of its
+``dp`` replicas is one TSP group, holding 1/D of every weight of the stage's layers and 1/D of the
+tokens of its microbatches (zigzag layout). The first stage also embeds the tokens; the last one
+also applies the final norm, the LM head and the loss. A stage is an ordinary ``TSPTransformer``
+over the stage's layers (``StageWeights`` names them as a model of that many layers); only the
+parts it runs are kept.
+
+At a stage boundary nothing is gathered: rank p of the TSP group of one stage sends its own token
+shard [b, S/D, h] to rank p of the next stage, which is its neighbour along the ``pp`` axis, and the
+gradient of that shard comes back the same way.
+
+The schedule is ``torch.distributed.pipelining``'s (GPipe, 1F1B, interleaved 1F1B). That library
+issues its sends and receives itself, which is the one exception to "only comm.py calls
+torch.distributed": it runs on a process group made by ``comm.pipeline_group`` (whose timeout bounds
+every wait), and ``CountedStage`` hands every batch of its point-to-point ops to
+``AxisComm.count_p2p`` before they are issued, so the ``pp`` axis's traffic is counted like any other.
+
+Exactness: every microbatch's loss is its summed NLL divided by the number of targets of the whole
+global batch (known before the step), so the sum over microbatches and replicas is the global mean
+and the gradients, accumulated over microbatches (``scale_grads=False``) and summed over ``dp`` after
+the schedule, are those of the single-device model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from ..distributed import comm as comm_lib
+from ..distributed import zigzag
+from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ..distributed.mesh import mesh_device, mesh_sizes
+from ..model import IGNORE_INDEX, Transformer
+from ..schemes import PIPELINE_AXIS, check_pipeline, get_scheme, stage_layer_ranges, stages_per_rank
+from ..weights import SeededWeights, WeightSource
+from .base import ParallelTransformer
+from .tsp import TSPTransformer
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+class StageWeights(WeightSource):
+    """The reference weights of layers [start, start + n) (with the embedding, final norm and head), named
+    as those of an n-layer model, so a stage is built by ``TSPTransformer`` unchanged."""
+
+    def __init__(self, source: WeightSource, stage_cfg, start: int):
+        super().__init__(stage_cfg, source.device, source.dtype)
+        self.source, self.start = source, start
+
+    def on(self, device) -> StageWeights:
+        return StageWeights(self.source.on(device), self.cfg, self.start)
+
+    def get(self, name: str, dim: int | None = None, parts: int = 1, index: int = 0) -> torch.Tensor:
+        return self.source.get(shift_layer(name, self.start), dim, parts, index)
+
+
+def shift_layer(name: str, offset: int) -> str:
+    """``layers.i.rest`` -> ``layers.{i + offset}.rest``; other names unchanged."""
+    return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+
+
+class TSPStage(nn.Module):
+    """One pipeline stage: layers ``layers`` of the model on this rank's TSP group.
+
+    ``forward`` takes token ids [b, S/D] (first stage) or hidden states [b, S/D, h] and returns hidden states;
+    the last stage's head and loss run in ``nll_sum``, the schedule's loss function.
+    """
+
+    def __init__(self, cfg, mesh, layers: range, first: bool, last: bool, source: WeightSource,
+                 recompute: bool, timeout_s: float):
+        super().__init__()
+        self.layers, self.first, self.last = layers, first, last
+        stage_cfg = cfg.replace(n_layers=len(layers))
+        self.tsp = TSPTransformer(Transformer(stage_cfg, device="meta"), mesh, recompute=recompute,
+                                  timeout_s=timeout_s, weights=StageWeights(source, stage_cfg, layers.start))
+        # Keep only what this stage runs (the constructor drew every part of an n-layer model).
+        if not first:
+            self.tsp.embedding_shard = None
+        if not last:
+            self.tsp.norm = None
+            self.tsp.output_shard = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tsp.embed(x)
+        return self.tsp.hidden_states(x)
+
+    def nll_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.tsp.head_nll_sum_and_count(x, labels)[0]
+
+    def reference_parts(self, name: str, local: torch.Tensor):
+        return [(shift_layer(ref, self.layers.start), piece, dims)
+                for ref, piece, dims in self.tsp.reference_parts(name, local)]
+
+
+class CountedStage(PipelineStage):
+    """A ``PipelineStage`` whose point-to-point ops are counted on the ``pp`` axis's ``AxisComm``."""
+
+    def __init__(self, *args, counter: AxisComm, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counter = counter
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self.counter.count_p2p(super().get_fwd_recv_ops(fwd_chunk_id), ("forward", self.stage_index))
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self.counter.count_p2p(super().get_fwd_send_ops(fwd_chunk_id), ("forward", self.stage_index))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self.counter.count_p2p(super().get_bwd_recv_ops(bwd_chunk_id), ("backward", self.stage_index))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self.counter.count_p2p(super().get_bwd_send_ops(bwd_chunk_id), ("backward", self.stage_index))
+
+
+class PipelineTSP(ParallelTransformer):
+    """A reference ``Transformer`` split into pipeline stages over the ``pp`` mesh axis, each stage a TSP model
+    over the ``tsp`` axis, replicated over ``dp``. Build it with ``pipeline_parallelize``.
+
+    ``forward_backward(tokens, labels)`` runs one step of the schedule on the global batch and returns the
+    global mean loss (on every rank); ``full_grads()`` and ``full_state_dict()`` hold this rank's stages'
+    parameters only, by reference name.
+    """
+
+    scheme = "tsp"
+
+    def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
+                 recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
+        super().__init__(model.cfg, mesh)
+        sizes = mesh_sizes(mesh)
+        pp = sizes.get(PIPELINE_AXIS, 1)
+        if pp < 2:
+            raise ValueError("pipeline_parallelize needs a mesh with a pp axis of size >= 2 "
+                             "(torchtsp.init_mesh(pp=...)); without one use torchtsp.parallelize")
+        cfg = model.cfg
+        # The checks that need no batch: microbatches against stages, layers against stages.
+        self.microbatches = check_pipeline(get_scheme("tsp"), cfg, pp, microbatches, None, sizes, schedule)
+        self.schedule_name, self.pp_size = schedule, pp
+        self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
+        self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
+        self.tsp_size = sizes.get("tsp", 1)
+        on_meta = next(model.parameters()).device.type == "meta"
+        if weights is None:
+            weights = SeededWeights(cfg, model.init_seed) if on_meta else _model_weights(model)
+        self.device = mesh_device(mesh)
+        n_stages = pp * stages_per_rank(schedule)
+        ranges = stage_layer_ranges(cfg.n_layers, n_stages)
+        # Loop placement (torch's mapping): stage s runs on pp rank s mod pp.
+        self.stage_ids = [s for s in range(n_stages) if s % pp == self.pp.rank]
+        self.stages = nn.ModuleList(
+            TSPStage(cfg, mesh, ranges[s], s == 0, s == n_stages - 1, weights, recompute, timeout_s)
+            for s in self.stage_ids)
+        model.to("meta")  # release the full weights, if any: this rank keeps only its stages' shards
+        self.n_stages = n_stages
+        self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
+        self._schedule, self._shape = None, None  # built by the first step, when the microbatch shape is known
+
+    def _build_schedule(self, rows: int, seq_len: int) -> None:
+        """The library's stages and schedule for microbatches of ``rows`` x ``seq_len`` tokens.
+
+        Their shapes are given (static mode): the library's shape inference would run the stages' forward,
+        and their TSP transfers, outside the schedule.
+        """
+        if self._shape == (rows, seq_len):
+            return
+        self._shape = (rows, seq_len)
+        n, h = seq_len // self.tsp_size, self.cfg.dim
+        dtype = next(self.parameters()).dtype
+        tokens = torch.empty(rows, n, dtype=torch.long, device="meta")
+        hidden = torch.empty(rows, n, h, dtype=dtype, device="meta", requires_grad=True)
+        pipe = [CountedStage(stage, s, self.n_stages, self.device, input_args=tokens if stage.first else hidden,
+                             output_args=hidden, group=self.pp.group, counter=self.pp)
+                for s, stage in zip(self.stage_ids, self.stages)]
+        last = self.stages[-1] if self.has_last else None
+        loss_fn = (lambda x, labels: last.nll_sum(x, labels) / self._count) if last is not None else _no_loss
+        klass = SCHEDULE_CLASSES[self.schedule_name]
+        # Sums, not means, over microbatches: the loss function already divides by the global target count.
+        if self.schedule_name == "interleaved_1f1b":
+            self._schedule = klass(pipe, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self._schedule = klass(pipe[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    # -- the step -------------------------------------------------------------
+
+    def comms(self):
+        return {"tsp": self.stages[0].tsp.comm, "dp": self.dp, PIPELINE_AXIS: self.pp}
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This replica's B/dp rows, zigzag-sharded over TSP: [B/dp, S/D]."""
+        rows = tokens.chunk(self.dp.size, dim=0)[self.dp.rank]
+        return zigzag.shard(rows, self.tsp_size, self.stages[0].tsp.comm.rank, dim=1)
+
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One pipelined forward and backward of the global batch: gradients accumulate into ``.grad`` (summed
+        over microbatches and replicas); returns the global mean loss (detached, the same on every rank)."""
+        self.check_batch(tokens, labels)
+        B = tokens.shape[0]
+        if B % (self.dp.size * self.microbatches):
+            raise ValueError(f"batch size {B} does not divide into {self.microbatches} microbatches on each of "
+                             f"{self.dp.size} data-parallel replicas; choose a batch divisible by "
+                             f"{self.dp.size * self.microbatches}")
+        self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
+        self._count = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(self.device)
+        args = (self.shard_batch(tokens),) if self.has_first else ()
+        target = self.shard_batch(labels) if self.has_last else None
+        losses: list = []
+        self._schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
+        # Each replica's losses are its share of the global mean; only the last stage holds them.
+        total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
+        if self.dp.size > 1:
+            for p in self.parameters():
+                if p.grad is not None:  # summed in float32, like DataParallel
+                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
+        return total
+
+    def check_batch(self, tokens, labels) -> None:
+        if tokens.dim() != 2 or labels.shape != tokens.shape:
+            raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
+                             f"and {tuple(labels.shape)}")
+        if tokens.shape[1] % (2 * self.tsp_size):
+            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by 2x{self.tsp_size} for zigzag "
+                             f"sharding")
+
+    def loss(self, tokens, labels):
+        raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
+
+    def nll_sum_and_count(self, tokens, labels):
+        raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
+
+    # -- names ----------------------------------------------------------------
+
+    def reference_parts(self, name, local):
+        index, _, rest = name.removeprefix("stages.").partition(".")
+        return self.stages[int(index)].reference_parts(rest.removeprefix("tsp."), local)
+
+    def _full(self, pick):
+        out = {}
+        for stage in self.stages:
+            out.update({shift_layer(k, stage.layers.start): v for k, v in stage.tsp._full(pick).items()})
+        return out
+
+
+def _no_loss(x, labels):  # never called: only the last stage computes the loss
+    raise AssertionError("loss on a stage that is not the last")
+
+
+def _model_weights(model):
+    from ..weights import ModelWeights
+
+    return ModelWeights(model)
+
+
+def pipeline_parallelize(model: Transformer, mesh, *, microbatches: int | None = None, schedule: str = "1f1b",
+                         recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         weights: WeightSource | None = None) -> PipelineTSP:
+    """Split ``model`` into ``pp`` pipeline stages (the mesh's ``pp`` axis), each a TSP model on its ``tsp``
+    axis, replicated over ``dp``. ``microbatches`` defaults to the number of stages; ``schedule`` is
+    ``gpipe``, ``1f1b`` or ``interleaved_1f1b``. Bad splits are refused before any communication."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"pipeline_parallelize expects a torchtsp Transformer, got {type(model).__name__}")
+    return PipelineTSP(model, mesh, microbatches, schedule, recompute, timeout_s, weights)
