@@ -38,7 +38,7 @@ def steps_on_rank(pp, dp, tsp, schedule, microbatches):
     return out
 
 
-def check_against_reference(results, pp, dp, tsp, microbatches):
+def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1):
     names = set()
     for rank, steps in enumerate(results):
         for step, r in enumerate(steps):
@@ -53,11 +53,23 @@ def check_against_reference(results, pp, dp, tsp, microbatches):
     # activation forward and its gradient back, fp32; nothing gathered.
     shard = (B // (dp * microbatches)) * (S // tsp) * CFG.dim * 4
     for rank, steps in enumerate(results):
-        assert steps[0]["pp_bytes"] == microbatches * shard, (rank, steps[0]["pp_bytes"], shard)
-        assert steps[0]["pp_sent"] == microbatches * shard
+        assert steps[0]["pp_bytes"] == crossings * microbatches * shard, (rank, steps[0]["pp_bytes"], shard)
+        assert steps[0]["pp_sent"] == crossings * microbatches * shard
 
 
 @pytest.mark.parametrize("schedule,microbatches", [("gpipe", 2), ("1f1b", 4)])
 def test_pp2_tsp2_matches_reference(pools, schedule, microbatches):
     results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches)
     check_against_reference(results, 2, 1, 2, microbatches)
+
+
+def test_interleaved_1f1b_matches_reference(pools):
+    # Two stages per rank (4 stages of one layer each on pp=2): 3 boundaries, each crossed forward and backward
+    # per microbatch, so each of the 2 ranks receives (and sends) 3 shards per microbatch.
+    results = pools(4).run(steps_on_rank, 2, 1, 2, "interleaved_1f1b", 2)
+    check_against_reference(results, 2, 1, 2, 2, crossings=3)
+
+
+def test_pp2_dp2_tsp2_matches_reference(pools):
+    results = pools(8).run(steps_on_rank, 2, 2, 2, "1f1b", 2)
+    check_against_reference(results, 2, 2, 2, 2)
