@@ -9,10 +9,10 @@ import signal
 import sys
 import time
 
-from .config import PRESETS
+from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
 from .runenv import launched_by_torchrun
-from .schemes import SCHEMES, get_scheme
+from .schemes import PIPELINE_SCHEDULES, SCHEMES, check_pipeline, get_scheme
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -31,9 +31,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             comm.destroy_process_group()
     else:
-        nproc = cfg.nproc or (cfg.dp or 1) * (cfg.tsp or 1) * (cfg.tp or 1) * (cfg.sp or 1)
-        # A mesh the scheme cannot use is refused here, before any rank starts.
-        get_scheme(cfg.scheme).degrees(nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
+        nproc = cfg.nproc or cfg.pp * (cfg.dp or 1) * (cfg.tsp or 1) * (cfg.tp or 1) * (cfg.sp or 1)
+        # A mesh the scheme cannot use, or a pipeline it cannot split, is refused here, before any rank starts.
+        if nproc % cfg.pp:
+            raise ValueError(f"--pp {cfg.pp} needs a multiple of {cfg.pp} ranks, got --nproc {nproc}")
+        scheme = get_scheme(cfg.scheme)
+        degrees = scheme.degrees(nproc // cfg.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
+        if cfg.pp > 1 and not cfg.init_from_hf:
+            check_pipeline(scheme, get_preset(cfg.preset), cfg.pp, cfg.microbatches, cfg.batch_size, degrees,
+                           cfg.schedule)
         summary = run_training(cfg) if nproc == 1 else _launch(cfg, nproc)
         show = True
     if summary["status"] == "aborted":  # another rank reported why
@@ -85,6 +91,11 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
     for axis in ("dp", "tsp", "tp", "sp"):
         add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")
+    add("--pp", type=int, help="pipeline stages (outermost mesh axis; tsp only): contiguous layer ranges, the "
+        "embedding in the first, the head and loss in the last (default: 1)")
+    add("--microbatches", type=int, help="microbatches per replica and step with --pp (default: the number of "
+        "stages)")
+    add("--schedule", choices=list(PIPELINE_SCHEDULES), help="pipeline schedule with --pp (default: 1f1b)")
     add("--nproc", type=int, help="local ranks to spawn when not under torchrun, one GPU each on a CUDA host "
         "(default: product of degrees)")
     add("--batch-size", type=int, help="global batch in sequences (default: 8)")

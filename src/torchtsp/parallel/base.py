@@ -147,6 +147,13 @@ class ParallelTransformer(nn.Module):
                              f"got {labels[bad][0].item()}")
         return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``loss(tokens, labels)`` and its backward (gradients accumulate into ``.grad``); returns the loss,
+        detached. A pipeline (``parallel/pipeline.py``) runs both in one schedule, so trainers call this."""
+        loss = self.loss(tokens, labels)
+        loss.backward()
+        return loss.detach()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights by reference parameter name, on every rank."""
         return {k: v.clone() for k, v in self._full(lambda p: p.detach()).items()}

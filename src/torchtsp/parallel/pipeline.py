@@ -100,6 +100,19 @@ class TSPStage(nn.Module):
                 for ref, piece, dims in self.tsp.reference_parts(name, local)]
 
 
+class _Unhooked(nn.Module):
+    """The module a library stage calls: ``stage.forward`` without module hooks. A stage runs once per microbatch
+    in a step, which PyTorch's MemTracker (the trainer's peak-memory measure) would take for a second iteration;
+    its allocations are still counted, only its per-module breakdown is skipped."""
+
+    def __init__(self, stage: TSPStage):
+        super().__init__()
+        self.stage = stage
+
+    def __call__(self, *args):
+        return self.stage.forward(*args)
+
+
 class CountedStage(PipelineStage):
     """A ``PipelineStage`` whose point-to-point ops are counted on the ``pp`` axis's ``AxisComm``."""
 
@@ -175,7 +188,7 @@ class PipelineTSP(ParallelTransformer):
         dtype = next(self.parameters()).dtype
         tokens = torch.empty(rows, n, dtype=torch.long, device="meta")
         hidden = torch.empty(rows, n, h, dtype=dtype, device="meta", requires_grad=True)
-        pipe = [CountedStage(stage, s, self.n_stages, self.device, input_args=tokens if stage.first else hidden,
+        pipe = [CountedStage(_Unhooked(stage), s, self.n_stages, self.device, input_args=tokens if stage.first else hidden,
                              output_args=hidden, group=self.pp.group, counter=self.pp)
                 for s, stage in zip(self.stage_ids, self.stages)]
         last = self.stages[-1] if self.has_last else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PRESETS
-from ..schemes import SCHEMES
+from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 
 
 @dataclass
@@ -28,6 +28,9 @@ class TrainConfig:
     tsp: int | None = None
     tp: int | None = None
     sp: int | None = None
+    pp: int = 1  # pipeline stages (outermost mesh axis); each stage is a TSP model over contiguous layers
+    microbatches: int | None = None  # per data-parallel replica and step (default: the number of stages)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved_1f1b
     nproc: int | None = None  # local CPU ranks to spawn when not under torchrun (default: product of degrees)
     batch_size: int = 8  # global, in sequences
     seq_len: int = 256
@@ -56,7 +59,8 @@ class TrainConfig:
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), hints[f.name]))
-        at_least = {"dp": 1, "tp": 1, "sp": 1, "tsp": 1, "nproc": 1, "batch_size": 1, "seq_len": 1, "steps": 1,
+        at_least = {"dp": 1, "tp": 1, "sp": 1, "tsp": 1, "pp": 1, "microbatches": 1, "nproc": 1,
+                     "batch_size": 1, "seq_len": 1, "steps": 1,
                     "warmup_steps": 0, "skip_nonfinite": 0, "checkpoint_every": 0, "keep_last": 1,
                     "sample_tokens": 0, "mem_every": 0, "seed": 0}
         for name, low in at_least.items():
@@ -72,9 +76,12 @@ class TrainConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"{_name('min_lr_ratio')} must lie in [0, 1], got {self.min_lr_ratio}")
         for name, choices in (("dtype", ("float32", "bfloat16")), ("scheme", tuple(SCHEMES)),
+                              ("schedule", PIPELINE_SCHEDULES),
                               ("preset", tuple(PRESETS))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_name(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.microbatches is not None and self.pp == 1:
+            raise ValueError(f"{_name('microbatches')} applies to pipeline stages; give --pp N (N >= 2) or drop it")
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
             self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
 

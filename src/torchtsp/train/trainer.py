@@ -26,8 +26,8 @@ from ..distributed.comm import AxisComm, Traffic
 from ..distributed.mesh import init_mesh, mesh_device
 from ..memory import measure_peak
 from ..model import Transformer
-from ..parallel import parallelize
-from ..schemes import get_scheme
+from ..parallel import parallelize, pipeline_parallelize
+from ..schemes import AXES, PIPELINE_AXIS, check_pipeline, get_scheme
 from . import checkpoint
 from .config import TrainConfig
 from .data import ByteTokenizer, TokenWindows, load_corpus
@@ -68,10 +68,16 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         scheme = get_scheme(cfg.scheme)
-        self.degrees = scheme.degrees(comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
+        world, self.pp = comm.world_size(), cfg.pp
+        if world % self.pp:
+            raise ValueError(f"--pp {self.pp} needs a multiple of {self.pp} ranks, but the world has {world}")
+        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks.
+        self.degrees = scheme.degrees(world // self.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
         self.model_cfg, weights = model_config_and_weights(cfg)
         scheme.validate(self.model_cfg, cfg.batch_size, cfg.seq_len, self.degrees)  # before any communication
-        self.mesh = init_mesh(**self.degrees, timeout_s=cfg.timeout_s)  # creates the process group if needed
+        self.microbatches = check_pipeline(scheme, self.model_cfg, self.pp, cfg.microbatches, cfg.batch_size,
+                                           self.degrees, cfg.schedule)
+        self.mesh = init_mesh(pp=self.pp, **self.degrees, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
 
@@ -79,8 +85,12 @@ class Trainer:
         # Built on the meta device: each rank materialises only its own shards (of the seeded initial values, or
         # read from the checkpoint), never the whole model.
         model = Transformer(self.model_cfg, device="meta")
-        self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
-                                 recompute=cfg.recompute or None, weights=weights)
+        if self.pp > 1:
+            self.model = pipeline_parallelize(model, self.mesh, microbatches=self.microbatches, schedule=cfg.schedule,
+                                              recompute=cfg.recompute, timeout_s=cfg.timeout_s, weights=weights)
+        else:
+            self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
+                                     recompute=cfg.recompute or None, weights=weights)
         self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
@@ -98,8 +108,9 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         tokens, labels = (t.to(self.device) for t in self.windows.inputs_and_labels(step))
-        loss = self.model.loss(tokens, labels)  # the global batch: the model takes its replica's rows
-        loss.backward()  # gradients are summed over dp replicas as backward produces them
+        # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
+        # pipeline's microbatches) by the time it returns.
+        loss = self.model.forward_backward(tokens, labels)
         if self.master:
             self.master.grads_to_masters()
         norm = self.clip_gradients()
@@ -121,6 +132,8 @@ class Trainer:
         pieces = ((piece, dims) for name, p in self.named_trained
                   for _, piece, dims in self.model.reference_parts(name, p.grad))
         norm = global_grad_norm(pieces, self.comms)
+        if self.pp > 1:  # each stage's norm covers its own parameters: sum the squares over stages
+            norm = self.comms[PIPELINE_AXIS].all_reduce(norm.pow(2), label="grad_norm").sqrt()
         if self.cfg.grad_clip > 0:
             scale = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
             for _, p in self.named_trained:
@@ -130,7 +143,10 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------
 
     def state(self, step: int) -> dict:
-        return checkpoint.training_state(self.model, self.optimizer, self.named_trained, self.mesh, step)
+        # A pipeline stage's tensors are DTensors over its own ranks (the mesh without pp): stages hold
+        # different reference names, so a checkpoint looks the same whatever the split.
+        mesh = self.mesh[AXES] if self.pp > 1 else self.mesh
+        return checkpoint.training_state(self.model, self.optimizer, self.named_trained, mesh, step)
 
     def save(self, step: int) -> Path:
         state = self.state(step)
@@ -141,7 +157,7 @@ class Trainer:
             raise ValueError(f"step {step}: the weights or optimizer state hold non-finite values; "
                              f"refusing to publish them as a checkpoint")
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
-                "mesh": self.degrees, "train": self.cfg.to_dict()}
+                "mesh": self.layout, "train": self.cfg.to_dict()}
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
@@ -326,7 +342,12 @@ class Trainer:
                 "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                 "losses": losses, "median_step_s": median,
                 "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / median if steady else None,
-                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.degrees, "out": str(self.out)}
+                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.layout, "out": str(self.out)}
+
+    @property
+    def layout(self) -> dict[str, int]:
+        """Every mesh degree, pp first when there is a pipeline."""
+        return {PIPELINE_AXIS: self.pp, **self.degrees} if self.pp > 1 else dict(self.degrees)
 
     def sample(self) -> str | None:
         """A continuation of the prompt by the parallel model itself (``torchtsp.infer.generate``: seeded sampling,
@@ -336,6 +357,8 @@ class Trainer:
         from ..parallel.dp import DataParallel
 
         model = self.model
+        if self.pp > 1:
+            return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
         if isinstance(model, DataParallel) and model.scheme != "dp":
             model = model.module  # the replicas hold the same weights: each samples alone
         if model.scheme not in ("tsp", "tp", "sp", "dp"):
