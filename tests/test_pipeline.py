@@ -73,3 +73,62 @@ def test_interleaved_1f1b_matches_reference(pools):
 def test_pp2_dp2_tsp2_matches_reference(pools):
     results = pools(8).run(steps_on_rank, 2, 2, 2, "1f1b", 2)
     check_against_reference(results, 2, 2, 2, 2)
+
+
+# ---------------------------------------------------------------- training, checkpoints across splits
+
+TRAIN = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "steps": 4, "sample_tokens": 0, "checkpoint_every": 2}
+
+
+def train(pools, tmp_path, name, **settings):
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.trainer import run_training
+
+    cfg = TrainConfig(**{**TRAIN, "out": str(tmp_path / name), **settings})
+    return pools(4).run(run_training, cfg)[0]
+
+
+def test_training_with_pp_matches_tsp_and_resumes_on_another_split(pools, tmp_path):
+    piped = train(pools, tmp_path, "pp", pp=2, tsp=2, schedule="gpipe")
+    flat = train(pools, tmp_path, "tsp", tsp=4)
+    assert piped["mesh"] == {"pp": 2, "dp": 1, "sp": 1, "tp": 1, "tsp": 2}
+    # The same model, batch and AdamW: float32 round-off only (reordered sums), compounded over 4 steps.
+    for step, (a, b) in enumerate(zip(piped["losses"], flat["losses"])):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    # Resume each run's step-2 checkpoint on the other split: the DCP checkpoint (reference names) reshards.
+    for source, settings, expected in (("pp", {"tsp": 4}, flat), ("tsp", {"pp": 2, "tsp": 2}, piped)):
+        resumed = train(pools, tmp_path, f"from_{source}", resume=str(tmp_path / source / "checkpoints" / "step_000002"),
+                        **settings)
+        assert resumed["last_step"] == 4 and len(resumed["losses"]) == 2
+        for a, b in zip(resumed["losses"], expected["losses"][2:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (source, a, b)
+
+
+# ---------------------------------------------------------------- clear errors, before any communication
+
+
+@pytest.mark.parametrize("pp,microbatches,batch,n_layers,match", [
+    (2, 1, 4, 4, "fewer than the 2 pipeline stages"),
+    (3, 3, 6, 4, "4 layers do not divide into 3 stages"),
+    (2, 3, 4, 4, "does not divide into 3 microbatches"),
+])
+def test_bad_pipeline_splits_are_refused(pp, microbatches, batch, n_layers, match):
+    from torchtsp.schemes import check_pipeline, get_scheme
+
+    with pytest.raises(ValueError, match=match):
+        check_pipeline(get_scheme("tsp"), CFG.replace(n_layers=n_layers), pp, microbatches, batch, {"dp": 1})
+
+
+def test_pipeline_defaults_and_refusals():
+    from torchtsp.schemes import check_pipeline, get_scheme
+    from torchtsp.train.config import TrainConfig
+
+    assert check_pipeline(get_scheme("tsp"), CFG, 2, None, 4, {"dp": 1}) == 2  # one microbatch per stage
+    with pytest.raises(ValueError, match="does not run as pipeline stages"):
+        check_pipeline(get_scheme("tp"), CFG, 2, None, 4, {"dp": 1})
+    with pytest.raises(ValueError, match="tied embeddings"):
+        check_pipeline(get_scheme("tsp"), CFG.replace(tie_embeddings=True), 2, None, 4, {"dp": 1})
+    with pytest.raises(ValueError, match="4 stages"):  # interleaved: two stages per rank
+        check_pipeline(get_scheme("tsp"), CFG.replace(n_layers=2), 2, None, 4, {"dp": 1}, "interleaved_1f1b")
+    with pytest.raises(ValueError, match="applies to pipeline stages"):
+        TrainConfig(microbatches=2)
