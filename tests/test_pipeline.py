@@ -97,8 +97,8 @@ def test_training_with_pp_matches_tsp_and_resumes_on_another_split(pools, tmp_pa
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
     # Resume each run's step-2 checkpoint on the other split: the DCP checkpoint (reference names) reshards.
     for source, settings, expected in (("pp", {"tsp": 4}, flat), ("tsp", {"pp": 2, "tsp": 2}, piped)):
-        resumed = train(pools, tmp_path, f"from_{source}", resume=str(tmp_path / source / "checkpoints" / "step_000002"),
-                        **settings)
+        step2 = tmp_path / source / "checkpoints" / "step_000002"
+        resumed = train(pools, tmp_path, f"from_{source}", resume=str(step2), **settings)
         assert resumed["last_step"] == 4 and len(resumed["losses"]) == 2
         for a, b in zip(resumed["losses"], expected["losses"][2:]):
             assert abs(a - b) <= 1e-5 * abs(b), (source, a, b)

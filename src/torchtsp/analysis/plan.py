@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from ..config import PRESETS, ModelConfig, get_preset
-from ..schemes import SCHEMES, get_scheme
+from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .memory_model import predict_memory
 
@@ -185,6 +185,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")
+    pipe.add_argument("--pp", type=int, help="pipeline stages: predict per-stage memory, the bubble and the traffic of "
+                      "each axis instead of the layout table")
+    pipe.add_argument("--tsp", type=int, help="with --pp: TSP degree of a stage (default: --gpus-per-node, else "
+                      "GPUs / pp); dp takes the rest")
+    pipe.add_argument("--microbatches", type=int, help="with --pp: microbatches per step (default: pp)")
+    pipe.add_argument("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b",
+                      help="with --pp: pipeline schedule (default: 1f1b)")
+    pipe.add_argument("--gpus-per-node", type=int, help="GPUs per node (with --nodes: replaces --gpus); TSP is "
+                      "placed inside a node, dp and pp across nodes")
+    pipe.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
+    pipe.add_argument("--inter-node-gbps", type=float, default=200.0, metavar="GBIT",
+                      help="bandwidth of one node's link to the others, Gbit/s (default: 200)")
 
 
 def _check_args(args) -> ModelConfig:
@@ -287,6 +300,10 @@ def _print_sweep(cfg, args, sweep) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed ``add_plan_arguments`` arguments; returns the exit status."""
+    if getattr(args, "pp", None) is not None or getattr(args, "nodes", None) is not None:
+        from .pipeline_report import run_pipeline_plan
+
+        return run_pipeline_plan(args)
     cfg = _check_args(args)
     dtype_bytes = 2 if args.dtype == "bf16" else 4
     paper = paper_comparison() if args.preset == "paper-7b" else None

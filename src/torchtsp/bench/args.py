@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import PRESETS
-from ..schemes import SCHEMES
+from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 
 ALL_SCHEMES = tuple(SCHEMES)
 DEFAULT_SCHEMES = ",".join(ALL_SCHEMES)
@@ -91,5 +91,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="also print the results as JSON on stdout")
     add("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     add("--seed", type=int, default=0, help="seed for weights and tokens (default: 0)")
+    add("--pp", type=int, metavar="N", help="instead of the scheme sweep: pipeline stages around TSP, pp=N x tsp=W/N, "
+        "against the same TSP replicated N times (dp=N), with the pipeline model's predicted step time, per-stage "
+        "peak and stage-boundary bytes")
+    add("--microbatches", type=int, metavar="M", help="with --pp: microbatches per step (default: N)")
+    add("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b", help="with --pp: schedule (default: 1f1b)")
     add("--timeout-s", type=float, default=600.0, metavar="S",
         help="limit for one (scheme, sequence length) cell on all ranks, and for each collective (default: 600)")

@@ -324,6 +324,13 @@ def run_bench(args) -> int:
     _check_args(args)
     cfg = _model_config(args)
     runner = _Runner(args)
+    if getattr(args, "pp", None) is not None:
+        from .pipeline import run_pipeline_bench
+
+        try:
+            return run_pipeline_bench(args, cfg, runner)
+        finally:
+            runner.close()
     start = time.perf_counter()
     try:
         if args.mode == "infer":

@@ -188,8 +188,9 @@ class PipelineTSP(ParallelTransformer):
         dtype = next(self.parameters()).dtype
         tokens = torch.empty(rows, n, dtype=torch.long, device="meta")
         hidden = torch.empty(rows, n, h, dtype=dtype, device="meta", requires_grad=True)
-        pipe = [CountedStage(_Unhooked(stage), s, self.n_stages, self.device, input_args=tokens if stage.first else hidden,
-                             output_args=hidden, group=self.pp.group, counter=self.pp)
+        pipe = [CountedStage(_Unhooked(stage), s, self.n_stages, self.device,
+                             input_args=tokens if stage.first else hidden, output_args=hidden, group=self.pp.group,
+                             counter=self.pp)
                 for s, stage in zip(self.stage_ids, self.stages)]
         last = self.stages[-1] if self.has_last else None
         loss_fn = (lambda x, labels: last.nll_sum(x, labels) / self._count) if last is not None else _no_loss
