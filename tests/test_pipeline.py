@@ -132,3 +132,42 @@ def test_pipeline_defaults_and_refusals():
         check_pipeline(get_scheme("tsp"), CFG.replace(n_layers=2), 2, None, 4, {"dp": 1}, "interleaved_1f1b")
     with pytest.raises(ValueError, match="applies to pipeline stages"):
         TrainConfig(microbatches=2)
+
+
+# ---------------------------------------------------------------- two "nodes" on this machine
+
+
+def test_two_node_torchrun_launch_matches_one_launcher(pools, tmp_path):
+    """Two torchrun agents (--nnodes 2, one per "node", 2 ranks each) meet at a local c10d rendezvous. torchrun
+    numbers each agent's ranks contiguously and the mesh is [pp, tsp] with pp outermost, so each node holds one
+    stage's TSP group and only the stage boundary crosses between the nodes."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    flags = ["--pp", "2", "--tsp", "2", "--batch-size", "4", "--seq-len", "32", "--steps", "3", "--sample-tokens", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    agents = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "2",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp",
+                                "-m", "torchtsp", "train", *flags, "--out", str(tmp_path / "nodes")],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for rank in (0, 1)]
+    try:
+        logs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)
+    assert all(agent.returncode == 0 for agent in agents), logs
+    two_nodes = [json.loads(line)["loss"] for line in (tmp_path / "nodes" / "metrics.jsonl").open()]
+    one = train(pools, tmp_path, "one", pp=2, tsp=2, steps=3, checkpoint_every=0)
+    assert len(two_nodes) == 3
+    # The same ranks, mesh and operations, only launched differently: identical float32 results.
+    assert two_nodes == one["losses"]
