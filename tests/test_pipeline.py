@@ -171,3 +171,52 @@ def test_two_node_torchrun_launch_matches_one_launcher(pools, tmp_path):
     assert len(two_nodes) == 3
     # The same ranks, mesh and operations, only launched differently: identical float32 results.
     assert two_nodes == one["losses"]
+
+
+# ---------------------------------------------------------------- the pipeline model (plan) against measurement
+
+
+def test_bench_cells_match_the_pipeline_model(pools):
+    from torchtsp.analysis.pipeline_model import predict_pipeline
+    from torchtsp.bench.pipeline import pipeline_cells_on_rank
+
+    cfg = torchtsp.ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, vocab_size=257,
+                               max_seq_len=256)
+    (cell,) = pools(4).run(pipeline_cells_on_rank, cfg, 2, 2, 4, [256], 2, "1f1b", 1, 1, 0, 120)[0]
+    plan = predict_pipeline(cfg, 4, 256, pp=2, tsp=2, microbatches=2, dtype_bytes=4, foreach=False)
+    # The stage-boundary sends comm.py counted are exactly the model's: M shards of [B/M, S/tsp, h] in fp32.
+    assert cell["pipeline"]["p2p_recv_bytes_max"] == plan.p2p_bytes_per_rank == 2 * 2 * 128 * 128 * 4
+    for stage, (measured, predicted) in enumerate(zip(cell["pipeline"]["stage_peak_bytes"],
+                                                      [s.total for s in plan.stages])):
+        # The TSP walk is calibrated to a few percent; the pipeline adds microbatches in flight, accumulated
+        # gradients and the library's receive buffers (docs/analysis.md): 10% leaves room for allocator order.
+        assert abs(measured - predicted) <= 0.10 * measured, (stage, measured, predicted)
+    assert cell["baseline"]["median_step_s"] > 0 and cell["pipeline"]["median_step_s"] > 0
+
+
+def test_plan_places_tsp_inside_a_node_and_names_the_slow_axes():
+    from torchtsp.analysis.pipeline_model import axis_nodes, pipeline_bubble
+
+    assert pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert pipeline_bubble(2, 2, "interleaved_1f1b") == pytest.approx(1 / 5)
+    # 4 nodes of 8 GPUs, [pp=2, dp=2, tsp=8]: TSP fills a node, dp spans 2 nodes, pp 2 nodes (stride 16).
+    assert axis_nodes(2, 2, 8, 8) == {"pp": 2, "dp": 2, "tsp": 1}
+    assert axis_nodes(2, 1, 4, 8) == {"pp": 1, "dp": 1, "tsp": 1}  # all inside one node
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "torchtsp", "plan", "--preset", "paper-7b", "--seq-len", "32768",
+                          "--batch-size", "16", "--pp", "4", "--microbatches", "8", "--gpus-per-node", "8",
+                          "--nodes", "8", "--inter-node-gbps", "400", "--json"], capture_output=True, text=True,
+                         check=True)
+    plan = json.loads(out.stdout)
+    assert plan["inputs"]["tsp"] == 8 and plan["inputs"]["dp"] == 2
+    assert plan["pipeline"]["bubble"] == pytest.approx(3 / 11)
+    where = plan["placement"]
+    assert not where["tsp"]["crosses_nodes"] and where["pp"]["crosses_nodes"] and where["dp"]["crosses_nodes"]
+    # pp's cost: 8 GPUs of a node each send their boundary shards over the node's 400 Gbit/s link.
+    assert where["pp"]["seconds_per_step"] == pytest.approx(8 * plan["pipeline"]["p2p_bytes_per_rank"] / 50e9)
+    bad = subprocess.run([sys.executable, "-m", "torchtsp", "plan", "--pp", "3", "--gpus", "6", "--preset", "tiny"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "do not divide into 3 stages" in bad.stderr

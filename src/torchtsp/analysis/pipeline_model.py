@@ -71,8 +71,8 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
     stage_cfg = cfg.replace(n_layers=per)
     mb_rows = batch // M  # global rows of one microbatch (each replica gets 1/dp of them)
     e = dtype_bytes
-    # One stage, one microbatch, as a model of `per` layers: its walk gives the peak of one backward with every
-    # gradient of the stage live (the accumulated gradients of the microbatches before it).
+    # One stage, one microbatch, as a model of `per` layers (with the embedding and head, taken off below where
+    # a stage lacks them): the walk of one microbatch's backward.
     one = predict_memory("tsp", stage_cfg, mb_rows, seq_len, dp=dp, tsp=tsp, dtype_bytes=e, optimizer="adamw",
                          recompute=recompute, foreach=foreach)
     parts = param_elements("tsp", stage_cfg, tsp=tsp)
@@ -87,9 +87,16 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
         held = v * (one.params + one.grads + one.optimizer) - missing * per_param
         k = in_flight(r, pp, M, schedule) * v
         acts = k * one.activations
-        # Peak: one microbatch's backward walk (with the stage's gradients) on top of the other microbatches'
-        # saved activations, and the other local stages' weights and state.
-        total = one.total + (k - 1) * one.activations + (v - 1) * (one.params + one.grads + one.optimizer) \
+        # The first backward runs with k microbatches' activations saved and no gradient yet; every later one
+        # with the stage's gradients all alive (accumulated), but one microbatch fewer in flight at most. The
+        # walk of one microbatch adds gradients as it goes: adding them whole on top is an upper bound.
+        first = one.total + (k - 1) * one.activations
+        later = one.total + (min(k, M * v - 1) - 1) * one.activations + v * one.grads if M * v > 1 else 0
+        # The library's receive buffers, one per microbatch and reused every step: a stage's input (and the
+        # gradient autograd leaves on it) unless it is the first, its output's gradient unless it is the last.
+        boundary_one = (mb_rows // dp) * (seq_len // tsp) * cfg.dim * e
+        buffers = sum(M * boundary_one * (2 * (s > 0) + (s < n_stages - 1)) for s in local)
+        total = max(first, later) + buffers + (v - 1) * (one.params + one.grads + one.optimizer) \
             - missing * per_param
         layers = tuple((s * per, s * per + per) for s in local)
         stages.append(StageMemory(stage=r, layers=layers, params=held, activations=acts, total=total, in_flight=k))
