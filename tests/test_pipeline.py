@@ -13,12 +13,13 @@ CFG = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_si
 B, S, STEPS = 4, 16, 2
 
 
-def steps_on_rank(pp, dp, tsp, schedule, microbatches):
+def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False):
     """Loss of every step and every gradient of this rank's stages, pipeline vs reference (SGD between steps)."""
     mesh = torchtsp.init_mesh(pp=pp, dp=dp, tsp=tsp)
     torch.manual_seed(0)
     ref = torchtsp.Transformer(CFG)
-    model = pipeline_parallelize(copy.deepcopy(ref), mesh, microbatches=microbatches, schedule=schedule)
+    model = pipeline_parallelize(copy.deepcopy(ref), mesh, microbatches=microbatches, schedule=schedule,
+                                 recompute=recompute)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_grads = dict(ref.named_parameters())
     out = []
@@ -57,9 +58,9 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1):
         assert steps[0]["pp_sent"] == crossings * microbatches * shard
 
 
-@pytest.mark.parametrize("schedule,microbatches", [("gpipe", 2), ("1f1b", 4)])
-def test_pp2_tsp2_matches_reference(pools, schedule, microbatches):
-    results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches)
+@pytest.mark.parametrize("schedule,microbatches,recompute", [("gpipe", 2, False), ("1f1b", 4, True)])
+def test_pp2_tsp2_matches_reference(pools, schedule, microbatches, recompute):
+    results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches, recompute)
     check_against_reference(results, 2, 1, 2, microbatches)
 
 

@@ -242,8 +242,8 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
                          f"{microbatches} must be a multiple of {rounds}")
     if cfg.n_layers % stages:
         what = f"{pp} stages" if stages == pp else f"{stages} stages ({pp} ranks x {stages // pp} each)"
-        raise ValueError(f"the model's {cfg.n_layers} layers do not divide into {what}; choose --pp dividing "
-                         f"n_layers")
+        fix = "a --pp that divides them" if stages == pp else "another schedule, or a --pp whose double divides them"
+        raise ValueError(f"the model's {cfg.n_layers} layers do not divide into {what}; choose {fix}")
     if getattr(cfg, "tie_embeddings", False):
         raise ValueError("a model with tied embeddings cannot be split into pipeline stages yet (the embedding "
                          "lives in the first stage, the head in the last); drop --pp or untie them")
