@@ -132,6 +132,11 @@ class ParallelTransformer(nn.Module):
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank)."""
+        self.check_inputs(tokens, labels)
+        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
+
+    def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse a global batch the model cannot take (shapes, length, ids and labels outside the vocabulary)."""
         if tokens.dim() != 2 or labels.shape != tokens.shape:
             raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
                              f"and {tuple(labels.shape)}")
@@ -145,7 +150,6 @@ class ParallelTransformer(nn.Module):
         if bad.any():
             raise ValueError(f"labels must lie in [0, {self.cfg.vocab_size}) or be the ignore index {IGNORE_INDEX}, "
                              f"got {labels[bad][0].item()}")
-        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``loss(tokens, labels)`` and its backward (gradients accumulate into ``.grad``); returns the loss,

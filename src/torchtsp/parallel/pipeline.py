@@ -38,8 +38,8 @@ from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
 from ..model import IGNORE_INDEX, Transformer
 from ..schemes import PIPELINE_AXIS, check_pipeline, get_scheme, stage_layer_ranges, stages_per_rank
-from ..weights import SeededWeights, WeightSource
-from .base import ParallelTransformer
+from ..weights import WeightSource
+from .base import ParallelTransformer, weight_source
 from .tsp import TSPTransformer
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -159,9 +159,7 @@ class PipelineTSP(ParallelTransformer):
         self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
         self.tsp_size = sizes.get("tsp", 1)
-        on_meta = next(model.parameters()).device.type == "meta"
-        if weights is None:
-            weights = SeededWeights(cfg, model.init_seed) if on_meta else _model_weights(model)
+        weights = weight_source(model, mesh, weights)  # seeded, the built model's, or the given checkpoint's
         self.device = mesh_device(mesh)
         n_stages = pp * stages_per_rank(schedule)
         ranges = stage_layer_ranges(cfg.n_layers, n_stages)
@@ -204,7 +202,9 @@ class PipelineTSP(ParallelTransformer):
     # -- the step -------------------------------------------------------------
 
     def comms(self):
-        return {"tsp": self.stages[0].tsp.comm, "dp": self.dp, PIPELINE_AXIS: self.pp}
+        # Each local stage has its own comm on the same TSP group (interleaved: two): all are counted.
+        later = {f"tsp.stage{s}": stage.tsp.comm for s, stage in zip(self.stage_ids[1:], self.stages[1:])}
+        return {"tsp": self.stages[0].tsp.comm, **later, "dp": self.dp, PIPELINE_AXIS: self.pp}
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This replica's B/dp rows, zigzag-sharded over TSP: [B/dp, S/D]."""
@@ -236,9 +236,7 @@ class PipelineTSP(ParallelTransformer):
         return total
 
     def check_batch(self, tokens, labels) -> None:
-        if tokens.dim() != 2 or labels.shape != tokens.shape:
-            raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
-                             f"and {tuple(labels.shape)}")
+        self.check_inputs(tokens, labels)
         if tokens.shape[1] % (2 * self.tsp_size):
             raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by 2x{self.tsp_size} for zigzag "
                              f"sharding")
@@ -264,12 +262,6 @@ class PipelineTSP(ParallelTransformer):
 
 def _no_loss(x, labels):  # never called: only the last stage computes the loss
     raise AssertionError("loss on a stage that is not the last")
-
-
-def _model_weights(model):
-    from ..weights import ModelWeights
-
-    return ModelWeights(model)
 
 
 def pipeline_parallelize(model: Transformer, mesh, *, microbatches: int | None = None, schedule: str = "1f1b",
