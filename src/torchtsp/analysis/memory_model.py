@@ -64,16 +64,25 @@ def _ceil_div(a: int, b: int) -> int:
 # ---------------------------------------------------------------- parameters
 
 
+def _kv_heads_held(spec: Scheme, cfg: ModelConfig, ways: int) -> int:
+    """KV heads the ``ways`` weight shards hold together: n_kv, or ``ways`` when the scheme copies each of
+    n_kv < ways KV heads onto ways/n_kv ranks (TSP)."""
+    return max(cfg.n_kv_heads, ways) if spec.kv_replication else cfg.n_kv_heads
+
+
 def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> dict[str, int]:
     """Parameter elements one rank holds, by part: layers (matrices), norms, embedding, head.
 
     Schemes that shard weights (TSP over D, TP over T) split every layer matrix and the vocabulary rows
-    (padded up to a multiple of the degree); norms are replicated. DP and SP replicate everything.
+    (padded up to a multiple of the degree); norms are replicated. DP and SP replicate everything. TSP
+    with n_kv < D holds a copy of one KV head per rank.
     """
     h, d = cfg.dim, cfg.head_dim
-    w = get_scheme(scheme).weight_degree({"tsp": tsp, "tp": tp})
-    matrices = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
-    matrices += (cfg.n_heads + 2 * cfg.n_kv_heads) * d if cfg.qkv_bias else 0  # biases shard with their heads
+    spec = get_scheme(scheme)
+    w = spec.weight_degree({"tsp": tsp, "tp": tp})
+    n_kv = _kv_heads_held(spec, cfg, w)
+    matrices = 2 * h * cfg.n_heads * d + 2 * h * n_kv * d + 3 * h * cfg.ffn_dim
+    matrices += (cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0  # biases shard with their heads
     rows = _ceil_div(cfg.vocab_size, w)
     return {
         "layers": cfg.n_layers * matrices // w,
@@ -90,7 +99,9 @@ def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     w = spec.weight_degree({"tsp": tsp, "tp": tp})
     rows = _ceil_div(cfg.vocab_size, w)
     if spec.memory_walk == "tsp":
-        return max(rows * h, (2 * cfg.n_heads * d + 2 * cfg.n_kv_heads * d) * h // tsp, 3 * cfg.ffn_dim * h // tsp)
+        n_kv = _kv_heads_held(spec, cfg, w)
+        attention = (2 * cfg.n_heads * d + 2 * n_kv * d) * h + ((cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0)
+        return max(rows * h, attention // tsp, 3 * cfg.ffn_dim * h // tsp)
     return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w)
 
 
@@ -137,7 +148,8 @@ class _Shape:
 def _shape(spec: Scheme, cfg: ModelConfig, batch_local: int, seq_len: int, degrees: dict[str, int], e: int) -> _Shape:
     w, tok = spec.weight_degree(degrees), spec.token_degree(degrees)
     # Every scheme's attention sees the K/V of whole sequences (gathered when tokens are split).
-    return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=cfg.n_kv_heads * cfg.head_dim // w,
+    hkv = _kv_heads_held(spec, cfg, w) * cfg.head_dim // w
+    return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=hkv,
                   ff=cfg.ffn_dim // w, nq=cfg.n_heads // w, d=cfg.head_dim, n=batch_local * seq_len // tok,
                   s_loc=seq_len // tok, v=_ceil_div(cfg.vocab_size, w), kv_len=batch_local * seq_len)
 
@@ -251,12 +263,14 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     Q = e * s.hq * n  # one head group's [n, hq] tensor
     K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
     K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
-    attn_elems = 2 * h * s.hq + 2 * h * s.hkv
+    attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
     # Saved (policy "save"): each norm as in the reference; each block's input; per head group the queries,
-    # local K/V, attention output (model dtype) and LSE (fp32); per FFN shard the gate and up projections.
-    att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n)
+    # local K/V, attention output (model dtype) and LSE (fp32), with q/k norm also the pre-norm q and k; per
+    # FFN shard the gate and up projections.
+    raw = Q + e * s.hkv * n if cfg.qk_norm else 0
+    att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n + raw)
     mlp = n * s.norm + A + D * 2 * e * s.ff * n
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
     layer_in = A

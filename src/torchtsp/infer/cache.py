@@ -68,12 +68,13 @@ def rope_tables(positions: torch.Tensor, cfg):
 def project_qkv(cfg, w: dict, h: torch.Tensor, cos, sin):
     """Queries, keys and values [B, heads, T, d] of hidden states h [B, T, h] with the (possibly head-sliced)
     weights ``w`` (``wq``, ``wk``, ``wv``; ``bq``, ``bk``, ``bv`` with q/k/v bias; ``q_norm``, ``k_norm`` with
-    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads."""
+    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads (and on no
+    token: T may be 0)."""
     from ..model import head_norm
 
     B, T, _ = h.shape
     d = cfg.head_dim
-    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, -1, d) for n in "qkv")
+    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, w[f"w{n}"].shape[0] // d, d) for n in "qkv")
     if cfg.qk_norm:
         q, k = head_norm(q, w["q_norm"], cfg.norm_eps), head_norm(k, w["k_norm"], cfg.norm_eps)
     return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
