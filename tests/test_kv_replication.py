@@ -221,3 +221,26 @@ def test_checkpoint_written_at_d4_resumes_at_d2(pools, tmp_path):
     # Another D sums in another order: float32 round-off over two steps.
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resumed["losses"], first["losses"][2:])), \
         (resumed["losses"], first["losses"])
+
+
+def peak_on_rank(cfg, seq_len):
+    from torchtsp.memory import measure_peak
+
+    torch.manual_seed(0)
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tsp=4), "tsp")
+    tokens, labels = batch(cfg, 1, seq_len)
+    return measure_peak(lambda: model.loss(tokens, labels).backward(), model)[1]
+
+
+def test_predicted_peak_memory_with_kv_copies_and_features_within_15_percent(pools):
+    """The memory model's walk with copied KV heads, biases and the q/k norm's saved projections, against the
+    measured peak of one forward + backward (the same 15% as the calibrated cases in tests/test_analysis.py)."""
+    from torchtsp.analysis import predict_memory
+
+    cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=1, ffn_dim=192, vocab_size=257, n_layers=2,
+                               max_seq_len=1024, qkv_bias=True, qk_norm=True)
+    measured = max(pools(4).run(peak_on_rank, cfg, 1024))
+    predicted = predict_memory("tsp", cfg, 1, 1024, tsp=4, optimizer=None).total
+    print(f"\nTSP D=4, 1 KV head (copied on 4 ranks), bias + q/k norm, S=1024: measured {measured / 2**20:.2f} MiB, "
+          f"predicted {predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
+    assert abs(predicted - measured) <= 0.15 * measured
