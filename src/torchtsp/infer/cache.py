@@ -104,8 +104,9 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
         b = min(a + KEY_BLOCK, k.shape[2])
         s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]: the one score-sized buffer
         # The mask is per (query token, key), shared by the g query heads of a KV head: [B, 1, 1, T, b-a].
-        seen = k_valid[:, None, None, None, a:b] & (k_pos[:, None, None, None, a:b] <= q_pos[:, None, None, :, None])
-        s.view(B, Hkv, g, T, b - a).masked_fill_(~seen, float("-inf"))
+        hidden = k_pos[:, None, None, None, a:b] > q_pos[:, None, None, :, None]
+        hidden |= ~k_valid[:, None, None, None, a:b]  # in place: one mask-sized buffer per block
+        s.view(B, Hkv, g, T, b - a).masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1))
         # Rows that have seen no key yet keep max = -inf; a finite stand-in avoids -inf - -inf = NaN.
         shift = torch.where(torch.isfinite(new_max), new_max, 0.0)
@@ -114,6 +115,7 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
         run_sum = run_sum * rescale + p.sum(dim=-1)
         out = out * rescale.unsqueeze(-1) + p @ v[:, :, a:b].float()
         run_max = new_max
+        del s, p, hidden  # before the next block's scores: never two score buffers alive
     seen_any = run_sum > 0
     out = out / torch.where(seen_any, run_sum, 1.0).unsqueeze(-1)
     lse = torch.where(seen_any, torch.where(torch.isfinite(run_max), run_max, 0.0) + run_sum.log(), float("-inf"))
