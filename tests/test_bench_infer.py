@@ -36,3 +36,19 @@ def test_longest_prompt_under_a_budget(pools):
                               run=runner(pools(2)))
     assert found["tsp"] is not None and 64 <= found["tsp"] < 256
     assert found["dp"] is None or found["dp"] < found["tsp"]  # dp holds the whole model and cache
+
+
+GQA = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=384, vocab_size=300)
+
+
+def test_plan_infer_predicts_the_measured_peak(pools):
+    """``plan --mode infer`` (predict_memory, mode="infer") against the peak measured from live tensors, for
+    every scheme: GQA, a batch of two, chunked prefill and both TSP schedules forced. 15% is the bound the
+    training predictions are held to (tests/test_bench.py); small fixed buffers (RoPE tables, positions,
+    masks) that the model leaves out are what remains."""
+    cases = [dict(), dict(batch=2), dict(prefill_chunk=64), dict(schedule="weights"), dict(schedule="activations")]
+    for options in cases:
+        for r in run_infer_bench(GQA, 2, [256], new_tokens=5, run=runner(pools(2)), **options):
+            assert abs(r["peak_error_pct"]) <= 15, (options, r["scheme"], r["peak_bytes_per_rank"],
+                                                    r["predicted_peak_bytes"])
+            assert r["predicted_kv_bytes"] == r["kv_bytes_per_rank"], (options, r["scheme"])

@@ -1,5 +1,7 @@
 """Model families under the parallel schemes, against transformers: loss and every gradient of Llama 3 (llama3
-RoPE scaling, tied), Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm) and Mistral, at D = 2 and 4.
+RoPE scaling, tied), Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm) and Mistral, at D = 2 and 4, under tsp, tp,
+sp and dp (tsp also with fewer KV heads than ranks); generated tokens; Hugging Face checkpoints read slice by
+slice under tsp and exported again.
 
 The transformers model runs once in the test process; the ranks get its weights, loss and gradients (mapped
 to torchtsp names) and compare their scheme's against them. A scheme that does not implement a feature yet
@@ -25,14 +27,17 @@ from torchtsp.schemes import MODEL_FEATURES, get_scheme  # noqa: E402
 # over ranks) is off by 1e-3 or more.
 TOL = 2e-5
 B, S = 4, 16  # S divisible by 2·D for zigzag at D = 4; B by D for dp
-# D = 4 needs 4 KV heads: the same features at 8 heads / 4 KV heads.
+# D = 4 needs query heads divisible by 4 (and 4 KV heads for tp): the same features at 8 heads / 4 KV heads.
 WIDE = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}
+# tsp at D = 4 with 2 KV heads, each copied on two ranks.
+WIDE_KV2 = {**WIDE, "num_key_value_heads": 2}
 
 
-def hf_reference(family: str, world: int):
+def hf_reference(family: str, world: int, shape: dict | None = None):
     config_cls, model_cls, values = FAMILIES[family]
-    if world == 4:
-        FAMILIES[family] = (config_cls, model_cls, {**values, **WIDE})
+    shape = shape if shape is not None else WIDE if world == 4 else None
+    if shape:
+        FAMILIES[family] = (config_cls, model_cls, {**values, **shape})
     try:
         hf = make_hf(family)
     finally:
@@ -48,6 +53,15 @@ def hf_reference(family: str, world: int):
     weights = from_hf_state_dict({n: p.detach() for n, p in hf.named_parameters()}, cfg)
     grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
     return cfg, weights, grads, loss.item(), tokens, labels
+
+
+def check_against_transformers(results, grads, hf_loss, scheme):
+    for loss, full in results:
+        assert abs(loss - hf_loss) <= TOL * hf_loss, (scheme, loss, hf_loss)
+        assert full.keys() == grads.keys()
+        errs = {n: rel_err(full[n], g) for n, g in grads.items()}
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, (scheme, worst, errs[worst])
 
 
 def scheme_on_rank(cfg, weights, tokens, labels, scheme, degrees):
@@ -70,12 +84,17 @@ def test_family_under_every_scheme_that_implements_it(pools, family, world):
             with pytest.raises(ValueError, match=f"scheme '{scheme}' does not implement the model's"):
                 spec.validate(cfg, B, S, degrees)
             continue
-        for loss, full in pools(world).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, degrees):
-            assert abs(loss - hf_loss) <= TOL * hf_loss, (scheme, loss, hf_loss)
-            assert full.keys() == grads.keys()
-            errs = {n: rel_err(full[n], g) for n, g in grads.items()}
-            worst = max(errs, key=errs.get)
-            assert errs[worst] <= TOL, (scheme, worst, errs[worst])
+        check_against_transformers(pools(world).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, degrees),
+                                   grads, hf_loss, scheme)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_family_features_under_tsp_with_kv_head_copies(pools, family):
+    """2 KV heads over 4 ranks: biases of a copied KV head and the q/k norms equal transformers' gradients."""
+    cfg, weights, grads, hf_loss, tokens, labels = hf_reference(family, 4, WIDE_KV2)
+    assert cfg.n_kv_heads == 2
+    check_against_transformers(pools(4).run(scheme_on_rank, cfg, weights, tokens, labels, "tsp", {"tsp": 4}),
+                               grads, hf_loss, "tsp")
 
 
 def traffic_on_rank(cfg, scheme, degrees):
@@ -90,7 +109,8 @@ def traffic_on_rank(cfg, scheme, degrees):
 
 
 @pytest.mark.parametrize("scheme,degrees", [("tp", {"tp": 4}), ("tp_sp", {"tp": 2, "sp": 2}), ("sp", {"sp": 4}),
-                                            ("tp", {"dp": 2, "tp": 2})])
+                                            ("tp", {"dp": 2, "tp": 2}), ("tsp", {"tsp": 4}),
+                                            ("tsp", {"dp": 2, "tsp": 2})])
 def test_feature_parameters_are_in_the_traffic_formula(pools, scheme, degrees):
     from torchtsp.analysis import predict_comm
 
@@ -101,14 +121,14 @@ def test_feature_parameters_are_in_the_traffic_formula(pools, scheme, degrees):
         assert pools(4).run(traffic_on_rank, cfg, scheme, degrees) == [expected] * 4, features
 
 
-def generate_on_rank(cfg, weights, prompt, scheme, degrees):
+def generate_on_rank(cfg, weights, prompt, scheme, degrees, **options):
     from torchtsp.infer import generate
 
     model = torchtsp.Transformer(cfg)
     model.load_state_dict(weights)
     if scheme != "reference":
         model = torchtsp.parallelize(model, torchtsp.init_mesh(**degrees), scheme)
-    result = generate(model, [prompt], 4, return_logits=True)
+    result = generate(model, [prompt], 4, return_logits=True, **options)
     return result.tokens[0], [t.float() for t in result.logits]
 
 
@@ -120,12 +140,45 @@ def test_generate_with_family_features_equals_transformers(pools, family):
     hf = make_hf(family)
     prompt = [3, 17, 5, 42, 8, 1, 9]
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, min_new_tokens=4)[0].tolist()
-    for scheme, degrees in (("reference", {}), ("tp", {"tp": 2}), ("sp", {"sp": 2}), ("dp", {"dp": 2})):
+    for scheme, degrees, options in (("reference", {}, {}), ("tp", {"tp": 2}, {}), ("sp", {"sp": 2}, {}),
+                                     ("dp", {"dp": 2}, {}), ("tsp", {"tsp": 2}, {"schedule": "weights"}),
+                                     ("tsp", {"tsp": 2}, {"schedule": "activations"})):
         runs = [generate_on_rank(cfg, weights, prompt, scheme, degrees)] if scheme == "reference" else \
-            pools(2).run(generate_on_rank, cfg, weights, prompt, scheme, degrees)
+            pools(2).run(generate_on_rank, cfg, weights, prompt, scheme, degrees, **options)
         for tokens, logits in runs:
             assert tokens == expected, (scheme, tokens, expected)
             with torch.no_grad():
                 full = hf(torch.tensor([tokens[:-1]])).logits[0]
             for step, step_logits in enumerate(logits):
                 assert rel_err(step_logits.reshape(-1), full[len(prompt) - 1 + step]) <= 1e-4, (scheme, step)
+
+
+def hf_round_trip_on_rank(src, dst):
+    """Read an HF checkpoint slice by slice into tsp (nothing whole on any rank), export what the ranks hold."""
+    from torchtsp.hf import open_hf_weights, save_hf_checkpoint
+
+    cfg, weights = open_hf_weights(src)
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg, device="meta"), torchtsp.init_mesh(tsp=2), "tsp",
+                                 weights=weights)
+    full = model.full_state_dict()
+    if torch.distributed.get_rank() == 0:
+        save_hf_checkpoint(dst, full, cfg)
+    return full
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_hf_checkpoint_loads_under_tsp_and_exports_back(pools, tmp_path, family):
+    """transformers' save_pretrained -> sharded tsp loading -> export -> transformers' from_pretrained: the same
+    weights (bit for bit) and the same logits."""
+    hf = make_hf(family)
+    hf.save_pretrained(tmp_path / "src", safe_serialization=True, max_shard_size="200KB")  # several files + index
+    assert (tmp_path / "src" / "model.safetensors.index.json").exists()
+    cfg = config_from_hf(hf.config.to_dict())
+    expected = from_hf_state_dict({n: p.detach() for n, p in hf.named_parameters()}, cfg)
+    for full in pools(2).run(hf_round_trip_on_rank, str(tmp_path / "src"), str(tmp_path / "dst")):
+        assert full.keys() == expected.keys()
+        assert all(torch.equal(full[n], expected[n]) for n in expected)
+    back = type(hf).from_pretrained(tmp_path / "dst", attn_implementation=hf.config._attn_implementation).eval()
+    tokens = torch.randint(cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=tokens).logits, hf(input_ids=tokens).logits)

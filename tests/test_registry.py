@@ -42,8 +42,11 @@ def test_degrees_that_do_not_fit_the_world_are_refused():
 def test_validate_raises_the_layout_errors_a_run_would():
     tsp = get_scheme("tsp")
     tsp.validate(CFG, 2, 32, tsp.degrees(2))
-    with pytest.raises(ValueError, match="n_kv_heads=2 divisible by 4"):
-        tsp.validate(CFG, 2, 32, tsp.degrees(4))
+    tsp.validate(CFG, 2, 32, tsp.degrees(4))  # 2 KV heads over 4 ranks: each copied on 2
+    with pytest.raises(ValueError, match="n_kv_heads=2 divisible by 4; .* tp cannot replicate KV heads"):
+        get_scheme("tp").validate(CFG, 2, 32, get_scheme("tp").degrees(4))
+    with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
+        tsp.validate(CFG.replace(n_heads=12, n_kv_heads=3, dim=96), 2, 32, tsp.degrees(4))
     with pytest.raises(ValueError, match="divisible by 2x2 for zigzag"):
         tsp.validate(CFG, 2, 30, tsp.degrees(2))
     with pytest.raises(ValueError, match="divisible by the DP degree 2"):

@@ -254,7 +254,9 @@ def test_next_layers_first_shard_is_prefetched(pools, world):
 def bad_input_on_rank(world, case):
     """(error message or None, collectives issued before it) on this rank."""
     mesh = torchtsp.init_mesh(tsp=world)
-    cfg = {"heads": CASES["mha6_tied"], "kv_heads": CASES["gqa4_untied"]}.get(case, CASES["mha_untied"])
+    # 3 KV heads cannot be spread over 4 ranks (4 is neither a divisor nor a multiple of 3).
+    kv3 = torchtsp.ModelConfig(dim=96, n_heads=12, n_kv_heads=3, ffn_dim=96, vocab_size=101, **CFG)
+    cfg = {"heads": CASES["mha6_tied"], "kv_heads": kv3}.get(case, CASES["mha_untied"])
     try:
         if case == "world":
             torchtsp.init_mesh(tsp=world + 1)
@@ -272,7 +274,7 @@ def bad_input_on_rank(world, case):
 @pytest.mark.parametrize("case,match", [
     ("seq", r"sequence length 10 must be divisible by 2\*D = 8"),
     ("heads", r"n_heads=6 divisible by 4"),
-    ("kv_heads", r"n_kv_heads=2 divisible by 4"),
+    ("kv_heads", r"n_kv_heads=3 divisible by 4, or 4 a multiple of it"),
     ("world", r"needs 5 ranks but the world has 4"),
 ])
 def test_bad_input_raises_value_error_on_every_rank_before_communicating(pools, case, match):

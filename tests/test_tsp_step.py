@@ -36,9 +36,9 @@ class SyncSpy(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def sync_ops_on_rank(world, recompute):
-    cfg = torchtsp.ModelConfig(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2,
-                               max_seq_len=64)
+def sync_ops_on_rank(world, recompute, **features):
+    cfg = torchtsp.ModelConfig(**{**dict(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2,
+                                         max_seq_len=64), **features})
     torch.manual_seed(0)
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tsp=world), "tsp", recompute=recompute)
     tokens, labels = batch(cfg, 2, 8 * world)
@@ -66,6 +66,14 @@ def test_training_step_has_no_host_device_sync(pools, world, recompute):
         assert flagged == [], (rank, flagged)
 
 
+def test_step_with_model_features_and_kv_head_copies_has_no_host_device_sync(pools):
+    """q/k/v bias, q/k norm (its backward runs autograd on local tokens) and one KV head copied on 2 ranks."""
+    features = dict(n_kv_heads=1, qkv_bias=True, qk_norm=True)
+    for rank, (flagged, ops) in enumerate(pools(2).run(sync_ops_on_rank, 2, False, **features)):
+        assert ops > 100, "the spy saw no ops"
+        assert flagged == [], (rank, flagged)
+
+
 # ---------------------------------------------------------------- bf16
 
 BF16_CASES = {
@@ -73,6 +81,9 @@ BF16_CASES = {
                                        max_seq_len=128),
     "gqa_tied": torchtsp.ModelConfig(dim=64, n_heads=8, n_kv_heads=4, ffn_dim=128, vocab_size=101, n_layers=2,
                                      max_seq_len=128, tie_embeddings=True),
+    # Qwen-like features and, at D = 4, each of the 2 KV heads copied on 2 ranks.
+    "kv2_features": torchtsp.ModelConfig(dim=64, n_heads=8, n_kv_heads=2, ffn_dim=128, vocab_size=101, n_layers=2,
+                                         max_seq_len=128, qkv_bias=True, qk_norm=True),
 }
 
 

@@ -47,8 +47,9 @@ class Scheme:
     ``memory_walk``: the memory model's walk for it (``analysis.memory_model``); ``traffic``: the name of
     its per-step traffic formula in ``analysis.comm_model``. ``None`` for both: not modelled (its traffic
     is not counted by our comm layer). ``features``: the ``MODEL_FEATURES`` it implements; a model with
-    another is refused, never run without it. ``pipeline``: whether it runs as the stages of a pipeline
-    (``parallel/pipeline.py``, the ``pp`` axis).
+    another is refused, never run without it. ``kv_replication``: fewer KV heads than the weight degree are
+    held as copies by groups of consecutive ranks (the degree must then be a multiple of n_kv_heads).
+    ``pipeline``: whether it runs as the stages of a pipeline (``parallel/pipeline.py``, the ``pp`` axis).
     """
 
     name: str
@@ -62,6 +63,7 @@ class Scheme:
     memory_walk: str | None = None
     traffic: str | None = None
     features: tuple[str, ...] = MODEL_FEATURES
+    kv_replication: bool = False
     pipeline: bool = False
 
     # -- degrees --------------------------------------------------------------------------
@@ -150,11 +152,19 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r} does not implement the model's {', '.join(missing)} yet; "
                              f"use one of: {', '.join(able)}")
         ways = self.weight_degree(degrees)
+        axes = " x ".join(f"{a}={degrees.get(a, 1)}" for a in self.weight_axes)
         for field in ("n_heads", "n_kv_heads", "ffn_dim"):
+            if field == "n_kv_heads" and self.kv_replication and cfg.n_kv_heads < ways:
+                if ways % cfg.n_kv_heads:
+                    raise ValueError(f"{self.label} over {axes} needs n_kv_heads={cfg.n_kv_heads} divisible by {ways}, "
+                                     f"or {ways} a multiple of it (each KV head is then copied on {ways}/n_kv_heads "
+                                     f"ranks); choose such a degree")
+                continue
             if getattr(cfg, field) % ways:
-                axes = " x ".join(f"{a}={degrees.get(a, 1)}" for a in self.weight_axes)
+                hint = (f"; {self.name} cannot replicate KV heads, use tsp for n_kv_heads < {ways}"
+                        if field == "n_kv_heads" and cfg.n_kv_heads < ways else "")
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
-                                 f"choose a degree that divides it")
+                                 f"choose a degree that divides it{hint}")
 
     def check_batch(self, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False) -> None:
         """Refuse a global batch the layout cannot split (rows over dp, zigzag chunks, Megatron-SP chunks)."""
@@ -187,7 +197,7 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling",),
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", kv_replication=True,
            pipeline=True),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",

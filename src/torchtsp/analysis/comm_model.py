@@ -24,13 +24,29 @@ def _kv_elements(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     return 2 * batch * seq_len * cfg.n_kv_heads * cfg.head_dim
 
 
+def tsp_kv_width(cfg: ModelConfig, world: int) -> int:
+    """Width of the K/V projections TSP's shards hold together: n_kv·d, or D·d when n_kv < D (each KV head is
+    then copied on D/n_kv ranks, so the shards together hold D KV heads)."""
+    return max(cfg.n_kv_heads, world) * cfg.head_dim
+
+
+def tsp_attention_elements(cfg: ModelConfig, world: int) -> int:
+    """Elements of the D packed attention shards together: wq, wo, wk, wv (KV heads counted with their copies)
+    and, with q/k/v bias, the biases."""
+    h, q_width, kv_width = cfg.dim, cfg.n_heads * cfg.head_dim, tsp_kv_width(cfg, world)
+    return 2 * h * q_width + 2 * h * kv_width + ((q_width + 2 * kv_width) if cfg.qkv_bias else 0)
+
+
 def tsp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, world: int) -> int:
     """TSP: (P + 2·B·S·h/g)·(D-1)/D.
 
     Every rank receives the D-1 weight shards it does not own (broadcast for attention, ring for the
-    MLP) and, per head group, the K/V of the other ranks' tokens (2·B·S·h/g in all).
+    MLP) and, per head group, the K/V of the other ranks' tokens (2·B·S·h/g in all). P counts q/k/v biases
+    (they travel in the attention shard), and with n_kv < D the copied KV heads (h/g becomes D·d).
     """
-    return (layer_weight_elements(cfg) + _kv_elements(cfg, batch, seq_len)) * (world - 1) // world
+    weights = tsp_attention_elements(cfg, world) + 3 * cfg.dim * cfg.ffn_dim
+    kv = 2 * batch * seq_len * tsp_kv_width(cfg, world)
+    return (weights + kv) * (world - 1) // world
 
 
 def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int) -> int:
@@ -135,10 +151,12 @@ class SchemeTraffic:
 def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
     """TSP over D: attention shards broadcast (twice), K/V gathered (twice) and dK/dV reduce-scattered per group,
     partial weight gradients reduced to their owner, MLP/embedding/head shards around the ring (the head again
-    in backward) with their gradients travelling along, norm gradients all-reduced."""
-    h, L, D = cfg.dim, cfg.n_layers, degrees["tsp"]
-    kv_width = cfg.n_kv_heads * cfg.head_dim
-    p_attn = 2 * h * cfg.n_heads * cfg.head_dim + 2 * h * kv_width
+    in backward) with their gradients travelling along, norm gradients (q/k norms too) all-reduced. With n_kv < D
+    the KV heads' copies count as heads of their own, and the copies' float32 gradients are all-reduced over
+    the D/n_kv ranks sharing each."""
+    h, L, D, d = cfg.dim, cfg.n_layers, degrees["tsp"], cfg.head_dim
+    kv_width = tsp_kv_width(cfg, D)
+    p_attn = tsp_attention_elements(cfg, D)
     p_mlp = 3 * h * cfg.ffn_dim
     rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
     kv = 2 * B * (seq_len // D) * kv_width // D  # elements of one group's K/V of one rank
@@ -149,13 +167,17 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
            + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
            + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
+    qk_norms = [d, d] if cfg.qk_norm else []
+    grad_sync = (2 * L + 1) * _all_reduce(h * e, D) + L * sum(_all_reduce(n * e, D) for n in qk_norms)  # norms
+    replicas = D // min(cfg.n_kv_heads, D)
+    kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
+    grad_sync += L * _all_reduce(kv_local * g, replicas)
     return SchemeTraffic(
         layer_forward=tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e, layer_backward=bwd,
         embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
         embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
-        loss=2 * _all_reduce(4, D),
-        grad_sync=(2 * L + 1) * _all_reduce(h * e, D),  # norm weights
-        local_tensors=[rows] + [h, p_attn // D, h, p_mlp // D] * L + [h] + head)
+        loss=2 * _all_reduce(4, D), grad_sync=grad_sync,
+        local_tensors=[rows] + [h, p_attn // D, *qk_norms, h, p_mlp // D] * L + [h] + head)
 
 
 def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):

@@ -64,16 +64,25 @@ def _ceil_div(a: int, b: int) -> int:
 # ---------------------------------------------------------------- parameters
 
 
+def _kv_heads_held(spec: Scheme, cfg: ModelConfig, ways: int) -> int:
+    """KV heads the ``ways`` weight shards hold together: n_kv, or ``ways`` when the scheme copies each of
+    n_kv < ways KV heads onto ways/n_kv ranks (TSP)."""
+    return max(cfg.n_kv_heads, ways) if spec.kv_replication else cfg.n_kv_heads
+
+
 def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> dict[str, int]:
     """Parameter elements one rank holds, by part: layers (matrices), norms, embedding, head.
 
     Schemes that shard weights (TSP over D, TP over T) split every layer matrix and the vocabulary rows
-    (padded up to a multiple of the degree); norms are replicated. DP and SP replicate everything.
+    (padded up to a multiple of the degree); norms are replicated. DP and SP replicate everything. TSP
+    with n_kv < D holds a copy of one KV head per rank.
     """
     h, d = cfg.dim, cfg.head_dim
-    w = get_scheme(scheme).weight_degree({"tsp": tsp, "tp": tp})
-    matrices = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
-    matrices += (cfg.n_heads + 2 * cfg.n_kv_heads) * d if cfg.qkv_bias else 0  # biases shard with their heads
+    spec = get_scheme(scheme)
+    w = spec.weight_degree({"tsp": tsp, "tp": tp})
+    n_kv = _kv_heads_held(spec, cfg, w)
+    matrices = 2 * h * cfg.n_heads * d + 2 * h * n_kv * d + 3 * h * cfg.ffn_dim
+    matrices += (cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0  # biases shard with their heads
     rows = _ceil_div(cfg.vocab_size, w)
     return {
         "layers": cfg.n_layers * matrices // w,
@@ -90,7 +99,9 @@ def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     w = spec.weight_degree({"tsp": tsp, "tp": tp})
     rows = _ceil_div(cfg.vocab_size, w)
     if spec.memory_walk == "tsp":
-        return max(rows * h, (2 * cfg.n_heads * d + 2 * cfg.n_kv_heads * d) * h // tsp, 3 * cfg.ffn_dim * h // tsp)
+        n_kv = _kv_heads_held(spec, cfg, w)
+        attention = (2 * cfg.n_heads * d + 2 * n_kv * d) * h + ((cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0)
+        return max(rows * h, attention // tsp, 3 * cfg.ffn_dim * h // tsp)
     return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w)
 
 
@@ -137,7 +148,8 @@ class _Shape:
 def _shape(spec: Scheme, cfg: ModelConfig, batch_local: int, seq_len: int, degrees: dict[str, int], e: int) -> _Shape:
     w, tok = spec.weight_degree(degrees), spec.token_degree(degrees)
     # Every scheme's attention sees the K/V of whole sequences (gathered when tokens are split).
-    return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=cfg.n_kv_heads * cfg.head_dim // w,
+    hkv = _kv_heads_held(spec, cfg, w) * cfg.head_dim // w
+    return _Shape(e=e, h=cfg.dim, hq=cfg.n_heads * cfg.head_dim // w, hkv=hkv,
                   ff=cfg.ffn_dim // w, nq=cfg.n_heads // w, d=cfg.head_dim, n=batch_local * seq_len // tok,
                   s_loc=seq_len // tok, v=_ceil_div(cfg.vocab_size, w), kv_len=batch_local * seq_len)
 
@@ -251,12 +263,14 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     Q = e * s.hq * n  # one head group's [n, hq] tensor
     K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
     K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
-    attn_elems = 2 * h * s.hq + 2 * h * s.hkv
+    attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
     # Saved (policy "save"): each norm as in the reference; each block's input; per head group the queries,
-    # local K/V, attention output (model dtype) and LSE (fp32); per FFN shard the gate and up projections.
-    att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n)
+    # local K/V, attention output (model dtype) and LSE (fp32), with q/k norm also the pre-norm q and k; per
+    # FFN shard the gate and up projections.
+    raw = Q + e * s.hkv * n if cfg.qk_norm else 0
+    att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n + raw)
     mlp = n * s.norm + A + D * 2 * e * s.ff * n
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
     layer_in = A
@@ -302,7 +316,8 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
 def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                    tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                    optimizer: str | None = "adamw", master_weights: bool | None = None, foreach: bool = True,
-                   recompute: bool = False, mode: str = "train") -> MemoryBreakdown:
+                   recompute: bool = False, mode: str = "train", new_tokens: int = 0, schedule: str = "auto",
+                   prefill_chunk: int | None = None) -> MemoryBreakdown:
     """Predicted per-rank memory of one step of ``scheme`` (bytes).
 
     ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
@@ -313,11 +328,17 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     optimizer, as train/optim.py's MasterWeights) defaults to dtype_bytes < 4. ``foreach``: AdamW's
     multi-tensor path (PyTorch's default on CUDA) allocates sqrt(v) for every parameter at once; the
     per-tensor loop (the default on CPU) two temporaries of the largest tensor.
-    ``mode="infer"``: a prefill forward, no gradients or optimizer, plus its KV cache.
+    ``mode="infer"``: ``generate`` of a ``seq_len``-token prompt per sequence then ``new_tokens`` more (no
+    gradients or optimizer; the KV cache at full capacity; TSP's ``schedule`` picked as generate picks it;
+    ``prefill_chunk`` as generate's). Prompts need not divide evenly: generate pads them.
     """
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    spec.validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
+    if mode == "infer":  # generate pads prompts and gives replicas unequal rows: only the layout must split
+        spec.check_mesh({a: degrees.get(a, 1) for a in degrees})
+        spec.check_model(cfg, degrees)
+    else:
+        spec.validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
     if spec.memory_walk is None:
         raise ValueError(f"no memory model for scheme {scheme!r}")
     if mode not in ("train", "infer"):
@@ -329,10 +350,10 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     e = dtype_bytes
     parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
     n_params = sum(parts.values())
-    s = _shape(spec, cfg, batch // dp, seq_len, degrees, e)
     if mode == "infer":
-        return _predict_infer(spec, cfg, s, tsp=tsp, tp=tp, sequence_parallel=sequence_parallel,
-                              params=n_params * e)
+        return _predict_infer(spec, cfg, batch, seq_len, degrees, e=e, params=n_params * e, new_tokens=new_tokens,
+                              schedule=schedule, prefill_chunk=prefill_chunk)
+    s = _shape(spec, cfg, batch // dp, seq_len, degrees, e)
 
     master = (e < FP32) if master_weights is None else master_weights
     params = grads = n_params * e
@@ -355,29 +376,83 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
                            kv_cache=0, total=peak, phase=phase)
 
 
-def _predict_infer(spec: Scheme, cfg, s: _Shape, *, tsp, tp, sequence_parallel, params) -> MemoryBreakdown:
-    """Prefill: weights, the KV cache of every layer, and the largest working set of one layer.
+KEY_BLOCK = 1024  # keys per block of infer.cache.attend (its score buffer is [B, heads, T, KEY_BLOCK])
 
-    The cache holds K and V (n_kv heads, not expanded) of the tokens a rank owns: TSP and SP shard it
-    by tokens, TP by heads. Logits are computed for each sequence's last position only.
+
+def _attend_bytes(batch: int, heads: int, tokens: int, keys: int, d: int) -> int:
+    """Peak bytes of ``infer.cache.attend``, reached in the online-softmax update of a key block: the block's
+    float32 scores and its boolean mask, and five query-sized float32 buffers (the scaled queries, the
+    old and rescaled outputs, the block's contribution and their sum)."""
+    block = min(keys, KEY_BLOCK)
+    rows = batch * heads * tokens
+    return FP32 * rows * (block + 5 * d) + batch * tokens * block
+
+
+def infer_schedule(scheme: str, cfg: ModelConfig, tokens_in_flight: int, schedule: str = "auto") -> str:
+    """The schedule an inference phase of ``scheme`` runs with ``tokens_in_flight`` tokens per step: TSP's
+    "weights" or "activations" (``infer.tsp``'s rule), or the scheme's own name for the others."""
+    if get_scheme(scheme).memory_walk != "tsp":
+        return scheme
+    if schedule != "auto":
+        return schedule
+    from .comm_model import tsp_tp_crossover_tokens
+
+    return "weights" if tokens_in_flight >= tsp_tp_crossover_tokens(cfg) else "activations"
+
+
+def _predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, degrees: dict[str, int], *,
+                   e: int, params: int, new_tokens: int, schedule: str, prefill_chunk: int | None
+                   ) -> MemoryBreakdown:
+    """Prefill of ``prompt_len`` tokens per sequence (then ``new_tokens`` decoded) as ``infer/`` runs it: the
+    weights, the KV cache at its full capacity, and the largest working set of one layer of the prefill
+    chunk that sees the most keys (the last one). Decode steps carry one token per sequence and never
+    reach the prefill's working set; the KV cache is preallocated, so it is counted whole.
+
+    Per schedule (docs/analysis.md, "Inference memory"): TP keeps every token with its heads and attends
+    them to all keys; SP and TSP's weights-move schedule keep 1/D of the tokens and gather K/V (SP all
+    heads, TSP one head group at a time, with the received weight shards); TSP's activations-move
+    schedule replicates the chunk's tokens, gathers every head's q/k/v and attends them to its own keys.
     """
-    e, h, n = s.e, s.h, s.n
-    # K/V of every head this rank's tokens need later: TSP keeps all heads of its own tokens (it meets
-    # every head group), TP its heads of every token, SP all heads of its tokens.
-    kv_cache = cfg.n_layers * 2 * e * (cfg.n_kv_heads * cfg.head_dim // tp) * n
-    expand = 2 * e * s.hq * s.kv_len if s.hq != s.hkv else 0
-    if spec.memory_walk == "tsp":
-        # Received shard buffers, one group's K/V (local slot, gathered, in global order), q/out/LSE of one
-        # group (K/V never expanded for GQA), the block input and output and the float32 output accumulator.
-        bufs = min(tsp - 1, 2)
-        attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
-        working = max(bufs * attn_w + 3 * (2 * e * s.hkv * s.kv_len) + e * n * (4 * s.hq + 3 * h) + FP32 * h * n,
-                      bufs * 3 * h * s.ff * e + e * n * (4 * s.ff + 3 * h) + FP32 * h * n)
-    else:
-        n_rep = n // tp if sequence_parallel and tp > 1 else n
-        kv_full = 2 * e * s.hkv * s.kv_len if s.kv_len > n else 0
-        working = 2 * e * h * n_rep + e * h * n + max(4 * e * s.hq * n + kv_full + expand, 4 * e * s.ff * n)
-    batch_rows = max(1, n // s.s_loc) if s.s_loc else 1
-    transient = working + batch_rows * s.v * FP32
+    h, d, L = cfg.dim, cfg.head_dim, cfg.n_layers
+    n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads
+    dp = degrees.get("dp", 1)
+    B = _ceil_div(batch, dp)  # generate gives a replica ceil(B/dp) rows (some replicas may get fewer)
+    tok, w = spec.token_degree(degrees), spec.weight_degree(degrees)
+    step = 2 * tok if tok > 1 else 1  # generate pads prompts to a multiple of the zigzag's 2D
+    chunk = _round_up(min(prefill_chunk or prompt_len, prompt_len), step)
+    S = _round_up(prompt_len, chunk)  # the padded prompt; the last chunk's queries see all S keys
+    rows = _ceil_div(cfg.vocab_size, w)
+    if tok > 1:  # the prompt 1/D per rank, then decoded tokens assigned to the ranks in turn
+        capacity, cache_heads = S // tok + _ceil_div(max(new_tokens - 1, 0), tok), n_kv
+    else:  # every token, this rank's KV heads
+        capacity, cache_heads = S + max(new_tokens - 1, 0), n_kv // w
+    kv_cache = L * 2 * e * B * cache_heads * capacity * d
+    held = _kv_heads_held(spec, cfg, w)  # KV heads the shards hold together (TSP copies heads when n_kv < D)
+    rope = 2 * FP32 * d  # cos and sin per token
+    which = infer_schedule(spec.name, cfg, B * chunk, schedule)
+    if which == "activations":  # the chunk replicated; every head's q/k/v gathered; own keys only
+        T, keys = chunk, S // tok
+        qkv = e * B * T * (n_heads + 2 * held) * d * (1 + 1 / tok)  # the gathered heads and this rank's own
+        # The residual, its norm, the attention output and its all-reduce; RoPE's tables and rotation temporaries.
+        attention = 4 * e * B * T * h + 2 * B * T * rope + int(qkv) + _attend_bytes(B, n_heads, T, keys, d)
+        mlp = 3 * e * B * T * h + 3 * e * B * T * cfg.ffn_dim // tok
+    elif which == "weights":  # 1/D of the chunk; one head group's K/V of every token; shard double buffers
+        T, keys = chunk // tok, S
+        attn_shard = (2 * n_heads + 2 * held) * d * h * e // tok
+        kv_group = 2 * e * B * (held // tok) * keys * d
+        attention = (4 * e * B * T * h + B * T * rope + 2 * attn_shard + kv_group
+                     + _attend_bytes(B, n_heads // tok, T, keys, d))
+        mlp = 4 * e * B * T * h + 2 * 3 * h * cfg.ffn_dim * e // tok + 3 * e * B * T * cfg.ffn_dim // tok
+    else:  # Megatron (tp, the reference, dp) or SP: replicated or head-sharded weights in place
+        T, keys = chunk // tok, S
+        kv_full = 2 * e * B * n_kv * keys * d if tok > 1 else 0  # SP gathers every head's K/V
+        q = e * B * T * n_heads * d // w
+        attention = 2 * e * B * T * h + B * T * rope + q + kv_full + _attend_bytes(B, n_heads // w, T, keys, d)
+        mlp = 3 * e * B * T * h + 3 * e * B * T * cfg.ffn_dim // w
+    transient = max(attention, mlp) + B * rows * FP32  # plus the last tokens' logits
     return MemoryBreakdown(params=params, grads=0, optimizer=0, activations=0, transient=transient,
-                           kv_cache=kv_cache, total=params + kv_cache + transient, phase="prefill")
+                           kv_cache=kv_cache, total=params + kv_cache + transient, phase=f"prefill ({which})")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return _ceil_div(n, multiple) * multiple

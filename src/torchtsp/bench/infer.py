@@ -89,11 +89,9 @@ def aggregate(cell: InferCell, per_rank: list[dict]) -> dict:
         return {**row, "error": per_rank[0]["error"]}
     cfg = ModelConfig(**{**cell.model, "max_seq_len": max(cell.model.get("max_seq_len", 0),
                                                            cell.prompt_len + cell.new_tokens)})
-    try:
-        predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
-                                   **get_scheme(cell.scheme).degrees(cell.world))
-    except ValueError:  # the analytic model needs zigzag-divisible lengths; generate pads instead
-        predicted = None
+    predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
+                               new_tokens=cell.new_tokens, schedule=cell.schedule, prefill_chunk=cell.prefill_chunk,
+                               **get_scheme(cell.scheme).degrees(cell.world))
     peak = max(r["peak_bytes"] for r in per_rank)
     return {**row, "ttft_s": max(r["ttft_s"] for r in per_rank),
             "tpot_s": max(r["tpot_s"] or 0.0 for r in per_rank),

@@ -82,6 +82,7 @@ def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
 
 def destroy_process_group() -> None:
     _SIBLING_GROUPS.clear()  # they die with the default group
+    _GROUPED_MESHES.clear()
     if is_initialized():
         dist.destroy_process_group()
 
@@ -97,18 +98,7 @@ def sibling_group(mesh: DeviceMesh, name: str, purpose: str, timeout_s: float = 
     Every rank must call this, in the same order: ``new_group`` is collective over the default group,
     so each rank creates the groups of every slice of the axis and keeps its own.
     """
-    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
-    slices = tuple(tuple(row) for row in ranks.reshape(-1, ranks.shape[-1]).tolist())
-    key = (slices, purpose)
-    if key not in _SIBLING_GROUPS:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        mine = None
-        for members in slices:
-            group = dist.new_group(list(members), timeout=timeout)
-            if global_rank() in members:
-                mine = group
-        _SIBLING_GROUPS[key] = mine
-    return _SIBLING_GROUPS[key]
+    return block_group(mesh, name, mesh.size(mesh.mesh_dim_names.index(name)), purpose, timeout_s)
 
 
 def pipeline_group(mesh: DeviceMesh, timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -134,9 +124,52 @@ def make_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str,
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
-def sharded_tensor(local: torch.Tensor, mesh: DeviceMesh, shard_dims: dict[str, int], global_shape) -> DTensor:
+def block_group(mesh: DeviceMesh, name: str, block: int, purpose: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A process group over this rank's block of ``block`` consecutive ranks of mesh axis ``name`` (created
+    once per purpose; collective over the default group like ``sibling_group``)."""
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
+    slices = tuple(tuple(row) for row in ranks.reshape(-1, block).tolist())
+    key = (slices, purpose)
+    if key not in _SIBLING_GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine = None
+        for members in slices:
+            group = dist.new_group(list(members), timeout=timeout)
+            if global_rank() in members:
+                mine = group
+        _SIBLING_GROUPS[key] = mine
+    return _SIBLING_GROUPS[key]
+
+
+_GROUPED_MESHES: dict = {}
+
+
+def _grouped_mesh(mesh: DeviceMesh, name: str, chunks: int) -> DeviceMesh:
+    """``mesh`` with axis ``name`` (size D) viewed as (``name``: chunks, ``name``_replica: D/chunks), for
+    DTensors of slices replicated over consecutive ranks. Built without process groups: DTensors over it
+    are only described (checkpoints), never communicated."""
+    names = tuple(mesh.mesh_dim_names)
+    i = names.index(name)
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), names, name, chunks)
+    if key not in _GROUPED_MESHES:
+        shape = (*mesh.mesh.shape[:i], chunks, mesh.mesh.shape[i] // chunks, *mesh.mesh.shape[i + 1:])
+        _GROUPED_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                                          mesh_dim_names=(*names[:i], name, f"{name}_replica", *names[i + 1:]),
+                                          _init_backend=False)
+    return _GROUPED_MESHES[key]
+
+
+def sharded_tensor(local: torch.Tensor, mesh: DeviceMesh, shard_dims: dict, global_shape) -> DTensor:
     """A DTensor view of this rank's piece: sharded along ``shard_dims[axis]`` on those mesh axes
-    (torch.chunk split, so the last pieces may be shorter), replicated on the others."""
+    (torch.chunk split, so the last pieces may be shorter), replicated on the others.
+
+    A value ``(dim, chunks)`` instead of ``dim`` splits ``dim`` into ``chunks`` slices, each held by
+    size/chunks consecutive ranks of the axis (replicated KV heads): a checkpoint stores each slice once
+    and every rank of its group reads it back."""
+    for name, dim in list(shard_dims.items()):
+        if isinstance(dim, tuple):
+            mesh = _grouped_mesh(mesh, name, dim[1])
+            shard_dims = {**shard_dims, name: dim[0]}
     placements = [Shard(shard_dims[name]) if name in shard_dims else Replicate() for name in mesh.mesh_dim_names]
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(global_shape), stride=stride)
@@ -264,6 +297,15 @@ class AxisComm:
         if weight_stream and mesh.size(mesh.mesh_dim_names.index(name)) > 1:
             weights = sibling_group(mesh, name, "weights", timeout_s)
         return cls(group, name, timeout_s, weight_group=weights)
+
+    def blocks(self, mesh: DeviceMesh, block: int, purpose: str) -> AxisComm:
+        """The comm of this rank's block of ``block`` consecutive ranks of the axis (e.g. the ranks sharing a
+        replicated KV head), counted in this axis's ``counting()``; a one-rank comm for blocks of one."""
+        if block == 1 or mesh is None:
+            return AxisComm(None, self.name, self.timeout.total_seconds(), _active=self._active)
+        group = block_group(mesh, self.name, block, purpose, self.timeout.total_seconds())
+        return AxisComm(group, self.name, self.timeout.total_seconds(), stream=f"{self.name}.{purpose}",
+                        _active=self._active)
 
     # -- accounting ---------------------------------------------------------
 

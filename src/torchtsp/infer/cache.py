@@ -68,12 +68,13 @@ def rope_tables(positions: torch.Tensor, cfg):
 def project_qkv(cfg, w: dict, h: torch.Tensor, cos, sin):
     """Queries, keys and values [B, heads, T, d] of hidden states h [B, T, h] with the (possibly head-sliced)
     weights ``w`` (``wq``, ``wk``, ``wv``; ``bq``, ``bk``, ``bv`` with q/k/v bias; ``q_norm``, ``k_norm`` with
-    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads."""
+    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads (and on no
+    token: T may be 0)."""
     from ..model import head_norm
 
     B, T, _ = h.shape
     d = cfg.head_dim
-    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, -1, d) for n in "qkv")
+    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, w[f"w{n}"].shape[0] // d, d) for n in "qkv")
     if cfg.qk_norm:
         q, k = head_norm(q, w["q_norm"], cfg.norm_eps), head_norm(k, w["k_norm"], cfg.norm_eps)
     return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
@@ -103,8 +104,9 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
         b = min(a + KEY_BLOCK, k.shape[2])
         s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]: the one score-sized buffer
         # The mask is per (query token, key), shared by the g query heads of a KV head: [B, 1, 1, T, b-a].
-        seen = k_valid[:, None, None, None, a:b] & (k_pos[:, None, None, None, a:b] <= q_pos[:, None, None, :, None])
-        s.view(B, Hkv, g, T, b - a).masked_fill_(~seen, float("-inf"))
+        hidden = k_pos[:, None, None, None, a:b] > q_pos[:, None, None, :, None]
+        hidden |= ~k_valid[:, None, None, None, a:b]  # in place: one mask-sized buffer per block
+        s.view(B, Hkv, g, T, b - a).masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1))
         # Rows that have seen no key yet keep max = -inf; a finite stand-in avoids -inf - -inf = NaN.
         shift = torch.where(torch.isfinite(new_max), new_max, 0.0)
@@ -113,6 +115,7 @@ def attend(q, k, v, q_pos, k_pos, k_valid):
         run_sum = run_sum * rescale + p.sum(dim=-1)
         out = out * rescale.unsqueeze(-1) + p @ v[:, :, a:b].float()
         run_max = new_max
+        del s, p, hidden  # before the next block's scores: never two score buffers alive
     seen_any = run_sum > 0
     out = out / torch.where(seen_any, run_sum, 1.0).unsqueeze(-1)
     lse = torch.where(seen_any, torch.where(torch.isfinite(run_max), run_max, 0.0) + run_sum.log(), float("-inf"))

@@ -3,7 +3,11 @@
 
 **KV cache.** Rank p keeps the K/V of *all* KV heads for *its own* tokens: the zigzag share of each
 prompt chunk, then decoded token t on rank t mod D. Its cache is 1/D of the single-device cache
-whatever the number of KV heads.
+whatever the number of KV heads (also with n_kv < D, where D/n_kv consecutive head groups share one
+KV head: their K/V is computed, stored and gathered once, for the first of them).
+
+Model features travel with the packed shard (q/k/v biases) or are replicated (q/k norm weights), as in
+training; ``cache.project_qkv`` applies them.
 
 **Weights move** (the training forward; many tokens in flight, e.g. a long prefill). Each rank holds
 its share of the step's tokens. Per layer the packed attention shards are broadcast head group by head
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 from ..distributed import zigzag
 from ..model import rms_norm, swiglu
 from ..parallel.tsp import broadcast_each, ring_each
-from .cache import KVCache, apply_rope, attend, merge_partials, rope_tables
+from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
 from .engine import Engine, masked_lookup, select_last, vocab_logits
 
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
@@ -41,6 +45,15 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 def _layouts(model):
     """(attention, mlp) packed layouts of a TSPTransformer: the one place that knows where they live."""
     return model.math.attention_layout, model.math.mlp_layout
+
+
+def _attention_weights(model, layer, flat) -> dict:
+    """``cache.project_qkv``'s weights from one packed attention shard and the layer's q/k norms."""
+    a = model.math.attention(flat)
+    w = {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "bq": a.bq, "bk": a.bk, "bv": a.bv}
+    if layer.q_norm is not None:
+        w.update(q_norm=layer.q_norm.detach(), k_norm=layer.k_norm.detach())
+    return w
 
 
 class TSPEngine(Engine):
@@ -96,23 +109,21 @@ class TSPEngine(Engine):
         key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="infer.kv.positions")
         key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the gathered K/V below
         seen = torch.ones_like(key_pos, dtype=torch.bool)
-        hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
+        hq, hkv, replicas = self.model.math.q_heads, self.model.math.kv_heads, self.model.math.kv_replicas
         for i, layer in enumerate(self.model.layers):
             h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
             y = torch.zeros_like(x)
             for j, w in broadcast_each(comm, layer.attention_shard.detach(), "infer.attention"):
-                wq, wk, wv, wo = self.attention_layout.unpack(w)
-                # Explicit head counts: a rank may hold no token of this step (T = 0).
-                q = apply_rope(F.linear(h, wq).view(B, T, hq, d), cos, sin).transpose(1, 2)
-                k = apply_rope(F.linear(h, wk).view(B, T, hkv, d), cos, sin).transpose(1, 2)
-                v = F.linear(h, wv).view(B, T, hkv, d).transpose(1, 2)
-                group = slice(j * hkv, (j + 1) * hkv)
-                cache.write(i, slots, k, v, heads=group)
-                kv = torch.stack([cache.k[i][:, group, :m], cache.v[i][:, group, :m]])
-                kv = comm.all_gather(kv, label="infer.kv")  # [D, 2, B, H/D, m, d]
-                kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H/D, D·m, d]
+                w = _attention_weights(self.model, layer, w)
+                q, k, v = project_qkv(cfg, w, h, cos, sin)
+                if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
+                    group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
+                    cache.write(i, slots, k, v, heads=group)
+                    kv = torch.stack([cache.k[i][:, group, :m], cache.v[i][:, group, :m]])
+                    kv = comm.all_gather(kv, label="infer.kv")  # [D, 2, B, hkv, m, d]
+                    kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, hkv, D·m, d]
                 out, _ = attend(q, kv[0], kv[1], pos, key_pos, seen)
-                y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), wo)
+                y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), w["wo"])
             x = x + y
             h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
             y = torch.zeros_like(x)
@@ -124,28 +135,27 @@ class TSPEngine(Engine):
     def activations_move(self, ids, pos, valid, keep, counts):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
         of tokens ``keep`` (indices into T). Returns the final-norm hidden states [B, T, h] (replicated)."""
-        cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
+        cfg, comm, cache = self.cfg, self.comm, self.cache
         B, T = ids.shape
-        hq, hkv = cfg.n_heads // comm.size, cfg.n_kv_heads // comm.size
+        hq, hkv, replicas = self.model.math.q_heads, self.model.math.kv_heads, self.model.math.kv_replicas
         x = comm.all_reduce(masked_lookup(ids, self.embedding, comm.rank)[0], label="infer.embedding")
         cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos[:, keep], valid[:, keep], counts)
         for i, layer in enumerate(self.model.layers):
-            wq, wk, wv, wo = self.attention_layout.unpack(layer.attention_shard.detach())
+            w = _attention_weights(self.model, layer, layer.attention_shard.detach())
             h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
-            q = apply_rope(F.linear(h, wq).view(B, T, hq, d), cos, sin)
-            k = apply_rope(F.linear(h, wk).view(B, T, hkv, d), cos, sin)
-            v = F.linear(h, wv).view(B, T, hkv, d)
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(cfg, w, h, cos, sin))  # [B, T, heads, d]
             qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
             qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
-            # [B, heads, T, d] each, heads in global order
-            q_all, k_all, v_all = (qkv[:, :, :, a:b].flatten(2, 3).transpose(1, 2)
-                                   for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+            # [B, heads, T, d] each, heads in global order; a KV head copied on several ranks is taken once.
+            q_all, k_all, v_all = (qkv[:, :, ::step, a:b].flatten(2, 3).transpose(1, 2)
+                                   for a, b, step in ((0, hq, 1), (hq, hq + hkv, replicas),
+                                                      (hq + hkv, hq + 2 * hkv, replicas)))
             cache.write(i, slots, k_all[:, :, keep], v_all[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
             out, lse = attend(q_all, k_own, v_own, pos, k_pos, k_valid)
             mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
-            y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), wo)
+            y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
             x = x + comm.all_reduce(y, label="infer.attention")
             h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
             y = swiglu(h, *self.mlp_layout.unpack(layer.mlp_shard.detach()))

@@ -6,6 +6,7 @@ size, so buffers can be broadcast or passed around a ring and unpacked by any ra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +15,11 @@ import torch
 @dataclass(frozen=True)
 class Part:
     name: str  # reference parameter name
-    full_shape: tuple[int, int]
-    shard_dim: int  # the dimension cut into D equal slices, one per rank
+    full_shape: tuple[int, ...]  # a matrix (out, in) or a bias (out,)
+    shard_dim: int  # the dimension cut into equal slices, one per rank (or per group of ranks, see chunks)
+    # Distinct slices along shard_dim (None: one per rank). Fewer than the ranks replicates each slice over
+    # world/chunks consecutive ranks: KV heads when n_kv < D, so rank p holds slice p // (world/chunks).
+    chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -23,27 +27,47 @@ class PackedLayout:
     parts: tuple[Part, ...]
     world: int
 
-    def local_shape(self, part: Part) -> tuple[int, int]:
+    def chunks(self, part: Part) -> int:
+        return part.chunks or self.world
+
+    def replicas(self, part: Part) -> int:
+        """Consecutive ranks that hold the same slice of ``part`` (1: every rank holds its own)."""
+        return self.world // self.chunks(part)
+
+    def local_shape(self, part: Part) -> tuple[int, ...]:
         shape = list(part.full_shape)
-        shape[part.shard_dim] //= self.world
+        shape[part.shard_dim] //= self.chunks(part)
         return tuple(shape)
 
     @property
     def numel(self) -> int:
-        return sum(self.local_shape(p)[0] * self.local_shape(p)[1] for p in self.parts)
+        return sum(math.prod(self.local_shape(p)) for p in self.parts)
+
+    def offset(self, name: str) -> int:
+        """Where part ``name`` starts in a flat buffer."""
+        start = 0
+        for p in self.parts:
+            if p.name == name:
+                return start
+            start += math.prod(self.local_shape(p))
+        raise KeyError(name)
 
     def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of the parts, in order, from one rank's flat buffer."""
         shapes = [self.local_shape(p) for p in self.parts]
-        pieces = flat.split([r * c for r, c in shapes])
+        pieces = flat.split([math.prod(shape) for shape in shapes])
         return [piece.view(shape) for piece, shape in zip(pieces, shapes)]
+
+    def named(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``unpack`` by reference name."""
+        return {p.name: view for p, view in zip(self.parts, self.unpack(flat))}
 
     def pack(self, weights, prefix: str, rank: int) -> torch.Tensor:
         """Rank's flat buffer, its parts read one at a time from ``weights`` (a ``WeightSource``) under
         ``prefix`` (e.g. ``layers.3.``): only this rank's slices and the buffer are ever alive."""
         flat, offset = None, 0
         for p in self.parts:
-            piece = weights.get(prefix + p.name, p.shard_dim, self.world, rank)
+            piece = weights.get(prefix + p.name, p.shard_dim, self.chunks(p), rank // self.replicas(p))
             if flat is None:
                 flat = torch.empty(self.numel, dtype=piece.dtype, device=piece.device)
             flat[offset:offset + piece.numel()].copy_(piece.reshape(-1))
@@ -51,9 +75,9 @@ class PackedLayout:
         return flat
 
     def unpack_gathered(self, gathered: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every rank's buffer [D, numel] -> the full weights by reference name."""
+        """Every rank's buffer [D, numel] -> the full weights by reference name (a replicated slice once)."""
         per_rank = [self.unpack(buf) for buf in gathered]
-        return {p.name: torch.cat([parts[i] for parts in per_rank], dim=p.shard_dim)
+        return {p.name: torch.cat([parts[i] for parts in per_rank[::self.replicas(p)]], dim=p.shard_dim)
                 for i, p in enumerate(self.parts)}
 
 

@@ -33,6 +33,8 @@ No step synchronises host and device (no ``.item()``, ``nonzero`` or boolean-mas
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, apply_rope, rms_norm, rope_tables
+from ..model import IGNORE_INDEX, Transformer, apply_rope, head_norm, reference_shapes, rms_norm, rope_tables
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, weight_source
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
@@ -166,60 +168,74 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 class TSPAttention(torch.autograd.Function):
     """y = attention(x) for local tokens x [B, S/D, h]; weights broadcast head group by head group.
 
-    Saves (default) per head group the local queries, K/V, attention output and LSE; backward broadcasts
-    the weights again, all-gathers the saved K/V again and recomputes no projection.
+    Saves (default) per head group the local queries, K/V, attention output and LSE (with q/k norm also the
+    pre-norm q and k projections); backward broadcasts the weights again, all-gathers the saved K/V again and
+    recomputes no projection. q/k/v biases travel in the packed shard with their heads' rows. ``q_norm`` and
+    ``k_norm`` (Qwen3's per-head norm weights, replicated) get this rank's tokens' gradient; the caller sums it
+    over the axis (``ReplicatedGrad``). When n_kv < D, D/n_kv consecutive ranks hold copies of one KV head:
+    each group's K/V gradient reaches its owner as usual and the copies' gradients are then summed over
+    those ranks (``math.kv_comm``).
     """
 
     @staticmethod
-    def forward(ctx, x, shard, cos, sin, math: TSPShardMath, prefetch=None, layer: int = 0):
+    def forward(ctx, x, shard, cos, sin, math: TSPShardMath, prefetch=None, layer: int = 0, q_norm=None,
+                k_norm=None):
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
-        nq, nkv, d = math.cfg.n_heads // D, math.cfg.n_kv_heads // D, math.cfg.head_dim
-        groups = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one group's slot is reused
+        nq, nkv, d = math.q_heads, math.kv_heads, math.cfg.head_dim
+        groups = D if any(ctx.needs_input_grad) else 1  # without backward one group's slot is reused
         q_all = x.new_empty(groups, B, nq, n, d)
         kv_all = x.new_empty(groups, 2, B, nkv, n, d)
         out_all = x.new_empty(groups, B, nq, n, d)
         lse_all = x.new_empty(groups, B, nq, n, dtype=torch.float32)
+        # The q/k norm backward needs its input: the pre-norm projections of local tokens (1/D-sized too).
+        raw = q_norm is not None and groups > 1
+        q_raw_all = x.new_empty(groups, B * n, nq * d) if raw else None
+        k_raw_all = x.new_empty(groups, B * n, nkv * d) if raw else None
         y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
         first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
         weights = BroadcastStream(comm.weights, shard, "attention.forward", first)
-        unpack = math.attention_layout.unpack
 
         def start_kv(j):
             """Project group j's local K/V and start their all-gather."""
-            _, wk, wv, _ = unpack(weights.get(j))
-            math.project_kv(x2, wk, wv, cos, sin, B, out=kv_all[j % groups])
-            return gather_kv(comm, kv_all[j % groups], async_op=True, label=("attention.forward", j))
+            slot = j % groups
+            math.project_kv(x2, math.attention(weights.get(j)), k_norm, cos, sin, B, out=kv_all[slot],
+                            raw=None if k_raw_all is None else k_raw_all[slot])
+            return gather_kv(comm, kv_all[slot], async_op=True, label=("attention.forward", j))
 
         gathering = start_kv(0)
         for j in range(D):
             comm.mark(("attention.forward", j))
             slot = j % groups
-            wq, _, _, wo = unpack(weights.get(j))
-            q_all[slot] = math.heads(x2 @ wq.t(), B, cos, sin)
+            w = math.attention(weights.get(j))
+            q_all[slot] = math.project_q(x2, w, q_norm, cos, sin, B, raw=None if q_raw_all is None else q_raw_all[slot])
             # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
             # group: nothing needed now queues behind it). Without saving, group j+1 shares slot 0: wait first.
             kv = gathering()
             gathering = start_kv(j + 1) if j + 1 < D and groups > 1 else None
             out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
             kv = None
-            _add_mm(y, math.merge_heads(out_all[slot]), wo.t())
+            _add_mm(y, math.merge_heads(out_all[slot]), w.wo.t())
+            w = None
             weights.release(j)
             if gathering is None and j + 1 < D:
                 gathering = start_kv(j + 1)
-        ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all)
+        ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all, q_norm, k_norm, q_raw_all,
+                              k_raw_all)
         ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard, cos, sin, q_all, kv_all, out_all, lse_all = ctx.saved_tensors
+        x, shard, cos, sin, q_all, kv_all, out_all, lse_all, q_norm, k_norm, q_raw_all, k_raw_all = ctx.saved_tensors
         math = ctx.math
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
         dx = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        # q and k norm weight gradients from this rank's tokens, over every head group (float32).
+        dnorms = None if q_norm is None else torch.zeros(2, math.cfg.head_dim, dtype=ACC, device=x.device)
         layout = math.attention_layout
         dshard, reducing = None, []  # (owner, pending reduce) of partial gradients in flight
 
@@ -246,14 +262,18 @@ class TSPAttention(torch.autograd.Function):
 
         def finish(j, scattering, dw):
             """Group j's key/value path: wait for its dK/dV, then dX, dWk, dWv; reduce dW to its owner."""
-            _, wk, wv, _ = layout.unpack(weights.get(j))
-            _, dwk, dwv, _ = layout.unpack(dw)
+            w, g = math.attention(weights.get(j)), math.attention(dw)
             dkv = scattering.wait()
             dk2 = math.unrotate(dkv[0], B, cos, sin).to(x.dtype)
+            if k_norm is not None:
+                dk2 = math.norm_backward(dk2, k_raw_all[j], k_norm, dnorms[1])
             dv2 = math.merge_heads(dkv[1]).to(x.dtype)
-            _add_mm(_add_mm(dx, dk2, wk), dv2, wv)
-            _mm_into(dwk, dk2.t(), x2)
-            _mm_into(dwv, dv2.t(), x2)
+            _add_mm(_add_mm(dx, dk2, w.wk), dv2, w.wv)
+            _mm_into(g.wk, dk2.t(), x2)
+            _mm_into(g.wv, dv2.t(), x2)
+            if g.bk is not None:
+                g.bk.copy_(dk2.sum(0, dtype=ACC))
+                g.bv.copy_(dv2.sum(0, dtype=ACC))
             # Every rank's partial gradient of head group j goes to its owner j. (One reduce-scatter of all
             # groups at the end moves the same bytes but would hold the layer's partial gradients at once.)
             reducing.append((j, comm.weights.reduce(dw, dst=j, async_op=True, label=("attention.backward", j))))
@@ -263,8 +283,8 @@ class TSPAttention(torch.autograd.Function):
         for j in range(D):
             comm.mark(("attention.backward", j))
             settle(keep=0)  # reductions issued before shard j's broadcast
-            wq, _, _, wo = layout.unpack(weights.get(j))
-            dout = math.split_heads(dy2 @ wo, B)  # before waiting for the K/V
+            w = math.attention(weights.get(j))
+            dout = math.split_heads(dy2 @ w.wo, B)  # before waiting for the K/V
             kv = gathers.pop(j)()
             dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
                                                    comm.rank, D)
@@ -275,18 +295,29 @@ class TSPAttention(torch.autograd.Function):
             if j + 2 < D:
                 gathers[j + 2] = gather(j + 2)
             dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
-            dwq, _, _, dwo = layout.unpack(dw)
-            _mm_into(dwo, dy2.t(), math.merge_heads(out_all[j]))
+            g = math.attention(dw)
+            _mm_into(g.wo, dy2.t(), math.merge_heads(out_all[j]))
             dq2 = math.unrotate(dq, B, cos, sin)
-            _add_mm(dx, dq2, wq)
-            _mm_into(dwq, dq2.t(), x2)
-            dq = dq2 = wq = wo = None
+            if q_norm is not None:
+                dq2 = math.norm_backward(dq2, q_raw_all[j], q_norm, dnorms[0])
+            _add_mm(dx, dq2, w.wq)
+            _mm_into(g.wq, dq2.t(), x2)
+            if g.bq is not None:
+                g.bq.copy_(dq2.sum(0, dtype=ACC))
+            dq = dq2 = w = g = None
             if previous is not None:
                 finish(*previous)
             previous = (j, scattering, dw)
         finish(*previous)
         settle(keep=0)
-        return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None
+        if math.kv_replicas > 1:
+            # This rank's KV-head copy got the gradient of its own query group only: sum the copies' gradients
+            # (the packed shard's contiguous K/V tail) over the ranks sharing the head.
+            math.kv_comm.all_reduce(dshard[math.kv_offset:], label=("attention.kv_replicas", ctx.layer))
+        dq_norm = dk_norm = None
+        if dnorms is not None:
+            dq_norm, dk_norm = dnorms[0].to(q_norm.dtype), dnorms[1].to(k_norm.dtype)
+        return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None, dq_norm, dk_norm
 
 
 # ---------------------------------------------------------------- gated MLP
@@ -431,28 +462,73 @@ class TSPHeadCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------- per-shard math
 
 
+class AttentionShard(NamedTuple):
+    """Views of one packed attention shard (a rank's head group): the weights and, with q/k/v bias, the
+    biases (None without)."""
+
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+
+
+def _linear_into(x2, weight, bias, out=None):
+    """x2 @ weight.T (+ bias), into ``out`` if given (one GEMM either way)."""
+    if out is None:
+        return x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())
+    if bias is None:
+        return torch.mm(x2, weight.t(), out=out)
+    return torch.addmm(bias, x2, weight.t(), out=out)
+
+
 class TSPShardMath:
     """What every rank computes with one passing shard: the packed layouts of a layer's attention and MLP
-    shards, head reshapes, RoPE and its transpose, and the vocabulary-slice logits (no parameters)."""
+    shards, head reshapes, q/k norms, RoPE and its transpose, and the vocabulary-slice logits (no parameters).
 
-    def __init__(self, cfg, comm: AxisComm):
+    Attention shard of rank p: query heads p·n_q/D … and the columns of ``wo`` that read them, then the KV
+    heads they read; q/k/v biases with their heads' rows. With n_kv < D there are fewer KV heads than ranks:
+    rank p holds a copy of KV head p // (D/n_kv), the one all of its query heads read (``kv_replicas`` ranks
+    share it; ``kv_comm`` is their group). The K/V parts are the shard's tail, so their gradients are one slice.
+    """
+
+    def __init__(self, cfg, comm: AxisComm, kv_comm: AxisComm | None = None):
         D, h, d = comm.size, cfg.dim, cfg.head_dim
         self.cfg, self.comm = cfg, comm
+        kv_chunks = min(cfg.n_kv_heads, D)  # distinct KV-head slices (schemes.check_model: D % n_kv == 0 if fewer)
+        self.kv_replicas, self.kv_comm = D // kv_chunks, kv_comm
+        self.q_heads, self.kv_heads = cfg.n_heads // D, cfg.n_kv_heads // kv_chunks
+        q_rows, kv_rows = cfg.n_heads * d, cfg.n_kv_heads * d
+        bias = cfg.qkv_bias
         self.attention_layout = PackedLayout((
-            Part("attention.wq.weight", (cfg.n_heads * d, h), 0),
-            Part("attention.wk.weight", (cfg.n_kv_heads * d, h), 0),
-            Part("attention.wv.weight", (cfg.n_kv_heads * d, h), 0),
-            Part("attention.wo.weight", (h, cfg.n_heads * d), 1),
+            Part("attention.wq.weight", (q_rows, h), 0),
+            Part("attention.wo.weight", (h, q_rows), 1),
+            *([Part("attention.wq.bias", (q_rows,), 0)] if bias else []),
+            Part("attention.wk.weight", (kv_rows, h), 0, kv_chunks),
+            Part("attention.wv.weight", (kv_rows, h), 0, kv_chunks),
+            *([Part("attention.wk.bias", (kv_rows,), 0, kv_chunks),
+               Part("attention.wv.bias", (kv_rows,), 0, kv_chunks)] if bias else []),
         ), D)
+        self.kv_offset = self.attention_layout.offset("attention.wk.weight")
         self.mlp_layout = PackedLayout((
             Part("feed_forward.w_gate.weight", (cfg.ffn_dim, h), 0),
             Part("feed_forward.w_up.weight", (cfg.ffn_dim, h), 0),
             Part("feed_forward.w_down.weight", (h, cfg.ffn_dim), 1),
         ), D)
 
-    def heads(self, y2, batch: int, cos=None, sin=None):
-        """[B·S/D, H·d] -> [B, H, S/D, d], rotated if cos/sin are given."""
+    def attention(self, flat: torch.Tensor) -> AttentionShard:
+        """Views of a packed attention shard (or of a gradient buffer of the same layout)."""
+        named = self.attention_layout.named(flat)
+        return AttentionShard(*(named.get(f"attention.{n}") for n in ("wq.weight", "wk.weight", "wv.weight",
+                                                                      "wo.weight", "wq.bias", "wk.bias", "wv.bias")))
+
+    def heads(self, y2, batch: int, cos=None, sin=None, norm=None):
+        """[B·S/D, H·d] -> [B, H, S/D, d]: per-head norm if ``norm`` is given, then rotated if cos/sin are."""
         y = y2.view(batch, -1, y2.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
+        if norm is not None:
+            y = head_norm(y, norm, self.cfg.norm_eps)
         return (y if cos is None else apply_rope(y, cos, sin)).transpose(1, 2)
 
     def split_heads(self, y2, batch: int):
@@ -468,10 +544,29 @@ class TSPShardMath:
         del batch
         return self.merge_heads(apply_rope(g.transpose(1, 2), cos, -sin).transpose(1, 2))
 
-    def project_kv(self, x2, wk, wv, cos, sin, batch: int, out):
-        """Local tokens' rotated keys and values of one head group into ``out`` [2, B, Hkv/D, S/D, d]."""
-        out[0] = self.heads(x2 @ wk.t(), batch, cos, sin)
-        out[1] = self.heads(x2 @ wv.t(), batch)
+    def norm_backward(self, g2, raw2, weight, dweight):
+        """Gradient through the per-head q/k norm: g2 [B·S/D, H·d] w.r.t. its output -> w.r.t. its input
+        ``raw2`` (the pre-norm projection); adds the weight's gradient to ``dweight`` (float32 [d]).
+        Elementwise only: the reference's own ops, differentiated by autograd on these local tokens."""
+        d = self.cfg.head_dim
+        with torch.enable_grad():
+            r = raw2.detach().view(-1, d).requires_grad_()
+            w = weight.detach().requires_grad_()
+            out = head_norm(r, w, self.cfg.norm_eps)
+            dr, dw = torch.autograd.grad(out, (r, w), g2.reshape(-1, d).to(out.dtype))
+        dweight.add_(dw)
+        return dr.view(raw2.shape)
+
+    def project_q(self, x2, w: AttentionShard, norm, cos, sin, batch: int, raw=None):
+        """Local tokens' rotated queries of one head group [B, Hq/D, S/D, d]; the pre-norm projection into
+        ``raw`` if given."""
+        return self.heads(_linear_into(x2, w.wq, w.bq, raw), batch, cos, sin, norm)
+
+    def project_kv(self, x2, w: AttentionShard, norm, cos, sin, batch: int, out, raw=None):
+        """Local tokens' rotated keys and values of one head group into ``out`` [2, B, Hkv/D, S/D, d]; the
+        pre-norm key projection into ``raw`` if given."""
+        out[0] = self.heads(_linear_into(x2, w.wk, w.bk, raw), batch, cos, sin, norm)
+        out[1] = self.heads(_linear_into(x2, w.wv, w.bv), batch)
 
     def vocab_logits(self, z, w, s):
         """float32 logits [N, V/D] of local tokens against vocabulary shard s; padding rows -> -inf."""
@@ -483,10 +578,13 @@ class TSPShardMath:
 
 
 class TSPLayer(nn.Module):
-    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm):
+    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None):
         super().__init__()
         self.attention_norm = nn.Parameter(attention_norm)
         self.attention_shard = nn.Parameter(attention_shard)
+        # Qwen3's q/k norm weights act on head_dim, the same for every head: replicated, like the RMSNorms.
+        self.q_norm = None if q_norm is None else nn.Parameter(q_norm)
+        self.k_norm = None if k_norm is None else nn.Parameter(k_norm)
         self.ffn_norm = nn.Parameter(ffn_norm)
         self.mlp_shard = nn.Parameter(mlp_shard)
 
@@ -503,16 +601,20 @@ class TSPTransformer(ParallelTransformer):
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s, weight_stream=True)
         cfg, D, p = model.cfg, comm.size, comm.rank
         self.comm = comm
-        self.math = TSPShardMath(cfg, comm)
+        # Ranks holding copies of one KV head (n_kv < D) sum their gradients over a group of their own.
+        kv_comm = comm.blocks(mesh, D // min(cfg.n_kv_heads, D), "kv_replicas")
+        self.math = TSPShardMath(cfg, comm, kv_comm)
         # This rank's shards, one reference tensor at a time: the full model is never materialised here.
         weights = weight_source(model, mesh, weights)
         self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", D, p))
         self.layers = nn.ModuleList()
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
+            qk_norms = [weights.get(f"{prefix}attention.{n}.weight") for n in ("q_norm", "k_norm")] if cfg.qk_norm \
+                else []
             self.layers.append(TSPLayer(
                 self.math.attention_layout.pack(weights, prefix, p), self.math.mlp_layout.pack(weights, prefix, p),
-                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight")))
+                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
         if not cfg.tie_embeddings:
@@ -553,7 +655,9 @@ class TSPTransformer(ParallelTransformer):
         def block(x, i):
             layer = layers[i]
             h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm), eps)
-            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i)
+            qk_norms = [] if layer.q_norm is None else [ReplicatedGrad.apply(layer.q_norm, comm),
+                                                        ReplicatedGrad.apply(layer.k_norm, comm)]
+            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
             h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
             ahead = None
             if prefetch is not None and i + 1 < len(layers):
@@ -585,8 +689,12 @@ class TSPTransformer(ParallelTransformer):
         layer, _, kind = name.rpartition(".")
         if kind in ("attention_shard", "mlp_shard"):
             layout = math.attention_layout if kind == "attention_shard" else math.mlp_layout
-            return [(f"{layer}.{part.name}", view, {"tsp": part.shard_dim})
+            # A KV-head copy held by several ranks is one of n_kv slices, stored once (comm.sharded_tensor).
+            return [(f"{layer}.{part.name}", view,
+                     {"tsp": part.shard_dim if layout.replicas(part) == 1 else (part.shard_dim, layout.chunks(part))})
                     for part, view in zip(layout.parts, layout.unpack(local))]
+        if kind in ("q_norm", "k_norm"):
+            return [(f"{layer}.attention.{kind}.weight", local, {})]  # replicated
         return [(f"{name}.weight", local, {})]  # norms: replicated
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
@@ -598,6 +706,9 @@ class TSPTransformer(ParallelTransformer):
             out["tok_embeddings.weight"] = gather(pick(self.embedding_shard)).flatten(0, 1)[:V]
         for i, layer in enumerate(self.layers):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
+            if layer.q_norm is not None:
+                out[f"layers.{i}.attention.q_norm.weight"] = pick(layer.q_norm)
+                out[f"layers.{i}.attention.k_norm.weight"] = pick(layer.k_norm)
             for name, t in math.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
                 out[f"layers.{i}.{name}"] = t
             out[f"layers.{i}.ffn_norm.weight"] = pick(layer.ffn_norm)
@@ -607,4 +718,4 @@ class TSPTransformer(ParallelTransformer):
             out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
             out["output.weight"] = gather(pick(self.output_shard)).flatten(0, 1)[:V]
-        return out
+        return {name: out[name] for name in reference_shapes(self.cfg) if name in out}  # the reference model's order

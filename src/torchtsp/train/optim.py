@@ -40,12 +40,18 @@ def global_grad_norm(grads, comms: dict[str, AxisComm]) -> torch.Tensor:
 
     ``grads`` yields (piece of a gradient, {mesh axis: dim} it is sharded over). Squares of pieces
     sharded over the same axes are summed locally, then over those axes; replicated pieces are
-    identical on every rank and are counted as they are.
+    identical on every rank and are counted as they are. A piece held by several ranks of an axis
+    (``{axis: (dim, chunks)}``: chunks slices over the axis, e.g. replicated KV heads) is weighed by
+    chunks/size, so the sum over the axis counts each slice once.
     """
     squares: dict[tuple[str, ...], torch.Tensor] = {}
     for piece, shard_dims in grads:
         key = tuple(sorted(shard_dims))
-        squares[key] = squares.get(key, 0.0) + piece.float().pow(2).sum()
+        square = piece.float().pow(2).sum()
+        for axis, dim in shard_dims.items():
+            if isinstance(dim, tuple):
+                square = square * (dim[1] / comms[axis].size)
+        squares[key] = squares.get(key, 0.0) + square
     total = 0.0
     for axes, sq in squares.items():
         for axis in axes:
