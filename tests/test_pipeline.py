@@ -10,21 +10,23 @@ from helpers import batch, rel_err
 from torchtsp.parallel.pipeline import pipeline_parallelize
 
 CFG = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, n_layers=4, max_seq_len=64)
+# Qwen-style features through the stages: q/k/v bias, per-head q/k norm, one KV head copied on both TSP ranks.
+FAMILY = CFG.replace(qkv_bias=True, qk_norm=True, n_kv_heads=1)
 B, S, STEPS = 4, 16, 2
 
 
-def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False):
+def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False, cfg=CFG):
     """Loss of every step and every gradient of this rank's stages, pipeline vs reference (SGD between steps)."""
     mesh = torchtsp.init_mesh(pp=pp, dp=dp, tsp=tsp)
     torch.manual_seed(0)
-    ref = torchtsp.Transformer(CFG)
+    ref = torchtsp.Transformer(cfg)
     model = pipeline_parallelize(copy.deepcopy(ref), mesh, microbatches=microbatches, schedule=schedule,
                                  recompute=recompute)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_grads = dict(ref.named_parameters())
     out = []
     for step in range(STEPS):
-        tokens, labels = batch(CFG, B, S, seed=step)
+        tokens, labels = batch(cfg, B, S, seed=step)
         with model.pp.counting() as pp_traffic:
             loss = model.forward_backward(tokens, labels)
         ref_loss = ref.loss(tokens, labels)
@@ -39,7 +41,7 @@ def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False):
     return out
 
 
-def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1):
+def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg=CFG):
     names = set()
     for rank, steps in enumerate(results):
         for step, r in enumerate(steps):
@@ -49,7 +51,7 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1):
             # Gradients sum D partial products and M microbatches in another order than the reference.
             assert r["grad_err"][worst] <= 1e-4, (rank, step, worst, r["grad_err"][worst])
             names |= set(r["grad_err"])
-    assert names == {n for n, _ in torchtsp.Transformer(CFG, device="meta").named_parameters()}
+    assert names == {n for n, _ in torchtsp.Transformer(cfg, device="meta").named_parameters()}
     # Rank p of a stage sends its own token shard [B/(dp M), S/tsp, h] to rank p of the next: per microbatch one
     # activation forward and its gradient back, fp32; nothing gathered.
     shard = (B // (dp * microbatches)) * (S // tsp) * CFG.dim * 4
@@ -58,10 +60,12 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1):
         assert steps[0]["pp_sent"] == crossings * microbatches * shard
 
 
-@pytest.mark.parametrize("schedule,microbatches,recompute", [("gpipe", 2, False), ("1f1b", 4, True)])
-def test_pp2_tsp2_matches_reference(pools, schedule, microbatches, recompute):
-    results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches, recompute)
-    check_against_reference(results, 2, 1, 2, microbatches)
+@pytest.mark.parametrize("schedule,microbatches,recompute,cfg", [("gpipe", 2, False, CFG), ("1f1b", 4, True, CFG),
+                                                                ("1f1b", 2, False, FAMILY)],
+                         ids=["gpipe", "1f1b-recompute", "1f1b-qwen-features"])
+def test_pp2_tsp2_matches_reference(pools, schedule, microbatches, recompute, cfg):
+    results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches, recompute, cfg)
+    check_against_reference(results, 2, 1, 2, microbatches, cfg=cfg)
 
 
 def test_interleaved_1f1b_matches_reference(pools):
