@@ -225,3 +225,38 @@ def test_plan_places_tsp_inside_a_node_and_names_the_slow_axes():
     bad = subprocess.run([sys.executable, "-m", "torchtsp", "plan", "--pp", "3", "--gpus", "6", "--preset", "tiny"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "do not divide into 3 stages" in bad.stderr
+
+
+# ---------------------------------------------------------------- a stalled stage is an error, not a hang
+
+
+def stalled_stage_on_rank(timeout_s):
+    import time
+
+    from torchtsp.distributed import comm
+
+    mesh = torchtsp.init_mesh(pp=2, tsp=2, timeout_s=timeout_s)
+    torch.manual_seed(0)
+    model = pipeline_parallelize(torchtsp.Transformer(CFG, device="meta"), mesh, timeout_s=timeout_s)
+    if comm.global_rank() == 3:  # one rank of the last stage never joins the step
+        time.sleep(3 * timeout_s)
+        return None
+    tokens, labels = batch(CFG, B, S)
+    start = time.monotonic()
+    try:
+        model.forward_backward(tokens, labels)
+    except Exception as e:  # noqa: BLE001 - whatever the library raises, it must raise, and soon
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"[:300]
+    return time.monotonic() - start, "finished"
+
+
+def test_a_stalled_stage_times_out_instead_of_hanging():
+    from torchtsp import spawn
+
+    timeout_s = 3.0
+    results = spawn(stalled_stage_on_rank, 4, timeout_s, timeout_s=120)
+    for rank, result in enumerate(results[:3]):
+        waited, what = result
+        # The ranks waiting on the stalled one (a send or receive on the pipeline group, a TSP collective on the
+        # axis) give up after about one timeout, and those waiting on them in turn after about one more.
+        assert what != "finished" and waited < 3 * timeout_s, (rank, waited, what)
