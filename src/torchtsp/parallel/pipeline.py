@@ -155,7 +155,7 @@ class PipelineTSP(ParallelTransformer):
         cfg = model.cfg
         # The checks that need no batch: microbatches against stages, layers against stages.
         self.microbatches = check_pipeline(get_scheme("tsp"), cfg, pp, microbatches, None, sizes, schedule)
-        self.schedule_name, self.pp_size = schedule, pp
+        self.schedule_name = schedule
         self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
         self.tsp_size = sizes.get("tsp", 1)
@@ -191,6 +191,7 @@ class PipelineTSP(ParallelTransformer):
                              counter=self.pp)
                 for s, stage in zip(self.stage_ids, self.stages)]
         last = self.stages[-1] if self.has_last else None
+        # Every rank's schedule needs a loss function to run backward at all; only the last stage's is called.
         loss_fn = (lambda x, labels: last.nll_sum(x, labels) / self._count) if last is not None else _no_loss
         klass = SCHEDULE_CLASSES[self.schedule_name]
         # Sums, not means, over microbatches: the loss function already divides by the global target count.
