@@ -1,0 +1,283 @@
+"""Mixture of experts: the reference model against transformers' Qwen2-MoE and Mixtral (total loss with the
+load-balancing term and every gradient), the Hugging Face mapping both ways, and every parallel scheme against
+the reference (loss and every gradient), with TSP's expert all-to-all traffic checked against the routed counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtsp  # noqa: E402
+from helpers import batch, rel_err  # noqa: E402
+from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, to_hf_state_dict  # noqa: E402
+from torchtsp.model import IGNORE_INDEX, RouterStats, Transformer, reference_shapes  # noqa: E402
+
+# float32 on both sides; the two models sum the same products in another order (experts' outputs added per
+# token in expert order vs per expert with index_add, SDPA vs eager attention): ~1e-7 relative seen. A routing
+# or mapping bug (a wrong expert, an unnormalised top-k, a missing shared gate, the aux loss from per-layer
+# products) is off by 1e-3 or more.
+REL_TOL = 1e-5
+B, S = 2, 17
+
+_COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101,
+           "num_hidden_layers": 3, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": False}
+HF_CASES = {
+    # Qwen2-MoE: shared expert with its sigmoid gate, q/k/v bias, a dense layer (mlp_only_layers) of another width.
+    "qwen2_moe_norm": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **_COMMON, "intermediate_size": 88, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56,
+        "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "router_aux_loss_coef": 0.3, "use_sliding_window": False, "qkv_bias": True}),
+    # norm_topk_prob off (the Qwen1.5-MoE default), every second layer sparse.
+    "qwen2_moe_raw": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **_COMMON, "intermediate_size": 88, "moe_intermediate_size": 40, "shared_expert_intermediate_size": 56,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 2,
+        "mlp_only_layers": [], "router_aux_loss_coef": 0.3, "use_sliding_window": False, "qkv_bias": True}),
+    # Mixtral: every layer sparse, always renormalised, no shared expert, router jitter off.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        **_COMMON, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.3, "router_jitter_noise": 0.0, "sliding_window": None}),
+}
+
+
+def make_hf(case: str, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    config_name, model_name, values = HF_CASES[case]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**json.loads(json.dumps(values)), attn_implementation="eager")
+    model = getattr(transformers, model_name)(config).float()
+    model.train()  # the aux loss is a training loss; jitter is 0 and dropout 0, so train mode is deterministic
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(std=0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(std=0.5)  # a router with opinions: clear top-k choices, far from ties
+            else:
+                p.normal_(std=0.1)
+    return model
+
+
+def make_batch(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(vocab, (B, S + 1), generator=g)
+    tokens, labels = seq[:, :-1], seq[:, 1:].clone()
+    labels[0, :4] = IGNORE_INDEX
+    labels[:, -1] = IGNORE_INDEX  # HF's loss shifts the labels itself: the last position has no target there
+    return tokens, labels
+
+
+def hf_loss_and_grads(hf, tokens, labels):
+    hf_labels = torch.cat([torch.full((B, 1), IGNORE_INDEX), labels[:, :-1]], dim=1)  # unshifted, for HF
+    out = hf(input_ids=tokens, labels=hf_labels, output_router_logits=True)
+    out.loss.backward()
+    return out
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_reference_matches_transformers_total_loss_and_every_gradient(case):
+    hf = make_hf(case)
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.moe and cfg.router_aux_loss_coef == 0.3
+    ours = Transformer(cfg)
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
+    tokens, labels = make_batch(cfg.vocab_size)
+    out = hf_loss_and_grads(hf, tokens, labels)
+    loss = ours.loss(tokens, labels)
+    loss.backward()
+    assert out.aux_loss > 0.5  # E·sum(f·P) is 1 for perfectly balanced routing: the term is not negligible
+    assert rel_err(loss.detach(), out.loss.detach()) <= REL_TOL, (loss.item(), out.loss.item())
+    aux = torchtsp.model.load_balancing_loss(ours.router_stats.counts, ours.router_stats.probs.detach(),
+                                             ours.router_stats.rows, cfg.n_experts)
+    assert rel_err(aux, out.aux_loss.detach()) <= REL_TOL
+    ours_grads = {n: p.grad for n, p in ours.named_parameters()}
+    hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
+    assert set(hf_grads) == set(ours_grads)
+    errs = {n: rel_err(ours_grads[n], hf_grads[n]) for n in ours_grads}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= REL_TOL, f"{worst}: rel err {errs[worst]:.3g}"
+    for n, g in hf_grads.items():
+        assert g.abs().max() > 0, f"gradient of {n} is zero; the test would prove nothing"
+    # The sparse layers are where the config says, and the shared expert is there only for Qwen2-MoE.
+    names = set(ours_grads)
+    for i in range(cfg.n_layers):
+        assert (f"layers.{i}.feed_forward.router.weight" in names) == cfg.is_moe_layer(i)
+    assert any(".shared_gate." in n for n in names) == case.startswith("qwen2_moe")
+
+
+def test_the_moe_features_matter():
+    """Renormalising top-k, the shared gate and the aux coefficient each change the output or the loss far beyond
+    REL_TOL, so the conformance test above can fail."""
+    hf = make_hf("qwen2_moe_raw")
+    cfg = config_from_hf(hf.config.to_dict())
+    tokens, labels = make_batch(cfg.vocab_size)
+    sd = from_hf_state_dict(hf.state_dict(), cfg)
+
+    def run(c, **changes):
+        m = Transformer(c)
+        m.load_state_dict({**sd, **changes})
+        with torch.no_grad():
+            return m(tokens), m.loss(tokens, labels)
+
+    logits, loss = run(cfg)
+    assert rel_err(run(cfg.replace(moe_norm_topk=True))[0], logits) > 1e-2
+    gates = {k: torch.full_like(v, 0.5) for k, v in sd.items() if k.endswith("shared_gate.weight")}
+    assert rel_err(run(cfg, **gates)[0], logits) > 1e-2
+    assert abs(run(cfg.replace(router_aux_loss_coef=0.0))[1] - loss) > 100 * REL_TOL * loss
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_round_trip_through_files(tmp_path, case):
+    transformers = pytest.importorskip("transformers")
+    hf = make_hf(case).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, sd = torchtsp.hf.load_hf_checkpoint(tmp_path / "hf")
+    assert cfg == config_from_hf(hf.config.to_dict())
+    if case == "mixtral":
+        assert cfg.family == "mixtral" and not cfg.shared_expert_ffn_dim
+    # Back to HF through the native format and a streamed, sharded export (fused halves stay together).
+    torchtsp.hf.save_torchtsp_checkpoint(tmp_path / "native", sd, cfg)
+    from torchtsp.convert import convert_checkpoint
+
+    assert convert_checkpoint(tmp_path / "native", tmp_path / "back", max_shard_bytes=40_000) == "hf"
+    assert (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    assert type(again) is type(hf)
+    assert again.config.to_dict()["num_experts_per_tok"] == hf.config.num_experts_per_tok
+    ref = hf.state_dict()
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+    assert set(again.state_dict()) == set(ref)
+    # Slice-by-slice reading of the fused tensor equals the whole read, for every piece a scheme asks for.
+    _, weights = torchtsp.hf.open_hf_weights(tmp_path / "back")
+    for name in (n for n in sd if ".experts." in n):
+        for dim in range(3):
+            for part in range(2):
+                assert torch.equal(weights.get(name, dim, 2, part), sd[name].chunk(2, dim)[part]), (name, dim)
+    assert to_hf_state_dict(sd, cfg).keys() == ref.keys() - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+
+
+def test_config_round_trip_and_errors():
+    transformers = pytest.importorskip("transformers")
+    for case in HF_CASES:
+        hf = make_hf(case)
+        cfg = config_from_hf(hf.config.to_dict())
+        again = config_from_hf(config_to_hf(cfg))
+        assert again == cfg, case
+        built = transformers.AutoConfig.for_model(**config_to_hf(cfg))
+        assert config_from_hf(built.to_dict()) == cfg
+    mixtral = config_from_hf(make_hf("mixtral").config.to_dict())
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        config_from_hf({**config_to_hf(mixtral), "router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match="moe_top_k"):
+        mixtral.replace(moe_top_k=5)
+    with pytest.raises(ValueError, match="n_experts=0"):
+        torchtsp.ModelConfig(moe_top_k=2)
+    with pytest.raises(ValueError, match="family='mixtral' cannot express shared_expert_ffn_dim"):
+        mixtral.replace(shared_expert_ffn_dim=8)
+    # JSON turns dense_layers into a list; the config is still the same one.
+    qwen = config_from_hf(make_hf("qwen2_moe_norm").config.to_dict())
+    assert torchtsp.ModelConfig.from_dict(json.loads(json.dumps(qwen.to_dict()))) == qwen
+
+
+def test_seeded_init_covers_experts_and_meta_build():
+    cfg = torchtsp.get_preset("tiny-moe")
+    torch.manual_seed(3)
+    model = Transformer(cfg)
+    torch.manual_seed(3)
+    meta = Transformer(cfg, device="meta")
+    assert meta.init_seed == model.init_seed
+    shapes = reference_shapes(cfg)
+    assert shapes == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    from torchtsp.weights import SeededWeights
+
+    weights = SeededWeights(cfg, model.init_seed)
+    for name, p in model.named_parameters():
+        for dim in range(p.dim()):
+            for part, expected in enumerate(p.detach().chunk(4, dim)):
+                assert torch.equal(weights.get(name, dim, 4, part), expected), (name, dim)
+    w = model.layers[0].feed_forward.experts.w_gate
+    assert not torch.equal(w[0], w[1]), "experts must start different"
+
+
+def test_router_stats_close_ignores_recomputed_layers():
+    stats = RouterStats(4)
+    probs = torch.softmax(torch.randn(5, 4), -1)
+    stats.add(probs, torch.tensor([1, 2, 3, 4]))
+    stats.close().add(probs, torch.tensor([1, 2, 3, 4]))
+    assert stats.rows == 5 and stats.counts.tolist() == [1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------- parallel schemes
+
+
+def _tiny(**kw):
+    base = dict(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=3, max_seq_len=256,
+                n_experts=4, moe_top_k=2, moe_ffn_dim=48, router_aux_loss_coef=0.25)
+    return torchtsp.ModelConfig(**{**base, **kw})
+
+
+PARALLEL_CASES = {
+    # Qwen2-MoE-like: shared expert, unnormalised top-k, a dense middle layer.
+    "shared": _tiny(shared_expert_ffn_dim=32, moe_norm_topk=False, dense_layers=(1,)),
+    # Mixtral-like: every layer sparse, renormalised top-k, tied embeddings.
+    "mixtral": _tiny(tie_embeddings=True, n_experts=8, moe_top_k=2, family="mixtral", ffn_dim=48),
+}
+PB, PS = 2, 16
+
+
+def scheme_on_rank(scheme, degrees, names, recompute=False):
+    mesh = torchtsp.init_mesh(**degrees)
+    out = {}
+    for name in names:
+        cfg = PARALLEL_CASES[name]
+        torch.manual_seed(0)
+        ref = Transformer(cfg)
+        tokens, labels = batch(cfg, PB, PS)
+        options = {"recompute": True} if recompute else {}
+        model = torchtsp.parallelize(copy.deepcopy(ref), mesh, scheme, **options)
+        loss = model.loss(tokens, labels)
+        loss.backward()
+        ref_loss = ref.loss(tokens, labels)
+        ref_loss.backward()
+        grads = model.full_grads()
+        out[name] = {"loss": loss.item(), "ref_loss": ref_loss.item(), "names": sorted(grads) == sorted(
+            n for n, _ in ref.named_parameters()), "grad_err": {n: rel_err(grads[n], p.grad)
+                                                                for n, p in ref.named_parameters()}}
+    return out
+
+
+def _check(results, scheme):
+    for rank, per_case in enumerate(results):
+        for name, r in per_case.items():
+            assert r["names"], (scheme, name, "full_grads() must name exactly the reference parameters")
+            # float32 round-off from partial sums in another order (~1e-7); a wrong routing or a gradient not
+            # summed over ranks is off by far more.
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (scheme, name, rank, r)
+            worst = max(r["grad_err"], key=r["grad_err"].get)
+            assert r["grad_err"][worst] <= 1e-4, (scheme, name, rank, worst, r["grad_err"][worst])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_tsp_loss_and_every_gradient_match_reference(pools, world):
+    _check(pools(world).run(scheme_on_rank, "tsp", {"tsp": world}, list(PARALLEL_CASES)), "tsp")
+
+
+def test_tsp_recompute_matches_reference(pools):
+    _check(pools(2).run(scheme_on_rank, "tsp", {"tsp": 2}, ["shared"], True), "tsp")
+
+
+def test_tsp_refuses_experts_not_divisible_by_d():
+    with pytest.raises(ValueError, match="n_experts=4 divisible by 3"):
+        torchtsp.schemes.get_scheme("tsp").validate(_tiny(n_heads=6, n_kv_heads=6, dim=48, ffn_dim=48), 1, 12,
+                                                    {"tsp": 3})
