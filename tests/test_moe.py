@@ -281,3 +281,46 @@ def test_tsp_refuses_experts_not_divisible_by_d():
     with pytest.raises(ValueError, match="n_experts=4 divisible by 3"):
         torchtsp.schemes.get_scheme("tsp").validate(_tiny(n_heads=6, n_kv_heads=6, dim=48, ffn_dim=48), 1, 12,
                                                     {"tsp": 3})
+
+
+def expert_traffic_on_rank(world):
+    """(bytes the TSP model's all-to-alls sent and received on this rank in one forward + backward, and the same
+    predicted from the reference model's own routing: which rank owns each token and each chosen expert)."""
+    from torchtsp.distributed import zigzag
+    from torchtsp.distributed.comm import Traffic
+    from torchtsp.model import MoEFeedForward, route
+
+    cfg = PARALLEL_CASES["shared"]
+    torch.manual_seed(0)
+    ref = Transformer(cfg)
+    tokens, labels = batch(cfg, PB, PS)
+    chosen = []  # per sparse layer: expert ids [B, S, k]
+    hooks = [m.register_forward_hook(lambda mod, args, out: chosen.append(
+        route(args[0].reshape(-1, cfg.dim), mod.router.weight, cfg.moe_top_k, cfg.moe_norm_topk)[2]
+        .view(PB, PS, -1))) for m in ref.modules() if isinstance(m, MoEFeedForward)]
+    ref.loss(tokens, labels)
+    for hook in hooks:
+        hook.remove()
+    model = torchtsp.parallelize(copy.deepcopy(ref), torchtsp.init_mesh(tsp=world), "tsp")
+    rank, per = model.comm.rank, cfg.n_experts // world
+    with Traffic(model.comms()) as traffic:
+        model.loss(tokens, labels).backward()
+    stats = traffic.stats["tsp"]
+    token_owner = torch.empty(PS, dtype=torch.long)
+    for r in range(world):
+        token_owner[zigzag.positions(PS, world, r)] = r
+    expected = 0
+    for experts in chosen:
+        mine, owner = token_owner[None, :, None].expand_as(experts) == rank, experts // per
+        send = (mine & (owner != rank)).sum().item()  # pairs of my tokens computed elsewhere
+        recv = (~mine & (owner == rank)).sum().item()  # pairs of other ranks' tokens for my experts
+        # dispatch + combine in forward, both reversed in backward; plus the count exchange (int64).
+        expected += 2 * (send + recv) * cfg.dim * 4 + (world - 1) * per * 8
+    return stats.bytes_sent["all_to_all"], stats.bytes_recv["all_to_all"], expected, len(chosen)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tsp_expert_all_to_all_bytes_equal_routed_counts(pools, world):
+    for sent, recv, expected, layers in pools(world).run(expert_traffic_on_rank, world):
+        assert layers == 2  # the dense middle layer routes nothing
+        assert sent == recv == expected > 0, (sent, recv, expected)

@@ -191,6 +191,13 @@ class RouterStats:
         self.closed = True
         return self
 
+    def detached(self) -> RouterStats:
+        """A closed copy without autograd history (to keep for metrics without keeping the graph alive)."""
+        out = RouterStats(self.n_experts)
+        out.counts, out.rows, out.closed = self.counts, self.rows, True
+        out.probs = None if self.probs is None else self.probs.detach()
+        return out
+
 
 def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows, n_experts: int) -> torch.Tensor:
     """Hugging Face's load-balancing loss (Switch Transformer eq. 4-6, ``load_balancing_loss_func``) from the
@@ -375,7 +382,7 @@ class Transformer(nn.Module):
         logits = self(tokens, stats)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         if stats is not None:
-            self.router_stats = stats.close()
+            self.router_stats = stats.close().detached()
             aux = load_balancing_loss(stats.counts, stats.probs, stats.rows, self.cfg.n_experts)
             loss = loss + self.cfg.router_aux_loss_coef * aux
         return loss

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 # (innermost, so that one TSP group stays inside a node).
 AXES = ("dp", "sp", "tp", "tsp")
 # Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
-MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm")
+MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm", "moe")
 
 
 def _prod(values) -> int:
@@ -145,6 +145,14 @@ class Scheme:
                 axes = " x ".join(f"{a}={degrees.get(a, 1)}" for a in self.weight_axes)
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
                                  f"choose a degree that divides it")
+        if getattr(cfg, "moe", False) and ways > 1:
+            # TSP places whole experts on its ranks; TP cuts every expert along its FFN width.
+            split = "n_experts" if "tsp" in self.weight_axes else "moe_ffn_dim"
+            for field in (split, "shared_expert_ffn_dim"):
+                if getattr(cfg, field) % ways:
+                    axes = " x ".join(f"{a}={degrees.get(a, 1)}" for a in self.weight_axes)
+                    raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by "
+                                     f"{ways}; choose a degree that divides it")
 
     def check_batch(self, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False) -> None:
         """Refuse a global batch the layout cannot split (rows over dp, zigzag chunks, Megatron-SP chunks)."""
@@ -177,7 +185,7 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling",)),
+           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", features=("rope_scaling", "moe")),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
            options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),
@@ -186,7 +194,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            options=("recompute",), memory_walk="reference", traffic="sp_step_traffic"),
     Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
            axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
-           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic"),
+           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic",
+           features=("rope_scaling", "qkv_bias", "qk_norm")),
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
            axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
