@@ -233,7 +233,7 @@ PARALLEL_CASES = {
     # Mixtral-like: every layer sparse, renormalised top-k, tied embeddings.
     "mixtral": _tiny(tie_embeddings=True, n_experts=8, moe_top_k=2, family="mixtral", ffn_dim=48),
 }
-PB, PS = 2, 16
+PB, PS = 4, 16  # B divisible by dp = 4, S by 2·D for zigzag at D = 4
 
 
 def scheme_on_rank(scheme, degrees, names, recompute=False):
@@ -324,3 +324,13 @@ def test_tsp_expert_all_to_all_bytes_equal_routed_counts(pools, world):
     for sent, recv, expected, layers in pools(world).run(expert_traffic_on_rank, world):
         assert layers == 2  # the dense middle layer routes nothing
         assert sent == recv == expected > 0, (sent, recv, expected)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_baselines_loss_and_every_gradient_match_reference(pools, world):
+    for scheme in ("tp", "sp", "dp"):
+        _check(pools(world).run(scheme_on_rank, scheme, {scheme: world}, list(PARALLEL_CASES)), scheme)
+
+
+def test_dp_over_tsp_sums_router_statistics_over_replicas(pools):
+    _check(pools(4).run(scheme_on_rank, "tsp", {"dp": 2, "tsp": 2}, ["shared"]), "dp x tsp")
