@@ -52,10 +52,10 @@ def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: Axis
 def sum_router_stats(comm: AxisComm, counts: torch.Tensor, probs: torch.Tensor, rows):
     """Router statistics summed over ``comm``, for ranks that hold different tokens: one all-reduce; the
     probability sums back-propagate each rank's own share (as ``SumOverAxis``)."""
-    local = torch.cat([counts, probs, probs.new_tensor([float(rows)])])
-    total = SumOverAxis.apply(local, comm)
+    rows = torch.as_tensor(rows, dtype=probs.dtype, device=probs.device).detach().reshape(1)
+    total = SumOverAxis.apply(torch.cat([counts, probs, rows]), comm)
     E = counts.shape[0]
-    return total[:E].detach(), total[E:2 * E], total[2 * E]
+    return total[:E].detach(), total[E:2 * E], total[2 * E].detach()
 
 
 def weight_source(model, mesh, weights: WeightSource | None = None) -> WeightSource:

@@ -199,3 +199,55 @@ def moe_reference_layer(h, w: dict[str, torch.Tensor], cfg, stats: RouterStats):
                           w["shared.w_down.weight"])
         y = y + torch.sigmoid(F.linear(h2, w["shared_gate.weight"])) * shared
     return y.view(h.shape)
+
+
+# ---------------------------------------------------------------- inference (no autograd)
+
+
+def moe_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:
+    """This rank's share of a sparse layer's output for tokens h [..., dim] that every rank holds: the experts
+    [first, first + n) of ``w`` (``w_gate``, ``w_up`` [n, F', h], ``w_down`` [n, h, F']: whole experts, or every
+    expert's FFN slice) and the shared expert's slice (``shared_w_*``, gated by ``shared_gate``). Summed over the
+    ranks that split the experts, the shares are the layer's output; with every weight whole, it is the output.
+    Each rank computes only its experts' rows: the tokens go to the experts, no expert weight moves."""
+    h2 = h.reshape(-1, h.shape[-1])
+    _, weights, experts = route(h2, w["router"], cfg.moe_top_k, cfg.moe_norm_topk)
+    order, token, counts = sort_by_expert(experts, cfg.n_experts)
+    n = w["w_gate"].shape[0]
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[[first, first + n]].tolist()
+    rows = slice(*bounds)
+    out = expert_mlps(h2[token[rows]], counts[first:first + n].tolist(), w["w_gate"], w["w_up"], w["w_down"])
+    y = combine(h2.shape[0], out, order[rows], token[rows], weights)
+    if "shared_gate" in w:
+        shared = F.linear(F.silu(F.linear(h2, w["shared_w_gate"])) * F.linear(h2, w["shared_w_up"]),
+                          w["shared_w_down"])
+        y = y + torch.sigmoid(F.linear(h2, w["shared_gate"])) * shared
+    return y.view(h.shape)
+
+
+def tsp_inference_weights(moe: TSPMoE) -> dict[str, torch.Tensor]:
+    """A TSP sparse layer's weights on this rank under ``moe_partial``'s names (its experts, its shared slice)."""
+    w = {name: getattr(moe, name).detach() for name in ("router", *EXPERT_PARAMS)}
+    if moe.layout is not None:
+        w.update(zip(("shared_w_gate", "shared_w_up", "shared_w_down"), moe.layout.unpack(moe.shared_shard.detach())))
+        w["shared_gate"] = moe.shared_gate.detach()
+    return w
+
+
+@torch.no_grad()
+def tsp_moe_local_tokens(h: torch.Tensor, moe: TSPMoE) -> torch.Tensor:
+    """A TSP sparse layer on this rank's own tokens h [B, T_p, dim] (T_p may be 0): the training schedule without
+    autograd (expert all-to-alls; the shared expert's shards around the ring)."""
+    from .tsp import ring_each  # tsp.py builds TSPMoE: imported here to avoid an import cycle
+
+    cfg, comm = moe.cfg, moe.comm
+    h2 = h.reshape(-1, h.shape[-1])
+    _, weights, experts = route(h2, moe.router, cfg.moe_top_k, cfg.moe_norm_topk)
+    y = expert_parallel(h2, weights, experts, moe.w_gate, moe.w_up, moe.w_down, comm, cfg.n_experts)
+    if moe.layout is not None:
+        shared = torch.zeros_like(h2)
+        for _, w in ring_each(comm, moe.shared_shard.detach(), "infer.moe.shared"):
+            wg, wu, wd = moe.layout.unpack(w)
+            shared += F.linear(F.silu(F.linear(h2, wg)) * F.linear(h2, wu), wd)
+        y = y + torch.sigmoid(F.linear(h2, moe.shared_gate)) * shared
+    return y.view(h.shape)
