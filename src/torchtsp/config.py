@@ -206,7 +206,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON values (``dense_layers`` as a list), equal to what a JSON round trip gives back."""
+        values = dataclasses.asdict(self)
+        values["dense_layers"] = list(self.dense_layers)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:

@@ -139,7 +139,18 @@ class ParallelTransformer(nn.Module):
         counts, probs, rows = self.sum_router_stats(self.router_stats.close())
         self.expert_load = counts
         self.keep_router_stats(self.router_stats.detached())  # metrics only: let the graph go with backward
-        return load_balancing_loss(counts, probs, rows, self.cfg.n_experts)
+        aux = load_balancing_loss(counts, probs, rows, self.cfg.n_experts)
+        self.last_aux_loss = aux.detach()
+        return aux
+
+    def router_metrics(self) -> dict[str, float]:
+        """The last forward's load-balancing loss and expert load: (token, slot) assignments per expert and
+        sparse layer, over every rank's tokens, min and max over experts ({} for a dense model)."""
+        if not self.cfg.moe or self.expert_load is None:
+            return {}
+        load = self.expert_load / sum(map(self.cfg.is_moe_layer, range(self.cfg.n_layers)))
+        return {"aux_loss": self.last_aux_loss.item(), "expert_load_min": load.min().item(),
+                "expert_load_max": load.max().item()}
 
     def keep_router_stats(self, stats: RouterStats) -> None:
         self.router_stats = stats
