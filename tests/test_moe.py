@@ -369,3 +369,50 @@ def test_generate_on_moe_models_matches_reference(pools):
         for key, (same_tokens, err) in per_rank.items():
             # Round-off only (partial sums over ranks in another order); a wrong expert or routing is >1e-2.
             assert same_tokens and err <= 1e-5, (key, err)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_training_on_dp_x_tsp_resumes_reshards_and_exports(pools, tmp_path):
+    """``tiny-moe`` on a DP2 x TSP2 mesh: the losses of single-device training, MoE metrics per step, exact resume,
+    resume at TSP4, and an export that transformers loads as Qwen2-MoE with the trained model's logits."""
+    import transformers
+
+    from torchtsp.train.checkpoint import load_full_state_dict
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.data import TokenWindows, load_corpus
+    from torchtsp.train.single import train_single
+    from torchtsp.train.trainer import run_training
+
+    small = dict(preset="tiny-moe", batch_size=4, seq_len=32, steps=6, sample_tokens=0, checkpoint_every=3)
+
+    def train(name, **kw):
+        return pools(4).run(run_training, TrainConfig(**{**small, "out": str(tmp_path / name), **kw}))[0]
+
+    full = train("full", dp=2, tsp=2)
+    single = train_single(torchtsp.get_preset("tiny-moe"), 6, 4, 32, lr=TrainConfig.lr, seed=0, prompt=None)
+    for step, (got, want) in enumerate(zip(full["losses"], single)):
+        # float32 round-off of reordered sums, compounded over AdamW steps (as tests/test_train.py).
+        assert abs(got - want) <= 1e-4 * abs(want), (step, got, want)
+    metrics = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    assert all(r["aux_loss"] > 0 and 0 <= r["expert_load_min"] <= r["expert_load_max"] for r in metrics)
+    # 4 x 32 tokens, top-2, over 4 experts: the mean load per expert and layer is 64.
+    assert all(r["expert_load_min"] <= 64 <= r["expert_load_max"] for r in metrics)
+    checkpoint = str(tmp_path / "full" / "checkpoints" / "step_000003")
+    same = train("same", dp=2, tsp=2, resume=checkpoint)
+    assert same["losses"] == full["losses"][3:]  # bit-identical
+    resharded = train("resharded", tsp=4, resume=checkpoint)
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resharded["losses"], full["losses"][3:]))
+
+    from torchtsp.convert import convert_checkpoint
+
+    convert_checkpoint(tmp_path / "full", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    cfg, weights = load_full_state_dict(tmp_path / "full")
+    trained = Transformer(cfg)
+    trained.load_state_dict(weights)
+    tokens, _ = TokenWindows(load_corpus(None), 4, 32, 0).inputs_and_labels(0)
+    with torch.no_grad():
+        assert rel_err(hf(tokens).logits, trained(tokens)) <= REL_TOL
