@@ -416,3 +416,33 @@ def test_training_on_dp_x_tsp_resumes_reshards_and_exports(pools, tmp_path):
     tokens, _ = TokenWindows(load_corpus(None), 4, 32, 0).inputs_and_labels(0)
     with torch.no_grad():
         assert rel_err(hf(tokens).logits, trained(tokens)) <= REL_TOL
+
+
+# --------------------------------------------------------------------------- memory
+
+MEM_CFG = _tiny(n_layers=2, vocab_size=257, n_experts=4, moe_top_k=2, moe_ffn_dim=96, shared_expert_ffn_dim=64,
+                max_seq_len=2048)
+
+
+def peak_on_rank(world, scheme, seq_len):
+    """This rank's live-tensor peak of one forward + backward of ``scheme`` on one sequence of ``seq_len``."""
+    from torchtsp.memory import measure_peak
+
+    torch.manual_seed(0)
+    model = Transformer(MEM_CFG)
+    tokens, labels = batch(MEM_CFG, 1, seq_len)
+    if scheme == "reference":
+        return measure_peak(lambda: model.loss(tokens, labels).backward(), model)[1]
+    pmodel = torchtsp.parallelize(model, torchtsp.init_mesh(**{scheme: world}), scheme)
+    return measure_peak(lambda: pmodel.loss(tokens, labels).backward(), pmodel)[1]
+
+
+def test_tsp_has_the_lowest_per_rank_peak_at_long_sequences(pools):
+    """At D = 4 and the longest sequence here, TSP's per-rank peak is below TP's and SP's (and the reference's):
+    it alone splits both the tokens (activations) and the weights (experts whole per rank)."""
+    S, world = 2048, 4
+    peaks = {scheme: max(pools(world).run(peak_on_rank, world, scheme, S)) for scheme in ("tsp", "tp", "sp")}
+    peaks["reference"] = pools(1).run(peak_on_rank, 1, "reference", S)[0]
+    print("\nper-rank peak MiB at S=2048, D=4: " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in peaks.items()))
+    assert peaks["tsp"] < min(peaks["tp"], peaks["sp"]), peaks
+    assert peaks["tsp"] < 0.4 * peaks["reference"], peaks
