@@ -146,7 +146,9 @@ def expert_mlps(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: 
     """SwiGLU of each expert on its rows: x [R, h] holds ``counts[e]`` consecutive rows for expert e of the
     stacked weights w_gate, w_up [E, F, h] and w_down [E, h, F]. Every expert runs (also on zero rows), so
     every rank builds the same autograd graph whatever the routing."""
-    return torch.cat([swiglu(xe, w_gate[e], w_up[e], w_down[e]) for e, xe in enumerate(x.split(counts))])
+    # unbind, not w[e]: its backward stacks the E gradients once (indexing would add E zero-filled [E, ...] tensors).
+    weights = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
+    return torch.cat([swiglu(xe, *w) for xe, w in zip(x.split(counts), weights)])
 
 
 def sort_by_expert(experts: torch.Tensor, n_experts: int):
