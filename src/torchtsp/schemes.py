@@ -180,6 +180,8 @@ class Scheme:
         self.check_mesh({a: degrees.get(a, 1) for a in AXES})
         self.check_model(cfg, degrees)
         self.check_batch(batch, seq_len, degrees, sequence_parallel)
+        if sequence_parallel and getattr(cfg, "moe", False):
+            raise ValueError("mixture-of-experts models run under tp without Megatron-SP; drop sequence_parallel")
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (

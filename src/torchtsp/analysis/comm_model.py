@@ -106,7 +106,8 @@ class CommBreakdown:
     schedule). embed_head_forward / embed_head_backward: embedding, LM head and loss. grad_sync:
     all-reduces of gradients of replicated weights (every weight for SP, sp-replicated shards for
     TP x SP, norms for TSP and Megatron-SP) plus the sums over ``dp`` replicas.
-    total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync.
+    total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync (for a
+    mixture of experts, the layer figures are the mean over its dense and sparse layers, rounded down).
     """
 
     layer_forward: int
@@ -295,5 +296,8 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
         grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
     sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
     total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
+    if sparse:  # a mixture of experts: the per-layer figures are the mean over dense and sparse layers
+        fwd = ((cfg.n_layers - sparse) * fwd + sparse * sparse_fwd) // cfg.n_layers
+        bwd = ((cfg.n_layers - sparse) * bwd + sparse * sparse_bwd) // cfg.n_layers
     return CommBreakdown(layer_forward=fwd, layer_backward=bwd, embed_head_forward=emb_fwd,
                          embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total)
