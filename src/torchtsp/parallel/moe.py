@@ -58,8 +58,7 @@ def exchange_counts(comm: AxisComm, counts: torch.Tensor) -> torch.Tensor:
     return comm.all_to_all_single(counts, [per] * comm.size, [per] * comm.size, label="moe.counts").view(comm.size, per)
 
 
-def expert_parallel(h2, weights, experts, w_gate, w_up, w_down, comm: AxisComm, n_experts: int, counts=None,
-                    sorted_pairs=None):
+def expert_parallel(h2, weights, experts, w_gate, w_up, w_down, comm: AxisComm, n_experts: int, sorted_pairs=None):
     """y [N, h] = the routed experts' weighted outputs for tokens h2 [N, h] with top-k ``weights`` and ids
     ``experts`` [N, k]; this rank holds experts [rank·E/D, (rank+1)·E/D) (w_* [E/D, ...]) and runs them on the
     rows every rank sends it."""
