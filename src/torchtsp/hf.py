@@ -1,16 +1,19 @@
 """Hugging Face interop: configs, state-dict names, and safetensors IO (conversion lives in convert.py).
 
 The families handled are Llama (with Llama 3's ``llama3`` RoPE scaling), Mistral (without a sliding
-window that masks anything), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); every other
-feature is refused with its config field named. Two on-disk formats are handled:
+window that masks anything), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and the mixtures of
+experts Qwen2-MoE and Mixtral; every other feature is refused with its config field named. Two on-disk
+formats are handled:
 
 * **Hugging Face** (``config.json`` + ``model.safetensors``, or ``model.safetensors.index.json`` + shards),
   loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 * **torchtsp native** (``torchtsp.json`` + ``model.safetensors`` in torchtsp parameter names).
 
 No weight permutation is needed between the two: ``torchtsp.model.apply_rope`` uses the same half-split
-("rotate_half") RoPE convention as these HF models, so q/k projections map one to one, and all four
-families use the same HF parameter names.
+("rotate_half") RoPE convention as these HF models, so q/k projections map one to one, and the dense
+families use the same HF parameter names. Expert weights are stacked [E, ...] tensors in torchtsp; HF
+holds them fused in a live model (``gate_up_proj``) and one tensor per expert in checkpoint files
+(``_hf_location``, ``_file_location``).
 """
 
 from __future__ import annotations
