@@ -165,6 +165,18 @@ def test_hf_round_trip_through_files(tmp_path, case):
             for part in range(2):
                 assert torch.equal(weights.get(name, dim, 2, part), sd[name].chunk(2, dim)[part]), (name, dim)
     assert to_hf_state_dict(sd, cfg).keys() == ref.keys() - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    # A checkpoint of a live model's own (fused) tensors reads the same, whole and slice by slice.
+    from safetensors.torch import save_file
+
+    (tmp_path / "fused").mkdir()
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "fused" / "model.safetensors"))
+    (tmp_path / "fused" / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    fused_cfg, fused_sd = torchtsp.hf.load_hf_checkpoint(tmp_path / "fused")
+    assert fused_cfg == cfg and all(torch.equal(fused_sd[k], sd[k]) for k in sd)
+    _, fused_weights = torchtsp.hf.open_hf_weights(tmp_path / "fused")
+    for name in (n for n in sd if ".experts." in n):
+        for dim in range(3):
+            assert torch.equal(fused_weights.get(name, dim, 2, 1), sd[name].chunk(2, dim)[1]), (name, dim)
 
 
 def test_config_round_trip_and_errors():

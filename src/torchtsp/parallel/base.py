@@ -49,7 +49,7 @@ def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: Axis
     return SumOverAxis.apply(nll_sum, comm), count
 
 
-def sum_router_stats(comm: AxisComm, counts: torch.Tensor, probs: torch.Tensor, rows):
+def sum_router_stats_over(comm: AxisComm, counts: torch.Tensor, probs: torch.Tensor, rows):
     """Router statistics summed over ``comm``, for ranks that hold different tokens: one all-reduce; the
     probability sums back-propagate each rank's own share (as ``SumOverAxis``)."""
     rows = torch.as_tensor(rows, dtype=probs.dtype, device=probs.device).detach().reshape(1)
@@ -157,7 +157,7 @@ class ParallelTransformer(nn.Module):
 
     def sum_router_stats(self, stats: RouterStats):
         """(assignments per expert, probability sums per expert, rows) over every token of the scheme's ranks.
-        Schemes whose ranks hold different tokens sum them over those ranks (``sum_router_stats`` above)."""
+        Schemes whose ranks hold different tokens sum them over those ranks (``sum_router_stats_over``)."""
         return stats.counts, stats.probs, stats.rows
 
     def _full(self, pick) -> dict[str, torch.Tensor]:

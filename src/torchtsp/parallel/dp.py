@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, RouterStats, Transformer, rope_tables
-from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats
+from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
 
 
 class Replica(ParallelTransformer):
@@ -108,7 +108,7 @@ class DataParallel(ParallelTransformer):
 
     def sum_router_stats(self, stats):
         """The inner scheme's sums over its ranks, then over the replicas (each saw other batch rows)."""
-        return sum_router_stats(self.dp, *self.module.sum_router_stats(stats))
+        return sum_router_stats_over(self.dp, *self.module.sum_router_stats(stats))
 
     def reference_parts(self, name, local):
         return self.module.reference_parts(name.removeprefix("module."), local)

@@ -33,7 +33,7 @@ from ..model import (
     rope_tables,
     swiglu,
 )
-from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats
+from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
 
 
@@ -103,4 +103,4 @@ class SPTransformer(ReplicatedTransformer):
         return global_sum_and_count(nll_sum, labels, self.comm)
 
     def sum_router_stats(self, stats):
-        return sum_router_stats(self.comm, stats.counts, stats.probs, stats.rows)
+        return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)

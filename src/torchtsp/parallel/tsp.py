@@ -43,7 +43,7 @@ from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import IGNORE_INDEX, RouterStats, Transformer, apply_rope, rms_norm, rope_tables
 from ..weights import WeightSource
-from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, sum_router_stats, weight_source
+from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, sum_router_stats_over, weight_source
 from .moe import TSPMoE
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
 
@@ -573,7 +573,7 @@ class TSPTransformer(ParallelTransformer):
         return global_sum_and_count(nll.sum(), labels, comm)
 
     def sum_router_stats(self, stats):
-        return sum_router_stats(self.comm, stats.counts, stats.probs, stats.rows)
+        return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)
 
     # -- full views (for checks, checkpoints, export) -----------------------
 
