@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
 ROPE_SCALINGS = ("llama3",)
 _LLAMA3_FIELDS = (
     "rope_factor",
@@ -30,7 +31,20 @@ class ModelConfig:
     * ``family`` only names the Hugging Face architecture an export writes (``hf_model_type``). None
       infers it from the features: qwen3 with qk_norm, qwen2 with qkv_bias, llama otherwise; a family
       equal to the inferred one is stored as None. So in practice only "mistral" (Llama's math) is
-      ever stored, to export a Mistral checkpoint as Mistral again.
+      ever stored, to export a Mistral checkpoint as Mistral again. MoE models are "mixtral" (no shared
+      expert, every layer sparse, top-k weights always renormalised) or "qwen2_moe" (the default for MoE).
+
+    Mixture of experts (``n_experts > 0``; all default to off, i.e. a dense model):
+
+    * ``n_experts`` experts per sparse layer, each a SwiGLU MLP of width ``moe_ffn_dim``; a router (a linear
+      layer to ``n_experts`` logits, softmax in float32) sends each token to its ``moe_top_k`` best experts,
+      weighted by their probabilities, renormalised to sum to one if ``moe_norm_topk``. Dropless: no
+      capacity limit, no token is ever dropped.
+    * ``shared_expert_ffn_dim > 0``: a dense SwiGLU MLP of that width that every token also passes through,
+      scaled by a sigmoid gate (a linear layer to one logit), as Qwen2-MoE.
+    * Layer i is sparse unless it is in ``dense_layers`` or ``(i + 1) % moe_layer_step != 0`` (Hugging Face's
+      ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers use ``ffn_dim``.
+    * The training loss adds ``router_aux_loss_coef`` times the load-balancing loss (``model.load_balancing_loss``).
     """
 
     dim: int = 128
@@ -51,6 +65,14 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     family: str | None = None
+    n_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_dim: int = 0
+    moe_norm_topk: bool = True
+    shared_expert_ffn_dim: int = 0
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
@@ -64,7 +86,41 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
         self._check_rope_scaling()
+        self._check_moe()
         self._check_family()
+
+    def _check_moe(self):
+        # JSON (checkpoint metadata) turns the tuple into a list: one spelling, so configs compare equal.
+        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        if self.n_experts < 0:
+            raise ValueError(f"ModelConfig.n_experts must be >= 0 (0: a dense model), got {self.n_experts}")
+        if self.n_experts == 0:
+            moe_fields = ("moe_top_k", "moe_ffn_dim", "shared_expert_ffn_dim", "dense_layers", "router_aux_loss_coef")
+            set_fields = [name for name in moe_fields if getattr(self, name)]
+            if set_fields:
+                raise ValueError(f"ModelConfig.{set_fields[0]} is a mixture-of-experts setting but n_experts=0; "
+                                 "set n_experts or leave it at its default")
+            return
+        if not 1 <= self.moe_top_k <= self.n_experts:
+            raise ValueError(f"ModelConfig.moe_top_k={self.moe_top_k} must lie in [1, n_experts={self.n_experts}]")
+        if self.moe_ffn_dim <= 0:
+            raise ValueError(f"ModelConfig.moe_ffn_dim must be positive with experts, got {self.moe_ffn_dim}")
+        if self.shared_expert_ffn_dim < 0 or self.moe_layer_step < 1 or self.router_aux_loss_coef < 0:
+            raise ValueError("ModelConfig.shared_expert_ffn_dim and router_aux_loss_coef must be >= 0 and "
+                             f"moe_layer_step >= 1, got {self.shared_expert_ffn_dim}, {self.router_aux_loss_coef} "
+                             f"and {self.moe_layer_step}")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"ModelConfig.dense_layers has {bad[0]}, not a layer of a {self.n_layers}-layer model")
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's feed-forward is the mixture of experts (else the dense MLP of width ffn_dim)."""
+        return self.n_experts > 0 and i not in self.dense_layers and (i + 1) % self.moe_layer_step == 0
 
     def _check_rope_scaling(self):
         if self.rope_scaling is None:
@@ -101,6 +157,9 @@ class ModelConfig:
             object.__setattr__(self, "family", None)
             return
         # What each Hugging Face architecture can express: an export must not drop or invent a feature.
+        if self.family in MOE_FAMILIES or self.n_experts:
+            self._check_moe_family()
+            return
         wants_bias, wants_norm = self.family == "qwen2", self.family == "qwen3"
         if self.qkv_bias != wants_bias or self.qk_norm != wants_norm:
             raise ValueError(
@@ -109,7 +168,25 @@ class ModelConfig:
             )
 
     def _inferred_family(self) -> str:
+        if self.n_experts:
+            return "qwen2_moe"
         return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+
+    def _check_moe_family(self):
+        if self.family not in MOE_FAMILIES or not self.n_experts:
+            wanted = "> 0" if self.family in MOE_FAMILIES else "= 0"
+            raise ValueError(f"ModelConfig.family={self.family!r} needs n_experts {wanted}; fix n_experts or set "
+                             "family=None")
+        if self.family == "mixtral":
+            problems = [name for name, bad in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                                               ("shared_expert_ffn_dim", self.shared_expert_ffn_dim),
+                                               ("moe_norm_topk", not self.moe_norm_topk),
+                                               ("dense_layers", self.dense_layers or self.moe_layer_step != 1),
+                                               ("moe_ffn_dim", self.moe_ffn_dim != self.ffn_dim)) if bad]
+            if problems:
+                raise ValueError(f"ModelConfig.family='mixtral' cannot express {problems[0]} (Mixtral: every layer "
+                                 "sparse, experts of width ffn_dim, no shared expert, renormalised top-k, no q/k/v "
+                                 "bias or q/k norm); fix it or set family=None")
 
     @property
     def hf_model_type(self) -> str:
@@ -129,7 +206,10 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON values (``dense_layers`` as a list), equal to what a JSON round trip gives back."""
+        values = dataclasses.asdict(self)
+        values["dense_layers"] = list(self.dense_layers)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
@@ -151,6 +231,9 @@ _LLAMA3_ROPE = dict(
 PRESETS: dict[str, ModelConfig] = {
     # Trains in seconds on a CPU; GQA (g=2) and every head count divisible by 1, 2 and 4.
     "tiny": ModelConfig(),
+    # The tiny model with 4 experts (top-2) and a shared expert in every layer: tests and the MoE demo.
+    "tiny-moe": ModelConfig(n_experts=4, moe_top_k=2, moe_ffn_dim=192, shared_expert_ffn_dim=128,
+                            router_aux_loss_coef=0.01),
     "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
     # The paper's 7B reference: h=4096, 32 layers, 32 query and 32 KV heads, ffn = 4h.
     "paper-7b": ModelConfig(
@@ -220,6 +303,41 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0,
         norm_eps=1e-6,
         qk_norm=True,
+    ),
+    # Mixtral 8x7B: 8 experts of width 14336 in every layer, top-2, GQA g=4.
+    "mixtral-8x7b": ModelConfig(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        vocab_size=32000,
+        max_seq_len=32768,
+        rope_theta=1000000.0,
+        n_experts=8,
+        moe_top_k=2,
+        moe_ffn_dim=14336,
+        router_aux_loss_coef=0.02,
+        family="mixtral",
+    ),
+    # Qwen2 57B-A14B (Qwen2-MoE): 64 experts of width 2560, top-8, a shared expert of width 20480, q/k/v bias.
+    "qwen2-57b-a14b": ModelConfig(
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_dim=18944,
+        vocab_size=151936,
+        max_seq_len=131072,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        n_experts=64,
+        moe_top_k=8,
+        moe_ffn_dim=2560,
+        shared_expert_ffn_dim=20480,
+        moe_norm_topk=False,
+        router_aux_loss_coef=0.001,
     ),
 }
 

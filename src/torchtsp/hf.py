@@ -1,16 +1,19 @@
 """Hugging Face interop: configs, state-dict names, and safetensors IO (conversion lives in convert.py).
 
 The families handled are Llama (with Llama 3's ``llama3`` RoPE scaling), Mistral (without a sliding
-window that masks anything), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm); every other
-feature is refused with its config field named. Two on-disk formats are handled:
+window that masks anything), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and the mixtures of
+experts Qwen2-MoE and Mixtral; every other feature is refused with its config field named. Two on-disk
+formats are handled:
 
 * **Hugging Face** (``config.json`` + ``model.safetensors``, or ``model.safetensors.index.json`` + shards),
   loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 * **torchtsp native** (``torchtsp.json`` + ``model.safetensors`` in torchtsp parameter names).
 
 No weight permutation is needed between the two: ``torchtsp.model.apply_rope`` uses the same half-split
-("rotate_half") RoPE convention as these HF models, so q/k projections map one to one, and all four
-families use the same HF parameter names.
+("rotate_half") RoPE convention as these HF models, so q/k projections map one to one, and the dense
+families use the same HF parameter names. Expert weights are stacked [E, ...] tensors in torchtsp; HF
+holds them fused in a live model (``gate_up_proj``) and one tensor per expert in checkpoint files
+(``_hf_location``, ``_file_location``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,20 @@ _LAYER_NAMES = {
     "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # Mixture of experts (Qwen2-MoE, Mixtral): the router, the experts' stacked weights, the shared expert.
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.experts.w_down": "mlp.experts.down_proj",
+    "feed_forward.shared.w_gate.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared.w_up.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared.w_down.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
+}
+# Halves of one fused HF tensor: torchtsp name inside a block -> (HF name, dim, which half). transformers stores
+# each expert's gate and up projections as one [E, 2·F, h] tensor (gate rows first); torchtsp keeps them apart,
+# so that tensor parallelism can cut both along F.
+_FUSED_NAMES = {
+    "feed_forward.experts.w_gate": ("mlp.experts.gate_up_proj", 1, 0),
+    "feed_forward.experts.w_up": ("mlp.experts.gate_up_proj", 1, 1),
 }
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -78,6 +95,8 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 _LLAMA3_KEYS = {  # HF rope dict key -> ModelConfig field
     "factor": "rope_factor",
@@ -142,12 +161,12 @@ def _check_sliding_window(hf: dict, model_type: str, max_position_embeddings: in
     window = hf.get("sliding_window")
     if window is None or int(window) >= max_position_embeddings:
         return
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         raise ValueError(
             f"unsupported sliding_window={window}: torchtsp attends to the full causal context; only null or "
             f">= max_position_embeddings={max_position_embeddings} is accepted"
         )
-    if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe") and hf.get("use_sliding_window"):
         # transformers: the layers marked "sliding_attention", by default those from max_window_layers on.
         n_layers, first = int(hf["num_hidden_layers"]), hf.get("max_window_layers", 28)
         layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full" for i in range(n_layers)]
@@ -157,6 +176,33 @@ def _check_sliding_window(hf: dict, model_type: str, max_position_embeddings: in
                 f"causal context; set use_sliding_window to false, or sliding_window to null or "
                 f">= max_position_embeddings={max_position_embeddings}"
             )
+
+
+def _moe_fields(hf: dict, model_type: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of a Qwen2-MoE or Mixtral config ({} for dense families)."""
+    if model_type == "mixtral":
+        jitter = hf.get("router_jitter_noise") or 0.0
+        if jitter:
+            raise ValueError(f"unsupported router_jitter_noise={jitter!r}: torchtsp routes without jitter; set it to 0")
+        width = int(hf["intermediate_size"])
+        return dict(n_experts=int(hf.get("num_local_experts", 8)), moe_top_k=int(hf.get("num_experts_per_tok", 2)),
+                    moe_ffn_dim=width, moe_norm_topk=True,
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    if model_type != "qwen2_moe":
+        return {}
+    shared = int(hf.get("shared_expert_intermediate_size", 5632))
+    if shared <= 0:
+        raise ValueError(f"unsupported shared_expert_intermediate_size={shared}: Qwen2-MoE always has a shared expert")
+    n_experts = int(hf.get("num_experts", 60))
+    if n_experts <= 0:
+        raise ValueError(f"unsupported num_experts={n_experts}: a Qwen2-MoE model with no experts is dense; convert "
+                         "it as qwen2")
+    return dict(n_experts=n_experts, moe_top_k=int(hf.get("num_experts_per_tok", 4)),
+                moe_ffn_dim=int(hf.get("moe_intermediate_size", 1408)), shared_expert_ffn_dim=shared,
+                moe_norm_topk=bool(hf.get("norm_topk_prob", False)),
+                moe_layer_step=int(hf.get("decoder_sparse_step", 1)),
+                dense_layers=tuple(int(i) for i in (hf.get("mlp_only_layers") or ())),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -203,6 +249,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     max_seq_len = int(hf.get("max_position_embeddings") or 2048)
     rope = _rope_fields(hf, max_seq_len)
     _check_sliding_window(hf, model_type, max_seq_len)
+    moe = _moe_fields(hf, model_type)
     try:
         return ModelConfig(
             dim=dim,
@@ -214,10 +261,11 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             max_seq_len=max_seq_len,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
             qk_norm=model_type == "qwen3",
             family=model_type,
             **rope,
+            **moe,
         )
     except ValueError as e:
         raise ValueError(f"unsupported HF config: {e}") from e
@@ -260,8 +308,18 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
     }
     if model_type == "llama":
         hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         hf.update(sliding_window=None)
+        if model_type == "mixtral":
+            hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k, router_jitter_noise=0.0,
+                      router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
+    elif model_type == "qwen2_moe":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
+                  qkv_bias=cfg.qkv_bias, num_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
+                  moe_intermediate_size=cfg.moe_ffn_dim, shared_expert_intermediate_size=cfg.shared_expert_ffn_dim,
+                  norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=cfg.moe_layer_step,
+                  mlp_only_layers=list(cfg.dense_layers), router_aux_loss_coef=cfg.router_aux_loss_coef,
+                  output_router_logits=False)
     else:  # qwen2, qwen3: full attention in every layer
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         if model_type == "qwen3":
@@ -272,14 +330,94 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
 # --------------------------------------------------------------------------- state dicts
 
 
-def _to_hf_name(name: str) -> str:
+def _hf_location(name: str) -> str | tuple:
+    """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name, or
+    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")
     idx, _, local = rest.partition(".")
     if prefix == "layers" and idx.isdigit() and local in _LAYER_NAMES:
         return f"model.layers.{idx}.{_LAYER_NAMES[local]}"
+    if prefix == "layers" and idx.isdigit() and local in _FUSED_NAMES:
+        hf_name, dim, half = _FUSED_NAMES[local]
+        return "fused", f"model.layers.{idx}.{hf_name}", dim, half
     raise KeyError(name)
+
+
+# The experts' matrices one by one, as checkpoint files hold them (what save_pretrained writes and the Hub
+# serves; transformers fuses them on load): torchtsp name -> HF name of expert e's matrix, per family.
+_EXPERT_FILE_NAMES = {
+    "qwen2_moe": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
+}
+
+
+def _file_location(cfg: ModelConfig):
+    """``_hf_location`` for checkpoint files: stacked expert weights are ("experts", [HF name of each expert's
+    matrix]), and Mixtral's MoE block is ``block_sparse_moe``."""
+    block, names = _EXPERT_FILE_NAMES.get(cfg.hf_model_type, ("mlp", {}))
+
+    def location(name: str):
+        prefix, _, rest = name.partition(".")
+        idx, _, local = rest.partition(".")
+        if prefix == "layers" and local.startswith("feed_forward.experts."):
+            kind = names[local.rpartition(".")[2]]
+            return "experts", [f"model.layers.{idx}.{block}.experts.{e}.{kind}.weight" for e in range(cfg.n_experts)]
+        where = _hf_location(name)
+        return where.replace(".mlp.gate.", f".{block}.gate.") if isinstance(where, str) else where
+
+    return location
+
+
+def _is_fused(names) -> bool:
+    return any(n.endswith(".experts.gate_up_proj") for n in names)
+
+
+def _to_hf_name(name: str) -> str:
+    """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
+    where = _hf_location(name)
+    return where if isinstance(where, str) else where[1]
+
+
+def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, from torchtsp names -> shapes (fused halves add up along their dim)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected.items():
+        where = location(name)
+        if isinstance(where, str):
+            out[where] = tuple(shape)
+        elif where[0] == "fused":
+            out[where[1]] = tuple(n * 2 if d == where[2] else n for d, n in enumerate(shape))
+        else:
+            out.update(dict.fromkeys(where[1], tuple(shape[1:])))
+    return out
+
+
+def _from_hf_tensor(hf_sd: dict, where) -> torch.Tensor:
+    if isinstance(where, str):
+        return hf_sd[where]
+    if where[0] == "fused":
+        return hf_sd[where[1]].chunk(2, dim=where[2])[where[3]]
+    return torch.stack([hf_sd[n] for n in where[1]])
+
+
+def _to_hf_tensors(sd: dict, names, location) -> dict[str, torch.Tensor]:
+    """HF-named tensors from torchtsp ``names`` of ``sd`` (fused halves concatenated, experts split)."""
+    out, halves = {}, {}
+    for name in names:
+        where = location(name)
+        if isinstance(where, str):
+            out[where] = sd[name]
+        elif where[0] == "fused":
+            halves.setdefault(where[1], {})[where[3]] = (where[2], sd[name])
+        else:
+            out.update(zip(where[1], sd[name].unbind(0)))
+    for hf_name, parts in halves.items():
+        if set(parts) != {0, 1}:
+            raise ValueError(f"{hf_name} needs both of its halves, got {sorted(parts)}")
+        out[hf_name] = torch.cat([parts[0][1], parts[1][1]], dim=parts[0][0])
+    return out
 
 
 def _fmt_names(names: list[str]) -> str:
@@ -312,7 +450,9 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     ``rotary_emb.inv_freq`` buffers are ignored.
     """
     expected = reference_shapes(cfg)
-    hf_expected = {_to_hf_name(k): shape for k, shape in expected.items()}
+    # Expert weights fused (a transformers model's state dict) or one tensor per expert (checkpoint files).
+    location = _hf_location if _is_fused(hf_sd) else _file_location(cfg)
+    hf_expected = _hf_shapes(expected, location)
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if cfg.tie_embeddings and _HF_LM_HEAD in sd:
         lm_head = sd.pop(_HF_LM_HEAD)
@@ -328,14 +468,16 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
                 f"expected {tuple(embed.shape)} like {_HF_EMBED}"
             )
     _check_state_dict(sd, hf_expected, "Hugging Face state dict")
-    return {k: sd[_to_hf_name(k)] for k in expected}
+    return {k: _from_hf_tensor(sd, location(k)) for k in expected}
 
 
-def to_hf_state_dict(sd: dict, cfg: ModelConfig) -> dict:
-    """torchtsp ``Transformer`` state dict -> HF ``*ForCausalLM`` names (no ``lm_head`` when tied)."""
+def to_hf_state_dict(sd: dict, cfg: ModelConfig, files: bool = False) -> dict:
+    """torchtsp ``Transformer`` state dict -> HF ``*ForCausalLM`` names (no ``lm_head`` when tied): those of a
+    transformers model's state dict (experts fused), or with ``files`` those of checkpoint files (one tensor per
+    expert, as ``save_pretrained`` writes)."""
     expected = reference_shapes(cfg)
     _check_state_dict(sd, expected, "torchtsp state dict")
-    return {_to_hf_name(k): sd[k] for k in expected}
+    return _to_hf_tensors(sd, expected, _file_location(cfg) if files else _hf_location)
 
 
 # --------------------------------------------------------------------------- file helpers
@@ -507,7 +649,7 @@ def save_hf_checkpoint(
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    tensors = _prepare_for_saving(to_hf_state_dict(sd, cfg))
+    tensors = _prepare_for_saving(to_hf_state_dict(sd, cfg, files=True))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_weight_files(path)
@@ -630,7 +772,7 @@ def open_hf_weights(path: str | os.PathLike):
     cfg, cfg_path = _hf_dir_config(path)
     files = _hf_weight_files(path)
     try:
-        return cfg, SafetensorsWeights(cfg, files, _to_hf_name)
+        return cfg, SafetensorsWeights(cfg, files, _hf_location if _is_fused(files) else _file_location(cfg))
     except ValueError as e:
         raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
 
@@ -672,11 +814,15 @@ def write_weights(path: str | os.PathLike, weights, fmt: str = "hf", max_shard_b
     stored = _to_hf_name if fmt == "hf" else (lambda name: name)
     dtype = dtype or weights.dtype
     nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in weights.shapes.items()}
-    groups: list[list[str]] = [[]]
+    units: dict[str, list[str]] = {}  # stored tensor -> the reference names it is made of (two for fused halves)
     for name in weights.shapes:  # reference order
-        if groups[-1] and sum(nbytes[n] for n in groups[-1]) + nbytes[name] > max_shard_bytes:
+        units.setdefault(stored(name), []).append(name)
+    groups: list[list[str]] = [[]]
+    for unit in units.values():
+        size = sum(nbytes[n] for n in unit)
+        if groups[-1] and sum(nbytes[n] for n in groups[-1]) + size > max_shard_bytes:
             groups.append([])
-        groups[-1].append(name)
+        groups[-1].extend(unit)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_weight_files(path)
@@ -684,7 +830,11 @@ def write_weights(path: str | os.PathLike, weights, fmt: str = "hf", max_shard_b
     weight_map = {}
     for i, names in enumerate(groups, start=1):
         fname = SAFE_WEIGHTS_NAME if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {stored(n): weights.get(n).to(dtype).contiguous() for n in names}
+        if fmt == "hf":  # as save_pretrained writes: one tensor per expert
+            tensors = {k: t.to(dtype).contiguous() for k, t in
+                       _to_hf_tensors({n: weights.get(n) for n in names}, names, _file_location(cfg)).items()}
+        else:
+            tensors = {n: weights.get(n).to(dtype).contiguous() for n in names}
         _save_safetensors(path / fname, tensors, metadata)
         weight_map.update(dict.fromkeys(tensors, fname))
         del tensors

@@ -25,15 +25,25 @@ def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + 1_000_003 * zlib.crc32(name.encode()) + block) % 2**63)
 
 
+def expert_name(name: str, expert: int) -> str:
+    """The name whose initial values expert ``expert``'s matrix of the stacked [E, ...] parameter ``name`` takes."""
+    return f"{name}.{expert}"
+
+
 def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = None,
                   std: float = INIT_STD) -> torch.Tensor:
     """The initial value of parameter ``name`` (float32, CPU) of a model whose init seed is ``seed``,
     or of its rows [start, stop): norm weights are ones, biases zeros, every other weight normal(0, std).
 
     Each block of ``INIT_BLOCK_ROWS`` rows has its own generator, seeded from (seed, name, block), so any
-    rows can be drawn alone, in any order, on any rank, and equal the whole tensor's rows.
+    rows can be drawn alone, in any order, on any rank, and equal the whole tensor's rows. A stacked expert
+    weight [E, r, c] draws each expert's matrix alone (``expert_name``), so a rank that keeps some experts,
+    or some rows of every expert, draws only those.
     """
     start, stop = rows or (0, shape[0])
+    if len(shape) == 3:
+        return torch.stack([initial_value(seed, expert_name(name, e), shape[1:], std=std)
+                            for e in range(start, stop)]) if stop > start else torch.empty(0, *shape[1:])
     out_shape = (stop - start, *shape[1:])
     if name.endswith("norm.weight"):
         return torch.ones(out_shape)
@@ -120,6 +130,84 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
+def route(h2: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
+    """The router of a mixture of experts on tokens h2 [N, h]: (probabilities [N, E] in float32, top-k weights
+    [N, k] in h2's dtype, top-k expert ids [N, k]), as Hugging Face Qwen2-MoE / Mixtral compute them: softmax in
+    float32, ``torch.topk``, optionally renormalised so the k weights sum to one."""
+    probs = torch.softmax(F.linear(h2, router_weight), dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return probs, top.to(h2.dtype), experts
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its rows: x [R, h] holds ``counts[e]`` consecutive rows for expert e of the
+    stacked weights w_gate, w_up [E, F, h] and w_down [E, h, F]. Every expert runs (also on zero rows), so
+    every rank builds the same autograd graph whatever the routing."""
+    # unbind, not w[e]: its backward stacks the E gradients once (indexing would add E zero-filled [E, ...] tensors).
+    weights = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
+    return torch.cat([swiglu(xe, *w) for xe, w in zip(x.split(counts), weights)])
+
+
+def sort_by_expert(experts: torch.Tensor, n_experts: int):
+    """For top-k ids [N, k]: (order of the N·k (token, slot) pairs grouped by expert, stable; each pair's token;
+    number of pairs per expert [E], int64, on the ids' device)."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return order, order // experts.shape[1], counts
+
+
+def combine(n_tokens: int, out: torch.Tensor, order: torch.Tensor, token: torch.Tensor, weights: torch.Tensor):
+    """Sum each token's expert outputs (``out`` [N·k, h], in ``order``) weighted by its top-k weights [N, k]."""
+    weighted = out * weights.flatten()[order].unsqueeze(1)
+    return out.new_zeros(n_tokens, out.shape[1]).index_add_(0, token, weighted)
+
+
+class RouterStats:
+    """What the load-balancing loss needs from one forward: per expert, the number of (token, slot)
+    assignments and the sum of router probabilities, summed over every sparse layer, and the rows counted.
+
+    Schemes whose ranks hold different tokens sum the three over those ranks before the loss
+    (``load_balancing_loss``): the loss multiplies global sums, never per-rank products. ``close()`` ends
+    collection, so a layer re-run in backward (recompute) adds nothing.
+    """
+
+    def __init__(self, n_experts: int):
+        self.n_experts, self.closed = n_experts, False
+        self.counts = self.probs = None
+        self.rows = 0
+
+    def add(self, probs: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.closed:
+            return
+        counts = counts.to(torch.float32)
+        prob_sum = probs.sum(dim=0)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.probs = prob_sum if self.probs is None else self.probs + prob_sum
+        self.rows += probs.shape[0]
+
+    def close(self) -> RouterStats:
+        self.closed = True
+        return self
+
+    def detached(self) -> RouterStats:
+        """A closed copy without autograd history (to keep for metrics without keeping the graph alive)."""
+        out = RouterStats(self.n_experts)
+        out.counts, out.rows, out.closed = self.counts, self.rows, True
+        out.probs = None if self.probs is None else self.probs.detach()
+        return out
+
+
+def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows, n_experts: int) -> torch.Tensor:
+    """Hugging Face's load-balancing loss (Switch Transformer eq. 4-6, ``load_balancing_loss_func``) from the
+    per-expert assignment counts and probability sums over every sparse layer and token, and their row count:
+    E · sum_e (counts_e / rows) · (prob_sums_e / rows)."""
+    return (counts / rows * (prob_sums / rows)).sum() * n_experts
+
+
 def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
     """[B, H_kv, S, d] -> [B, H_kv * g, S, d]: each KV head serves g consecutive query heads."""
     return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=1)
@@ -169,28 +257,71 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        width = cfg.ffn_dim if width is None else width
+        self.w_gate = nn.Linear(cfg.dim, width, bias=False)
+        self.w_up = nn.Linear(cfg.dim, width, bias=False)
+        self.w_down = nn.Linear(width, cfg.dim, bias=False)
 
     def forward(self, x):
         # swiglu() spelled with module calls, so that hooks on the linears (e.g. DTensor TP) run.
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
-class Block(nn.Module):
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights: w_gate, w_up [E, moe_ffn_dim, h], w_down [E, h, moe_ffn_dim]."""
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, F_, h = cfg.n_experts, cfg.moe_ffn_dim, cfg.dim
+        self.w_gate = nn.Parameter(torch.empty(E, F_, h))
+        self.w_up = nn.Parameter(torch.empty(E, F_, h))
+        self.w_down = nn.Parameter(torch.empty(E, h, F_))
+
+
+class MoEFeedForward(nn.Module):
+    """Mixture of experts (see ``ModelConfig``): router, top-k dropless experts, optional gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared = None
+        if cfg.shared_expert_ffn_dim:
+            self.shared = FeedForward(cfg, cfg.shared_expert_ffn_dim)
+            self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
+
+    def forward(self, x, stats: RouterStats | None = None):
+        cfg, shape = self.cfg, x.shape
+        x2 = x.reshape(-1, shape[-1])
+        probs, weights, experts = route(x2, self.router.weight, cfg.moe_top_k, cfg.moe_norm_topk)
+        order, token, counts = sort_by_expert(experts, cfg.n_experts)
+        if stats is not None:
+            stats.add(probs, counts)
+        w = self.experts
+        out = expert_mlps(x2[token], counts.tolist(), w.w_gate, w.w_up, w.w_down)
+        y = combine(x2.shape[0], out, order, token, weights)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(x2)) * self.shared(x2)
+        return y.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.moe = cfg.is_moe_layer(index)
+        self.feed_forward = MoEFeedForward(cfg) if self.moe else FeedForward(cfg)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, stats: RouterStats | None = None):
+        """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss)."""
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.ffn_norm(x)
+        return x + (self.feed_forward(h, stats) if self.moe else self.feed_forward(h))
 
 
 class Transformer(nn.Module):
@@ -208,7 +339,7 @@ class Transformer(nn.Module):
         self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         with torch.device("meta"):  # shapes only; values come from reset_parameters
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         device = torch.get_default_device() if device is None else torch.device(device)
@@ -225,8 +356,8 @@ class Transformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [B, S, dim]."""
+    def hidden_states(self, tokens: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, S, dim]; sparse layers add their router statistics to ``stats``."""
         S = tokens.shape[1]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -234,18 +365,29 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(positions, self.cfg)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, stats)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.hidden_states(tokens), self.output_weight)
+    def forward(self, tokens: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+        return F.linear(self.hidden_states(tokens, stats), self.output_weight)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy; ``labels[b, t]`` is the (already shifted) target of position t, -100 ignored."""
+        """Mean cross-entropy; ``labels[b, t]`` is the (already shifted) target of position t, -100 ignored.
+
+        A mixture-of-experts model adds ``router_aux_loss_coef`` x the load-balancing loss over every token
+        (ignored targets included), as Hugging Face's ``outputs.loss`` with ``output_router_logits=True``;
+        ``self.router_stats`` then holds this forward's router statistics (for metrics).
+        """
         if labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        logits = self(tokens, stats)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        if stats is not None:
+            self.router_stats = stats.close().detached()
+            aux = load_balancing_loss(stats.counts, stats.probs, stats.rows, self.cfg.n_experts)
+            loss = loss + self.cfg.router_aux_loss_coef * aux
+        return loss
 
 
 def reference_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

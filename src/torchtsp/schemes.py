@@ -28,7 +28,7 @@ PIPELINE_AXIS = "pp"
 # Schedules of torch.distributed.pipelining that ``--schedule`` names; interleaved runs several stages per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
-MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm")
+MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm", "moe")
 
 
 def _prod(values) -> int:
@@ -165,6 +165,13 @@ class Scheme:
                         if field == "n_kv_heads" and cfg.n_kv_heads < ways else "")
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
                                  f"choose a degree that divides it{hint}")
+        if getattr(cfg, "moe", False) and ways > 1:
+            # TSP places whole experts on its ranks; TP cuts every expert along its FFN width.
+            split = "n_experts" if "tsp" in self.weight_axes else "moe_ffn_dim"
+            for field in (split, "shared_expert_ffn_dim"):
+                if getattr(cfg, field) % ways:
+                    raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by "
+                                     f"{ways}; choose a degree that divides it")
 
     def check_batch(self, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False) -> None:
         """Refuse a global batch the layout cannot split (rows over dp, zigzag chunks, Megatron-SP chunks)."""
@@ -192,6 +199,8 @@ class Scheme:
         self.check_mesh({a: degrees.get(a, 1) for a in AXES})
         self.check_model(cfg, degrees)
         self.check_batch(batch, seq_len, degrees, sequence_parallel)
+        if sequence_parallel and getattr(cfg, "moe", False):
+            raise ValueError("mixture-of-experts models run under tp without Megatron-SP; drop sequence_parallel")
 
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
@@ -207,7 +216,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            options=("recompute",), memory_walk="reference", traffic="sp_step_traffic"),
     Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
            axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
-           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic"),
+           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic",
+           features=("rope_scaling", "qkv_bias", "qk_norm")),
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
            axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
@@ -254,6 +264,9 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
         what = f"{pp} stages" if stages == pp else f"{stages} stages ({pp} ranks x {stages // pp} each)"
         fix = "a --pp that divides them" if stages == pp else "another schedule, or a --pp whose double divides them"
         raise ValueError(f"the model's {cfg.n_layers} layers do not divide into {what}; choose {fix}")
+    if getattr(cfg, "moe", False):
+        raise ValueError("a mixture-of-experts model cannot be split into pipeline stages yet (its load-balancing "
+                         "loss needs router statistics of every layer at once); drop --pp")
     if getattr(cfg, "tie_embeddings", False):
         raise ValueError("a model with tied embeddings cannot be split into pipeline stages yet (the embedding "
                          "lives in the first stage, the head in the last); drop --pp or untie them")

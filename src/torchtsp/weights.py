@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import INIT_BLOCK_ROWS, initial_value, reference_shapes
+from .model import INIT_BLOCK_ROWS, expert_name, initial_value, reference_shapes
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' dtype names
 
@@ -83,6 +83,9 @@ class SeededWeights(WeightSource):
         self.seed = seed
 
     def _read(self, name, shape, dim, start, stop):
+        if len(shape) == 3 and dim > 0:  # a piece of every expert: each expert's matrix is drawn alone
+            return torch.stack([self._read(expert_name(name, e), shape[1:], dim - 1, start, stop)
+                                for e in range(shape[0])])
         if dim == 0:
             return initial_value(self.seed, name, shape, rows=(start, stop))
         # A column piece: every row block in turn, keeping this piece's columns (one block alive at a time).
@@ -95,46 +98,89 @@ class SeededWeights(WeightSource):
 
 class SafetensorsWeights(WeightSource):
     """Weights in safetensors files: ``files`` maps each stored tensor name to its file, ``stored_name`` maps a
-    reference name to the stored one (Hugging Face names, or the reference names themselves)."""
+    reference name to where it is stored: a stored name (Hugging Face names, or the reference names
+    themselves); ``("fused", name, dim, half)`` for one half along ``dim`` of a stored tensor that fuses two
+    parameters; ``("experts", [name of each expert])`` for a stacked [E, ...] parameter stored expert by expert.
+    """
 
-    def __init__(self, cfg: ModelConfig, files: dict[str, Path], stored_name: Callable[[str], str],
+    def __init__(self, cfg: ModelConfig, files: dict[str, Path], stored_name: Callable[[str], str | tuple],
                  device: torch.device | str = "cpu"):
         from safetensors import SafetensorError, safe_open
 
         super().__init__(cfg, device)
-        self.files, self.stored_name = files, stored_name
-        missing = [stored_name(n) for n in self.shapes if stored_name(n) not in files]
+        self.files, self.location = files, stored_name
+        self.stored_name = lambda name: self._stored(name)[0]
+        missing = [s for n in self.shapes for s in self._stored(n) if s not in files]
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[0]}")
         # Headers only: every file opens and every tensor has the model's shape, before anything is read.
+        want = {}
+        for name, shape in self.shapes.items():
+            spec = self._spec(name)
+            if spec[0] == "fused":
+                want[spec[1]] = tuple(n * 2 if d == spec[2] else n for d, n in enumerate(shape))
+            else:
+                want.update(dict.fromkeys(self._stored(name), tuple(shape[1:] if spec[0] == "experts" else shape)))
         self.stored_dtype = None
-        for path in sorted(set(files[stored_name(n)] for n in self.shapes)):
+        for path in sorted(set(files[s] for s in want)):
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for name in (n for n in self.shapes if files[stored_name(n)] == path):
-                        piece = f.get_slice(stored_name(name))
-                        if tuple(piece.get_shape()) != tuple(self.shapes[name]):
-                            raise ValueError(f"{stored_name(name)} in {path} has shape {tuple(piece.get_shape())}, "
-                                             f"the model expects {tuple(self.shapes[name])}")
+                    for stored in (s for s in want if files[s] == path):
+                        piece = f.get_slice(stored)
+                        if tuple(piece.get_shape()) != want[stored]:
+                            raise ValueError(f"{stored} in {path} has shape {tuple(piece.get_shape())}, "
+                                             f"the model expects {want[stored]}")
                         self.stored_dtype = self.stored_dtype or _DTYPES.get(piece.get_dtype())
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}; "
                                  "re-download or re-save it") from e
 
+    def _spec(self, name: str) -> tuple:
+        where = self.location(name)
+        return ("whole", where) if isinstance(where, str) else where
+
+    def _stored(self, name: str) -> list[str]:
+        spec = self._spec(name)
+        return list(spec[1]) if spec[0] == "experts" else [spec[1]]
+
     def _read(self, name, shape, dim, start, stop):
+        spec = self._spec(name)
+        if spec[0] == "experts":  # one stored matrix per expert
+            experts = range(start, stop) if dim == 0 else range(shape[0])
+            inner = (0, 0, shape[1]) if dim == 0 else (dim - 1, start, stop)
+            pieces = [self._read_stored(spec[1][e], shape[1:], *inner) for e in experts]
+            return torch.stack(pieces) if pieces else torch.empty(0, *shape[1:])
+        if spec[0] == "fused":  # one half of a fused tensor, one expert at a time
+            _, stored, fused_dim, half = spec
+            bounds = [[0, n] for n in shape]
+            bounds[dim] = [start, stop]
+            bounds[fused_dim] = [b + half * shape[fused_dim] for b in bounds[fused_dim]]
+            (e0, e1), rest = bounds[0], [slice(*b) for b in bounds[1:]]
+            return self._with_slice(stored, lambda piece: torch.cat(
+                [piece[(slice(e, e + 1), *rest)] for e in range(e0, e1)]))
+        return self._read_stored(spec[1], shape, dim, start, stop)
+
+    def _with_slice(self, stored: str, read):
         from safetensors import SafetensorError, safe_open
 
-        stored = self.stored_name(name)
         path = self.files[stored]
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                piece = f.get_slice(stored)
-                if dim == 0:
-                    return piece[start:stop].clone()  # reads only these rows' bytes
-                # A column piece: row block by row block, so only one block is copied at a time.
-                out = torch.empty(shape[0], stop - start, dtype=piece[0:1].dtype)
-                for lo in range(0, shape[0], INIT_BLOCK_ROWS):
-                    out[lo:lo + INIT_BLOCK_ROWS] = piece[lo:lo + INIT_BLOCK_ROWS, start:stop]
-                return out
+                return read(f.get_slice(stored))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+    def _read_stored(self, stored, shape, dim, start, stop):
+        def read(piece):
+            if dim == 0:
+                return piece[start:stop].clone()  # reads only these rows' bytes
+            if len(shape) == 3:  # a piece of every expert, one expert at a time
+                return torch.cat([piece[e:e + 1, start:stop] if dim == 1 else piece[e:e + 1, :, start:stop]
+                                  for e in range(shape[0])])
+            # A column piece: row block by row block, so only one block is copied at a time.
+            out = torch.empty(shape[0], stop - start, dtype=piece[0:1].dtype)
+            for lo in range(0, shape[0], INIT_BLOCK_ROWS):
+                out[lo:lo + INIT_BLOCK_ROWS] = piece[lo:lo + INIT_BLOCK_ROWS, start:stop]
+            return out
+
+        return self._with_slice(stored, read)

@@ -104,9 +104,13 @@ def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[int]:
              h * cfg.n_heads * d // tp, h, cfg.ffn_dim * h // tp, cfg.ffn_dim * h // tp, h * cfg.ffn_dim // tp]
     layer += [cfg.n_heads * d // tp, cfg.n_kv_heads * d // tp, cfg.n_kv_heads * d // tp] if cfg.qkv_bias else []
     layer += [d, d] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
+    # A sparse layer: the router, each stacked expert weight cut along F, the shared expert and its gate.
+    sparse = layer[:6] + layer[9:] + [cfg.n_experts * h] + [cfg.n_experts * cfg.moe_ffn_dim * h // tp] * 3
+    sparse += [cfg.shared_expert_ffn_dim * h // tp] * 3 + [h] if cfg.shared_expert_ffn_dim else []
     vocab = -(-cfg.vocab_size // tp) * h if tp > 1 else cfg.vocab_size * h
     head = [] if cfg.tie_embeddings else [vocab]
-    return [vocab] + layer * cfg.n_layers + [h] + head
+    layers = [t for i in range(cfg.n_layers) for t in (sparse if cfg.is_moe_layer(i) else layer)]
+    return [vocab] + layers + [h] + head
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,8 @@ class CommBreakdown:
     schedule). embed_head_forward / embed_head_backward: embedding, LM head and loss. grad_sync:
     all-reduces of gradients of replicated weights (every weight for SP, sp-replicated shards for
     TP x SP, norms for TSP and Megatron-SP) plus the sums over ``dp`` replicas.
-    total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync.
+    total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync (for a
+    mixture of experts, the layer figures are the mean over its dense and sparse layers, rounded down).
     """
 
     layer_forward: int
@@ -146,6 +151,30 @@ class SchemeTraffic:
     loss: int
     grad_sync: int
     local_tensors: list[int]
+    # A mixture of experts' sparse layers (their dense layers are layer_forward / layer_backward); the expert
+    # all-to-alls are data-dependent: these are their expected bytes under uniform routing (``moe_all_to_all``).
+    sparse_forward: int = 0
+    sparse_backward: int = 0
+
+
+def moe_all_to_all(cfg: ModelConfig, tokens: int, world: int) -> tuple[int, int]:
+    """(elements, count bytes) one rank receives in one sparse layer's forward under TSP, in expectation under
+    uniform routing: of its k·n (token, expert) pairs (n = tokens/D local tokens) a fraction (D-1)/D goes to other
+    ranks' experts and as many arrive from them, and every pair crosses twice (dispatch and combine):
+    2·k·n·h·(D-1)/D elements; plus the exchange of the per-expert counts, (D-1)·E/D int64. Backward moves the same
+    elements again (no counts). Routing decides the real figure: tests/test_moe.py checks the counted bytes
+    against the routed pairs themselves."""
+    pairs = cfg.moe_top_k * tokens // world
+    return 2 * pairs * cfg.dim * (world - 1) // world, (world - 1) * (cfg.n_experts // world) * 8
+
+
+def _aux_stats(cfg: ModelConfig, world: int) -> int:
+    """The all-reduce of a mixture of experts' router statistics (2E + 1 fp32) over ranks holding other tokens."""
+    return _all_reduce((2 * cfg.n_experts + 1) * 4, world) if cfg.moe else 0
+
+
+def _sparse_layers(cfg: ModelConfig) -> int:
+    return sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
 
 
 def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
@@ -172,12 +201,29 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     replicas = D // min(cfg.n_kv_heads, D)
     kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
     grad_sync += L * _all_reduce(kv_local * g, replicas)
+    dense = [h, p_attn // D, *qk_norms, h, p_mlp // D]
+    fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e
+    sparse_fwd = sparse_bwd = 0
+    sparse = dense[:-1]  # a sparse layer has no dense MLP shard
+    if cfg.moe:
+        # The shared expert takes the dense MLP's place on the ring; the routed experts never move.
+        p_sh = 3 * h * cfg.shared_expert_ffn_dim
+        moved, counts = moe_all_to_all(cfg, B * seq_len, D)
+        sparse_fwd = fwd - (D - 1) * p_mlp // D * e + (D - 1) * p_sh // D * e + moved * e + counts
+        sparse_bwd = (bwd - (D - 1) * p_mlp // D * e - travel * p_mlp // D * g
+                      + (D - 1) * p_sh // D * e + travel * p_sh // D * g + moved * e)
+        # Replicated router (and shared gate): their gradients are all-reduced like the norms'.
+        router_sync = _all_reduce(cfg.n_experts * h * e, D) + (_all_reduce(h * e, D) if p_sh else 0)
+        grad_sync += _sparse_layers(cfg) * router_sync
+        experts = [cfg.n_experts // D * cfg.moe_ffn_dim * h] * 3
+        sparse += [cfg.n_experts * h] + experts + ([p_sh // D, h] if p_sh else [])
+    layers = [t for i in range(L) for t in (sparse if cfg.is_moe_layer(i) else dense)]
     return SchemeTraffic(
-        layer_forward=tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e, layer_backward=bwd,
+        layer_forward=fwd, layer_backward=bwd,
         embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
         embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
-        loss=2 * _all_reduce(4, D), grad_sync=grad_sync,
-        local_tensors=[rows] + [h, p_attn // D, *qk_norms, h, p_mlp // D] * L + [h] + head)
+        loss=2 * _all_reduce(4, D) + _aux_stats(cfg, D), grad_sync=grad_sync,
+        local_tensors=[rows] + layers + [h] + head, sparse_forward=sparse_fwd, sparse_backward=sparse_bwd)
 
 
 def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
@@ -191,9 +237,9 @@ def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp) * e
     return SchemeTraffic(
         layer_forward=fwd, layer_backward=fwd, embed_head_forward=0, embed_head_backward=0,
-        loss=2 * _all_reduce(4, sp),
+        loss=2 * _all_reduce(4, sp) + _aux_stats(cfg, sp),
         grad_sync=sum(_all_reduce(n * e, sp) for n in _reference_tensors(cfg)),
-        local_tensors=_reference_tensors(cfg))
+        local_tensors=_reference_tensors(cfg), sparse_forward=fwd, sparse_backward=fwd)
 
 
 def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
@@ -226,7 +272,12 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     if sp > 1:
         # Every use of a weight is wrapped in an all-reduce over sp: a tied vocabulary shard twice.
         grad_sync += sum(_all_reduce(n * e, sp) for n in local + ([rows] if cfg.tie_embeddings else []))
-    return SchemeTraffic(fwd, bwd, emb_fwd, emb_bwd, loss, grad_sync, local)
+    # A sparse layer (parallel/moe.py, tp_moe): one all-reduce of the summed partial outputs, like the dense MLP's;
+    # backward adds the partial gradients of the top-k weights [n, k] (and of the shared gate, [n, 1]).
+    sparse_bwd = bwd + _all_reduce(tokens * cfg.moe_top_k * e, T)
+    sparse_bwd += _all_reduce(tokens * e, T) if cfg.shared_expert_ffn_dim else 0
+    return SchemeTraffic(fwd, bwd, emb_fwd, emb_bwd, loss, grad_sync, local, sparse_forward=fwd,
+                         sparse_backward=sparse_bwd if cfg.moe else 0)
 
 
 def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int,
@@ -255,15 +306,21 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel)
     fwd, bwd, emb_fwd, emb_bwd, grad_sync = (t.layer_forward, t.layer_backward, t.embed_head_forward,
                                              t.embed_head_backward, t.grad_sync)
+    sparse_fwd, sparse_bwd = t.sparse_forward, t.sparse_backward
     if recompute:
         bwd += fwd
+        sparse_bwd += sparse_fwd
     if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss
-        bwd = emb_bwd = grad_sync = 0
+        bwd = sparse_bwd = emb_bwd = grad_sync = 0
     else:
-        # Data parallelism (parallel/dp.py): the NLL sum and token count over replicas, and each local
-        # gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
-        emb_fwd += t.loss + 2 * _all_reduce(4, dp)
+        # Data parallelism (parallel/dp.py): the NLL sum and token count (and a mixture of experts' router
+        # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
+        emb_fwd += t.loss + 2 * _all_reduce(4, dp) + _aux_stats(cfg, dp)
         grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
-    total = cfg.n_layers * (fwd + bwd) + emb_fwd + emb_bwd + grad_sync
+    sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
+    total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
+    if sparse:  # a mixture of experts: the per-layer figures are the mean over dense and sparse layers
+        fwd = ((cfg.n_layers - sparse) * fwd + sparse * sparse_fwd) // cfg.n_layers
+        bwd = ((cfg.n_layers - sparse) * bwd + sparse * sparse_bwd) // cfg.n_layers
     return CommBreakdown(layer_forward=fwd, layer_backward=bwd, embed_head_forward=emb_fwd,
                          embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total)

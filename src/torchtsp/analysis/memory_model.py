@@ -81,12 +81,18 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     spec = get_scheme(scheme)
     w = spec.weight_degree({"tsp": tsp, "tp": tp})
     n_kv = _kv_heads_held(spec, cfg, w)
-    matrices = 2 * h * cfg.n_heads * d + 2 * h * n_kv * d + 3 * h * cfg.ffn_dim
-    matrices += (cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0  # biases shard with their heads
+    attention = 2 * h * cfg.n_heads * d + 2 * h * n_kv * d
+    attention += (cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0  # biases shard with their heads
+    sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
+    # A sparse layer's experts split w ways (TSP: whole experts per rank; TP: each expert's FFN width), as does
+    # its shared expert; its router and shared gate are replicated.
+    mlp = (cfg.n_layers - sparse) * 3 * h * cfg.ffn_dim
+    mlp += sparse * 3 * h * (cfg.n_experts * cfg.moe_ffn_dim + cfg.shared_expert_ffn_dim)
     rows = _ceil_div(cfg.vocab_size, w)
     return {
-        "layers": cfg.n_layers * matrices // w,
+        "layers": (cfg.n_layers * attention + mlp) // w,
         "norms": (2 * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0),
+        "router": sparse * (cfg.n_experts * h + (h if cfg.shared_expert_ffn_dim else 0)),
         "embedding": rows * h,
         "head": 0 if cfg.tie_embeddings else rows * h,
     }
@@ -98,11 +104,13 @@ def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     spec = get_scheme(scheme)
     w = spec.weight_degree({"tsp": tsp, "tp": tp})
     rows = _ceil_div(cfg.vocab_size, w)
+    experts = cfg.n_experts * cfg.moe_ffn_dim * h // w if cfg.moe else 0  # one stacked expert weight
     if spec.memory_walk == "tsp":
         n_kv = _kv_heads_held(spec, cfg, w)
         attention = (2 * cfg.n_heads * d + 2 * n_kv * d) * h + ((cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0)
-        return max(rows * h, attention // tsp, 3 * cfg.ffn_dim * h // tsp)
-    return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w)
+        return max(rows * h, attention // tsp, 3 * cfg.ffn_dim * h // tsp, experts,
+                   3 * cfg.shared_expert_ffn_dim * h // tsp)
+    return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w, experts)
 
 
 # ---------------------------------------------------------------- per-rank shapes
@@ -197,6 +205,38 @@ def _reference_saved(s: _Shape, n_rep: int, zigzag: bool) -> tuple[int, int]:
     return attention, mlp
 
 
+@dataclass(frozen=True)
+class _Sparse:
+    """One sparse (mixture-of-experts) layer's feed-forward on one rank, besides its norm and input, in expectation
+    under uniform routing: every rank computes k·n (token, expert) rows, whatever the scheme (TSP receives them
+    from the other ranks; the others route their own tokens). saved: bytes autograd keeps; extra: the peak of its
+    backward on top; weights: its gradient bytes (experts, shared expert, router)."""
+
+    saved: int
+    extra: int
+    weights: int
+
+
+def _sparse(cfg, s: _Shape, w: int, tsp: bool) -> _Sparse:
+    e, h, n = s.e, s.h, s.n
+    rows = cfg.moe_top_k * n
+    ff = cfg.moe_ffn_dim if tsp else cfg.moe_ffn_dim // w  # TSP: whole experts; TP: each expert's slice
+    experts = 3 * cfg.n_experts * cfg.moe_ffn_dim * h // w * e
+    shared_ff = cfg.shared_expert_ffn_dim // w
+    # Gathered inputs and returned outputs [rows, h], the four [rows, F] SwiGLU tensors, the fp32 router
+    # probabilities [n, E] and the sort indices (int64).
+    saved = rows * (2 * e * h + 4 * e * ff + 3 * INDEX) + FP32 * n * cfg.n_experts
+    # Input and output gradients of the rows, two [rows, F] gradients, and every expert's weight gradient twice
+    # (per expert, then stacked).
+    extra = rows * (2 * e * h + 2 * e * ff) + 2 * experts
+    if shared_ff:
+        # TSP saves gate and up per shard (all D of them); the reference block its four [n, F/T] tensors. Both
+        # keep the shared output for the gate's product.
+        saved += (2 * cfg.shared_expert_ffn_dim if tsp else 4 * shared_ff) * e * n + e * h * n
+        extra += 3 * h * shared_ff * e + 2 * e * shared_ff * n
+    return _Sparse(saved, extra, experts + 3 * h * shared_ff * e + cfg.n_experts * h * e)
+
+
 def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, recompute, base, parts):
     """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards)."""
     e, h, n, L = s.e, s.h, s.n, cfg.n_layers
@@ -204,9 +244,11 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
     zigzag = bool(spec.token_axes)  # the zigzag attention kernel (SP, TP x SP)
     att, mlp = _reference_saved(s, n_rep, zigzag)
+    sparse = _sparse(cfg, s, tp, tsp=False) if cfg.moe else None
+    mlps = [n_rep * (s.norm + e * h) + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n_rep * s.norm + e * h * n  # final norm and the head's input
     layer_in = e * h * n_rep
-    saved_layers = L * (layer_in if recompute else att + mlp)
+    saved_layers = sum(layer_in if recompute else att + m for m in mlps)
     if "tp" in spec.weight_axes:
         # Vocabulary-parallel cross-entropy saves its fp32 softmax slice [n, V/T]; backward scales it
         # into a new fp32 tensor and casts that to the model dtype.
@@ -230,10 +272,12 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
         _Event("head backward", e * n * s.v + e * h * n + head_w, freed=e * h * n, added=head_w + e * h * n),
         _Event("final norm backward", s.norm_backward * n_rep, freed=final - e * h * n),
     ]
-    for _ in range(L):
+    for i in reversed(range(L)):
         if recompute:  # the checkpointed layer runs its forward again, saving everything
-            events.append(_Event("layer recompute", att + mlp, added=att + mlp))
+            events.append(_Event("layer recompute", att + mlps[i], added=att + mlps[i]))
         events += [
+            _Event("experts backward", sparse.extra, freed=mlps[i] - n_rep * s.norm, added=sparse.weights)
+            if cfg.is_moe_layer(i) else
             # w_down backward then the gate x up product backward: dW_down and two [n, F] gradients.
             _Event("mlp backward", mlp_w // 3 + 2 * e * s.ff * n + gathered, freed=mlp - n_rep * s.norm,
                    added=mlp_w),
@@ -272,9 +316,11 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     raw = Q + e * s.hkv * n if cfg.qk_norm else 0
     att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n + raw)
     mlp = n * s.norm + A + D * 2 * e * s.ff * n
+    sparse = _sparse(cfg, s, D, tsp=True) if cfg.moe else None
+    mlps = [n * s.norm + A + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
     layer_in = A
-    saved_layers = L * (layer_in if recompute else att + mlp)
+    saved_layers = sum(layer_in if recompute else att + m for m in mlps)
     acts = saved_layers + final + s.rope_tables
 
     events = [
@@ -286,10 +332,14 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
                freed=final - n * s.norm, added=vocab_w + A),
         _Event("final norm backward", s.norm_backward * n, freed=n * s.norm),
     ]
-    for _ in range(L):
+    for i in reversed(range(L)):
         if recompute:
-            events.append(_Event("layer recompute", att + mlp, added=att + mlp))
+            events.append(_Event("layer recompute", att + mlps[i], added=att + mlps[i]))
         events += [
+            # Experts: the sparse terms plus the all-to-all buffers of the returning gradients [k·n, h].
+            _Event("experts backward", sparse.extra + cfg.moe_top_k * A, freed=mlps[i] - n * s.norm,
+                   added=sparse.weights)
+            if cfg.is_moe_layer(i) else
             # One ring step: dx (fp32), a GEMM output, five [n, F/D] temporaries (silu, product, their
             # gradients), shard buffers, the shard's float32 gradient and the travelling ones.
             _Event("mlp backward", A32 + A + 5 * e * s.ff * n + bufs * mlp_w + (1 + flight) * FP32 * mlp_elems,

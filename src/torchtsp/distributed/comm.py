@@ -29,6 +29,7 @@ reduce_scatter     (D-1)·n (n = output bytes)   (D-1)·n
 reduce             (D-1)·n at the destination   n elsewhere
 all_reduce         2(D-1)/D·n (ring algorithm)  2(D-1)/D·n
 ring_shift         n                            n
+all_to_all_single  rows from the other ranks    rows to the other ranks
 pipeline_p2p       n per received tensor        n per sent tensor
 =================  ===========================  ===========================
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import time
 from collections import Counter
@@ -416,6 +418,31 @@ class AxisComm:
             return dist.batch_isend_irecv(ops)
 
         return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)
+
+
+    def all_to_all_single(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                          async_op=False, label=None):
+        """Rows of ``tensor`` [sum(input_splits), ...] in axis-rank order: ``input_splits[r]`` rows go to rank r;
+        returns [sum(output_splits), ...] holding ``output_splits[r]`` rows from rank r, in rank order.
+
+        The splits are host integers every pair of ranks agrees on (exchange them first if they are data).
+        Only rows that cross ranks are counted: a rank's rows to itself stay in its memory.
+        """
+        D = self.size
+        if len(output_splits) != D or len(input_splits) != D or sum(input_splits) != tensor.shape[0]:
+            raise ValueError(f"all_to_all_single needs {D} output and input splits, the input ones summing to "
+                             f"{tensor.shape[0]} rows; got {list(output_splits)} and {list(input_splits)}")
+        out = tensor.new_empty(sum(output_splits), *tensor.shape[1:])
+        if D == 1:
+            out.copy_(tensor)
+        row = tensor.element_size() * math.prod(tensor.shape[1:])
+        sent = (sum(input_splits) - input_splits[self.rank]) * row
+        recv = (sum(output_splits) - output_splits[self.rank]) * row
+        src = tensor.contiguous()
+        launch = lambda: [dist.all_to_all_single(out, src, output_split_sizes=list(output_splits),
+                                                 input_split_sizes=list(input_splits), group=self.group,
+                                                 async_op=True)]
+        return self._finish(self._issue("all_to_all", label, sent, recv, launch, out), async_op)
 
 
 class Traffic:

@@ -9,8 +9,8 @@ from .tp import MegatronEngine
 
 def reference_layers(model) -> list[dict]:
     """Per layer, the full weights under the Megatron engine's names (the TP layer's attribute names)."""
-    names = layer_params(model.cfg)
-    return [{attr: layer.get_parameter(ref) for attr, (ref, _) in names.items()} for layer in model.layers]
+    return [{attr: layer.get_parameter(ref) for attr, (ref, _) in layer_params(model.cfg, i).items()}
+            for i, layer in enumerate(model.layers)]
 
 
 class ReferenceEngine(MegatronEngine):

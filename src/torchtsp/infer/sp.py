@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..model import rms_norm, swiglu
+from ..parallel.moe import moe_partial
 from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
 from .engine import Engine, select_last, vocab_logits
 from .reference import reference_layers
@@ -48,7 +49,8 @@ class SPEngine(Engine):
         """Output projection and gated MLP (replicated weights, no communication)."""
         B, T, _ = x.shape
         x = x + F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
-        return x + swiglu(rms_norm(x, w["ffn_norm"], self.cfg.norm_eps), w["w_gate"], w["w_up"], w["w_down"])
+        h = rms_norm(x, w["ffn_norm"], self.cfg.norm_eps)
+        return x + (moe_partial(h, w, self.cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"]))
 
     def prefill_chunk(self, ids, pos, valid, lengths):
         cfg, comm, cache = self.cfg, self.comm, self.cache

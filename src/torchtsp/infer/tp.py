@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import rms_norm, swiglu
+from ..parallel.moe import moe_partial
 from ..parallel.tp import layer_params
 from .cache import KVCache, attend, project_qkv, rope_tables
 from .engine import Engine, masked_lookup, select_last, vocab_logits
@@ -55,7 +56,8 @@ class MegatronEngine(Engine):
             out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
             x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
             h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            x = x + self._sum(swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), "infer.tp.mlp")
+            y = moe_partial(h, w, cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+            x = x + self._sum(y, "infer.tp.mlp")
         return rms_norm(x, self.norm, cfg.norm_eps)
 
     def prefill_chunk(self, ids, pos, valid, lengths):
@@ -73,8 +75,9 @@ def tp_engine(model) -> MegatronEngine:
     """The engine of a ``TPTransformer`` (its own shards, read in place)."""
     if getattr(model, "sequence_parallel", False):
         raise ValueError("inference runs TP without sequence parallelism; parallelize with sequence_parallel=False")
-    names = layer_params(model.cfg)  # the plain weights plus the model's biases and q/k norms
-    layers = [{name: getattr(layer, name).detach() for name in names} for layer in model.layers]
+    # The plain weights plus the model's biases and q/k norms (a sparse layer's experts instead of its MLP).
+    layers = [{name: getattr(layer, name).detach() for name in layer_params(model.cfg, i)}
+              for i, layer in enumerate(model.layers)]
     head = model.embedding_shard if model.output_shard is None else model.output_shard
     return MegatronEngine(model.cfg, model.tp, layers, model.embedding_shard.detach(), head.detach(),
                           model.norm.detach())

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..model import rms_norm, swiglu
+from ..parallel.moe import moe_partial, tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp import broadcast_each, ring_each
 from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
 from .engine import Engine, masked_lookup, select_last, vocab_logits
@@ -126,6 +127,9 @@ class TSPEngine(Engine):
                 y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), w["wo"])
             x = x + y
             h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
+            if layer.moe is not None:  # tokens travel to the experts' owners and back
+                x = x + tsp_moe_local_tokens(h, layer.moe)
+                continue
             y = torch.zeros_like(x)
             for _, w in ring_each(comm, layer.mlp_shard.detach(), "infer.mlp"):
                 y += swiglu(h, *self.mlp_layout.unpack(w))
@@ -158,7 +162,10 @@ class TSPEngine(Engine):
             y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
             x = x + comm.all_reduce(y, label="infer.attention")
             h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
-            y = swiglu(h, *self.mlp_layout.unpack(layer.mlp_shard.detach()))
+            if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
+                y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, comm.rank * cfg.n_experts // comm.size)
+            else:
+                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp_shard.detach()))
             x = x + comm.all_reduce(y, label="infer.mlp")
         return rms_norm(x, self.model.norm.detach(), cfg.norm_eps)
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..model import IGNORE_INDEX, reference_shapes
+from ..model import IGNORE_INDEX, RouterStats, load_balancing_loss, reference_shapes
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
 
@@ -49,6 +49,15 @@ def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: Axis
     return SumOverAxis.apply(nll_sum, comm), count
 
 
+def sum_router_stats_over(comm: AxisComm, counts: torch.Tensor, probs: torch.Tensor, rows):
+    """Router statistics summed over ``comm``, for ranks that hold different tokens: one all-reduce; the
+    probability sums back-propagate each rank's own share (as ``SumOverAxis``)."""
+    rows = torch.as_tensor(rows, dtype=probs.dtype, device=probs.device).detach().reshape(1)
+    total = SumOverAxis.apply(torch.cat([counts, probs, rows]), comm)
+    E = counts.shape[0]
+    return total[:E].detach(), total[E:2 * E], total[2 * E].detach()
+
+
 def weight_source(model, mesh, weights: WeightSource | None = None) -> WeightSource:
     """Where a scheme's shards come from, on the device this rank computes on: ``weights`` if given; else the
     model's own tensors, or, for a model built on the meta device, its seeded initial values."""
@@ -86,6 +95,8 @@ class ParallelTransformer(nn.Module):
     """
 
     scheme = "?"
+    router_stats: RouterStats | None = None  # a mixture-of-experts model's last forward's (this rank's tokens)
+    expert_load: torch.Tensor | None = None  # and (counts over every rank's tokens) its assignments per expert
 
     def __init__(self, cfg, mesh):
         super().__init__()
@@ -115,7 +126,39 @@ class ParallelTransformer(nn.Module):
         data-parallel gradient sum).
         """
         nll_sum, count = self.nll_sum_and_count(tokens, labels)
-        return nll_sum / count.clamp_min(1)
+        loss = nll_sum / count.clamp_min(1)
+        if self.cfg.moe:
+            loss = loss + self.cfg.router_aux_loss_coef * self.aux_loss()
+        return loss
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the forward just run (``router_stats``, which a mixture-of-experts scheme
+        sets in ``nll_sum_and_count``), from statistics summed over every rank's tokens (``sum_router_stats``)."""
+        if self.router_stats is None:
+            raise NotImplementedError(f"scheme {self.scheme!r} does not implement mixture-of-experts models")
+        counts, probs, rows = self.sum_router_stats(self.router_stats.close())
+        self.expert_load = counts
+        self.keep_router_stats(self.router_stats.detached())  # metrics only: let the graph go with backward
+        aux = load_balancing_loss(counts, probs, rows, self.cfg.n_experts)
+        self.last_aux_loss = aux.detach()
+        return aux
+
+    def router_metrics(self) -> dict[str, float]:
+        """The last forward's load-balancing loss and expert load: (token, slot) assignments per expert and
+        sparse layer, over every rank's tokens, min and max over experts ({} for a dense model)."""
+        if not self.cfg.moe or self.expert_load is None:
+            return {}
+        load = self.expert_load / sum(map(self.cfg.is_moe_layer, range(self.cfg.n_layers)))
+        return {"aux_loss": self.last_aux_loss.item(), "expert_load_min": load.min().item(),
+                "expert_load_max": load.max().item()}
+
+    def keep_router_stats(self, stats: RouterStats) -> None:
+        self.router_stats = stats
+
+    def sum_router_stats(self, stats: RouterStats):
+        """(assignments per expert, probability sums per expert, rows) over every token of the scheme's ranks.
+        Schemes whose ranks hold different tokens sum them over those ranks (``sum_router_stats_over``)."""
+        return stats.counts, stats.probs, stats.rows
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Reference-named full tensors assembled from ``pick(param)`` of every rank."""

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, rope_tables
-from .base import ParallelTransformer, SumOverAxis, materialize
+from ..model import IGNORE_INDEX, RouterStats, Transformer, rope_tables
+from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
 
 
 class Replica(ParallelTransformer):
@@ -39,10 +39,12 @@ class Replica(ParallelTransformer):
     def nll_sum_and_count(self, tokens, labels):
         m, cfg = self.module, self.cfg
         cos, sin = rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
+        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         x = m.tok_embeddings(tokens)
         for layer in m.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward.
-            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if self.recompute else layer(x, cos, sin)
+            x = (checkpoint(layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
+                 else layer(x, cos, sin, stats))
         logits = F.linear(m.norm(x), m.output_weight)
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
@@ -96,6 +98,17 @@ class DataParallel(ParallelTransformer):
         nll_sum, count = self.module.nll_sum_and_count(tokens, labels)
         count = self.dp.all_reduce(count.clone(), label="loss")
         return SumOverAxis.apply(nll_sum, self.dp), count
+
+    @property
+    def router_stats(self):
+        return self.module.router_stats
+
+    def keep_router_stats(self, stats):
+        self.module.router_stats = stats
+
+    def sum_router_stats(self, stats):
+        """The inner scheme's sums over its ranks, then over the replicas (each saw other batch rows)."""
+        return sum_router_stats_over(self.dp, *self.module.sum_router_stats(stats))
 
     def reference_parts(self, name, local):
         return self.module.reference_parts(name.removeprefix("module."), local)

@@ -22,8 +22,19 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import GatherKV, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, head_norm, rms_norm, rope_tables, swiglu
-from .base import ReplicatedTransformer, global_sum_and_count
+from ..model import (
+    IGNORE_INDEX,
+    RouterStats,
+    Transformer,
+    apply_rope,
+    expand_kv_heads,
+    head_norm,
+    rms_norm,
+    rope_tables,
+    swiglu,
+)
+from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
+from .moe import moe_reference_layer
 
 
 class SPTransformer(ReplicatedTransformer):
@@ -47,7 +58,7 @@ class SPTransformer(ReplicatedTransformer):
         positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
         return rope_tables(positions, self.cfg)
 
-    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin) -> torch.Tensor:
+    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
         cfg, comm = self.cfg, self.comm
@@ -65,6 +76,9 @@ class SPTransformer(ReplicatedTransformer):
         out = zigzag_causal_attention(q, k_all, v_all, comm.rank, comm.size)
         x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
         h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
+        if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
+            ff = {n.removeprefix("feed_forward."): t for n, t in w.items() if n.startswith("feed_forward.")}
+            return x + moe_reference_layer(h, ff, cfg, stats)
         return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                           w["feed_forward.w_down.weight"])
 
@@ -73,16 +87,20 @@ class SPTransformer(ReplicatedTransformer):
         cfg = self.cfg
         w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
         cos, sin = self.rope(tokens.shape[1], device=tokens.device)
+        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         x = F.embedding(tokens, w["tok_embeddings.weight"])
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
             # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
-            x = (checkpoint(self.layer_forward, x, layer, cos, sin, use_reentrant=False) if self.recompute
-                 else self.layer_forward(x, layer, cos, sin))
+            x = (checkpoint(self.layer_forward, x, layer, cos, sin, stats, use_reentrant=False) if self.recompute
+                 else self.layer_forward(x, layer, cos, sin, stats))
         z = rms_norm(x, w["norm.weight"], cfg.norm_eps)
         head = w["tok_embeddings.weight"] if cfg.tie_embeddings else w["output.weight"]
         logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
         return global_sum_and_count(nll_sum, labels, self.comm)
+
+    def sum_router_stats(self, stats):
+        return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)

@@ -47,9 +47,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, apply_rope, expand_kv_heads, head_norm, rms_norm, rope_tables
+from ..model import (
+    IGNORE_INDEX,
+    RouterStats,
+    Transformer,
+    apply_rope,
+    expand_kv_heads,
+    head_norm,
+    rms_norm,
+    rope_tables,
+)
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, weight_source
+from .moe import tp_moe
 from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
@@ -228,9 +238,30 @@ BIAS_PARAMS = {"bq": ("attention.wq.bias", 0), "bk": ("attention.wk.bias", 0), "
 HEAD_NORM_PARAMS = {"q_norm": ("attention.q_norm.weight", None), "k_norm": ("attention.k_norm.weight", None)}
 
 
-def layer_params(cfg) -> dict[str, tuple[str, int | None]]:
-    """The per-layer parameters of ``cfg``'s model: attribute -> (reference name under ``layers.i.``, tp dim)."""
-    return {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {})}
+# A sparse layer's feed-forward (parallel/moe.py, ``tp_moe``): every expert and the shared expert cut along their
+# FFN width; the router and the shared gate replicated.
+MOE_PARAMS = {
+    "router": ("feed_forward.router.weight", None),
+    "w_gate": ("feed_forward.experts.w_gate", 1),
+    "w_up": ("feed_forward.experts.w_up", 1),
+    "w_down": ("feed_forward.experts.w_down", 2),
+}
+SHARED_EXPERT_PARAMS = {
+    "shared_w_gate": ("feed_forward.shared.w_gate.weight", 0),
+    "shared_w_up": ("feed_forward.shared.w_up.weight", 0),
+    "shared_w_down": ("feed_forward.shared.w_down.weight", 1),
+    "shared_gate": ("feed_forward.shared_gate.weight", None),
+}
+
+
+def layer_params(cfg, index: int | None = None) -> dict[str, tuple[str, int | None]]:
+    """The per-layer parameters of ``cfg``'s model: attribute -> (reference name under ``layers.i.``, tp dim);
+    of layer ``index`` if given (a mixture of experts' sparse layers have other feed-forward weights)."""
+    params = {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {})}
+    if index is not None and cfg.is_moe_layer(index):
+        params = {k: v for k, v in params.items() if not v[0].startswith("feed_forward.")}
+        params.update(MOE_PARAMS, **(SHARED_EXPERT_PARAMS if cfg.shared_expert_ffn_dim else {}))
+    return params
 
 
 class TPLayer(nn.Module):
@@ -259,9 +290,9 @@ class TPTransformer(ParallelTransformer):
         """Materialise this rank's shards one reference tensor at a time."""
         cfg, T, p = model.cfg, tp.size, tp.rank
         self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", T, p))
-        params = layer_params(cfg)
         self.layers = nn.ModuleList(
-            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p) for attr, (ref, dim) in params.items()})
+            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p)
+                     for attr, (ref, dim) in layer_params(cfg, i).items()})
             for i in range(cfg.n_layers))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None if cfg.tie_embeddings else nn.Parameter(vocab_shard(weights, "output.weight", T, p))
@@ -316,6 +347,8 @@ class TPTransformer(ParallelTransformer):
         out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
+        if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
+            return x + tp_moe(h, layer, cfg, tp, self.router_stats)
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
         return x + RowParallelLinear.apply(F.silu(gate) * up, w(layer.w_down), tp, sp)
 
@@ -325,6 +358,10 @@ class TPTransformer(ParallelTransformer):
         if sp and tokens.shape[1] % tp.size:
             raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
                              f"with sequence parallelism; pick a multiple of {tp.size}")
+        if cfg.moe and sp:
+            raise ValueError("mixture-of-experts models run under tp without sequence parallelism; "
+                             "drop sequence_parallel")
+        self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         cos, sin = rope_tables(self._positions(tokens), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
         for layer in self.layers:
@@ -346,7 +383,7 @@ class TPTransformer(ParallelTransformer):
         if name == "norm":
             return [("norm.weight", local, {})]
         prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>
-        ref, dim = layer_params(self.cfg)[attr]
+        ref, dim = layer_params(self.cfg, int(prefix.split(".")[1]))[attr]
         return [(f"{prefix}.{ref}", local, {} if dim is None else {"tp": dim})]
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
@@ -356,7 +393,7 @@ class TPTransformer(ParallelTransformer):
             self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0), dim=dim)
         out = {"tok_embeddings.weight": gather(self.embedding_shard, 0)[:V]}
         for i, layer in enumerate(self.layers):
-            for attr, (ref, dim) in layer_params(self.cfg).items():
+            for attr, (ref, dim) in layer_params(self.cfg, i).items():
                 out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim)
         out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:

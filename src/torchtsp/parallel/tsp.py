@@ -43,9 +43,19 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, Transformer, apply_rope, head_norm, reference_shapes, rms_norm, rope_tables
+from ..model import (
+    IGNORE_INDEX,
+    RouterStats,
+    Transformer,
+    apply_rope,
+    head_norm,
+    reference_shapes,
+    rms_norm,
+    rope_tables,
+)
 from ..weights import WeightSource
-from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, weight_source
+from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, sum_router_stats_over, weight_source
+from .moe import TSPMoE
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
 
 WEIGHT_TAG, GRAD_TAG = 0, 1  # distinct point-to-point tags for weights and travelling gradients
@@ -333,11 +343,13 @@ class TSPFeedForward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, shard, math: TSPShardMath, prefetch=None, prefetch_backward=None):
+    def forward(ctx, x, shard, math: TSPShardMath, prefetch=None, prefetch_backward=None, layout=None):
+        # ``layout``: the packed shards' layout, if not the dense MLP's (a mixture of experts' shared expert).
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
-        ff = math.cfg.ffn_dim // D
+        layout = layout or math.mlp_layout
+        ff = layout.local_shape(layout.parts[0])[0]
         shards = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one shard's slot is reused
         gate_all, up_all = x.new_empty(shards, B * n, ff), x.new_empty(shards, B * n, ff)
         y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
@@ -345,19 +357,19 @@ class TSPFeedForward(torch.autograd.Function):
             comm.mark(("mlp.forward", s))
             if prefetch is not None and k == max(D - 2, 0):  # queued after the last shard's transfer
                 prefetch[0].issue(*prefetch[1:])
-            wg, wu, wd = math.mlp_layout.unpack(w)
+            wg, wu, wd = layout.unpack(w)
             gate, up = gate_all[s % shards], up_all[s % shards]
             torch.mm(x2, wg.t(), out=gate)
             torch.mm(x2, wu.t(), out=up)
             _add_mm(y, F.silu(gate) * up, wd.t())
         ctx.save_for_backward(x, shard, gate_all, up_all)
-        ctx.math, ctx.prefetch_backward = math, prefetch_backward
+        ctx.math, ctx.prefetch_backward, ctx.layout = math, prefetch_backward, layout
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, shard, gate_all, up_all = ctx.saved_tensors
-        math, prefetch = ctx.math, ctx.prefetch_backward
+        math, prefetch, layout = ctx.math, ctx.prefetch_backward, ctx.layout
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
@@ -367,11 +379,11 @@ class TSPFeedForward(torch.autograd.Function):
             comm.mark(("mlp.backward", s))
             if prefetch is not None and k == max(D - 2, 0):
                 prefetch[0].issue(*prefetch[1:])
-            wg, wu, wd = math.mlp_layout.unpack(w)
+            wg, wu, wd = layout.unpack(w)
             gate, up = gate_all[s], up_all[s]
             silu = F.silu(gate)
-            dw = torch.empty(math.mlp_layout.numel, dtype=ACC, device=x.device)
-            dwg, dwu, dwd = math.mlp_layout.unpack(dw)
+            dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
+            dwg, dwu, dwd = layout.unpack(dw)
             _mm_into(dwd, dy2.t(), silu * up)
             dhidden = dy2 @ wd
             dgate = torch.ops.aten.silu_backward(dhidden * up, gate)  # the kernel autograd runs for F.silu
@@ -380,7 +392,7 @@ class TSPFeedForward(torch.autograd.Function):
             _mm_into(dwg, dgate.t(), x2)
             _mm_into(dwu, dup.t(), x2)
             grads.add(dw)
-        return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None
+        return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------- embedding and LM head
@@ -578,7 +590,7 @@ class TSPShardMath:
 
 
 class TSPLayer(nn.Module):
-    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None):
+    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None, moe=None):
         super().__init__()
         self.attention_norm = nn.Parameter(attention_norm)
         self.attention_shard = nn.Parameter(attention_shard)
@@ -586,7 +598,9 @@ class TSPLayer(nn.Module):
         self.q_norm = None if q_norm is None else nn.Parameter(q_norm)
         self.k_norm = None if k_norm is None else nn.Parameter(k_norm)
         self.ffn_norm = nn.Parameter(ffn_norm)
-        self.mlp_shard = nn.Parameter(mlp_shard)
+        # A sparse layer holds a mixture of experts (parallel/moe.py) instead of the dense MLP's shard.
+        self.mlp_shard = None if mlp_shard is None else nn.Parameter(mlp_shard)
+        self.moe = moe
 
 
 class TSPTransformer(ParallelTransformer):
@@ -611,10 +625,13 @@ class TSPTransformer(ParallelTransformer):
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             qk_norms = [weights.get(f"{prefix}attention.{n}.weight") for n in ("q_norm", "k_norm")] if cfg.qk_norm \
-                else []
+                else [None, None]
+            sparse = cfg.is_moe_layer(i)
             self.layers.append(TSPLayer(
-                self.math.attention_layout.pack(weights, prefix, p), self.math.mlp_layout.pack(weights, prefix, p),
-                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms))
+                self.math.attention_layout.pack(weights, prefix, p),
+                None if sparse else self.math.mlp_layout.pack(weights, prefix, p),
+                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms,
+                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
         if not cfg.tie_embeddings:
@@ -651,6 +668,7 @@ class TSPTransformer(ParallelTransformer):
         # forward also runs inside backward and would prefetch for the wrong block.
         prefetch = None if self.recompute else ShardPrefetch(comm.weights)
         layers = list(self.layers)
+        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
 
         def block(x, i):
             layer = layers[i]
@@ -664,6 +682,8 @@ class TSPTransformer(ParallelTransformer):
                 ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
             behind = None if prefetch is None else (prefetch, ("attention.backward", i),
                                                     layer.attention_shard.detach())
+            if layer.moe is not None:
+                return x + layer.moe(h, stats, math, ahead, behind)
             return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind)
 
         for i in range(len(layers)):
@@ -679,10 +699,16 @@ class TSPTransformer(ParallelTransformer):
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, math)
         return global_sum_and_count(nll.sum(), labels, comm)
 
+    def sum_router_stats(self, stats):
+        return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)
+
     # -- full views (for checks, checkpoints, export) -----------------------
 
     def reference_parts(self, name, local):
         math, p = self.math, self.comm.rank
+        if ".moe." in name:
+            layer, _, attr = name.partition(".moe.")
+            return self.layers[int(layer.split(".")[1])].moe.reference_parts(layer, attr, local)
         if name in ("embedding_shard", "output_shard"):
             ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
             return [(ref, real_vocab_rows(local, self.cfg.vocab_size, p), {"tsp": 0})]
@@ -712,6 +738,9 @@ class TSPTransformer(ParallelTransformer):
             for name, t in math.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
                 out[f"layers.{i}.{name}"] = t
             out[f"layers.{i}.ffn_norm.weight"] = pick(layer.ffn_norm)
+            if layer.moe is not None:
+                out.update(layer.moe.full(f"layers.{i}", pick))
+                continue
             for name, t in math.mlp_layout.unpack_gathered(gather(pick(layer.mlp_shard))).items():
                 out[f"layers.{i}.{name}"] = t
         if self.norm is not None:  # None: a pipeline stage without the head

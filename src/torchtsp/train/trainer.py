@@ -287,7 +287,7 @@ class Trainer:
                 record = {"step": step, "loss": _finite_or_none(loss), "grad_norm": _finite_or_none(norm),
                           "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
                           "tokens_per_s": tokens_per_step / elapsed,
-                          "bytes_recv_rank0": traffic.recv}
+                          "bytes_recv_rank0": traffic.recv, **self.model.router_metrics()}
                 if measure:
                     record["peak_mem_bytes"] = step_peak
                 if not finite:
