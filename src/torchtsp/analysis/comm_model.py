@@ -132,6 +132,11 @@ class CommBreakdown:
     embed_head_backward: int
     grad_sync: int
     total: int
+    # Of ``total`` (and of one forward), the expert all-to-alls' expected bytes: routing decides the real figure,
+    # so a measurement is compared exactly on the rest and on these by their ratio.
+    routed: int = 0
+    routed_forward: int = 0
+    forward: int = 0  # one forward exactly: every layer's forward, the embedding, head and loss
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +160,8 @@ class SchemeTraffic:
     # all-to-alls are data-dependent: these are their expected bytes under uniform routing (``moe_all_to_all``).
     sparse_forward: int = 0
     sparse_backward: int = 0
+    routed_forward: int = 0  # of sparse_forward / sparse_backward, the expected expert all-to-all bytes
+    routed_backward: int = 0
 
 
 def moe_all_to_all(cfg: ModelConfig, tokens: int, world: int) -> tuple[int, int]:
@@ -203,12 +210,13 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     grad_sync += L * _all_reduce(kv_local * g, replicas)
     dense = [h, p_attn // D, *qk_norms, h, p_mlp // D]
     fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e
-    sparse_fwd = sparse_bwd = 0
+    sparse_fwd = sparse_bwd = routed_fwd = routed_bwd = 0
     sparse = dense[:-1]  # a sparse layer has no dense MLP shard
     if cfg.moe:
         # The shared expert takes the dense MLP's place on the ring; the routed experts never move.
         p_sh = 3 * h * cfg.shared_expert_ffn_dim
         moved, counts = moe_all_to_all(cfg, B * seq_len, D)
+        routed_fwd, routed_bwd = moved * e + counts, moved * e
         sparse_fwd = fwd - (D - 1) * p_mlp // D * e + (D - 1) * p_sh // D * e + moved * e + counts
         sparse_bwd = (bwd - (D - 1) * p_mlp // D * e - travel * p_mlp // D * g
                       + (D - 1) * p_sh // D * e + travel * p_sh // D * g + moved * e)
@@ -223,7 +231,8 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
         embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
         embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
         loss=2 * _all_reduce(4, D) + _aux_stats(cfg, D), grad_sync=grad_sync,
-        local_tensors=[rows] + layers + [h] + head, sparse_forward=sparse_fwd, sparse_backward=sparse_bwd)
+        local_tensors=[rows] + layers + [h] + head, sparse_forward=sparse_fwd, sparse_backward=sparse_bwd,
+        routed_forward=routed_fwd, routed_backward=routed_bwd)
 
 
 def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
@@ -307,11 +316,13 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     fwd, bwd, emb_fwd, emb_bwd, grad_sync = (t.layer_forward, t.layer_backward, t.embed_head_forward,
                                              t.embed_head_backward, t.grad_sync)
     sparse_fwd, sparse_bwd = t.sparse_forward, t.sparse_backward
+    routed_fwd, routed_bwd = t.routed_forward, t.routed_backward
     if recompute:
         bwd += fwd
         sparse_bwd += sparse_fwd
+        routed_bwd += routed_fwd
     if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss
-        bwd = sparse_bwd = emb_bwd = grad_sync = 0
+        bwd = sparse_bwd = emb_bwd = grad_sync = routed_bwd = 0
     else:
         # Data parallelism (parallel/dp.py): the NLL sum and token count (and a mixture of experts' router
         # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
@@ -319,8 +330,11 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
         grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
     sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
     total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
+    layer_fwd = fwd
     if sparse:  # a mixture of experts: the per-layer figures are the mean over dense and sparse layers
         fwd = ((cfg.n_layers - sparse) * fwd + sparse * sparse_fwd) // cfg.n_layers
         bwd = ((cfg.n_layers - sparse) * bwd + sparse * sparse_bwd) // cfg.n_layers
     return CommBreakdown(layer_forward=fwd, layer_backward=bwd, embed_head_forward=emb_fwd,
-                         embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total)
+                         embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total,
+                         routed=sparse * (routed_fwd + routed_bwd), routed_forward=sparse * routed_fwd,
+                         forward=(cfg.n_layers - sparse) * layer_fwd + sparse * sparse_fwd + emb_fwd)

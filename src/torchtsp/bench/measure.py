@@ -126,7 +126,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
     model, optimizer, step = built.model, built.optimizer, built.step
     comms = model.comms()
     fwd_by_op = step_by_op = {}
-    fwd_bytes = step_bytes = -1
+    fwd_bytes = step_bytes = fwd_routed = step_routed = -1
     times: list[float] = []
     if spec.mode == "sweep":
         with Traffic(comms) as forward:
@@ -137,6 +137,9 @@ def _cell(spec: CellSpec, mesh) -> dict:
             optimizer.zero_grad(set_to_none=True)
         fwd_bytes, step_bytes = forward.recv, forward.recv + rest.recv
         fwd_by_op, step_by_op = forward.by_op, _add_by_op(forward.by_op, rest.by_op)
+        # A mixture of experts' all-to-alls move what routing sends: kept apart from the deterministic bytes.
+        fwd_routed, step_routed = (sum(ops.get("all_to_all", 0) for ops in by_op.values())
+                                   for by_op in (fwd_by_op, step_by_op))
         for _ in range(spec.warmup - 1):
             step()
     else:  # optimizer state without a forward/backward: one AdamW step on zero gradients
@@ -152,15 +155,17 @@ def _cell(spec: CellSpec, mesh) -> dict:
 
     world = AxisComm.world(spec.timeout_s)  # a separate comm: not counted with the model's axes
     exposed = waited / sum(times) if times else 0.0
-    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, *times], dtype=torch.float64,
-                         device=built.device)
+    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, fwd_routed, step_routed, *times],
+                         dtype=torch.float64, device=built.device)
     rows = world.all_gather(local).cpu().tolist()
-    step_times = [max(r[5 + i] for r in rows) for i in range(len(times))]
+    step_times = [max(r[7 + i] for r in rows) for i in range(len(times))]
     return {
         "error": None,
         "peak_bytes_per_rank": [int(r[0]) for r in rows],
         "forward_bytes_per_rank": [int(r[1]) for r in rows] if spec.counted else None,
         "step_bytes_per_rank": [int(r[2]) for r in rows] if spec.counted else None,
+        "routed_forward_bytes_per_rank": [int(r[5]) for r in rows] if spec.counted else None,
+        "routed_step_bytes_per_rank": [int(r[6]) for r in rows] if spec.counted else None,
         "loss": rows[0][3],
         "step_times_s": step_times,
         # Fraction of its timed steps each rank spent blocked on transfers; the largest over ranks.

@@ -108,6 +108,12 @@ def sweep_markdown(result: dict) -> str:
     if errors:
         lines.append("Largest |memory prediction error| per scheme: "
                      + ", ".join(f"{s} {max(errors[s]):.1f}%" for s in _order(errors)) + ".")
+    routed = [c for c in cells if c["status"] == "ok" and c.get("routed_vs_expected")]
+    if routed:
+        lines.append("Expert all-to-all bytes depend on routing: the byte columns leave them out, and per step they "
+                     "were (measured / expected under uniform routing) "
+                     + ", ".join(f"{c['scheme']} S={c['seq_len']}: {c['routed_vs_expected']:.3f}" for c in routed)
+                     + ".")
     ratio = result.get("tp_vs_torch_tp")
     if ratio:
         if ratio["ratio_by_seq_len"]:

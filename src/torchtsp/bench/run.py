@@ -90,8 +90,8 @@ def predictions(spec: CellSpec, foreach: bool) -> dict:
                          dtype_bytes=4, optimizer="adamw", foreach=foreach)
     traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4)
     return {"memory": mem.to_dict(), "comm": traffic.to_dict(), "peak_bytes": mem.total,
-            "forward_bytes": spec.cfg.n_layers * traffic.layer_forward + traffic.embed_head_forward,
-            "step_bytes": traffic.total}
+            "forward_bytes": traffic.forward, "step_bytes": traffic.total,
+            "routed_forward_bytes": traffic.routed_forward, "routed_step_bytes": traffic.routed}
 
 
 # ---------------------------------------------------------------- the driver
@@ -131,6 +131,14 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
     if spec.mode == "sweep":
         median = statistics.median(result["step_times_s"])
         fwd, whole = result["forward_bytes_per_rank"], result["step_bytes_per_rank"]
+        # Exact on the deterministic bytes; a mixture of experts' all-to-alls carry what routing sent, so they are
+        # reported against their expectation under uniform routing (tests/test_moe.py checks them exactly).
+        routed_fwd, routed_step = result["routed_forward_bytes_per_rank"], result["routed_step_bytes_per_rank"]
+        if fwd is not None and pred["forward_bytes"] is not None:
+            fwd = [b - r for b, r in zip(fwd, routed_fwd)]
+            whole = [b - r for b, r in zip(whole, routed_step)]
+            pred = {**pred, "forward_bytes": pred["forward_bytes"] - pred["routed_forward_bytes"],
+                    "step_bytes": pred["step_bytes"] - pred["routed_step_bytes"]}
         rec.update({
             "step_times_s": result["step_times_s"], "median_step_s": median,
             "exposed_comm_fraction": result.get("exposed_comm_fraction"),
@@ -141,6 +149,9 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
             "step_bytes": None if whole is None else whole[0], "step_bytes_per_rank": whole,
             "predicted_step_bytes": pred["step_bytes"],
             "step_bytes_match": None if whole is None else all(b == pred["step_bytes"] for b in whole),
+            "routed_step_bytes_per_rank": routed_step,
+            "routed_vs_expected": (None if not routed_step or not pred.get("routed_step_bytes")
+                                   else statistics.mean(routed_step) / pred["routed_step_bytes"]),
             "forward_bytes_by_op_rank0": result["forward_bytes_by_op_rank0"],
             "step_bytes_by_op_rank0": result["step_bytes_by_op_rank0"],
             "predicted_comm": pred["comm"],
