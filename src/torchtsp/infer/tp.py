@@ -41,6 +41,10 @@ class MegatronEngine(Engine):
     def _sum(self, partial, label):
         return self.comm.all_reduce(partial, label=label) if self.comm.size > 1 else partial
 
+    def _mlp(self, h, w):
+        """This rank's partial MLP output: its FFN slice, or its slices of a sparse layer's experts."""
+        return moe_partial(h, w, self.cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
         cfg, cache = self.cfg, self.cache
@@ -56,8 +60,7 @@ class MegatronEngine(Engine):
             out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
             x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
             h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            y = moe_partial(h, w, cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
-            x = x + self._sum(y, "infer.tp.mlp")
+            x = x + self._sum(self._mlp(h, w), "infer.tp.mlp")
         return rms_norm(x, self.norm, cfg.norm_eps)
 
     def prefill_chunk(self, ids, pos, valid, lengths):
