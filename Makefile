@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo --overwrite
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -42,3 +42,31 @@ def run_against_reference(cfg, mesh, scheme, B, S, **options) -> dict:
     ref_loss = ref.loss(tokens, labels)
     ref_loss.backward()
     return compare_with_reference(model, ref, loss, ref_loss)
+
+
+def spread_hf_weights(model, router: str | None = None) -> None:
+    """Re-draw a tiny Hugging Face model's weights so that every feature shows in its output: norms not ones
+    (a swapped or missing norm, q/k norms included, must change the output), biases large next to x @ W (a bias
+    on the wrong projection must show), and, with ``router`` (the router weight's name suffix), a router with
+    opinions: clear top-k choices, far from ties."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias") or (router is not None and name.endswith(router)):
+                p.normal_(std=0.5)
+            else:
+                p.normal_(std=0.1)
+
+
+def hf_batch(vocab: int, batch: int, seq_len: int, seed: int = 1):
+    """(tokens, labels) [batch, seq_len] with some ignored targets; the last position has no target, as in
+    Hugging Face's own loss, which shifts the labels itself."""
+    from torchtsp.model import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(vocab, (batch, seq_len + 1), generator=g)
+    tokens, labels = seq[:, :-1], seq[:, 1:].clone()
+    labels[0, :4] = IGNORE_INDEX
+    labels[:, -1] = IGNORE_INDEX
+    return tokens, labels

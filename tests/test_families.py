@@ -31,6 +31,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
+from helpers import hf_batch, spread_hf_weights  # noqa: E402
 from torchtsp.config import PRESETS, ModelConfig, get_preset  # noqa: E402
 from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, load_torchtsp_checkpoint  # noqa: E402
@@ -93,26 +94,12 @@ def make_hf(family: str, seed: int = 0):
     torch.manual_seed(seed)
     config = config_cls(**json.loads(json.dumps(values)), attn_implementation=ATTN[family])
     model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                # Not ones (q_norm/k_norm included): a swapped or missing norm must change the output.
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                # Large enough to matter next to x @ W: a bias on the wrong projection must show.
-                p.normal_(std=0.5)
-            else:
-                p.normal_(std=0.1)
+    spread_hf_weights(model)
     return model
 
 
 def make_batch(vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(vocab, (B, S + 1), generator=g)
-    tokens, labels = seq[:, :-1], seq[:, 1:].clone()
-    labels[0, :4] = IGNORE_INDEX
-    labels[:, -1] = IGNORE_INDEX  # so HF's own (internally shifting) loss sees the same targets
-    return tokens, labels
+    return hf_batch(vocab, B, S, seed)
 
 
 def ours_from_hf(hf) -> Transformer:

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchtsp  # noqa: E402
-from helpers import batch, rel_err  # noqa: E402
+from helpers import batch, hf_batch, rel_err, spread_hf_weights  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from torchtsp.model import IGNORE_INDEX, RouterStats, Transformer, reference_shapes  # noqa: E402
 
@@ -55,26 +55,12 @@ def make_hf(case: str, seed: int = 0):
     config = getattr(transformers, config_name)(**json.loads(json.dumps(values)), attn_implementation="eager")
     model = getattr(transformers, model_name)(config).float()
     model.train()  # the aux loss is a training loss; jitter is 0 and dropout 0, so train mode is deterministic
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(std=0.5)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(std=0.5)  # a router with opinions: clear top-k choices, far from ties
-            else:
-                p.normal_(std=0.1)
+    spread_hf_weights(model, router="mlp.gate.weight")
     return model
 
 
 def make_batch(vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(vocab, (B, S + 1), generator=g)
-    tokens, labels = seq[:, :-1], seq[:, 1:].clone()
-    labels[0, :4] = IGNORE_INDEX
-    labels[:, -1] = IGNORE_INDEX  # HF's loss shifts the labels itself: the last position has no target there
-    return tokens, labels
+    return hf_batch(vocab, B, S, seed)
 
 
 def hf_loss_and_grads(hf, tokens, labels):
