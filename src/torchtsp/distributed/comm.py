@@ -89,6 +89,24 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def release_subgroups() -> None:
+    """Destroy every process group but the default one, and forget the cached ones.
+
+    A long-lived worker (``launch.WorkerPool``) runs many jobs, each building its own meshes and groups;
+    without this their communicators (each gloo group with its own threads) pile up for the worker's life.
+    Local, not collective: every rank of a pool calls it after the same job.
+    """
+    _SIBLING_GROUPS.clear()
+    _GROUPED_MESHES.clear()
+    if not is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):  # torch keeps no public list of live groups
+        if group is not default:
+            dist.destroy_process_group(group)
+
+
 # Second process groups over the ranks of a mesh axis, by (every slice's ranks, purpose): building a model
 # twice reuses them instead of leaking a new communicator per model.
 _SIBLING_GROUPS: dict = {}

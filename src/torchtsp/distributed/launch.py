@@ -84,9 +84,14 @@ def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
     while (task := tasks.get()) is not None:
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            result = (rank, True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001
-            results.put((rank, False, traceback.format_exc()))
+            result = (rank, False, traceback.format_exc())
+        try:  # the job's meshes die with it: the next job builds its own
+            comm.release_subgroups()
+        except BaseException:  # noqa: BLE001
+            result = (rank, False, traceback.format_exc())
+        results.put(result)
     comm.destroy_process_group()
 
 
