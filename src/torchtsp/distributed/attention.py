@@ -120,20 +120,23 @@ def _gqa_forward(q, k, v, causal: bool):
     return out, lse
 
 
-def _gqa_backward(dout, q, k, v, out, lse, causal: bool, dk, dv):
-    """dq of this part; dK/dV summed over the g query heads of each KV head into float32 ``dk``, ``dv``."""
+def _gqa_backward(dout, q, k, v, out, lse, causal: bool, dk, dv, accumulate: bool):
+    """dq of this part; dK/dV summed over the g query heads of each KV head into float32 ``dk``, ``dv``
+    (added to them with ``accumulate``, else written)."""
     g = q.shape[1] // k.shape[1]
-    if g == 1:
-        dq, dk_p, dv_p = _flash_backward(dout, q, k, v, out, lse, causal)
-        dk.add_(dk_p)
-        dv.add_(dv_p)
-        return dq
-    dq = torch.empty_like(q)
-    for i in range(g):
-        dq[:, i::g], dk_p, dv_p = _flash_backward(dout[:, i::g], q[:, i::g], k, v, out[:, i::g],
-                                                  lse[:, i::g], causal)
-        dk.add_(dk_p)
-        dv.add_(dv_p)
+    heads = [slice(None)] if g == 1 else [slice(i, None, g) for i in range(g)]
+    dq = torch.empty_like(q) if g > 1 else None
+    for i, h in enumerate(heads):
+        dq_h, dk_p, dv_p = _flash_backward(dout[:, h], q[:, h], k, v, out[:, h], lse[:, h], causal)
+        if accumulate or i:
+            dk.add_(dk_p)
+            dv.add_(dv_p)
+        else:
+            dk.copy_(dk_p)
+            dv.copy_(dv_p)
+        if dq is None:
+            return dq_h
+        dq[:, h] = dq_h
     return dq
 
 
@@ -143,50 +146,76 @@ def _key_parts(chunk: int, chunk_len: int):
     return parts + [(chunk * chunk_len, (chunk + 1) * chunk_len, True)]
 
 
-def _merge(outs, lses):
-    """Combine partial attention results over disjoint key sets, in float32."""
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    out = sum(o.float() * torch.exp(part_lse - lse).unsqueeze(-1) for o, part_lse in zip(outs, lses))
-    return out.to(outs[0].dtype), lse
+def _merge_into(out, lse, parts):
+    """Write the combination of partial attention results (out_i, lse_i) over disjoint key sets into the
+    views ``out`` and ``lse``; the weighted sum runs in float32."""
+    if len(parts) == 1:
+        out.copy_(parts[0][0])
+        lse.copy_(parts[0][1])
+        return
+    torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0, out=lse)
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    for i, (part_out, part_lse) in enumerate(parts):
+        weight = torch.exp(part_lse - lse).unsqueeze(-1)
+        if i:
+            acc.addcmul_(part_out.float(), weight)
+        else:
+            torch.mul(part_out, weight, out=acc)
+    if acc is not out:
+        out.copy_(acc)
+
+
+def _sum_into(dst, parts):
+    """dst = sum of ``parts``, added in float32."""
+    if len(parts) == 1 or dst.dtype == torch.float32:
+        dst.copy_(parts[0])
+        for part in parts[1:]:
+            dst.add_(part)
+        return
+    dst.copy_(torch.stack(parts).sum(0, dtype=torch.float32))
 
 
 def zigzag_attention_forward(q, k, v, rank: int, world: int):
     """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against full keys k, v [B, Hkv, S, d].
 
-    Hkv may divide Hq (GQA): K/V are never expanded.
+    Hkv may divide Hq (GQA): K/V are never expanded. Any strides: with token-major q (memory [B, S/D, Hq, d],
+    as projections produce it) ``out`` is token-major too, so merging its heads is a view.
     """
+    if world == 1:  # the local tokens are the sequence, in order: one causal call
+        return _gqa_forward(q, k, v, True)
     chunk_len = k.shape[-2] // (2 * world)
-    outs, lses = [], []
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
-        q_c = q[..., local * chunk_len:(local + 1) * chunk_len, :]
-        parts = [_gqa_forward(q_c, k[..., a:b, :], v[..., a:b, :], causal)
+        rows = slice(local * chunk_len, (local + 1) * chunk_len)
+        parts = [_gqa_forward(q[..., rows, :], k[..., a:b, :], v[..., a:b, :], causal)
                  for a, b, causal in _key_parts(chunk, chunk_len)]
-        out_c, lse_c = _merge(*zip(*parts))
-        outs.append(out_c)
-        lses.append(lse_c)
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        _merge_into(out[..., rows, :], lse[..., rows], parts)
+    return out, lse
 
 
 def zigzag_attention_backward(dout, q, k, v, out, lse, rank: int, world: int):
-    """(dq, dk, dv) of ``zigzag_attention_forward`` from its (merged) output and LSE; dk, dv in float32
-    (summed over parts and query heads; they are summed over ranks next)."""
-    chunk_len = k.shape[-2] // (2 * world)
+    """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
+    dkv [2, B, Hkv, S, d] float32 (memory token-major, [2, B, S, Hkv, d]) holds the key and value
+    gradients summed over parts and query heads (they are summed over ranks next)."""
+    B, Hkv, S, d = k.shape
+    dkv = torch.empty(2, B, S, Hkv, d, dtype=torch.float32, device=k.device).transpose(2, 3)
+    if world == 1:
+        return _gqa_backward(dout, q, k, v, out, lse, True, dkv[0], dkv[1], accumulate=False), dkv
+    chunk_len = S // (2 * world)
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    dout = dout.contiguous()
-    for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
+    # The late chunk first: its key ranges cover keys [0, (chunk+1)·C), written once; the early chunk's add.
+    (early, late) = list(enumerate(zigzag.chunk_ids(rank, world)))
+    for local, chunk in (late, early):
         rows = slice(local * chunk_len, (local + 1) * chunk_len)
         q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
-        dq_c = None
-        for a, b, causal in _key_parts(chunk, chunk_len):
-            dq_p = _gqa_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal,
-                                 dk[..., a:b, :], dv[..., a:b, :])
-            dq_c = dq_p.float() if dq_c is None else dq_c.add_(dq_p)
-        dq[..., rows, :] = dq_c
-    return dq, dk, dv
+        dq_parts = [_gqa_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal,
+                                  dkv[0, ..., a:b, :], dkv[1, ..., a:b, :], accumulate=chunk != late[1])
+                    for a, b, causal in _key_parts(chunk, chunk_len)]
+        _sum_into(dq[..., rows, :], dq_parts)
+        if chunk == late[1]:
+            dkv[..., (chunk + 1) * chunk_len:, :].zero_()  # keys after the late chunk: no query here sees them
+    return dq, dkv
 
 
 class ZigzagAttention(torch.autograd.Function):
@@ -200,8 +229,8 @@ class ZigzagAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = zigzag_attention_backward(dout, q, k, v, out, lse, ctx.rank, ctx.world)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dkv = zigzag_attention_backward(dout, q, k, v, out, lse, ctx.rank, ctx.world)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
@@ -210,22 +239,26 @@ def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
 
 
 def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
-    """[2, B, H, S/D, d] K/V of local zigzag tokens -> every rank's, in global order: [2, B, H, S, d].
+    """[2, B, S/D, H, d] K/V of local zigzag tokens (token-major) -> every rank's, in global order:
+    [2, B, S, H, d] (one copy after the transfer; none at D = 1).
 
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.
     """
+    if comm.size == 1:
+        return (lambda: kv) if async_op else kv
     pending = comm.all_gather(kv, async_op=True, label=label)
-    finish = lambda: zigzag.unshard(pending.wait(), dim=3)
+    finish = lambda: zigzag.unshard(pending.wait(), dim=2)
     return finish if async_op else finish()
 
 
 def scatter_kv_grad(comm, dkv_full: torch.Tensor, async_op: bool = False, label="kv.grad"):
     """Inverse of ``gather_kv`` for gradients: each rank receives the sum over ranks for its own tokens.
 
-    ``dkv_full``: [2, B, H, S, d]. With ``async_op`` it returns the ``Pending`` reduce-scatter.
+    ``dkv_full``: [2, B, S, H, d] (token-major, global order) -> [2, B, S/D, H, d]. With ``async_op`` it
+    returns the ``Pending`` reduce-scatter.
     """
-    per_rank = torch.stack([zigzag.shard(dkv_full, comm.size, r, dim=3) for r in range(comm.size)])
+    per_rank = dkv_full.unsqueeze(0) if comm.size == 1 else zigzag.shard_all(dkv_full, comm.size, dim=2)
     return comm.reduce_scatter(per_rank, async_op=async_op, label=label)
 
 
@@ -239,4 +272,4 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dkv_full):
-        return scatter_kv_grad(ctx.comm, dkv_full.contiguous()), None
+        return scatter_kv_grad(ctx.comm, dkv_full), None

@@ -395,10 +395,10 @@ class AxisComm:
         return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
-        """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape]."""
+        """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape] (at D = 1: ``tensor[0]``)."""
         if tensor.shape[0] != self.size:
             raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
-        out = tensor[0].clone() if self.size == 1 else torch.empty_like(tensor[0])
+        out = tensor[0] if self.size == 1 else torch.empty_like(tensor[0])
         n = (self.size - 1) * self._nbytes(out)
         launch = lambda: [dist.reduce_scatter_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]
         return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)

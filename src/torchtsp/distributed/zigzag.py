@@ -40,10 +40,32 @@ def shard(x: torch.Tensor, world: int, rank: int, dim: int = 1) -> torch.Tensor:
 def unshard(gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Inverse of ``shard`` for a stack of every rank's shard: [D, *local] -> [*full] in global order.
 
-    ``dim`` is the sequence dimension of the per-rank tensor (not counting the leading rank dim).
+    ``dim`` is the sequence dimension of the per-rank tensor (not counting the leading rank dim). One pass
+    over the data: every rank's first chunk lands in one strided copy, the second chunks (in reverse rank
+    order) in one copy each.
     """
-    halves = gathered.chunk(2, dim=dim + 1)  # each [D, .., C, ..]: every rank's first / second chunk
-    # Global chunk order: first chunks of ranks 0..D-1, then second chunks of ranks D-1..0.
-    ordered = torch.cat([halves[0], halves[1].flip(0)], dim=0)  # [2D, .., C, ..]
-    ordered = ordered.movedim(0, dim)  # [.., 2D, C, ..]
-    return ordered.flatten(dim, dim + 1)
+    world, local_len = gathered.shape[0], gathered.shape[dim + 1]
+    chunk = local_len // 2
+    full_shape = (*gathered.shape[1:dim + 1], world * local_len, *gathered.shape[dim + 2:])
+    full = gathered.new_empty(full_shape)
+    chunks = full.unflatten(dim, (2 * world, chunk))  # [.., 2D, C, ..], a view
+    halves = gathered.unflatten(dim + 1, (2, chunk))  # [D, .., 2, C, ..]
+    chunks.narrow(dim, 0, world).copy_(halves.select(dim + 1, 0).movedim(0, dim))
+    for rank in range(world):
+        chunks.select(dim, 2 * world - 1 - rank).copy_(halves[rank].select(dim, 1))
+    return full
+
+
+def shard_all(full: torch.Tensor, world: int, dim: int = 1) -> torch.Tensor:
+    """Every rank's zigzag shard of a full-sequence tensor, stacked: [*full] -> [D, *local] (the input of a
+    reduce-scatter to the owners), in one pass; ``unshard``'s inverse."""
+    check_divisible(full.shape[dim], world)
+    chunk = full.shape[dim] // (2 * world)
+    local_shape = (*full.shape[:dim], 2 * chunk, *full.shape[dim + 1:])
+    stacked = full.new_empty(world, *local_shape)
+    chunks = full.unflatten(dim, (2 * world, chunk))
+    halves = stacked.unflatten(dim + 1, (2, chunk))
+    halves.select(dim + 1, 0).copy_(chunks.narrow(dim, 0, world).movedim(dim, 0))
+    for rank in range(world):
+        halves[rank].select(dim, 1).copy_(chunks.select(dim, 2 * world - 1 - rank))
+    return stacked

@@ -27,7 +27,6 @@ from ..model import (
     RouterStats,
     Transformer,
     apply_rope,
-    expand_kv_heads,
     head_norm,
     rms_norm,
     rope_tables,
@@ -70,10 +69,9 @@ class SPTransformer(ReplicatedTransformer):
         if cfg.qk_norm:
             q = head_norm(q, w["attention.q_norm.weight"], cfg.norm_eps)
             k = head_norm(k, w["attention.k_norm.weight"], cfg.norm_eps)
-        q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
-        kv = GatherKV.apply(torch.stack([k, v]), comm)  # [2, B, H_kv, S, d], global token order
-        k_all, v_all = expand_kv_heads(kv[0], cfg.group_size), expand_kv_heads(kv[1], cfg.group_size)
-        out = zigzag_causal_attention(q, k_all, v_all, comm.rank, comm.size)
+        kv = GatherKV.apply(torch.stack([apply_rope(k, cos, sin), v]), comm)  # [2, B, S, H_kv, d], global order
+        kv = kv.transpose(2, 3)  # [2, B, H_kv, S, d]: the attention kernel reads the KV heads unexpanded (GQA)
+        out = zigzag_causal_attention(apply_rope(q, cos, sin).transpose(1, 2), kv[0], kv[1], comm.rank, comm.size)
         x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
         h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens

@@ -27,7 +27,7 @@ import torch
 from ..distributed import zigzag
 from ..distributed.attention import GatherKV, zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import Transformer, expand_kv_heads
+from ..model import Transformer
 from .base import ReplicatedGrad, global_sum_and_count
 from .tp import TPTransformer
 
@@ -63,9 +63,10 @@ class TPSPTransformer(TPTransformer):
         return zigzag.positions(tokens.shape[1] * sp.size, sp.size, sp.rank, device=tokens.device)
 
     def _attend(self, q, k, v):
-        sp, g = self.sp, self.cfg.group_size
-        kv = GatherKV.apply(torch.stack([k, v]), sp)  # [2, B, H_kv/T, S, d], global order
-        return zigzag_causal_attention(q, expand_kv_heads(kv[0], g), expand_kv_heads(kv[1], g), sp.rank, sp.size)
+        sp = self.sp
+        # k, v [B, H_kv/T, S/Σ, d] are head-major views of token-major projections: gathered token-major.
+        kv = GatherKV.apply(torch.stack([k.transpose(1, 2), v.transpose(1, 2)]), sp).transpose(2, 3)
+        return zigzag_causal_attention(q, kv[0], kv[1], sp.rank, sp.size)  # KV heads unexpanded (GQA)
 
     def _sum_and_count(self, nll_sum, labels):
         return global_sum_and_count(nll_sum, labels, self.sp)

@@ -47,7 +47,6 @@ from ..model import (
     IGNORE_INDEX,
     RouterStats,
     Transformer,
-    apply_rope,
     head_norm,
     reference_shapes,
     rms_norm,
@@ -159,8 +158,11 @@ class ShardPrefetch:
         return self.pending.pop(key, None)
 
 
-def _add_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc += a @ b: in one GEMM when the dtypes agree, else the product is added in acc's (float32) precision."""
+def _add_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b in float32 (``acc`` None: the first term, no zero-filled start): in place, in one GEMM
+    when the dtypes agree, else the product is added in acc's precision."""
+    if acc is None:
+        return (a @ b).to(ACC)
     return acc.addmm_(a, b) if acc.dtype == a.dtype else acc.add_(a @ b)
 
 
@@ -185,6 +187,9 @@ class TSPAttention(torch.autograd.Function):
     over the axis (``ReplicatedGrad``). When n_kv < D, D/n_kv consecutive ranks hold copies of one KV head:
     each group's K/V gradient reaches its owner as usual and the copies' gradients are then summed over
     those ranks (``math.kv_comm``).
+
+    Heads stay token-major ([B, S/D, H, d], as the projections produce them) from projection to output
+    projection: the attention kernel reads strided heads, so no head transpose is ever copied.
     """
 
     @staticmethod
@@ -193,57 +198,51 @@ class TSPAttention(torch.autograd.Function):
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
-        nq, nkv, d = math.q_heads, math.kv_heads, math.cfg.head_dim
-        groups = D if any(ctx.needs_input_grad) else 1  # without backward one group's slot is reused
-        q_all = x.new_empty(groups, B, nq, n, d)
-        kv_all = x.new_empty(groups, 2, B, nkv, n, d)
-        out_all = x.new_empty(groups, B, nq, n, d)
-        lse_all = x.new_empty(groups, B, nq, n, dtype=torch.float32)
-        # The q/k norm backward needs its input: the pre-norm projections of local tokens (1/D-sized too).
-        raw = q_norm is not None and groups > 1
-        q_raw_all = x.new_empty(groups, B * n, nq * d) if raw else None
-        k_raw_all = x.new_empty(groups, B * n, nkv * d) if raw else None
-        y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        saving = any(ctx.needs_input_grad)
+        groups = []  # per head group, what backward needs: (q, kv, out, lse, q_raw, k_raw)
+        y = None
         first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
         weights = BroadcastStream(comm.weights, shard, "attention.forward", first)
 
         def start_kv(j):
-            """Project group j's local K/V and start their all-gather."""
-            slot = j % groups
-            math.project_kv(x2, math.attention(weights.get(j)), k_norm, cos, sin, B, out=kv_all[slot],
-                            raw=None if k_raw_all is None else k_raw_all[slot])
-            return gather_kv(comm, kv_all[slot], async_op=True, label=("attention.forward", j))
+            """Project group j's local K/V and start their all-gather: (kv, pre-norm k, finisher)."""
+            kv, k_raw = math.project_kv(x2, math.attention(weights.get(j)), k_norm, cos, sin, B)
+            return kv, k_raw, gather_kv(comm, kv, async_op=True, label=("attention.forward", j))
 
-        gathering = start_kv(0)
+        following = start_kv(0)
         for j in range(D):
             comm.mark(("attention.forward", j))
-            slot = j % groups
             w = math.attention(weights.get(j))
-            q_all[slot] = math.project_q(x2, w, q_norm, cos, sin, B, raw=None if q_raw_all is None else q_raw_all[slot])
+            q, q_raw = math.project_q(x2, w, q_norm, cos, sin, B)
+            kv, k_raw, gathering = following
+            full = gathering().transpose(2, 3)  # [2, B, Hkv, S, d]
             # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
-            # group: nothing needed now queues behind it). Without saving, group j+1 shares slot 0: wait first.
-            kv = gathering()
-            gathering = start_kv(j + 1) if j + 1 < D and groups > 1 else None
-            out_all[slot], lse_all[slot] = zigzag_attention_forward(q_all[slot], kv[0], kv[1], comm.rank, D)
-            kv = None
-            _add_mm(y, math.merge_heads(out_all[slot]), w.wo.t())
+            # group: nothing needed now queues behind it). Without saving, one group's K/V at a time.
+            following = start_kv(j + 1) if j + 1 < D and saving else None
+            out, lse = zigzag_attention_forward(q.transpose(1, 2), full[0], full[1], comm.rank, D)
+            out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
+            full = None
+            y = _add_mm(y, out.reshape(B * n, -1), w.wo.t())
             w = None
             weights.release(j)
-            if gathering is None and j + 1 < D:
-                gathering = start_kv(j + 1)
-        ctx.save_for_backward(x, shard, cos, sin, q_all, kv_all, out_all, lse_all, q_norm, k_norm, q_raw_all,
-                              k_raw_all)
+            if saving:
+                groups.append((q, kv, out, lse, q_raw, k_raw))
+            if following is None and j + 1 < D:
+                following = start_kv(j + 1)
+        ctx.save_for_backward(x, shard, cos, sin, q_norm, k_norm, *(t for group in groups for t in group))
         ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard, cos, sin, q_all, kv_all, out_all, lse_all, q_norm, k_norm, q_raw_all, k_raw_all = ctx.saved_tensors
+        x, shard, cos, sin, q_norm, k_norm, *saved = ctx.saved_tensors
         math = ctx.math
         comm, D = math.comm, math.comm.size
+        qs, kvs, outs, lses, q_raws, k_raws = (saved[i::6] for i in range(6))
         B, n, h = x.shape
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
-        dx = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        unrotate_sin = -sin  # RoPE's transpose rotates by the opposite angle
+        dx = None
         # q and k norm weight gradients from this rank's tokens, over every head group (float32).
         dnorms = None if q_norm is None else torch.zeros(2, math.cfg.head_dim, dtype=ACC, device=x.device)
         layout = math.attention_layout
@@ -264,7 +263,7 @@ class TSPAttention(torch.autograd.Function):
         # per group j its partial weight-gradient reduce and shard j+2. So every transfer runs behind a
         # group's attention, and on each group transfers are waited for in the order they were issued.
         def gather(j):
-            return gather_kv(comm, kv_all[j], async_op=True, label=("attention.backward", j))
+            return gather_kv(comm, kvs[j], async_op=True, label=("attention.backward", j))
 
         gathers = {j: gather(j) for j in range(min(D, 2))}
         first = ctx.prefetch.take(("attention.backward", ctx.layer)) if ctx.prefetch is not None else None
@@ -272,13 +271,14 @@ class TSPAttention(torch.autograd.Function):
 
         def finish(j, scattering, dw):
             """Group j's key/value path: wait for its dK/dV, then dX, dWk, dWv; reduce dW to its owner."""
+            nonlocal dx
             w, g = math.attention(weights.get(j)), math.attention(dw)
-            dkv = scattering.wait()
-            dk2 = math.unrotate(dkv[0], B, cos, sin).to(x.dtype)
+            dkv = scattering.wait()  # [2, B, S/D, Hkv, d] float32, summed over every rank's queries
+            dk2 = math.rotate(dkv[0], cos, unrotate_sin).to(x.dtype).view(B * n, -1)
             if k_norm is not None:
-                dk2 = math.norm_backward(dk2, k_raw_all[j], k_norm, dnorms[1])
-            dv2 = math.merge_heads(dkv[1]).to(x.dtype)
-            _add_mm(_add_mm(dx, dk2, w.wk), dv2, w.wv)
+                dk2 = math.norm_backward(dk2, k_raws[j], k_norm, dnorms[1])
+            dv2 = dkv[1].reshape(B * n, -1).to(x.dtype)
+            dx = _add_mm(_add_mm(dx, dk2, w.wk), dv2, w.wv)
             _mm_into(g.wk, dk2.t(), x2)
             _mm_into(g.wv, dv2.t(), x2)
             if g.bk is not None:
@@ -294,23 +294,23 @@ class TSPAttention(torch.autograd.Function):
             comm.mark(("attention.backward", j))
             settle(keep=0)  # reductions issued before shard j's broadcast
             w = math.attention(weights.get(j))
-            dout = math.split_heads(dy2 @ w.wo, B)  # before waiting for the K/V
-            kv = gathers.pop(j)()
-            dq, dk, dv = zigzag_attention_backward(dout, q_all[j], kv[0], kv[1], out_all[j], lse_all[j],
-                                                   comm.rank, D)
-            kv = dout = None
+            dout = (dy2 @ w.wo).view(B, n, -1, math.cfg.head_dim)  # before waiting for the K/V
+            full = gathers.pop(j)().transpose(2, 3)
+            dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), qs[j].transpose(1, 2), full[0], full[1],
+                                                outs[j].transpose(1, 2), lses[j], comm.rank, D)
+            full = dout = None
             # dK/dV of own tokens, summed over every rank's queries.
-            scattering = scatter_kv_grad(comm, torch.stack([dk, dv]), async_op=True, label=("attention.backward", j))
-            dk = dv = None
+            scattering = scatter_kv_grad(comm, dkv.transpose(2, 3), async_op=True, label=("attention.backward", j))
+            dkv = None
             if j + 2 < D:
                 gathers[j + 2] = gather(j + 2)
             dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
             g = math.attention(dw)
-            _mm_into(g.wo, dy2.t(), math.merge_heads(out_all[j]))
-            dq2 = math.unrotate(dq, B, cos, sin)
+            _mm_into(g.wo, dy2.t(), outs[j].reshape(B * n, -1))
+            dq2 = math.rotate(dq.transpose(1, 2), cos, unrotate_sin).view(B * n, -1)
             if q_norm is not None:
-                dq2 = math.norm_backward(dq2, q_raw_all[j], q_norm, dnorms[0])
-            _add_mm(dx, dq2, w.wq)
+                dq2 = math.norm_backward(dq2, q_raws[j], q_norm, dnorms[0])
+            dx = _add_mm(dx, dq2, w.wq)
             _mm_into(g.wq, dq2.t(), x2)
             if g.bq is not None:
                 g.bq.copy_(dq2.sum(0, dtype=ACC))
@@ -352,7 +352,7 @@ class TSPFeedForward(torch.autograd.Function):
         ff = layout.local_shape(layout.parts[0])[0]
         shards = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one shard's slot is reused
         gate_all, up_all = x.new_empty(shards, B * n, ff), x.new_empty(shards, B * n, ff)
-        y = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        y = None
         for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.forward")):
             comm.mark(("mlp.forward", s))
             if prefetch is not None and k == max(D - 2, 0):  # queued after the last shard's transfer
@@ -361,7 +361,7 @@ class TSPFeedForward(torch.autograd.Function):
             gate, up = gate_all[s % shards], up_all[s % shards]
             torch.mm(x2, wg.t(), out=gate)
             torch.mm(x2, wu.t(), out=up)
-            _add_mm(y, F.silu(gate) * up, wd.t())
+            y = _add_mm(y, F.silu(gate) * up, wd.t())
         ctx.save_for_backward(x, shard, gate_all, up_all)
         ctx.math, ctx.prefetch_backward, ctx.layout = math, prefetch_backward, layout
         return y.view(B, n, h).to(x.dtype)
@@ -373,7 +373,7 @@ class TSPFeedForward(torch.autograd.Function):
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
-        dx = torch.zeros(B * n, h, dtype=ACC, device=x.device)
+        dx = None
         grads = GradientRing(comm, "mlp.grad")
         for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.backward")):
             comm.mark(("mlp.backward", s))
@@ -388,7 +388,7 @@ class TSPFeedForward(torch.autograd.Function):
             dhidden = dy2 @ wd
             dgate = torch.ops.aten.silu_backward(dhidden * up, gate)  # the kernel autograd runs for F.silu
             dup = dhidden * silu
-            _add_mm(_add_mm(dx, dgate, wg), dup, wu)
+            dx = _add_mm(_add_mm(dx, dgate, wg), dup, wu)
             _mm_into(dwg, dgate.t(), x2)
             _mm_into(dwu, dup.t(), x2)
             grads.add(dw)
@@ -458,7 +458,7 @@ class TSPHeadCrossEntropy(torch.autograd.Function):
         math, rows = ctx.math, shard.shape[0]
         comm = math.comm
         scale = torch.where(labels != IGNORE_INDEX, dnll, 0.0)[:, None]
-        dz = torch.zeros(z.shape, dtype=ACC, device=z.device)
+        dz = None
         grads = GradientRing(comm, "head.grad")
         for s, w in ring_each(comm.weights, shard, "head.backward"):
             comm.mark(("head.backward", s))
@@ -466,7 +466,7 @@ class TSPHeadCrossEntropy(torch.autograd.Function):
             local, hit = vocab_slice_index(labels, rows, s)
             dlogits.scatter_add_(1, local.unsqueeze(1), -hit.to(dlogits.dtype).unsqueeze(1))  # minus one-hot
             dlogits = (dlogits * scale).to(z.dtype)
-            _add_mm(dz, dlogits, w)
+            dz = _add_mm(dz, dlogits, w)
             grads.add(dlogits.t() @ z)
         return dz.to(z.dtype), None, grads.result(shard.dtype), None
 
@@ -536,30 +536,25 @@ class TSPShardMath:
         return AttentionShard(*(named.get(f"attention.{n}") for n in ("wq.weight", "wk.weight", "wv.weight",
                                                                       "wo.weight", "wq.bias", "wk.bias", "wv.bias")))
 
-    def heads(self, y2, batch: int, cos=None, sin=None, norm=None):
-        """[B·S/D, H·d] -> [B, H, S/D, d]: per-head norm if ``norm`` is given, then rotated if cos/sin are."""
-        y = y2.view(batch, -1, y2.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
-        if norm is not None:
-            y = head_norm(y, norm, self.cfg.norm_eps)
-        return (y if cos is None else apply_rope(y, cos, sin)).transpose(1, 2)
-
-    def split_heads(self, y2, batch: int):
-        return self.heads(y2, batch)
-
     @staticmethod
-    def merge_heads(t):
-        """[B, H, S/D, d] -> [B·S/D, H·d]."""
-        return t.transpose(1, 2).reshape(-1, t.shape[1] * t.shape[3])
-
-    def unrotate(self, g, batch: int, cos, sin):
-        """Gradient through RoPE: [B, H, S/D, d] -> [B·S/D, H·d] (the rotation's transpose is by -angle)."""
-        del batch
-        return self.merge_heads(apply_rope(g.transpose(1, 2), cos, -sin).transpose(1, 2))
+    def rotate(x, cos, sin, out=None):
+        """``model.apply_rope`` of x [B, S/D, H, d] (cos/sin [S/D, d]), written into ``out`` (a new tensor if
+        None) half by half, without building the rotated copy. With -sin it is RoPE's transpose (backward)."""
+        half = x.shape[-1] // 2
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        x1, x2, out1, out2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+        # Rounded as the reference rounds x·cos + rotate_half(x)·sin: the same values in every dtype.
+        torch.mul(x1, cos[..., :half], out=out1).sub_(x2 * sin[..., :half])
+        torch.mul(x2, cos[..., half:], out=out2).add_(x1 * sin[..., half:])
+        return out
 
     def norm_backward(self, g2, raw2, weight, dweight):
         """Gradient through the per-head q/k norm: g2 [B·S/D, H·d] w.r.t. its output -> w.r.t. its input
         ``raw2`` (the pre-norm projection); adds the weight's gradient to ``dweight`` (float32 [d]).
-        Elementwise only: the reference's own ops, differentiated by autograd on these local tokens."""
+        Elementwise only: the reference's own ops, differentiated by autograd on these local tokens. The weight
+        takes part in float32, so its gradient (a partial sum over tokens, later summed over groups and ranks)
+        is summed in float32 too."""
         d = self.cfg.head_dim
         with torch.enable_grad():
             r = raw2.detach().view(-1, d).requires_grad_()
@@ -569,16 +564,27 @@ class TSPShardMath:
         dweight.add_(dw)
         return dr.view(raw2.shape)
 
-    def project_q(self, x2, w: AttentionShard, norm, cos, sin, batch: int, raw=None):
-        """Local tokens' rotated queries of one head group [B, Hq/D, S/D, d]; the pre-norm projection into
-        ``raw`` if given."""
-        return self.heads(_linear_into(x2, w.wq, w.bq, raw), batch, cos, sin, norm)
+    def _rotated_heads(self, raw, norm, cos, sin, batch: int, out=None):
+        """[B·S/D, H·d] projection -> per-head norm (if ``norm``) -> RoPE, token-major [B, S/D, H, d]."""
+        y = raw.view(batch, -1, raw.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
+        if norm is not None:
+            y = head_norm(y, norm, self.cfg.norm_eps)
+        return self.rotate(y, cos, sin, out)
 
-    def project_kv(self, x2, w: AttentionShard, norm, cos, sin, batch: int, out, raw=None):
-        """Local tokens' rotated keys and values of one head group into ``out`` [2, B, Hkv/D, S/D, d]; the
-        pre-norm key projection into ``raw`` if given."""
-        out[0] = self.heads(_linear_into(x2, w.wk, w.bk, raw), batch, cos, sin, norm)
-        out[1] = self.heads(_linear_into(x2, w.wv, w.bv), batch)
+    def project_q(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
+        """Local tokens' rotated queries of one head group, token-major [B, S/D, Hq/D, d], and the pre-norm
+        projection (None without q norm: backward needs it only for the norm)."""
+        raw = _linear_into(x2, w.wq, w.bq)
+        return self._rotated_heads(raw, norm, cos, sin, batch), raw if norm is not None else None
+
+    def project_kv(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
+        """Local tokens' rotated keys and values of one head group, token-major [2, B, S/D, Hkv/D, d] (the
+        all-gather's send buffer, written in place), and the pre-norm key projection (None without k norm)."""
+        kv = x2.new_empty(2, batch, x2.shape[0] // batch, self.kv_heads, self.cfg.head_dim)
+        raw = _linear_into(x2, w.wk, w.bk)
+        self._rotated_heads(raw, norm, cos, sin, batch, out=kv[0])
+        _linear_into(x2, w.wv, w.bv, out=kv[1].view(x2.shape[0], -1))
+        return kv, raw if norm is not None else None
 
     def vocab_logits(self, z, w, s):
         """float32 logits [N, V/D] of local tokens against vocabulary shard s; padding rows -> -inf."""
