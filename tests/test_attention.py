@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from helpers import rel_err
 from torchtsp.distributed import attention, zigzag
+from torchtsp.distributed.comm import AxisComm
 
 
 @pytest.fixture(params=["fused_cpu", "portable"])
@@ -17,27 +18,57 @@ def kernel(request, monkeypatch):
     return request.param
 
 
+def zigzag_vs_sdpa(q, k, v, world):
+    """Every rank's zigzag attention (forward and backward functions) against causal SDPA on the whole sequence:
+    (outputs, dq, dk, dv) of the ranks reassembled in global order, and SDPA's (output, dq, dk, dv)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                         is_causal=True)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    # Every rank's local K/V [2, B, S/D, Hkv, d], token-major, stacked rank by rank as the all-gather returns them.
+    kv_local = [zigzag.shard(torch.stack([k, v]).detach().transpose(2, 3), world, r, dim=2) for r in range(world)]
+    gathered = torch.stack(kv_local)
+    outs, dqs, dkv = [], [], 0
+    for rank in range(world):
+        # token-major queries (memory [B, S/D, H, d]), as the projections deliver them
+        q_local = zigzag.shard(q.detach().transpose(1, 2), world, rank, dim=1).transpose(1, 2)
+        out, lse = attention.zigzag_attention_forward(q_local, gathered, rank, world)
+        dout = zigzag.shard(grad, world, rank, dim=2)
+        dq, dkv_rank = attention.zigzag_attention_backward(dout, q_local, gathered, out, lse, rank, world)
+        outs.append(out)
+        dqs.append(dq)
+        dkv = dkv + dkv_rank  # the reduce-scatter's sum over ranks
+    full_dkv = zigzag.unshard(dkv, dim=2).transpose(2, 3)  # [2, B, Hkv, S, d]
+    got = (zigzag.unshard(torch.stack(outs), 2), zigzag.unshard(torch.stack(dqs), 2), full_dkv[0], full_dkv[1])
+    return got, (ref.detach(), *ref_grads)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zigzag_attention_equals_causal_sdpa(kernel, world):
     torch.manual_seed(world)
     B, H, S, d = 2, 3, 24, 8
-    q, k, v = (torch.randn(B, H, S, d, requires_grad=True) for _ in range(3))
+    got, want = zigzag_vs_sdpa(*(torch.randn(B, H, S, d) for _ in range(3)), world)
+    # float32 round-off: the LSE merge and the per-part backward sum in another order than SDPA.
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-6
+
+
+def test_attention_autograd_over_a_one_rank_axis_equals_causal_sdpa():
+    """``zigzag_causal_attention`` (the autograd op SP and TP x SP use): gather, attention and reduce-scatter on
+    a one-rank axis, against SDPA."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 8, requires_grad=True) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     grad = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-    outs, dqs, dk, dv = [], [], 0, 0
-    for rank in range(world):  # every rank's queries against the full keys, as after the K/V all-gather
-        q_local = zigzag.shard(q.detach(), world, rank, dim=2).requires_grad_()
-        k_full, v_full = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out = attention.zigzag_causal_attention(q_local, k_full, v_full, rank, world)
-        gq, gk, gv = torch.autograd.grad(out, (q_local, k_full, v_full), zigzag.shard(grad, world, rank, dim=2))
-        outs.append(out.detach())
-        dqs.append(gq)
-        dk, dv = dk + gk, dv + gv
-    # float32 round-off: the LSE merge and the per-part backward sum in another order than SDPA.
-    assert rel_err(zigzag.unshard(torch.stack(outs), 2), ref) < 1e-6
-    for got, want in zip((zigzag.unshard(torch.stack(dqs), 2), dk, dv), ref_grads):
-        assert rel_err(got, want) < 1e-6
+    kv = torch.stack([k, v]).transpose(2, 3).detach().requires_grad_()
+    out = attention.zigzag_causal_attention(q, kv, AxisComm(None, "sp"))
+    dq, dkv = torch.autograd.grad(out, (q, kv), grad)
+    assert rel_err(out, ref) < 1e-6  # float32 round-off, as above
+    for g, w in zip((dq, *dkv.transpose(2, 3)), ref_grads):
+        assert rel_err(g, w) < 1e-6
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -60,25 +91,11 @@ def test_gqa_without_expanded_kv_equals_causal_sdpa(kernel, world, group):
     """Fewer K/V heads than query heads: the kernel never sees expanded K/V, yet equals SDPA on expanded K/V."""
     torch.manual_seed(world)
     B, H_kv, S, d = 2, 2, 12 * world, 8
-    q = torch.randn(B, H_kv * group, S, d, requires_grad=True)
-    k, v = (torch.randn(B, H_kv, S, d, requires_grad=True) for _ in range(2))
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                         is_causal=True)
-    grad = torch.randn_like(ref)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-    outs, dqs, dk, dv = [], [], 0, 0
-    for rank in range(world):
-        q_local = zigzag.shard(q.detach(), world, rank, dim=2).requires_grad_()
-        k_full, v_full = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out = attention.zigzag_causal_attention(q_local, k_full, v_full, rank, world)
-        gq, gk, gv = torch.autograd.grad(out, (q_local, k_full, v_full), zigzag.shard(grad, world, rank, dim=2))
-        outs.append(out.detach())
-        dqs.append(gq)
-        dk, dv = dk + gk, dv + gv
+    got, want = zigzag_vs_sdpa(torch.randn(B, H_kv * group, S, d), torch.randn(B, H_kv, S, d),
+                               torch.randn(B, H_kv, S, d), world)
     # float32 round-off, as above; dK/dV also sum the g query heads in another order.
-    assert rel_err(zigzag.unshard(torch.stack(outs), 2), ref) < 1e-6
-    for got, want in zip((zigzag.unshard(torch.stack(dqs), 2), dk, dv), ref_grads):
-        assert rel_err(got, want) < 1e-6
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

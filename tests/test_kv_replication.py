@@ -141,8 +141,9 @@ def test_plan_spreads_llama3_8b_over_16_ranks():
     expected_params = L * (attention + mlp) + (2 * L + 1) * h + 2 * vocab
     assert at16.params == 2 * expected_params
     comm = predict_comm("tsp", cfg, 1, 131072, tsp=16, dtype_bytes=2)
-    # The gradient of each KV-head copy is all-reduced (float32) over its pair of ranks, every layer.
-    assert comm.grad_sync == (2 * L + 1) * 2 * 15 * 2 * h // 16 + L * (2 * h * d * 4)
+    # Norm gradients are all-reduced over the 16 ranks, and the gradient of each KV-head copy over its pair of
+    # ranks every layer, both in float32.
+    assert comm.grad_sync == (2 * L + 1) * 2 * 15 * 4 * h // 16 + L * (2 * h * d * 4)
     with pytest.raises(ValueError, match="n_kv_heads=8 divisible by 16"):
         predict_memory("tp", cfg, 1, 4096, tp=16)  # TP does not copy KV heads
 

@@ -197,14 +197,14 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
     kv = 2 * B * (seq_len // D) * kv_width // D  # elements of one group's K/V of one rank
     travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
-    g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients) travel in float32
+    g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients, norms) travel in float32
     bwd = ((D - 1) * p_attn // D * e  # broadcasts again
            + D * (D - 1) * kv * (e + g)  # K/V all-gather again + dK/dV reduce-scatter, every group
            + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
            + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
     qk_norms = [d, d] if cfg.qk_norm else []
-    grad_sync = (2 * L + 1) * _all_reduce(h * e, D) + L * sum(_all_reduce(n * e, D) for n in qk_norms)  # norms
+    grad_sync = (2 * L + 1) * _all_reduce(h * g, D) + L * sum(_all_reduce(n * g, D) for n in qk_norms)  # norms
     replicas = D // min(cfg.n_kv_heads, D)
     kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
     grad_sync += L * _all_reduce(kv_local * g, replicas)

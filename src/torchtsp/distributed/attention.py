@@ -1,9 +1,13 @@
-"""Causal attention of a local zigzag query shard against the full, gathered keys.
+"""Causal attention of a local zigzag query shard against every rank's keys, as gathered.
 
 Rank p's queries are two chunks (global chunks p and 2D-1-p). Chunk i attends to all
-keys of chunks < i (no mask) and causally to chunk i itself. Each part runs through a
-fused attention kernel that returns its log-sum-exp (LSE) and never builds an S x S
-score matrix; the parts are merged in float32 through their LSEs. Backward calls the
+keys of chunks < i (no mask) and causally to chunk i itself. The keys stay as the
+all-gather delivers them, rank by rank (rank r's two chunks r and 2D-1-r): a query chunk
+sees one contiguous slice of each rank's keys, so nothing is reordered into global order,
+and the key gradients come out already split by owner for the reduce-scatter. Each
+(query chunk, source rank) part runs through a fused attention kernel that returns its
+log-sum-exp (LSE) and never builds an S x S score matrix; the parts are merged in float32
+through their LSEs. Backward calls the
 kernel's backward per part with the *merged* output and LSE, which is exact: the
 softmax normaliser of every part is the merged one (as in flash/ring attention).
 """
@@ -140,136 +144,158 @@ def _gqa_backward(dout, q, k, v, out, lse, causal: bool, dk, dv, accumulate: boo
     return dq
 
 
-def _key_parts(chunk: int, chunk_len: int):
-    """(start, stop, causal) key ranges seen by query chunk ``chunk``."""
-    parts = [(0, chunk * chunk_len, False)] if chunk else []
-    return parts + [(chunk * chunk_len, (chunk + 1) * chunk_len, True)]
+def _key_blocks(chunk: int, world: int):
+    """The keys query chunk ``chunk`` sees, per source rank: (rank r, first half, end half, causal).
+
+    Rank r's local tokens are its chunks r and 2D-1-r (halves 0 and 1 of its K/V), so the part of them a
+    query chunk sees is one contiguous slice of halves: both (every key of both chunks precedes the query
+    chunk), the first, or a causal diagonal block (the query chunk itself).
+    """
+    blocks = []
+    for r in range(world):
+        first, second = zigzag.chunk_ids(r, world)  # first < world <= second
+        if second < chunk:
+            blocks.append((r, 0, 2, False))
+            continue
+        if first <= chunk:
+            blocks.append((r, 0, 1, first == chunk))
+        if second == chunk:
+            blocks.append((r, 1, 2, True))
+    return blocks
 
 
-def _merge_into(out, lse, parts):
-    """Write the combination of partial attention results (out_i, lse_i) over disjoint key sets into the
-    views ``out`` and ``lse``; the weighted sum runs in float32."""
-    if len(parts) == 1:
-        out.copy_(parts[0][0])
-        lse.copy_(parts[0][1])
-        return
-    torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0, out=lse)
-    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    for i, (part_out, part_lse) in enumerate(parts):
-        weight = torch.exp(part_lse - lse).unsqueeze(-1)
-        if i:
-            acc.addcmul_(part_out.float(), weight)
+def _halves(kv, r: int, first: int, end: int, chunk_len: int):
+    """Keys and values [B, Hkv, L, d] of halves [first, end) of rank r's local K/V in ``kv`` [D, 2, B, S/D, Hkv, d]."""
+    return kv[r, :, :, first * chunk_len:end * chunk_len].transpose(2, 3).unbind(0)
+
+
+class _Sum:
+    """Sums tensors into the view ``dst`` as they come, in float32 (in ``dst`` itself when it is float32).
+
+    ``lse``: the parts are partial attention outputs over disjoint key sets, with their log-sum-exps; they are
+    folded into ``dst`` and ``lse`` (views) online, weighted by the softmax normaliser of the keys so far.
+    """
+
+    def __init__(self, dst, lse=None):
+        self.dst, self.lse, self.count = dst, lse, 0
+        self.acc = dst if dst.dtype == torch.float32 else torch.empty(dst.shape, dtype=torch.float32,
+                                                                     device=dst.device)
+
+    def add(self, part, part_lse=None):
+        if not self.count:
+            self.acc.copy_(part)
+            if self.lse is not None:
+                self.lse.copy_(part_lse)
+        elif self.lse is None:
+            self.acc.add_(part)
         else:
-            torch.mul(part_out, weight, out=acc)
-    if acc is not out:
-        out.copy_(acc)
+            lse = torch.logaddexp(self.lse, part_lse)
+            self.acc.mul_(torch.exp(self.lse - lse).unsqueeze(-1))
+            self.acc.addcmul_(part, torch.exp(part_lse - lse).unsqueeze(-1))
+            self.lse.copy_(lse)
+        self.count += 1
+
+    def finish(self):
+        if self.acc is not self.dst:
+            self.dst.copy_(self.acc)
 
 
-def _sum_into(dst, parts):
-    """dst = sum of ``parts``, added in float32."""
-    if len(parts) == 1 or dst.dtype == torch.float32:
-        dst.copy_(parts[0])
-        for part in parts[1:]:
-            dst.add_(part)
-        return
-    dst.copy_(torch.stack(parts).sum(0, dtype=torch.float32))
+def zigzag_attention_forward(q, kv, rank: int, world: int):
+    """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against every rank's keys and values
+    ``kv`` [D, 2, B, S/D, Hkv, d] (token-major, rank by rank: the all-gather's output, never reordered).
 
-
-def zigzag_attention_forward(q, k, v, rank: int, world: int):
-    """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against full keys k, v [B, Hkv, S, d].
-
-    Hkv may divide Hq (GQA): K/V are never expanded. Any strides: with token-major q (memory [B, S/D, Hq, d],
-    as projections produce it) ``out`` is token-major too, so merging its heads is a view.
+    Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
+    [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
     """
     if world == 1:  # the local tokens are the sequence, in order: one causal call
-        return _gqa_forward(q, k, v, True)
-    chunk_len = k.shape[-2] // (2 * world)
+        return _gqa_forward(q, *_halves(kv, 0, 0, 2, q.shape[-2] // 2), True)
+    chunk_len = q.shape[-2] // 2
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
         rows = slice(local * chunk_len, (local + 1) * chunk_len)
-        parts = [_gqa_forward(q[..., rows, :], k[..., a:b, :], v[..., a:b, :], causal)
-                 for a, b, causal in _key_parts(chunk, chunk_len)]
-        _merge_into(out[..., rows, :], lse[..., rows], parts)
+        merged = _Sum(out[..., rows, :], lse[..., rows])
+        for r, first, end, causal in _key_blocks(chunk, world):
+            merged.add(*_gqa_forward(q[..., rows, :], *_halves(kv, r, first, end, chunk_len), causal))
+        merged.finish()
     return out, lse
 
 
-def zigzag_attention_backward(dout, q, k, v, out, lse, rank: int, world: int):
+def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
-    dkv [2, B, Hkv, S, d] float32 (memory token-major, [2, B, S, Hkv, d]) holds the key and value
-    gradients summed over parts and query heads (they are summed over ranks next)."""
-    B, Hkv, S, d = k.shape
-    dkv = torch.empty(2, B, S, Hkv, d, dtype=torch.float32, device=k.device).transpose(2, 3)
+    dkv [D, 2, B, S/D, Hkv, d] float32, laid out like ``kv``, holds the gradient of every rank's keys and
+    values from these queries (summed over the g query heads of each KV head): the input of the
+    reduce-scatter that sums it over ranks at the keys' owners."""
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    chunk_len = q.shape[-2] // 2
     if world == 1:
-        return _gqa_backward(dout, q, k, v, out, lse, True, dkv[0], dkv[1], accumulate=False), dkv
-    chunk_len = S // (2 * world)
+        halves = (0, 0, 2, chunk_len)
+        return _gqa_backward(dout, q, *_halves(kv, *halves), out, lse, True, *_halves(dkv, *halves),
+                             accumulate=False), dkv
     dq = torch.empty_like(q)
-    # The late chunk first: its key ranges cover keys [0, (chunk+1)·C), written once; the early chunk's add.
-    (early, late) = list(enumerate(zigzag.chunk_ids(rank, world)))
-    for local, chunk in (late, early):
+    written = set()  # (rank, half) of dkv already holding a gradient: later parts add to it
+
+    def claim(r, first, end):
+        """Whether a part covering halves [first, end) of rank r adds to dkv (else it writes)."""
+        fresh = [h for h in range(first, end) if (r, h) not in written]
+        if fresh and len(fresh) < end - first:  # partly written: start the rest at zero, then add
+            for h in fresh:
+                dkv[r, :, :, h * chunk_len:(h + 1) * chunk_len].zero_()
+            fresh = []
+        written.update((r, h) for h in range(first, end))
+        return not fresh
+
+    # The late chunk first: it sees more keys, so more of dkv is written (not zeroed, then added to).
+    for local, chunk in reversed(list(enumerate(zigzag.chunk_ids(rank, world)))):
         rows = slice(local * chunk_len, (local + 1) * chunk_len)
         q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
-        dq_parts = [_gqa_backward(do_c, q_c, k[..., a:b, :], v[..., a:b, :], o_c, lse_c, causal,
-                                  dkv[0, ..., a:b, :], dkv[1, ..., a:b, :], accumulate=chunk != late[1])
-                    for a, b, causal in _key_parts(chunk, chunk_len)]
-        _sum_into(dq[..., rows, :], dq_parts)
-        if chunk == late[1]:
-            dkv[..., (chunk + 1) * chunk_len:, :].zero_()  # keys after the late chunk: no query here sees them
+        dq_c = _Sum(dq[..., rows, :])
+        for r, first, end, causal in _key_blocks(chunk, world):
+            keys = (r, first, end, chunk_len)
+            dq_c.add(_gqa_backward(do_c, q_c, *_halves(kv, *keys), o_c, lse_c, causal, *_halves(dkv, *keys),
+                                   accumulate=claim(r, first, end)))
+        dq_c.finish()
+    for r in range(world):
+        for h in range(2):
+            if (r, h) not in written:  # keys after every local query
+                dkv[r, :, :, h * chunk_len:(h + 1) * chunk_len].zero_()
     return dq, dkv
 
 
-class ZigzagAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, rank: int, world: int):
-        out, lse = zigzag_attention_forward(q, k, v, rank, world)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rank, ctx.world = rank, world
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dkv = zigzag_attention_backward(dout, q, k, v, out, lse, ctx.rank, ctx.world)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
-
-
-def zigzag_causal_attention(q, k, v, rank: int, world: int) -> torch.Tensor:
-    """q: [B, Hq, S/D, d] local zigzag queries; k, v: [B, Hkv, S, d] full keys in global order."""
-    return ZigzagAttention.apply(q, k, v, rank, world)
-
-
 def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
-    """[2, B, S/D, H, d] K/V of local zigzag tokens (token-major) -> every rank's, in global order:
-    [2, B, S, H, d] (one copy after the transfer; none at D = 1).
+    """Every rank's local K/V [2, B, S/D, Hkv, d] (token-major) -> [D, 2, B, S/D, Hkv, d], rank by rank (the
+    layout the zigzag attention reads; no reordering). At D = 1 a view of ``kv``.
 
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.
     """
     if comm.size == 1:
-        return (lambda: kv) if async_op else kv
+        return (lambda: kv.unsqueeze(0)) if async_op else kv.unsqueeze(0)
     pending = comm.all_gather(kv, async_op=True, label=label)
-    finish = lambda: zigzag.unshard(pending.wait(), dim=2)
-    return finish if async_op else finish()
+    return pending.wait if async_op else pending.wait()
 
 
-def scatter_kv_grad(comm, dkv_full: torch.Tensor, async_op: bool = False, label="kv.grad"):
-    """Inverse of ``gather_kv`` for gradients: each rank receives the sum over ranks for its own tokens.
-
-    ``dkv_full``: [2, B, S, H, d] (token-major, global order) -> [2, B, S/D, H, d]. With ``async_op`` it
-    returns the ``Pending`` reduce-scatter.
-    """
-    per_rank = dkv_full.unsqueeze(0) if comm.size == 1 else zigzag.shard_all(dkv_full, comm.size, dim=2)
-    return comm.reduce_scatter(per_rank, async_op=async_op, label=label)
-
-
-class GatherKV(torch.autograd.Function):
-    """``gather_kv`` with its exact backward (reduce-scatter of the K/V gradients to their owners)."""
+class ZigzagAttention(torch.autograd.Function):
+    """Causal attention of local zigzag queries q [B, Hq, S/D, d] against the keys and values of every rank of
+    ``comm``: the local kv [2, B, S/D, Hkv, d] (token-major) are all-gathered (and the gathered K/V saved);
+    backward reduce-scatters their gradients to their owners."""
 
     @staticmethod
-    def forward(ctx, kv, comm):
+    def forward(ctx, q, kv, comm):
+        gathered = gather_kv(comm, kv)
+        out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size)
+        ctx.save_for_backward(q, gathered, out, lse)
         ctx.comm = comm
-        return gather_kv(comm, kv)
+        return out
 
     @staticmethod
-    def backward(ctx, dkv_full):
-        return scatter_kv_grad(ctx.comm, dkv_full), None
+    def backward(ctx, dout):
+        q, gathered, out, lse = ctx.saved_tensors
+        comm = ctx.comm
+        dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size)
+        return dq, comm.reduce_scatter(dkv, label="kv.grad").to(gathered.dtype), None
+
+
+def zigzag_causal_attention(q, kv, comm) -> torch.Tensor:
+    """q: [B, Hq, S/D, d] local zigzag queries; kv: [2, B, S/D, Hkv, d] local keys and values, token-major."""
+    return ZigzagAttention.apply(q, kv, comm)

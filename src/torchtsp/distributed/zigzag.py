@@ -55,17 +55,3 @@ def unshard(gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
         chunks.select(dim, 2 * world - 1 - rank).copy_(halves[rank].select(dim, 1))
     return full
 
-
-def shard_all(full: torch.Tensor, world: int, dim: int = 1) -> torch.Tensor:
-    """Every rank's zigzag shard of a full-sequence tensor, stacked: [*full] -> [D, *local] (the input of a
-    reduce-scatter to the owners), in one pass; ``unshard``'s inverse."""
-    check_divisible(full.shape[dim], world)
-    chunk = full.shape[dim] // (2 * world)
-    local_shape = (*full.shape[:dim], 2 * chunk, *full.shape[dim + 1:])
-    stacked = full.new_empty(world, *local_shape)
-    chunks = full.unflatten(dim, (2 * world, chunk))
-    halves = stacked.unflatten(dim + 1, (2, chunk))
-    halves.select(dim + 1, 0).copy_(chunks.narrow(dim, 0, world).movedim(dim, 0))
-    for rank in range(world):
-        halves[rank].select(dim, 1).copy_(chunks.select(dim, 2 * world - 1 - rank))
-    return stacked

@@ -26,20 +26,22 @@ class SumOverAxis(torch.autograd.Function):
 
 
 class ReplicatedGrad(torch.autograd.Function):
-    """Forward: identity. Backward: sum the gradient over the axis.
+    """Forward: identity. Backward: sum the gradient over the axis (in ``sum_dtype``, default the gradient's).
 
     Wrap a weight replicated over an axis whose ranks see different tokens: each rank's local
-    gradient covers its own tokens only, the sum covers them all.
+    gradient covers its own tokens only, the sum covers them all. TSP sums its norm weights' bf16
+    gradients in float32: each rank's partial sum is rounded once, not again at every addition.
     """
 
     @staticmethod
-    def forward(ctx, weight, comm: AxisComm):
-        ctx.comm = comm
+    def forward(ctx, weight, comm: AxisComm, sum_dtype=None):
+        ctx.comm, ctx.sum_dtype = comm, sum_dtype
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous(), label="replicated.grad"), None
+        summed = ctx.comm.all_reduce(grad.to(ctx.sum_dtype or grad.dtype, copy=True), label="replicated.grad")
+        return summed.to(grad.dtype), None, None
 
 
 def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm):

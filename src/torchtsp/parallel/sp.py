@@ -5,9 +5,9 @@ docs/design.md, "Tokens: zigzag" (chunks p and 2Σ-1-p), so causal attention wor
 
 * RMSNorm, the Q/K/V projections (with RoPE at each local token's *global* position), the output
   projection and the gated MLP run on local tokens with the full, replicated weights;
-* the local K/V are all-gathered over the axis (``GatherKV``: 2·B·S·h/g·(Σ-1)/Σ elements received per
-  layer, the only forward traffic of a layer; its backward reduce-scatters dK/dV to the tokens' owners);
-* attention of the local zigzag queries against the full K/V uses ``zigzag_causal_attention``.
+* the local K/V are all-gathered over the axis and attended by the local zigzag queries
+  (``zigzag_causal_attention``: 2·B·S·h/g·(Σ-1)/Σ elements received per layer, the only forward traffic of
+  a layer; its backward reduce-scatters dK/dV to the tokens' owners).
 
 The LM head and cross-entropy run on local tokens; the loss is the global mean over every token.
 Replicated weights see only local tokens, so their gradients are summed over the axis (a gradient hook).
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
-from ..distributed.attention import GatherKV, zigzag_causal_attention
+from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..model import (
     IGNORE_INDEX,
@@ -69,9 +69,8 @@ class SPTransformer(ReplicatedTransformer):
         if cfg.qk_norm:
             q = head_norm(q, w["attention.q_norm.weight"], cfg.norm_eps)
             k = head_norm(k, w["attention.k_norm.weight"], cfg.norm_eps)
-        kv = GatherKV.apply(torch.stack([apply_rope(k, cos, sin), v]), comm)  # [2, B, S, H_kv, d], global order
-        kv = kv.transpose(2, 3)  # [2, B, H_kv, S, d]: the attention kernel reads the KV heads unexpanded (GQA)
-        out = zigzag_causal_attention(apply_rope(q, cos, sin).transpose(1, 2), kv[0], kv[1], comm.rank, comm.size)
+        kv = torch.stack([apply_rope(k, cos, sin), v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
+        out = zigzag_causal_attention(apply_rope(q, cos, sin).transpose(1, 2), kv, comm)  # KV heads unexpanded
         x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
         h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens

@@ -2,8 +2,8 @@
 
 * Sequence (context) parallel across ``sp``: each sequence is zigzag-sharded over the Σ ranks of an ``sp``
   group (``distributed/zigzag.py``); RoPE uses global positions; per layer, the K/V of this rank's local
-  heads are all-gathered over ``sp`` (``GatherKV``, backward: reduce-scatter) and attention runs with
-  ``zigzag_causal_attention``.
+  heads are all-gathered over ``sp`` and attended by the local queries (``zigzag_causal_attention``; backward:
+  reduce-scatter of dK/dV).
 * Tensor parallel inside ``tp``, exactly as ``tp.py`` without Megatron-SP: column-parallel q/k/v and
   gate/up, row-parallel o/down, vocabulary-parallel embedding, LM head and cross-entropy. The T ranks of a
   ``tp`` group see the same tokens and hold identical activations.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed import zigzag
-from ..distributed.attention import GatherKV, zigzag_causal_attention
+from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import Transformer
 from .base import ReplicatedGrad, global_sum_and_count
@@ -63,10 +63,9 @@ class TPSPTransformer(TPTransformer):
         return zigzag.positions(tokens.shape[1] * sp.size, sp.size, sp.rank, device=tokens.device)
 
     def _attend(self, q, k, v):
-        sp = self.sp
         # k, v [B, H_kv/T, S/Σ, d] are head-major views of token-major projections: gathered token-major.
-        kv = GatherKV.apply(torch.stack([k.transpose(1, 2), v.transpose(1, 2)]), sp).transpose(2, 3)
-        return zigzag_causal_attention(q, kv[0], kv[1], sp.rank, sp.size)  # KV heads unexpanded (GQA)
+        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
+        return zigzag_causal_attention(q, kv, self.sp)  # KV heads unexpanded (GQA)
 
     def _sum_and_count(self, nll_sum, labels):
         return global_sum_and_count(nll_sum, labels, self.sp)

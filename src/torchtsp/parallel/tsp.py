@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
-from ..distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
+from ..distributed.attention import gather_kv, zigzag_attention_backward, zigzag_attention_forward
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import (
     IGNORE_INDEX,
@@ -215,13 +215,13 @@ class TSPAttention(torch.autograd.Function):
             w = math.attention(weights.get(j))
             q, q_raw = math.project_q(x2, w, q_norm, cos, sin, B)
             kv, k_raw, gathering = following
-            full = gathering().transpose(2, 3)  # [2, B, Hkv, S, d]
+            gathered = gathering()  # [D, 2, B, S/D, Hkv, d]: every rank's K/V of group j
             # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
             # group: nothing needed now queues behind it). Without saving, one group's K/V at a time.
             following = start_kv(j + 1) if j + 1 < D and saving else None
-            out, lse = zigzag_attention_forward(q.transpose(1, 2), full[0], full[1], comm.rank, D)
+            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathered, comm.rank, D)
             out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
-            full = None
+            gathered = None
             y = _add_mm(y, out.reshape(B * n, -1), w.wo.t())
             w = None
             weights.release(j)
@@ -295,12 +295,11 @@ class TSPAttention(torch.autograd.Function):
             settle(keep=0)  # reductions issued before shard j's broadcast
             w = math.attention(weights.get(j))
             dout = (dy2 @ w.wo).view(B, n, -1, math.cfg.head_dim)  # before waiting for the K/V
-            full = gathers.pop(j)().transpose(2, 3)
-            dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), qs[j].transpose(1, 2), full[0], full[1],
+            dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), qs[j].transpose(1, 2), gathers.pop(j)(),
                                                 outs[j].transpose(1, 2), lses[j], comm.rank, D)
-            full = dout = None
+            dout = None
             # dK/dV of own tokens, summed over every rank's queries.
-            scattering = scatter_kv_grad(comm, dkv.transpose(2, 3), async_op=True, label=("attention.backward", j))
+            scattering = comm.reduce_scatter(dkv, async_op=True, label=("attention.backward", j))
             dkv = None
             if j + 2 < D:
                 gathers[j + 2] = gather(j + 2)
@@ -678,11 +677,11 @@ class TSPTransformer(ParallelTransformer):
 
         def block(x, i):
             layer = layers[i]
-            h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm), eps)
-            qk_norms = [] if layer.q_norm is None else [ReplicatedGrad.apply(layer.q_norm, comm),
-                                                        ReplicatedGrad.apply(layer.k_norm, comm)]
+            h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm, ACC), eps)
+            qk_norms = [] if layer.q_norm is None else [ReplicatedGrad.apply(layer.q_norm, comm, ACC),
+                                                        ReplicatedGrad.apply(layer.k_norm, comm, ACC)]
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
-            h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm), eps)
+            h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm, ACC), eps)
             ahead = None
             if prefetch is not None and i + 1 < len(layers):
                 ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
@@ -700,7 +699,7 @@ class TSPTransformer(ParallelTransformer):
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
         comm, math = self.comm, self.math
-        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm), self.cfg.norm_eps).flatten(0, 1)
+        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm, ACC), self.cfg.norm_eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, math)
         return global_sum_and_count(nll.sum(), labels, comm)
