@@ -144,24 +144,30 @@ def _gqa_backward(dout, q, k, v, out, lse, causal: bool, dk, dv, accumulate: boo
     return dq
 
 
-def _key_blocks(chunk: int, world: int):
-    """The keys query chunk ``chunk`` sees, per source rank: (rank r, first half, end half, causal).
+def _key_blocks(rank: int, world: int):
+    """The attention parts of rank ``rank``'s queries: (query rows, source rank r, first half, end half, causal).
 
-    Rank r's local tokens are its chunks r and 2D-1-r (halves 0 and 1 of its K/V), so the part of them a
-    query chunk sees is one contiguous slice of halves: both (every key of both chunks precedes the query
-    chunk), the first, or a causal diagonal block (the query chunk itself).
+    Query rows are local chunk 0 (global chunk p = rank), 1 (global 2D-1-p) or both. Rank r's local tokens are
+    its chunks r and 2D-1-r (halves 0 and 1 of its K/V), so each part is one contiguous slice of halves: both
+    (every key precedes the queries), the first, or a causal diagonal block (the query chunk itself). A rank
+    r < p's first chunk precedes both query chunks: one part serves both.
     """
+    early, late = zigzag.chunk_ids(rank, world)
     blocks = []
     for r in range(world):
         first, second = zigzag.chunk_ids(r, world)  # first < world <= second
-        if second < chunk:
-            blocks.append((r, 0, 2, False))
-            continue
-        if first <= chunk:
-            blocks.append((r, 0, 1, first == chunk))
-        if second == chunk:
-            blocks.append((r, 1, 2, True))
+        if first < early:
+            blocks.append(((0, 1), r, 0, 1, False))  # its second chunk follows both query chunks
+        elif first == early:
+            blocks += [((0,), r, 0, 1, True), ((1,), r, 0, 1, False), ((1,), r, 1, 2, True)]
+        else:  # later than the early chunk: the late one sees both of its chunks
+            blocks.append(((1,), r, 0, 2, False))
     return blocks
+
+
+def _row_slice(chunks, chunk_len: int) -> slice:
+    """The local query rows of chunks ``chunks`` ((0,), (1,) or (0, 1))."""
+    return slice(chunks[0] * chunk_len, (chunks[-1] + 1) * chunk_len)
 
 
 def _halves(kv, r: int, first: int, end: int, chunk_len: int):
@@ -207,17 +213,20 @@ def zigzag_attention_forward(q, kv, rank: int, world: int):
     Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
     [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
     """
-    if world == 1:  # the local tokens are the sequence, in order: one causal call
-        return _gqa_forward(q, *_halves(kv, 0, 0, 2, q.shape[-2] // 2), True)
     chunk_len = q.shape[-2] // 2
+    if world == 1:  # the local tokens are the sequence, in order: one causal call
+        return _gqa_forward(q, *_halves(kv, 0, 0, 2, chunk_len), True)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    for local, chunk in enumerate(zigzag.chunk_ids(rank, world)):
-        rows = slice(local * chunk_len, (local + 1) * chunk_len)
-        merged = _Sum(out[..., rows, :], lse[..., rows])
-        for r, first, end, causal in _key_blocks(chunk, world):
-            merged.add(*_gqa_forward(q[..., rows, :], *_halves(kv, r, first, end, chunk_len), causal))
-        merged.finish()
+    merged = [_Sum(out[..., _row_slice((c,), chunk_len), :], lse[..., _row_slice((c,), chunk_len)]) for c in (0, 1)]
+    for chunks, r, first, end, causal in _key_blocks(rank, world):
+        part_out, part_lse = _gqa_forward(q[..., _row_slice(chunks, chunk_len), :],
+                                          *_halves(kv, r, first, end, chunk_len), causal)
+        for i, c in enumerate(chunks):
+            rows = _row_slice((i,), chunk_len)
+            merged[c].add(part_out[..., rows, :], part_lse[..., rows])
+    for m in merged:
+        m.finish()
     return out, lse
 
 
@@ -233,28 +242,21 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
         return _gqa_backward(dout, q, *_halves(kv, *halves), out, lse, True, *_halves(dkv, *halves),
                              accumulate=False), dkv
     dq = torch.empty_like(q)
+    summed = [_Sum(dq[..., _row_slice((c,), chunk_len), :]) for c in (0, 1)]
     written = set()  # (rank, half) of dkv already holding a gradient: later parts add to it
-
-    def claim(r, first, end):
-        """Whether a part covering halves [first, end) of rank r adds to dkv (else it writes)."""
-        fresh = [h for h in range(first, end) if (r, h) not in written]
-        if fresh and len(fresh) < end - first:  # partly written: start the rest at zero, then add
-            for h in fresh:
-                dkv[r, :, :, h * chunk_len:(h + 1) * chunk_len].zero_()
-            fresh = []
+    for chunks, r, first, end, causal in _key_blocks(rank, world):
+        rows = _row_slice(chunks, chunk_len)
+        keys = (r, first, end, chunk_len)
+        seen = [(r, h) in written for h in range(first, end)]
+        if any(seen) != all(seen):  # _key_blocks never overlaps a part only partly with earlier ones
+            raise AssertionError(f"key part {(r, first, end)} of rank {rank} overlaps earlier parts only partly")
         written.update((r, h) for h in range(first, end))
-        return not fresh
-
-    # The late chunk first: it sees more keys, so more of dkv is written (not zeroed, then added to).
-    for local, chunk in reversed(list(enumerate(zigzag.chunk_ids(rank, world)))):
-        rows = slice(local * chunk_len, (local + 1) * chunk_len)
-        q_c, o_c, do_c, lse_c = q[..., rows, :], out[..., rows, :], dout[..., rows, :], lse[..., rows]
-        dq_c = _Sum(dq[..., rows, :])
-        for r, first, end, causal in _key_blocks(chunk, world):
-            keys = (r, first, end, chunk_len)
-            dq_c.add(_gqa_backward(do_c, q_c, *_halves(kv, *keys), o_c, lse_c, causal, *_halves(dkv, *keys),
-                                   accumulate=claim(r, first, end)))
-        dq_c.finish()
+        part_dq = _gqa_backward(dout[..., rows, :], q[..., rows, :], *_halves(kv, *keys), out[..., rows, :],
+                                lse[..., rows], causal, *_halves(dkv, *keys), accumulate=any(seen))
+        for i, c in enumerate(chunks):
+            summed[c].add(part_dq[..., _row_slice((i,), chunk_len), :])
+    for m in summed:
+        m.finish()
     for r in range(world):
         for h in range(2):
             if (r, h) not in written:  # keys after every local query

@@ -293,6 +293,7 @@ class AxisComm:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self._point_to_point = self.size > 1 and dist.get_backend(group) == "gloo"  # see ``_exchange``
         self._active: list[CommStats] = [] if _active is None else _active
         # Weight traffic: a sibling over a second process group of the same ranks (sharing this axis's
         # counting()), or this comm itself when no second group was asked for.
@@ -381,34 +382,66 @@ class AxisComm:
 
     # -- operations ---------------------------------------------------------
 
+    # On gloo (CPU), broadcast, all-gather, reduce-scatter and reduce run as point-to-point transfers, plus a local
+    # sum where they reduce: gloo's own versions of them cost 1.3-6x the CPU time per rank (D = 4, at TSP's sizes;
+    # benchmarks/gloo_collectives.py), and ranks sharing a host's cores pay for it in step time. all_reduce keeps
+    # gloo's ring, the fastest there for large tensors. Each kind has its own tag; every rank issues the same
+    # transfers in the same order, so sends and receives between two ranks pair up in order.
+    _P2P_TAGS = {"broadcast": 10, "all_gather": 11, "reduce_scatter": 12, "reduce": 13}
+
+    def _exchange(self, op: str, sends, recvs) -> list:
+        """Start the point-to-point transfers of one operation: isend each (tensor, peer), irecv each (tensor, peer)."""
+        tag = self._P2P_TAGS[op]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=peer, tag=tag) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer, tag=tag) for t, peer in recvs]
+        return dist.batch_isend_irecv(ops)
+
+    def _peers(self, receiving: bool = False) -> list[int]:
+        """The other axis ranks: rank+1, rank+2, ... to send to; rank-1, rank-2, ... to receive from (so the k-th
+        send of every rank meets the k-th receive of its peer)."""
+        step = -1 if receiving else 1
+        return [(self.rank + step * k) % self.size for k in range(1, self.size)]
+
     def broadcast(self, tensor: torch.Tensor, src: int, async_op=False, label=None):
         """Overwrite ``tensor`` on every rank with the source rank's copy (``src`` is an axis rank)."""
         n, D = self._nbytes(tensor), self.size
         sent, recv = ((D - 1) * n, 0) if self.rank == src else (0, n)
-        launch = lambda: [dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)]
+        if not self._point_to_point:
+            launch = lambda: [dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)]
+        elif self.rank == src:
+            launch = lambda: self._exchange("broadcast", [(tensor, peer) for peer in self._peers()], [])
+        else:
+            launch = lambda: self._exchange("broadcast", [], [(tensor, src)])
         return self._finish(self._issue("broadcast", label, sent, recv, launch, tensor), async_op)
 
     def all_gather(self, tensor: torch.Tensor, async_op=False, label=None):
         """[*shape] on each rank -> [D, *shape] on every rank, in axis-rank order."""
         out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        if self.size == 1:
-            out[0] = tensor
         n = (self.size - 1) * self._nbytes(tensor)
-        launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]
+        if self.size == 1 or self._point_to_point:
+            out[self.rank] = tensor
+            src = tensor.contiguous()
+            launch = lambda: self._exchange("all_gather", [(src, peer) for peer in self._peers()],
+                                            [(out[peer], peer) for peer in self._peers(receiving=True)])
+        else:
+            launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group,
+                                                     async_op=True)]
         return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
 
     def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
-        """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape] (at D = 1: ``tensor[0]``)."""
+        """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape] (at D = 1: ``tensor[0]``).
+
+        On gloo the slices are summed here, in rank order and in the input's dtype (float32 for TSP's gradients).
+        """
         if tensor.shape[0] != self.size:
             raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
         n = (self.size - 1) * self._nbytes(tensor[0])
-        if self.size > 1 and tensor.device.type == "cpu":
-            # gloo's reduce-scatter costs twice the CPU time of an all-to-all of the same bytes plus the sum
-            # (D = 4, 1 MiB per rank: 4.0 vs 1.9 ms per rank; benchmarks/gloo_collectives.py): on CPU,
-            # every rank's slice is exchanged and summed here, in float32 or better and in rank order.
+        if self._point_to_point:
             src = tensor.contiguous()
             received = torch.empty_like(src)
-            launch = lambda: [dist.all_to_all_single(received, src, group=self.group, async_op=True)]
+            received[self.rank] = src[self.rank]
+            launch = lambda: self._exchange("reduce_scatter", [(src[peer], peer) for peer in self._peers()],
+                                            [(received[peer], peer) for peer in self._peers(receiving=True)])
             pending = self._issue("reduce_scatter", label, n, n, launch, received, finish=lambda r: r.sum(0))
             return self._finish(pending, async_op)
         out = tensor[0] if self.size == 1 else torch.empty_like(tensor[0])
@@ -416,11 +449,24 @@ class AxisComm:
         return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op=False, label=None):
-        """Sum ``tensor`` over ranks into the destination's copy (others' copies are left undefined)."""
+        """Sum ``tensor`` over ranks into the destination's copy (others' copies are left undefined).
+
+        On gloo the destination receives every rank's copy (D-1 buffers of ``tensor``'s size) and sums them in
+        rank order.
+        """
         n, D = self._nbytes(tensor), self.size
         sent, recv = (0, (D - 1) * n) if self.rank == dst else (n, 0)
-        launch = lambda: [dist.reduce(tensor, group=self.group, group_dst=dst, async_op=True)]
-        return self._finish(self._issue("reduce", label, sent, recv, launch, tensor), async_op)
+        finish = None
+        if not self._point_to_point:
+            launch = lambda: [dist.reduce(tensor, group=self.group, group_dst=dst, async_op=True)]
+        elif self.rank == dst:
+            received = tensor.new_empty(D, *tensor.shape)
+            received[self.rank] = tensor
+            launch = lambda: self._exchange("reduce", [], [(received[peer], peer) for peer in self._peers(True)])
+            finish = lambda t: torch.sum(received, dim=0, out=t)
+        else:
+            launch = lambda: self._exchange("reduce", [(tensor, dst)], [])
+        return self._finish(self._issue("reduce", label, sent, recv, launch, tensor, finish), async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op=False, label=None):
         """Sum ``tensor`` over ranks, in place."""
