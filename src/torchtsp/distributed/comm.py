@@ -286,14 +286,18 @@ class AxisComm:
     """Collectives over one named axis of a device mesh (a process group of size D)."""
 
     def __init__(self, group=None, name: str = "axis", timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 weight_group=None, stream: str | None = None, _active: list | None = None):
+                 weight_group=None, stream: str | None = None, point_to_point: bool | None = None,
+                 _active: list | None = None):
         self.group = group
         self.name = name
         self.stream = stream or name  # the process group's name in ``CommStats.issue_order``
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self._point_to_point = self.size > 1 and dist.get_backend(group) == "gloo"  # see ``_exchange``
+        # Collectives as point-to-point transfers (see ``_exchange``): on gloo unless ``point_to_point`` says.
+        if point_to_point is None:
+            point_to_point = group is not None and dist.get_backend(group) == "gloo"
+        self._point_to_point = self.size > 1 and point_to_point
         self._active: list[CommStats] = [] if _active is None else _active
         # Weight traffic: a sibling over a second process group of the same ranks (sharing this axis's
         # counting()), or this comm itself when no second group was asked for.
