@@ -11,9 +11,11 @@ import torchtsp
 from torchtsp.distributed import AxisComm, RankFailedError, WorkerPool
 
 
-def every_op_on_rank(world):
+def every_op_on_rank(world, point_to_point=None):
     mesh = torchtsp.init_mesh(tsp=world)
     comm = AxisComm.from_mesh(mesh, "tsp")
+    if point_to_point is not None:  # gloo's own collectives (as on NCCL) or the point-to-point versions
+        comm = AxisComm(comm.group, "tsp", point_to_point=point_to_point)
     r, n = comm.rank, 6  # 6 float32 elements = 24 bytes per rank
     x = torch.full((n,), float(r))
     out = {}
@@ -30,11 +32,12 @@ def every_op_on_rank(world):
     return out, dict(stats.bytes_recv), dict(stats.bytes_sent), [e[:2] for e in stats.events]
 
 
+@pytest.mark.parametrize("point_to_point", [None, False], ids=["default", "gloo_collectives"])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_operation_moves_and_counts_the_right_bytes(pools, world):
+def test_every_operation_moves_and_counts_the_right_bytes(pools, world, point_to_point):
     nbytes = 24
     total = sum(range(world))
-    for r, (out, recv, sent, events) in enumerate(pools(world).run(every_op_on_rank, world)):
+    for r, (out, recv, sent, events) in enumerate(pools(world).run(every_op_on_rank, world, point_to_point)):
         assert torch.equal(out["broadcast"], torch.full((6,), float(world - 1)))
         assert torch.equal(out["all_gather"], torch.arange(world).float()[:, None].expand(world, 6))
         assert torch.equal(out["reduce_scatter"], torch.full((6,), float(sum(range(1, world + 1)))))
@@ -54,6 +57,30 @@ def test_every_operation_moves_and_counts_the_right_bytes(pools, world):
         assert recv["ring_shift"] == (nbytes if D > 1 else 0)
         # The async all-reduce was issued, then the compute mark, then the wait.
         assert events[-3:] == [("issue", "all_reduce"), ("mark", "compute"), ("wait", "all_reduce")]
+
+
+def overlapping_ops_on_rank(world):
+    """Several transfers of different kinds and sizes in flight on one group at once, waited out of order."""
+    comm = AxisComm.from_mesh(torchtsp.init_mesh(tsp=world), "tsp")
+    r = comm.rank
+    pending = [comm.all_gather(torch.full((5,), float(r)), async_op=True),
+               comm.reduce_scatter(torch.full((world, 3), float(r)), async_op=True),
+               comm.all_gather(torch.full((2, 2), float(10 + r)), async_op=True),
+               comm.broadcast(torch.full((4,), float(r)), src=1, async_op=True),
+               comm.reduce(torch.full((7,), float(r)), dst=world - 1, async_op=True)]
+    return [p.wait() for p in reversed(pending)][::-1]
+
+
+def test_transfers_in_flight_together_pair_up_in_issue_order(pools):
+    world = 4
+    for r, (gathered, scattered, gathered2, broadcast, reduced) in enumerate(pools(world).run(
+            overlapping_ops_on_rank, world)):
+        assert torch.equal(gathered, torch.arange(world).float()[:, None].expand(world, 5))
+        assert torch.equal(scattered, torch.full((3,), float(sum(range(world)))))
+        assert torch.equal(gathered2, (10 + torch.arange(world).float())[:, None, None].expand(world, 2, 2))
+        assert torch.equal(broadcast, torch.full((4,), 1.0))
+        if r == world - 1:
+            assert torch.equal(reduced, torch.full((7,), float(sum(range(world)))))
 
 
 def raise_on_rank_one():
