@@ -215,7 +215,7 @@ def peak_on_rank(scheme, world, name, batch, seq_len):
     return measure_peak(lambda: model.loss(tokens, labels).backward(), model)[1]
 
 
-@pytest.mark.parametrize("scheme,batch", [("tsp", 1), ("dp", 2)])
+@pytest.mark.parametrize("scheme,batch", [("tsp", 1), ("dp", 2), ("sp", 1)])
 @pytest.mark.parametrize("name", ["mha", "gqa"])
 def test_predicted_peak_memory_within_15_percent_of_measured(pools, scheme, batch, name):
     world, seq_len = 2, 1024

@@ -192,15 +192,14 @@ def _reference_saved(s: _Shape, n_rep: int, zigzag: bool) -> tuple[int, int]:
     """Bytes one reference block (model.py) saves when run on shards: (attention half, MLP half).
 
     n_rep: tokens of the replicated part (norms and block inputs; n/T under Megatron-SP, else n).
-    Attention: its norm, its input (e·h), q, K and V expanded to the query heads (over the kv_len
-    tokens it attends to), the output (shared with wo's input) and its fp32 log-sum-exp; the zigzag
-    kernel of SP and TP x SP returns a head-major output, so wo's input is one more copy.
+    Attention: its norm, its input (e·h), q, K and V over the kv_len tokens it attends to, the output
+    (token-major, shared with wo's input) and its fp32 log-sum-exp. SDPA (DP, TP) keeps K and V expanded
+    to the query heads; the zigzag kernel of SP and TP x SP keeps the gathered K/V unexpanded.
     MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product).
     """
     e = s.e
-    out = (2 if zigzag else 1) * e * s.hq * s.n
-    attention = (n_rep * (s.norm + e * s.h) + s.n * (e * s.hq + FP32 * s.nq) + out + 2 * e * s.hq * s.kv_len
-                 + s.rope_per_layer)
+    kv = 2 * e * (s.hkv if zigzag else s.hq) * s.kv_len
+    attention = (n_rep * (s.norm + e * s.h) + s.n * (2 * e * s.hq + FP32 * s.nq) + kv + s.rope_per_layer)
     mlp = n_rep * (s.norm + e * s.h) + 4 * e * s.ff * s.n
     return attention, mlp
 
@@ -264,9 +263,10 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     head_w = (parts["head"] or parts["embedding"]) * e
     attn_w = (2 * h * s.hq + 2 * h * s.hkv) * e
     mlp_w = 3 * h * s.ff * e
-    # SP: dK/dV of the gathered sequence are summed to the unexpanded heads, stacked per owner and
-    # reduce-scattered (two more copies of the gathered K/V size).
-    kv_grad = 2 * (2 * e * s.hkv * s.kv_len) if zigzag and sp > 1 else 0
+    # dK/dV over the kv_len tokens attended to: SDPA's of the expanded heads; the zigzag kernel's float32
+    # buffer of the gathered (unexpanded) heads, and with sp > 1 the reduce-scatter's receive buffer of the
+    # same size.
+    kv_grad = 2 * e * s.hq * s.kv_len if not zigzag else 2 * FP32 * s.hkv * s.kv_len * (2 if sp > 1 else 1)
     events = [
         _Event("loss backward", loss_extra, freed=saved_loss),
         _Event("head backward", e * n * s.v + e * h * n + head_w, freed=e * h * n, added=head_w + e * h * n),
@@ -283,9 +283,9 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
                    added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n_rep, freed=n_rep * s.norm),
             # wo backward, then attention backward: dq and the gradient of the output (n x hq) and
-            # dK, dV over the kv_len tokens attended to (expanded heads).
-            _Event("attention backward", h * s.hq * e + 2 * e * s.hq * n + 2 * e * s.hq * s.kv_len + kv_grad
-                   + gathered, freed=att - n_rep * s.norm, added=attn_w),
+            # dK, dV (kv_grad).
+            _Event("attention backward", h * s.hq * e + 2 * e * s.hq * n + kv_grad + gathered,
+                   freed=att - n_rep * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n_rep,
                    freed=n_rep * s.norm + (layer_in if recompute else 0)),
         ]
