@@ -234,12 +234,15 @@ def test_nothing_needed_now_queues_behind_something_needed_later(pools, world, r
         assert r["wait_s"] > 0
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_next_layers_first_shard_is_prefetched(pools, world):
-    """The first attention shard of a layer is broadcast while the block before it still computes."""
-    events = pools(world).run(schedule_on_rank, world, "gqa_tied", False)[0]["events"]
+def test_next_layers_first_shard_is_prefetched(pools, world, recompute):
+    """The first attention shard of a layer is broadcast while the block before it still computes (under
+    recompute in backward only: a layer's forward runs again there, and would prefetch for no one)."""
+    events = pools(world).run(schedule_on_rank, world, "gqa_tied", recompute)[0]["events"]
     layers = CASES["gqa_tied"].n_layers
-    for phase, mlp_phase in (("attention.forward", "mlp.forward"), ("attention.backward", "mlp.backward")):
+    phases = [("attention.backward", "mlp.backward")] + ([] if recompute else [("attention.forward", "mlp.forward")])
+    for phase, mlp_phase in phases:
         first = [i for i, (kind, op, label) in enumerate(events) if kind == "issue" and op == "broadcast"
                  and label == (phase, 0)]
         mlp_marks = [i for i, (kind, _, label) in enumerate(events) if kind == "mark" and label[0] == mlp_phase]

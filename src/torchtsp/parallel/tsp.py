@@ -669,9 +669,10 @@ class TSPTransformer(ParallelTransformer):
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
         cos, sin = rope_tables(positions, cfg)
         eps, math = cfg.norm_eps, self.math
-        # Cross-layer prefetch of the next attention's first shard; off under recompute, where a layer's
-        # forward also runs inside backward and would prefetch for the wrong block.
-        prefetch = None if self.recompute else ShardPrefetch(comm.weights)
+        # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
+        # layer's (during its MLP backward). Under recompute only the backward one: a layer's forward also
+        # runs inside backward, where a forward prefetch would fetch a shard nobody takes.
+        prefetch = ShardPrefetch(comm.weights)
         layers = list(self.layers)
         stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
 
@@ -683,10 +684,9 @@ class TSPTransformer(ParallelTransformer):
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
             h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm, ACC), eps)
             ahead = None
-            if prefetch is not None and i + 1 < len(layers):
+            if not self.recompute and i + 1 < len(layers):
                 ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
-            behind = None if prefetch is None else (prefetch, ("attention.backward", i),
-                                                    layer.attention_shard.detach())
+            behind = (prefetch, ("attention.backward", i), layer.attention_shard.detach())
             if layer.moe is not None:
                 return x + layer.moe(h, stats, math, ahead, behind)
             return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind)
