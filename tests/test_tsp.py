@@ -237,21 +237,26 @@ def test_nothing_needed_now_queues_behind_something_needed_later(pools, world, r
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_next_layers_first_shard_is_prefetched(pools, world, recompute):
-    """The first attention shard of a layer is broadcast while the block before it still computes (under
-    recompute in backward only: a layer's forward runs again there, and would prefetch for no one)."""
+    """The first attention shard of a layer is broadcast while the block before it still computes. Under
+    recompute not while a layer's forward runs again in backward: that prefetch would serve no one."""
     events = pools(world).run(schedule_on_rank, world, "gqa_tied", recompute)[0]["events"]
     layers = CASES["gqa_tied"].n_layers
-    phases = [("attention.backward", "mlp.backward")] + ([] if recompute else [("attention.forward", "mlp.forward")])
-    for phase, mlp_phase in phases:
-        first = [i for i, (kind, op, label) in enumerate(events) if kind == "issue" and op == "broadcast"
+    backward_from = next(i for i, (kind, _, label) in enumerate(events) if kind == "mark" and "backward" in label[0])
+    for phase, mlp_phase in (("attention.forward", "mlp.forward"), ("attention.backward", "mlp.backward")):
+        log = events[:backward_from] if phase == "attention.forward" else events
+        first = [i for i, (kind, op, label) in enumerate(log) if kind == "issue" and op == "broadcast"
                  and label == (phase, 0)]
-        mlp_marks = [i for i, (kind, _, label) in enumerate(events) if kind == "mark" and label[0] == mlp_phase]
+        mlp_marks = [i for i, (kind, _, label) in enumerate(log) if kind == "mark" and label[0] == mlp_phase]
         assert len(first) == layers and len(mlp_marks) == layers * world
         for n, layer_first in enumerate(first[1:] if phase == "attention.forward" else first):
             # In forward layer n+1's shard 0 is requested during layer n's MLP; in backward (layers in reverse)
             # layer L-1-n's during its own MLP's backward, which runs just before its attention's.
             last_mlp_step = mlp_marks[world * (n + 1) - 1]
             assert layer_first < last_mlp_step, (phase, n, layer_first, last_mlp_step)
+    # In backward, a recomputed layer broadcasts its own first shard, and nothing is fetched for the next one.
+    again = [label for kind, op, label in events[backward_from:]
+             if kind == "issue" and op == "broadcast" and label == ("attention.forward", 0)]
+    assert len(again) == (layers if recompute else 0)
 
 
 def bad_input_on_rank(world, case):

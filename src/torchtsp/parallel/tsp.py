@@ -33,6 +33,7 @@ No step synchronises host and device (no ``.item()``, ``nonzero`` or boolean-mas
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -670,9 +671,18 @@ class TSPTransformer(ParallelTransformer):
         cos, sin = rope_tables(positions, cfg)
         eps, math = cfg.norm_eps, self.math
         # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
-        # layer's (during its MLP backward). Under recompute only the backward one: a layer's forward also
-        # runs inside backward, where a forward prefetch would fetch a shard nobody takes.
+        # layer's (during its MLP backward). Under recompute a layer's forward runs again inside backward,
+        # where a forward prefetch would fetch a shard nobody takes: ``recomputing`` is set there.
         prefetch = ShardPrefetch(comm.weights)
+        recomputing = [False]
+
+        @contextlib.contextmanager
+        def recompute_context():
+            recomputing[0] = True
+            try:
+                yield
+            finally:
+                recomputing[0] = False
         layers = list(self.layers)
         stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
 
@@ -684,7 +694,7 @@ class TSPTransformer(ParallelTransformer):
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
             h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm, ACC), eps)
             ahead = None
-            if not self.recompute and i + 1 < len(layers):
+            if not recomputing[0] and i + 1 < len(layers):
                 ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
             behind = (prefetch, ("attention.backward", i), layer.attention_shard.detach())
             if layer.moe is not None:
@@ -693,7 +703,9 @@ class TSPTransformer(ParallelTransformer):
 
         for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
-            x = checkpoint(block, x, i, use_reentrant=False) if self.recompute else block(x, i)
+            x = (checkpoint(block, x, i, use_reentrant=False,
+                            context_fn=lambda: (contextlib.nullcontext(), recompute_context()))
+                 if self.recompute else block(x, i))
         return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
