@@ -74,6 +74,8 @@ def main():
         wall = {way: 1e3 * per_rank[0][name, way][1] for way in ("gloo", "point-to-point")}
         lines.append(f"| {name} | {cpu['gloo']:.2f} ({wall['gloo']:.1f}) | {cpu['point-to-point']:.2f} "
                      f"({wall['point-to-point']:.1f}) | {cpu['gloo'] / cpu['point-to-point']:.2f} |")
+    lines += ["", "The all_reduce rows run the same gloo ring in both columns: their difference is the noise of this "
+              "measurement on this machine."]
     table = "\n".join(lines)
     print(table)
     if args.out:
