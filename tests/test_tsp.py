@@ -259,6 +259,18 @@ def test_next_layers_first_shard_is_prefetched(pools, world, recompute):
     assert len(again) == (layers if recompute else 0)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
+def test_norm_gradients_are_summed_once_after_the_layers_backward(pools, recompute):
+    """Each rank's norm-weight gradients cover its own tokens; they are summed over the axis in two
+    all-reduces per step (the final norm's, then every layer's norms together once layer 0's backward is
+    done), not one per weight in the middle of backward: every all-reduce is a meeting point of every rank."""
+    events = pools(2).run(schedule_on_rank, 2, "gqa_tied", recompute)[0]["events"]
+    sums = [i for i, (kind, op, label) in enumerate(events) if kind == "issue" and label == "replicated.grad"]
+    last_attention_backward = max(i for i, (kind, _, label) in enumerate(events)
+                                  if kind == "mark" and label[0] == "attention.backward")
+    assert len(sums) == 2 and sums[1] > last_attention_backward, (sums, last_attention_backward)
+
+
 def bad_input_on_rank(world, case):
     """(error message or None, collectives issued before it) on this rank."""
     mesh = torchtsp.init_mesh(tsp=world)

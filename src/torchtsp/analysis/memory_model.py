@@ -299,6 +299,9 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
     many = D > 1
     bufs = min(D - 1, 2)  # received weight-shard buffers (none at D = 1)
+    # Attention backward: shard j-1 (its K/V gradients finish late), j, and j+1, j+2 in flight; the partial
+    # weight gradients of groups j and j-1, and from D = 3 on, j-2's on its way to its owner.
+    attn_bufs, attn_partials = min(D - 1, 3), 1 + min(D - 1, 2)
     # Travelling float32 gradients alive in a ring: the accumulator being sent, its receive buffer and, from
     # D = 3 on, the previous accumulator whose send has not been reaped yet.
     flight = min(D, 3) if many else 0
@@ -349,7 +352,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
             # output gradient and dq, float32 dK/dV (kernel output, stacked, per owner), shard buffers and the
             # float32 partial weight gradients being reduced.
             _Event("attention backward", A32 + A + 3 * Q + (2 + 2 * many) * K + 3 * K32
-                   + bufs * attn_w + (1 + many) * FP32 * attn_elems,
+                   + attn_bufs * attn_w + attn_partials * FP32 * attn_elems,
                    freed=att - n * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
                    freed=n * s.norm + (layer_in if recompute else 0)),

@@ -26,22 +26,34 @@ class SumOverAxis(torch.autograd.Function):
 
 
 class ReplicatedGrad(torch.autograd.Function):
-    """Forward: identity. Backward: sum the gradient over the axis (in ``sum_dtype``, default the gradient's).
+    """Forward: identity on each tensor. Backward: their gradients summed over the axis, in one all-reduce (in
+    ``sum_dtype``, default the gradients' own).
 
-    Wrap a weight replicated over an axis whose ranks see different tokens: each rank's local
-    gradient covers its own tokens only, the sum covers them all. TSP sums its norm weights' bf16
-    gradients in float32: each rank's partial sum is rounded once, not again at every addition.
+    Wrap weights replicated over an axis whose ranks see different tokens: each rank's local gradient covers
+    its own tokens only, the sum covers them all. One call over several weights is one node of the backward
+    graph, run once every weight's gradient is in: one meeting of the ranks instead of one per weight. TSP
+    sums its norm weights' bf16 gradients in float32: each rank's partial sum is rounded once, not again at
+    every addition. ``replicated_grad`` is the one-tensor form.
     """
 
     @staticmethod
-    def forward(ctx, weight, comm: AxisComm, sum_dtype=None):
+    def forward(ctx, comm: AxisComm, sum_dtype, *tensors):
         ctx.comm, ctx.sum_dtype = comm, sum_dtype
-        return weight.view_as(weight)
+        views = tuple(t.view_as(t) for t in tensors)
+        return views[0] if len(views) == 1 else views
 
     @staticmethod
-    def backward(ctx, grad):
-        summed = ctx.comm.all_reduce(grad.to(ctx.sum_dtype or grad.dtype, copy=True), label="replicated.grad")
-        return summed.to(grad.dtype), None, None
+    def backward(ctx, *grads):
+        dtype = ctx.sum_dtype or grads[0].dtype
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        summed = ctx.comm.all_reduce(flat, label="replicated.grad")
+        parts = summed.split([g.numel() for g in grads])
+        return (None, None, *(part.view_as(g).to(g.dtype) for part, g in zip(parts, grads)))
+
+
+def replicated_grad(tensor: torch.Tensor, comm: AxisComm, sum_dtype=None) -> torch.Tensor:
+    """``tensor`` in forward; in backward its gradient summed over ``comm`` (``ReplicatedGrad``)."""
+    return ReplicatedGrad.apply(comm, sum_dtype, tensor)
 
 
 def global_sum_and_count(nll_sum: torch.Tensor, labels: torch.Tensor, comm: AxisComm):

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..model import RouterStats, combine, expert_mlps, route, sort_by_expert
-from .base import ReplicatedGrad, SumOverAxis
+from .base import SumOverAxis, replicated_grad
 from .shards import PackedLayout, Part
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # stacked [E, ...] weights under ``feed_forward.experts.``
@@ -121,7 +121,7 @@ class TSPMoE(nn.Module):
 
         cfg, comm = self.cfg, self.comm
         h2 = h.reshape(-1, h.shape[-1])
-        probs, weights, experts = route(h2, ReplicatedGrad.apply(self.router, comm), cfg.moe_top_k,
+        probs, weights, experts = route(h2, replicated_grad(self.router, comm), cfg.moe_top_k,
                                         cfg.moe_norm_topk)
         pairs = sort_by_expert(experts, cfg.n_experts)
         stats.add(probs, pairs[2])
@@ -129,7 +129,7 @@ class TSPMoE(nn.Module):
                             sorted_pairs=pairs)
         if self.layout is not None:
             shared = TSPFeedForward.apply(h, self.shared_shard, math, prefetch, prefetch_backward, self.layout)
-            gate = torch.sigmoid(F.linear(h2, ReplicatedGrad.apply(self.shared_gate, comm)))
+            gate = torch.sigmoid(F.linear(h2, replicated_grad(self.shared_gate, comm)))
             y = y + gate * shared.reshape(h2.shape)
         return y.view(h.shape)
 
@@ -172,15 +172,15 @@ def tp_moe(h, layer, cfg, comm: AxisComm, stats: RouterStats):
     probs, weights, experts = route(h2, layer.router, cfg.moe_top_k, cfg.moe_norm_topk)
     order, token, counts = sort_by_expert(experts, cfg.n_experts)
     stats.add(probs, counts)
-    x = ReplicatedGrad.apply(h2, comm)
+    x = replicated_grad(h2, comm)
     out = expert_mlps(x[token], counts.tolist(), layer.w_gate, layer.w_up, layer.w_down)
-    y = combine(h2.shape[0], out, order, token, ReplicatedGrad.apply(weights, comm))
+    y = combine(h2.shape[0], out, order, token, replicated_grad(weights, comm))
     gate = None
     if cfg.shared_expert_ffn_dim:
         gate = torch.sigmoid(F.linear(h2, layer.shared_gate))
         # The shared gate multiplies the complete shared output: its partial is summed with the experts' first.
         y = y + F.linear(F.silu(F.linear(x, layer.shared_w_gate)) * F.linear(x, layer.shared_w_up),
-                         layer.shared_w_down) * ReplicatedGrad.apply(gate, comm)
+                         layer.shared_w_down) * replicated_grad(gate, comm)
     return SumOverAxis.apply(y, comm).view(h.shape)
 
 

@@ -58,7 +58,7 @@ from ..model import (
     rope_tables,
 )
 from ..weights import WeightSource
-from .base import ParallelTransformer, ReplicatedGrad, weight_source
+from .base import ParallelTransformer, replicated_grad, weight_source
 from .moe import tp_moe
 from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
 
@@ -306,7 +306,7 @@ class TPTransformer(ParallelTransformer):
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         """A replicated norm weight: with SP each rank normalises its own tokens, so gradients are summed."""
-        return ReplicatedGrad.apply(w, self.tp) if self.sequence_parallel else w
+        return replicated_grad(w, self.tp) if self.sequence_parallel else w
 
     def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Global positions of the sequence the attention sees (the whole sequence, also with SP)."""
@@ -341,8 +341,8 @@ class TPTransformer(ParallelTransformer):
         B, S, _ = q.shape
         q, k, v = q.view(B, S, -1, d), k.view(B, S, -1, d), v.view(B, S, -1, d)
         if cfg.qk_norm:  # replicated weights applied to this rank's heads only: gradients summed over tp
-            q = head_norm(q, w(ReplicatedGrad.apply(layer.q_norm, tp)), eps)
-            k = head_norm(k, w(ReplicatedGrad.apply(layer.k_norm, tp)), eps)
+            q = head_norm(q, w(replicated_grad(layer.q_norm, tp)), eps)
+            k = head_norm(k, w(replicated_grad(layer.k_norm, tp)), eps)
         q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)

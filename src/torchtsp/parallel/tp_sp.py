@@ -28,7 +28,7 @@ from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import Transformer
-from .base import ReplicatedGrad, global_sum_and_count
+from .base import global_sum_and_count, replicated_grad
 from .tp import TPTransformer
 
 
@@ -53,10 +53,10 @@ class TPSPTransformer(TPTransformer):
     # -- the hooks of TPTransformer ---------------------------------------------------
 
     def _weight(self, w):
-        return ReplicatedGrad.apply(w, self.sp)
+        return replicated_grad(w, self.sp)
 
     def _norm_weight(self, w):
-        return ReplicatedGrad.apply(w, self.sp)
+        return replicated_grad(w, self.sp)
 
     def _positions(self, tokens):
         sp = self.sp

@@ -23,8 +23,11 @@ same ranks (``comm.weights``), activations, K/V and travelling gradients on the 
 on a GPU (NCCL runs one group's collectives in issue order) a weight prefetch never
 delays the K/V gather the current step waits for. On each group, transfers are issued in
 the order they are waited on. The next shard is always requested before the current one
-is used (at most two received shard buffers per block kind), and the next layer's first
-attention shard is broadcast while the current layer's MLP runs.
+is used (attention in training keeps two shards and two head groups' K/V in flight ahead
+of the one in use, since each transfer is a meeting point of every rank: the slack lets a
+rank that fell behind catch up before the others wait for it), and the next layer's first
+attention shard is broadcast while the current layer's MLP runs. Norm weights' gradients
+are summed in one all-reduce at the end of a backward pass.
 
 bf16/fp16 runs accumulate partial sums in float32: outputs over head groups and shards,
 input gradients, travelling gradients and the gradient reductions (sent in float32).
@@ -54,7 +57,8 @@ from ..model import (
     rope_tables,
 )
 from ..weights import WeightSource
-from .base import ParallelTransformer, ReplicatedGrad, global_sum_and_count, sum_router_stats_over, weight_source
+from .base import (ParallelTransformer, ReplicatedGrad, global_sum_and_count, replicated_grad, sum_router_stats_over,
+                   weight_source)
 from .moe import TSPMoE
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
 
@@ -72,27 +76,29 @@ def issue_broadcast(comm: AxisComm, own: torch.Tensor, src: int, label, buffer: 
 
 
 class BroadcastStream:
-    """Every rank's shard in turn (j = 0..D-1), with at most two received buffers alive.
+    """Every rank's shard in turn (j = 0..D-1), ``depth`` of them requested ahead of use.
 
-    Shards 0 and 1 are requested at once; shard j+2's broadcast is issued when shard j is released, into
-    the buffer shard j used. ``first``: shard 0's broadcast, already issued (cross-layer prefetch).
+    Shards 0..depth-1 are requested at once; shard j+depth's broadcast is issued when shard j is released,
+    into the buffer shard j used. ``first``: shard 0's broadcast, already issued (cross-layer prefetch).
     """
 
-    def __init__(self, comm: AxisComm, own: torch.Tensor, label: str, first=None):
-        self.comm, self.own, self.label = comm, own, label
+    def __init__(self, comm: AxisComm, own: torch.Tensor, label: str, first=None, depth: int = 2):
+        self.comm, self.own, self.label, self.depth = comm, own, label, depth
         self.pending = {0: first if first is not None else issue_broadcast(comm, own, 0, (label, 0))}
-        if comm.size > 1:
-            self.pending[1] = issue_broadcast(comm, own, 1, (label, 1))
+        for j in range(1, min(depth, comm.size)):
+            self.pending[j] = issue_broadcast(comm, own, j, (label, j))
 
     def get(self, j: int) -> torch.Tensor:
         return self.pending[j].wait()
 
     def release(self, j: int) -> None:
-        """Shard j is no longer used: its buffer receives shard j+2."""
+        """Shard j is no longer used: its buffer receives shard j+depth."""
         buffer = self.pending.pop(j).wait()
-        if j + 2 < self.comm.size:
+        following = j + self.depth
+        if following < self.comm.size:
             spare = buffer if j != self.comm.rank else None  # rank j's own shard is its parameter
-            self.pending[j + 2] = issue_broadcast(self.comm, self.own, j + 2, (self.label, j + 2), spare)
+            self.pending[following] = issue_broadcast(self.comm, self.own, following, (self.label, following),
+                                                      spare)
 
 
 def broadcast_each(comm: AxisComm, own: torch.Tensor, label: str, first=None):
@@ -203,33 +209,43 @@ class TSPAttention(torch.autograd.Function):
         groups = []  # per head group, what backward needs: (q, kv, out, lse, q_raw, k_raw)
         y = None
         first = prefetch.take(("attention.forward", layer)) if prefetch is not None else None
-        weights = BroadcastStream(comm.weights, shard, "attention.forward", first)
+        weights = BroadcastStream(comm.weights, shard, "attention.forward", first, depth=3 if saving else 2)
 
         def start_kv(j):
             """Project group j's local K/V and start their all-gather: (kv, pre-norm k, finisher)."""
             kv, k_raw = math.project_kv(x2, math.attention(weights.get(j)), k_norm, cos, sin, B)
             return kv, k_raw, gather_kv(comm, kv, async_op=True, label=("attention.forward", j))
 
-        following = start_kv(0)
+        # Each K/V all-gather (and each shard broadcast) is a meeting point of every rank; slack between a
+        # transfer's issue and its wait lets a rank that fell behind catch up before the others wait for it.
+        # In training, group j+1's K/V are projected and their gather issued before group j's are waited for,
+        # group j+2's (whose shard came during group j's attention) right after group j's attention: two
+        # gathered groups alive at most, issued in group order on one process group, so nothing needed now
+        # queues behind a later transfer. Without saving (no backward), one group's K/V at a time.
+        started, following = [], 0  # (kv, pre-norm k, finisher) of groups started and not yet used; the next
+
+        def start_until(last):
+            nonlocal following
+            while following <= min(last, D - 1):
+                started.append(start_kv(following))
+                following += 1
+
         for j in range(D):
             comm.mark(("attention.forward", j))
+            start_until(j)
             w = math.attention(weights.get(j))
             q, q_raw = math.project_q(x2, w, q_norm, cos, sin, B)
-            kv, k_raw, gathering = following
-            gathered = gathering()  # [D, 2, B, S/D, Hkv, d]: every rank's K/V of group j
-            # Group j+1's K/V all-gather runs behind group j's attention (issued after group j's, on the same
-            # group: nothing needed now queues behind it). Without saving, one group's K/V at a time.
-            following = start_kv(j + 1) if j + 1 < D and saving else None
-            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathered, comm.rank, D)
+            if saving:
+                start_until(j + 1)
+            kv, k_raw, gathering = started.pop(0)
+            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D)
             out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
-            gathered = None
             y = _add_mm(y, out.reshape(B * n, -1), w.wo.t())
-            w = None
-            weights.release(j)
+            w = gathering = None  # the gathered K/V go with their finisher
             if saving:
                 groups.append((q, kv, out, lse, q_raw, k_raw))
-            if following is None and j + 1 < D:
-                following = start_kv(j + 1)
+                start_until(j + 2)
+            weights.release(j)
         ctx.save_for_backward(x, shard, cos, sin, q_norm, k_norm, *(t for group in groups for t in group))
         ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
         return y.view(B, n, h).to(x.dtype)
@@ -258,17 +274,18 @@ class TSPAttention(torch.autograd.Function):
                 if owner == comm.rank:
                     dshard = result
 
-        # A two-group pipeline. On the activation group: gather K/V of groups 0 and 1, then per group j the
-        # dK/dV reduce-scatter of j and the gather of j+2; group j's dK/dV are waited for (and its key/value
-        # gradients finished) after group j+1's attention backward. On the weight group: shards 0 and 1, then
-        # per group j its partial weight-gradient reduce and shard j+2. So every transfer runs behind a
-        # group's attention, and on each group transfers are waited for in the order they were issued.
+        # A pipeline over head groups. On the activation group: gather K/V of groups 0 and 1, then per group j
+        # the dK/dV reduce-scatter of j and the gather of j+2; group j's dK/dV are waited for (and its
+        # key/value gradients finished) after group j+1's attention backward. On the weight group: shards
+        # 0, 1 and 2, then per group j its partial weight-gradient reduce and shard j+3; a reduce is waited for
+        # one group after it was issued. So every transfer runs behind a group's attention, and on each group
+        # transfers are waited for in the order they were issued.
         def gather(j):
             return gather_kv(comm, kvs[j], async_op=True, label=("attention.backward", j))
 
         gathers = {j: gather(j) for j in range(min(D, 2))}
         first = ctx.prefetch.take(("attention.backward", ctx.layer)) if ctx.prefetch is not None else None
-        weights = BroadcastStream(comm.weights, shard, "attention.backward", first)
+        weights = BroadcastStream(comm.weights, shard, "attention.backward", first, depth=3)
 
         def finish(j, scattering, dw):
             """Group j's key/value path: wait for its dK/dV, then dX, dWk, dWv; reduce dW to its owner."""
@@ -293,7 +310,7 @@ class TSPAttention(torch.autograd.Function):
         previous = None
         for j in range(D):
             comm.mark(("attention.backward", j))
-            settle(keep=0)  # reductions issued before shard j's broadcast
+            settle(keep=1)  # reductions issued before shard j's broadcast
             w = math.attention(weights.get(j))
             dout = (dy2 @ w.wo).view(B, n, -1, math.cfg.head_dim)  # before waiting for the K/V
             dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), qs[j].transpose(1, 2), gathers.pop(j)(),
@@ -685,14 +702,19 @@ class TSPTransformer(ParallelTransformer):
                 recomputing[0] = False
         layers = list(self.layers)
         stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
+        # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
+        # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
+        # instead of the ranks meeting once per weight in the middle of backward.
+        norm_names = ["attention_norm", "ffn_norm"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+        summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
+        norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
 
         def block(x, i):
-            layer = layers[i]
-            h = rms_norm(x, ReplicatedGrad.apply(layer.attention_norm, comm, ACC), eps)
-            qk_norms = [] if layer.q_norm is None else [ReplicatedGrad.apply(layer.q_norm, comm, ACC),
-                                                        ReplicatedGrad.apply(layer.k_norm, comm, ACC)]
+            layer, norm = layers[i], norms[i]
+            h = rms_norm(x, norm["attention_norm"], eps)
+            qk_norms = [norm["q_norm"], norm["k_norm"]] if cfg.qk_norm else []
             x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
-            h = rms_norm(x, ReplicatedGrad.apply(layer.ffn_norm, comm, ACC), eps)
+            h = rms_norm(x, norm["ffn_norm"], eps)
             ahead = None
             if not recomputing[0] and i + 1 < len(layers):
                 ahead = (prefetch, ("attention.forward", i + 1), layers[i + 1].attention_shard.detach())
@@ -711,7 +733,7 @@ class TSPTransformer(ParallelTransformer):
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
         comm, math = self.comm, self.math
-        z = rms_norm(x, ReplicatedGrad.apply(self.norm, comm, ACC), self.cfg.norm_eps).flatten(0, 1)
+        z = rms_norm(x, replicated_grad(self.norm, comm, ACC), self.cfg.norm_eps).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, math)
         return global_sum_and_count(nll.sum(), labels, comm)
