@@ -10,7 +10,7 @@ calibration against ``torchtsp.memory.measure_peak``):
 * parameters and gradients in the model dtype, AdamW state (two fp32 moments, plus an fp32 master
   copy when the model dtype is narrower than fp32), sharded as each scheme shards its weights;
 * activations autograd saves for backward, per layer, exactly as our modules save them;
-* transient buffers: the loss's logits, weight-shard double buffers, one head group's gathered
+* transient buffers: the loss's logits, weight shards in flight, a head group's gathered
   K/V, the temporaries of one block's backward;
 * the KV cache of a prefill (``mode="infer"``).
 
@@ -299,9 +299,10 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
     many = D > 1
     bufs = min(D - 1, 2)  # received weight-shard buffers (none at D = 1)
-    # Attention backward: shard j-1 (its K/V gradients finish late), j, and j+1, j+2 in flight; the partial
-    # weight gradients of groups j and j-1, and from D = 3 on, j-2's on its way to its owner.
-    attn_bufs, attn_partials = min(D - 1, 3), 1 + min(D - 1, 2)
+    # Attention backward: shard j-1 (its K/V gradients finish late), j, and j+1, j+2 in flight. Float32
+    # partial weight gradients: group j-1's, and from D = 3 on group j-2's on its way to its owner, which
+    # holds its own and the D - 1 it receives (point-to-point on gloo) until that reduce is waited for.
+    attn_bufs, attn_partials = min(D - 1, 3), (2 + D if D > 2 else 1 + many)
     # Travelling float32 gradients alive in a ring: the accumulator being sent, its receive buffer and, from
     # D = 3 on, the previous accumulator whose send has not been reaped yet.
     flight = min(D, 3) if many else 0
