@@ -57,8 +57,14 @@ from ..model import (
     rope_tables,
 )
 from ..weights import WeightSource
-from .base import (ParallelTransformer, ReplicatedGrad, global_sum_and_count, replicated_grad, sum_router_stats_over,
-                   weight_source)
+from .base import (
+    ParallelTransformer,
+    ReplicatedGrad,
+    global_sum_and_count,
+    replicated_grad,
+    sum_router_stats_over,
+    weight_source,
+)
 from .moe import TSPMoE
 from .shards import PackedLayout, Part, real_vocab_rows, vocab_shard, vocab_slice_index
 
