@@ -238,7 +238,8 @@ def test_nothing_needed_now_queues_behind_something_needed_later(pools, world, r
 @pytest.mark.parametrize("world", [2, 4])
 def test_next_layers_first_shard_is_prefetched(pools, world, recompute):
     """The first attention shard of a layer is broadcast while the block before it still computes. Under
-    recompute not while a layer's forward runs again in backward: that prefetch would serve no one."""
+    recompute, backward runs each layer's forward again: its first shard is requested once the attention
+    backward of the layer after it has issued its last reduce, before that backward has finished waiting."""
     events = pools(world).run(schedule_on_rank, world, "gqa_tied", recompute)[0]["events"]
     layers = CASES["gqa_tied"].n_layers
     backward_from = next(i for i, (kind, _, label) in enumerate(events) if kind == "mark" and "backward" in label[0])
@@ -253,10 +254,16 @@ def test_next_layers_first_shard_is_prefetched(pools, world, recompute):
             # layer L-1-n's during its own MLP's backward, which runs just before its attention's.
             last_mlp_step = mlp_marks[world * (n + 1) - 1]
             assert layer_first < last_mlp_step, (phase, n, layer_first, last_mlp_step)
-    # In backward, a recomputed layer broadcasts its own first shard, and nothing is fetched for the next one.
-    again = [label for kind, op, label in events[backward_from:]
-             if kind == "issue" and op == "broadcast" and label == ("attention.forward", 0)]
+    # In backward, the forward run again (recompute only) fetches its first shard once per layer.
+    again = [i for i, (kind, op, label) in enumerate(events) if i > backward_from and kind == "issue"
+             and op == "broadcast" and label == ("attention.forward", 0)]
     assert len(again) == (layers if recompute else 0)
+    reruns = [i for i, (kind, _, label) in enumerate(events) if i > backward_from and kind == "mark"
+              and label == ("attention.forward", 0)]
+    last_reduce = ("wait", "reduce", ("attention.backward", world - 1))
+    for issued, rerun in zip(again[1:], reruns[1:]):  # the last layer's, first in backward, is not prefetched
+        assert last_reduce in events[issued:rerun], "issued only after the later layer's backward had finished"
+        assert ("issue", "reduce", ("attention.backward", world - 1)) in events[reruns[0]:issued]
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])

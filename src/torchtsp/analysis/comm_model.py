@@ -162,6 +162,8 @@ class SchemeTraffic:
     sparse_backward: int = 0
     routed_forward: int = 0  # of sparse_forward / sparse_backward, the expected expert all-to-all bytes
     routed_backward: int = 0
+    # Under recompute, what a dense layer's forward run again in backward moves (None: the whole forward again).
+    recompute_forward: int | None = None
 
 
 def moe_all_to_all(cfg: ModelConfig, tokens: int, world: int) -> tuple[int, int]:
@@ -232,7 +234,9 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
         embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
         loss=2 * _all_reduce(4, D) + _aux_stats(cfg, D), grad_sync=grad_sync,
         local_tensors=[rows] + layers + [h] + head, sparse_forward=sparse_fwd, sparse_backward=sparse_bwd,
-        routed_forward=routed_fwd, routed_backward=routed_bwd)
+        routed_forward=routed_fwd, routed_backward=routed_bwd,
+        # The re-run MLP moves nothing: backward's ring projects each passing shard again (TSPFeedForward).
+        recompute_forward=fwd - (D - 1) * p_mlp // D * e)
 
 
 def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
@@ -318,7 +322,7 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     sparse_fwd, sparse_bwd = t.sparse_forward, t.sparse_backward
     routed_fwd, routed_bwd = t.routed_forward, t.routed_backward
     if recompute:
-        bwd += fwd
+        bwd += fwd if t.recompute_forward is None else t.recompute_forward
         sparse_bwd += sparse_fwd
         routed_bwd += routed_fwd
     if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss

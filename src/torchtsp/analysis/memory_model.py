@@ -316,10 +316,10 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
     # Saved (policy "save"): each norm as in the reference; each block's input; per head group the queries,
     # local K/V, attention output (model dtype) and LSE (fp32), with q/k norm also the pre-norm q and k; per
-    # FFN shard the gate and up projections.
+    # FFN shard the gate and up projections (under recompute, projected again shard by shard in backward's ring).
     raw = Q + e * s.hkv * n if cfg.qk_norm else 0
     att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n + raw)
-    mlp = n * s.norm + A + D * 2 * e * s.ff * n
+    mlp = n * s.norm + A + (0 if recompute else D * 2 * e * s.ff * n)
     sparse = _sparse(cfg, s, D, tsp=True) if cfg.moe else None
     mlps = [n * s.norm + A + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
@@ -345,8 +345,10 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
                    added=sparse.weights)
             if cfg.is_moe_layer(i) else
             # One ring step: dx (fp32), a GEMM output, five [n, F/D] temporaries (silu, product, their
-            # gradients), shard buffers, the shard's float32 gradient and the travelling ones.
-            _Event("mlp backward", A32 + A + 5 * e * s.ff * n + bufs * mlp_w + (1 + flight) * FP32 * mlp_elems,
+            # gradients; seven with gate and up under recompute), shard buffers, the shard's float32 gradient
+            # and the travelling ones.
+            _Event("mlp backward", A32 + A + (7 if recompute else 5) * e * s.ff * n + bufs * mlp_w
+                   + (1 + flight) * FP32 * mlp_elems,
                    freed=mlp - n * s.norm, added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n, freed=n * s.norm),
             # One head group: dx (fp32), dY·Wo, the group's gathered K/V (and the next group's in flight), the

@@ -16,7 +16,10 @@ Activations (the ``recompute`` flag, as for every scheme): by default each block
 activations of its local tokens, all 1/D-sized: per head group the queries, local K/V,
 attention output and log-sum-exp; per FFN shard the gate and up projections. Backward
 then moves weights and K/V again but recomputes no GEMM. ``recompute=True`` keeps each
-layer's input only and re-runs the layer's forward, transfers included, in backward.
+layer's input only and re-runs the layer's forward, transfers included, in backward; the MLP's
+part of that re-run happens inside its backward ring (each passing shard's gate and up are
+projected again there), so its weights go around once in backward, not twice, and the down
+projection, whose output the re-run would discard, is not repeated.
 
 Overlap: weights (and their gradient reductions) travel on a second process group of the
 same ranks (``comm.weights``), activations, K/V and travelling gradients on the first, so
@@ -199,7 +202,9 @@ class TSPAttention(torch.autograd.Function):
     ``k_norm`` (Qwen3's per-head norm weights, replicated) get this rank's tokens' gradient; the caller sums it
     over the axis (``ReplicatedGrad``). When n_kv < D, D/n_kv consecutive ranks hold copies of one KV head:
     each group's K/V gradient reaches its owner as usual and the copies' gradients are then summed over
-    those ranks (``math.kv_comm``).
+    those ranks (``math.kv_comm``). ``prefetch_backward`` = (ShardPrefetch, key, shard): a broadcast to start
+    once backward has issued its last reduce (under recompute, shard 0 of the previous layer's attention, whose
+    forward backward runs again next).
 
     Heads stay token-major ([B, S/D, H, d], as the projections produce them) from projection to output
     projection: the attention kernel reads strided heads, so no head transpose is ever copied.
@@ -207,7 +212,7 @@ class TSPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shard, cos, sin, math: TSPShardMath, prefetch=None, layer: int = 0, q_norm=None,
-                k_norm=None):
+                k_norm=None, prefetch_backward=None):
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
@@ -253,7 +258,7 @@ class TSPAttention(torch.autograd.Function):
                 start_until(j + 2)
             weights.release(j)
         ctx.save_for_backward(x, shard, cos, sin, q_norm, k_norm, *(t for group in groups for t in group))
-        ctx.math, ctx.prefetch, ctx.layer = math, prefetch, layer
+        ctx.math, ctx.prefetch, ctx.layer, ctx.prefetch_backward = math, prefetch, layer, prefetch_backward
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
@@ -342,6 +347,8 @@ class TSPAttention(torch.autograd.Function):
                 finish(*previous)
             previous = (j, scattering, dw)
         finish(*previous)
+        if ctx.prefetch_backward is not None:  # after this layer's last reduce: waited for after it
+            ctx.prefetch_backward[0].issue(*ctx.prefetch_backward[1:])
         settle(keep=0)
         if math.kv_replicas > 1:
             # This rank's KV-head copy got the gradient of its own query group only: sum the copies' gradients
@@ -350,7 +357,8 @@ class TSPAttention(torch.autograd.Function):
         dq_norm = dk_norm = None
         if dnorms is not None:
             dq_norm, dk_norm = dnorms[0].to(q_norm.dtype), dnorms[1].to(k_norm.dtype)
-        return dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None, dq_norm, dk_norm
+        return (dx.view(B, n, h).to(x.dtype), dshard.to(shard.dtype), None, None, None, None, None, dq_norm, dk_norm,
+                None)
 
 
 # ---------------------------------------------------------------- gated MLP
@@ -363,17 +371,28 @@ class TSPFeedForward(torch.autograd.Function):
     shards around again and recomputes only the elementwise silu and product. ``prefetch`` = (ShardPrefetch,
     key, attention shard) starts the broadcast of the next attention's shard 0 during the last ring step
     (forward); ``prefetch_backward`` the same for this layer's attention in backward.
+
+    ``recompute``: save the input only; backward projects gate and up of each shard again as the shard passes
+    by, so the forward's GEMMs run again inside backward's ring and the weights go around once in backward,
+    not twice. ``rerun``: this is the layer's forward run again by ``checkpoint`` inside backward, which wants
+    only the saved input back (the block's output is discarded): nothing to compute, the output is left zero.
     """
 
     @staticmethod
-    def forward(ctx, x, shard, math: TSPShardMath, prefetch=None, prefetch_backward=None, layout=None):
+    def forward(ctx, x, shard, math: TSPShardMath, prefetch=None, prefetch_backward=None, layout=None,
+                recompute=False, rerun=False):
         # ``layout``: the packed shards' layout, if not the dense MLP's (a mixture of experts' shared expert).
+        ctx.math, ctx.prefetch_backward, ctx.layout = math, prefetch_backward, layout or math.mlp_layout
+        if recompute and rerun:
+            ctx.save_for_backward(x, shard)
+            return torch.zeros_like(x)
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
-        layout = layout or math.mlp_layout
+        layout = ctx.layout
         ff = layout.local_shape(layout.parts[0])[0]
-        shards = D if any(ctx.needs_input_grad[:2]) else 1  # without backward one shard's slot is reused
+        keep = not recompute and any(ctx.needs_input_grad[:2])
+        shards = D if keep else 1  # without backward, or recomputed in it, one shard's slot is reused
         gate_all, up_all = x.new_empty(shards, B * n, ff), x.new_empty(shards, B * n, ff)
         y = None
         for k, (s, w) in enumerate(ring_each(comm.weights, shard, "mlp.forward")):
@@ -385,13 +404,12 @@ class TSPFeedForward(torch.autograd.Function):
             torch.mm(x2, wg.t(), out=gate)
             torch.mm(x2, wu.t(), out=up)
             y = _add_mm(y, F.silu(gate) * up, wd.t())
-        ctx.save_for_backward(x, shard, gate_all, up_all)
-        ctx.math, ctx.prefetch_backward, ctx.layout = math, prefetch_backward, layout
+        ctx.save_for_backward(x, shard, *((gate_all, up_all) if keep else ()))
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, shard, gate_all, up_all = ctx.saved_tensors
+        x, shard, *kept = ctx.saved_tensors
         math, prefetch, layout = ctx.math, ctx.prefetch_backward, ctx.layout
         comm, D = math.comm, math.comm.size
         B, n, h = x.shape
@@ -403,7 +421,7 @@ class TSPFeedForward(torch.autograd.Function):
             if prefetch is not None and k == max(D - 2, 0):
                 prefetch[0].issue(*prefetch[1:])
             wg, wu, wd = layout.unpack(w)
-            gate, up = gate_all[s], up_all[s]
+            gate, up = (kept[0][s], kept[1][s]) if kept else (x2 @ wg.t(), x2 @ wu.t())
             silu = F.silu(gate)
             dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
             dwg, dwu, dwd = layout.unpack(dw)
@@ -415,7 +433,7 @@ class TSPFeedForward(torch.autograd.Function):
             _mm_into(dwg, dgate.t(), x2)
             _mm_into(dwu, dup.t(), x2)
             grads.add(dw)
-        return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None, None
+        return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------- embedding and LM head
@@ -718,8 +736,11 @@ class TSPTransformer(ParallelTransformer):
         def block(x, i):
             layer, norm = layers[i], norms[i]
             h = rms_norm(x, norm["attention_norm"], eps)
-            qk_norms = [norm["q_norm"], norm["k_norm"]] if cfg.qk_norm else []
-            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms)
+            qk_norms = [norm["q_norm"], norm["k_norm"]] if cfg.qk_norm else [None, None]
+            # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
+            rerun = ((prefetch, ("attention.forward", i - 1), layers[i - 1].attention_shard.detach())
+                     if self.recompute and i > 0 else None)
+            x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, math, prefetch, i, *qk_norms, rerun)
             h = rms_norm(x, norm["ffn_norm"], eps)
             ahead = None
             if not recomputing[0] and i + 1 < len(layers):
@@ -727,7 +748,8 @@ class TSPTransformer(ParallelTransformer):
             behind = (prefetch, ("attention.backward", i), layer.attention_shard.detach())
             if layer.moe is not None:
                 return x + layer.moe(h, stats, math, ahead, behind)
-            return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind)
+            return x + TSPFeedForward.apply(h, layer.mlp_shard, math, ahead, behind, None, self.recompute,
+                                            recomputing[0])
 
         for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
