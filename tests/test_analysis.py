@@ -233,8 +233,7 @@ def test_predicted_peak_memory_within_15_percent_of_measured(pools, scheme, batc
 def test_predicted_tsp_peak_under_recompute_within_15_percent(pools, world):
     """Under recompute a TSP layer's attention activations are rebuilt in backward, while its MLP's gate and up
     are projected again one shard at a time inside the backward ring (never all D at once). 15%, as for the other
-    schemes: here the walk over-predicts by 4% at D = 2 and 12% at D = 4 (1.82 MiB measured, 2.03 predicted),
-    where attention backward sets the peak in both modes."""
+    schemes (seen: +4% at D = 2, +5% at D = 4, where attention backward sets the peak)."""
     seq_len = 1024
     cfg = torchtsp.ModelConfig(**CALIBRATION["mha"])
     measured = max(pools(world).run(peak_on_rank, "tsp", world, "mha", 1, seq_len, True))

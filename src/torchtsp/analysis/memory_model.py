@@ -311,6 +311,10 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     Q = e * s.hq * n  # one head group's [n, hq] tensor
     K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
     K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
+    # Attention backward holds group j's and j+1's gathered K/V, and temporaries of that size: a remainder
+    # fitted to measurements at D = 2 and 4 (tiny to bench-sized models, fp32 and bf16, saved and recompute),
+    # two groups' K/V at D = 2, from D = 3 on one group's in float32.
+    attn_kv = 2 * K + (K32 if D > 2 else 2 * many * K)
     attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
@@ -354,7 +358,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
             # One head group: dx (fp32), dY·Wo, the group's gathered K/V (and the next group's in flight), the
             # output gradient and dq, float32 dK/dV (kernel output, stacked, per owner), shard buffers and the
             # float32 partial weight gradients being reduced.
-            _Event("attention backward", A32 + A + 3 * Q + (2 + 2 * many) * K + 3 * K32
+            _Event("attention backward", A32 + A + 3 * Q + attn_kv + 3 * K32
                    + attn_bufs * attn_w + attn_partials * FP32 * attn_elems,
                    freed=att - n * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
