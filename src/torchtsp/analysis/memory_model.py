@@ -303,9 +303,10 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     # partial weight gradients: group j-1's, and from D = 3 on group j-2's on its way to its owner, which
     # holds its own and the D - 1 it receives (point-to-point on gloo) until that reduce is waited for.
     attn_bufs, attn_partials = min(D - 1, 3), (2 + D if D > 2 else 1 + many)
-    # Travelling float32 gradients alive in a ring: the accumulator being sent, its receive buffer and, from
-    # D = 3 on, the previous accumulator whose send has not been reaped yet.
-    flight = min(D, 3) if many else 0
+    # Travelling float32 gradients alive in a ring step besides this rank's contribution: the accumulator that
+    # arrived (being sent on), the next one's receive buffer and the previous accumulator, whose send is reaped
+    # only when the next shift is issued (at D = 1 the accumulator stays home: the contribution itself).
+    flight = 3 if many else 0
     A = e * h * n  # one [n, h] tensor of local tokens
     A32 = FP32 * h * n  # its float32 accumulator (input gradients, block outputs)
     Q = e * s.hq * n  # one head group's [n, hq] tensor
@@ -348,11 +349,12 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
             _Event("experts backward", sparse.extra + cfg.moe_top_k * A, freed=mlps[i] - n * s.norm,
                    added=sparse.weights)
             if cfg.is_moe_layer(i) else
-            # One ring step: dx (fp32), a GEMM output, five [n, F/D] temporaries (silu, product, their
-            # gradients; seven with gate and up under recompute), shard buffers, the shard's float32 gradient
-            # and the travelling ones.
-            _Event("mlp backward", A32 + A + (7 if recompute else 5) * e * s.ff * n + bufs * mlp_w
-                   + (1 + flight) * FP32 * mlp_elems,
+            # One ring step: dx (fp32), a GEMM output, [n, F/D] temporaries (silu, product, their gradients:
+            # four, and one more from D = 2 on, where the previous step's are still bound when the next step's
+            # are made; two more, gate and up, under recompute), shard buffers, the shard's float32 gradient
+            # and the travelling ones; at D = 1 in bf16 the gradient's cast while its float32 sum lives.
+            _Event("mlp backward", A32 + A + (4 + many + 2 * recompute) * e * s.ff * n + bufs * mlp_w
+                   + (1 + flight) * FP32 * mlp_elems + (mlp_w if e < FP32 and not many else 0),
                    freed=mlp - n * s.norm, added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n, freed=n * s.norm),
             # One head group: dx (fp32), dY·Wo, the group's gathered K/V (and the next group's in flight), the

@@ -151,7 +151,8 @@ class GradientRing:
             acc = contribution.to(ACC)
         else:
             acc = self.pending.wait().add_(contribution)
-        self.pending = self.comm.ring_shift(acc, async_op=True, tag=GRAD_TAG, label=(self.label, self.step))
+        home = acc if self.comm.size == 1 else None  # a ring of one rank: the accumulator is home, no copy
+        self.pending = self.comm.ring_shift(acc, home, async_op=True, tag=GRAD_TAG, label=(self.label, self.step))
         self.step += 1
 
     def result(self, dtype) -> torch.Tensor:
