@@ -59,6 +59,53 @@ def test_every_operation_moves_and_counts_the_right_bytes(pools, world, point_to
         assert events[-3:] == [("issue", "all_reduce"), ("mark", "compute"), ("wait", "all_reduce")]
 
 
+def prefix_ops_on_rank(world, point_to_point=None):
+    """The causally pruned gather and its adjoint reduce-scatter (``prefix``: 2 of 4 rows), on rank-coded data."""
+    mesh = torchtsp.init_mesh(tsp=world)
+    comm = AxisComm.from_mesh(mesh, "tsp")
+    if point_to_point is not None:
+        comm = AxisComm(comm.group, "tsp", point_to_point=point_to_point)
+    r, prefix = comm.rank, (1, 2)
+    x = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3) + 100 * r  # [2, 4, 3]: dim 1 cut to 2
+    with comm.counting() as stats:
+        gathered = comm.all_gather_prefixes(x, prefix, async_op=True).wait()
+        # Slices for earlier ranks cut to the prefix (their gradient is zero past it), as the attention makes them.
+        slices = [torch.full((2, 2 if s < r else 4, 3), float(1 + r + 10 * s)) for s in range(world)]
+        summed = comm.reduce_scatter(slices, prefix=prefix)
+        padded = torch.zeros(world, 2, 4, 3)  # the same slices in one tensor, zero past a cut slice's prefix
+        for s, part in enumerate(slices):
+            padded[s, :, :part.shape[1]] = part
+        whole = comm.reduce_scatter(padded, prefix=prefix)
+    return gathered, summed, whole, dict(stats.bytes_recv), dict(stats.bytes_sent)
+
+
+@pytest.mark.parametrize("point_to_point", [None, False], ids=["default", "gloo_collectives"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_prefix_gather_and_scatter_move_only_what_later_ranks_need(pools, world, point_to_point):
+    """``all_gather_prefixes``: a rank gets the first part of earlier ranks' tensors and all of later ones';
+    ``reduce_scatter(prefix=...)`` is its adjoint (from later ranks only the first part comes back). Bytes per
+    rank follow ``kv_exchange_halves``; a collective backend moves everything."""
+    from torchtsp.analysis.comm_model import kv_exchange_halves
+
+    half = 2 * 2 * 3 * 4  # bytes of a [2, 2, 3] float32 first part: half of a rank's tensor
+    for r, (gathered, summed, whole, recv, sent) in enumerate(pools(world).run(prefix_ops_on_rank, world,
+                                                                                 point_to_point)):
+        pruned = point_to_point is None and world > 1
+        for s, part in enumerate(gathered):
+            full = torch.arange(24, dtype=torch.float32).view(2, 4, 3) + 100 * s
+            assert torch.equal(part, full[:, :2] if pruned and s < r else full), (r, s)
+        # Rank r's slice summed over ranks s, where later ranks (s > r) contributed only its first two rows.
+        expected = torch.full((2, 4, 3), float(sum(1 + s + 10 * r for s in range(r + 1))))
+        expected[:, :2] += sum(1 + s + 10 * r for s in range(r + 1, world))
+        assert torch.equal(summed, expected), r
+        assert torch.equal(whole, expected), r  # a whole [D, ...] input is cut the same way
+        gather, scatter = kv_exchange_halves(world, r if pruned else None)
+        assert recv.get("all_gather", 0) == gather * half
+        assert recv.get("reduce_scatter", 0) == 2 * scatter * half  # two reduce-scatters
+        # Sent plus received per exchange: 3(D-1) halves pruned instead of 4(D-1), the same on every rank.
+        assert recv.get("all_gather", 0) + sent.get("all_gather", 0) == (3 if pruned else 4) * (world - 1) * half
+
+
 def overlapping_ops_on_rank(world):
     """Several transfers of different kinds and sizes in flight on one group at once, waited out of order."""
     comm = AxisComm.from_mesh(torchtsp.init_mesh(tsp=world), "tsp")

@@ -105,7 +105,7 @@ def traffic_on_rank(cfg, scheme, degrees):
     tokens = torch.randint(cfg.vocab_size, (B, S))
     with Traffic(model.comms()) as traffic:
         model.loss(tokens, tokens).backward()
-    return traffic.recv
+    return traffic.recv, model.traffic_seq_rank()
 
 
 @pytest.mark.parametrize("scheme,degrees", [("tp", {"tp": 4}), ("tp_sp", {"tp": 2, "sp": 2}), ("sp", {"sp": 4}),
@@ -117,8 +117,8 @@ def test_feature_parameters_are_in_the_traffic_formula(pools, scheme, degrees):
     cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2)
     for features in (dict(qkv_bias=True, qk_norm=False), dict(qkv_bias=False, qk_norm=True)):
         cfg = cfg.replace(**features)
-        expected = predict_comm(scheme, cfg, B, S, **degrees).total
-        assert pools(4).run(traffic_on_rank, cfg, scheme, degrees) == [expected] * 4, features
+        for got, seq_rank in pools(4).run(traffic_on_rank, cfg, scheme, degrees):
+            assert got == predict_comm(scheme, cfg, B, S, **degrees, seq_rank=seq_rank).total, (features, seq_rank)
 
 
 def generate_on_rank(cfg, weights, prompt, scheme, degrees, **options):

@@ -468,7 +468,7 @@ def counted_traffic_on_rank(scheme, degrees):
     tokens, labels = batch(cfg, PB, PS)
     with Traffic(model.comms()) as traffic:
         model.loss(tokens, labels).backward()
-    return traffic.recv, sum(s.bytes_recv["all_to_all"] for s in traffic.stats.values())
+    return traffic.recv, sum(s.bytes_recv["all_to_all"] for s in traffic.stats.values()), model.traffic_seq_rank()
 
 
 @pytest.mark.parametrize("world,scheme,degrees", [(2, "tsp", {"tsp": 2}), (2, "tp", {"tp": 2}), (2, "sp", {"sp": 2}),
@@ -482,13 +482,13 @@ def test_step_traffic_model_equals_counted_bytes_besides_the_routed_payload(pool
 
     cfg = PARALLEL_CASES["shared"]
     breakdown = predict_comm(scheme, cfg, PB, PS, **degrees)
-    predicted = breakdown.total
     sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
     payload, counts = moe_all_to_all(cfg, PB // degrees.get("dp", 1) * PS, degrees.get("tsp", 1))
     # What the bench leaves out of its exact byte match: the expected all-to-alls, payload both ways plus counts.
     expected = sparse * (2 * payload * 4 + counts) if scheme == "tsp" else 0
     assert breakdown.routed == expected and breakdown.routed_forward == sparse * (payload * 4 + counts) * (expected > 0)
-    for total, a2a in pools(world).run(counted_traffic_on_rank, scheme, degrees):
+    for total, a2a, seq_rank in pools(world).run(counted_traffic_on_rank, scheme, degrees):
+        predicted = predict_comm(scheme, cfg, PB, PS, **degrees, seq_rank=seq_rank).total
         routed = a2a - sparse * counts  # the payload this rank really received (fwd + bwd)
         assert total - routed == predicted - sparse * 2 * payload * 4, (total, a2a, predicted)
         if scheme == "tsp":

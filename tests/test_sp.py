@@ -47,7 +47,8 @@ def one_layer_traffic_on_rank(world, batch_size, seq_len):
             y = model.layer_forward(x, weights, cos, sin)
         y.sum().backward()  # its reduce-scatter of dK/dV must line up on every rank too
         out[name] = dict(recv=fwd.total_recv, recv_by_op=dict(fwd.bytes_recv),
-                         expected=4 * sp_layer_forward_recv_elements(cfg, batch_size, seq_len, world))
+                         expected=4 * sp_layer_forward_recv_elements(cfg, batch_size, seq_len, world,
+                                                                     model.traffic_seq_rank()))
     return out
 
 

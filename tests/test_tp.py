@@ -118,7 +118,8 @@ def _layer_traffic(mesh, scheme, options, cfg, B, S):
         y = model.block(model.layers[0], x, cos, sin)
     return dict(recv=sum(s.total_recv for s in stats), by_op=[dict(s.bytes_recv) for s in stats],
                 shape_ok=y.shape == x.shape,
-                expected=4 * layer_forward_recv_elements(scheme, cfg, B, S, tp=T, sp=sp))
+                expected=4 * layer_forward_recv_elements(scheme, cfg, B, S, tp=T, sp=sp,
+                                                         seq_rank=model.traffic_seq_rank()))
 
 
 def _bad_input(mesh, scheme, options, changes, S):

@@ -24,6 +24,23 @@ def _kv_elements(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     return 2 * batch * seq_len * cfg.n_kv_heads * cfg.head_dim
 
 
+def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
+    """(gather, scatter): how many halves (chunks) of one rank's local K/V a rank receives in a K/V all-gather
+    and in the dK/dV reduce-scatter that mirrors it, over a sequence axis of ``world`` ranks.
+
+    ``seq_rank`` None: a collective backend (NCCL) moves every rank's K/V whole, 2(D-1) halves each way. A
+    point-to-point backend (gloo) moves only what causality needs (``distributed.attention.gather_kv``): rank p
+    gets the first chunk alone from each of the p ranks before it, so it gathers 2(D-1) - p halves, and in the
+    reduce-scatter it gets whole gradients from them and first chunks from the D-1-p ranks after it,
+    2p + (D-1-p) halves. The K/V bytes of a step then depend on the rank; summed over ranks they fall by a quarter.
+    """
+    if seq_rank is None:
+        return 2 * (world - 1), 2 * (world - 1)
+    if not 0 <= seq_rank < world:
+        raise ValueError(f"seq_rank must be in [0, {world}), got {seq_rank}")
+    return 2 * (world - 1) - seq_rank, 2 * seq_rank + (world - 1 - seq_rank)
+
+
 def tsp_kv_width(cfg: ModelConfig, world: int) -> int:
     """Width of the K/V projections TSP's shards hold together: n_kv·d, or D·d when n_kv < D (each KV head is
     then copied on D/n_kv ranks, so the shards together hold D KV heads)."""
@@ -37,16 +54,18 @@ def tsp_attention_elements(cfg: ModelConfig, world: int) -> int:
     return 2 * h * q_width + 2 * h * kv_width + ((q_width + 2 * kv_width) if cfg.qkv_bias else 0)
 
 
-def tsp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, world: int) -> int:
+def tsp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, world: int,
+                                    seq_rank: int | None = None) -> int:
     """TSP: (P + 2·B·S·h/g)·(D-1)/D.
 
     Every rank receives the D-1 weight shards it does not own (broadcast for attention, ring for the
     MLP) and, per head group, the K/V of the other ranks' tokens (2·B·S·h/g in all). P counts q/k/v biases
     (they travel in the attention shard), and with n_kv < D the copied KV heads (h/g becomes D·d).
+    ``seq_rank``: this rank's tsp rank on a point-to-point backend (``kv_exchange_halves``).
     """
     weights = tsp_attention_elements(cfg, world) + 3 * cfg.dim * cfg.ffn_dim
-    kv = 2 * batch * seq_len * tsp_kv_width(cfg, world)
-    return (weights + kv) * (world - 1) // world
+    kv_half = batch * seq_len * tsp_kv_width(cfg, world) // world  # one chunk of one rank's K/V, every group
+    return weights * (world - 1) // world + kv_exchange_halves(world, seq_rank)[0] * kv_half
 
 
 def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int) -> int:
@@ -57,23 +76,27 @@ def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, t
     return 4 * batch * seq_len * cfg.dim * (tp - 1) // tp
 
 
-def sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, sp: int) -> int:
-    """Sequence (context) parallel: the K/V all-gather, 2·B·S·h/g·(Σ-1)/Σ."""
-    return _kv_elements(cfg, batch, seq_len) * (sp - 1) // sp
+def sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, sp: int,
+                                   seq_rank: int | None = None) -> int:
+    """Sequence (context) parallel: the K/V all-gather, 2·B·S·h/g·(Σ-1)/Σ (``seq_rank``: this rank's sp rank
+    on a point-to-point backend, ``kv_exchange_halves``)."""
+    return kv_exchange_halves(sp, seq_rank)[0] * (_kv_elements(cfg, batch, seq_len) // sp // 2)
 
 
-def tp_sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int, sp: int) -> int:
+def tp_sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int, sp: int,
+                                      seq_rank: int | None = None) -> int:
     """TP(T) x SP(Σ): the TP all-reduces on the B·S/Σ local tokens, plus the K/V all-gather over Σ of
-    this rank's 1/T of the KV heads."""
+    this rank's 1/T of the KV heads (``seq_rank``: this rank's sp rank on a point-to-point backend)."""
     return (tp_layer_forward_recv_elements(cfg, batch, seq_len // sp, tp)
-            + _kv_elements(cfg, batch, seq_len) // tp * (sp - 1) // sp)
+            + kv_exchange_halves(sp, seq_rank)[0] * (_kv_elements(cfg, batch, seq_len) // tp // sp // 2))
 
 
 def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_len: int,
-                                dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1) -> int:
+                                dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1,
+                                seq_rank: int | None = None) -> int:
     """Elements one rank receives during one layer's forward under ``scheme`` (DP moves nothing forward)."""
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    return _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, 1, False).layer_forward
+    return _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, 1, False, seq_rank).layer_forward
 
 
 # ---------------------------------------------------------------- crossover and whole-step traffic
@@ -186,7 +209,8 @@ def _sparse_layers(cfg: ModelConfig) -> int:
     return sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
 
 
-def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
+                     seq_rank: int | None = None):
     """TSP over D: attention shards broadcast (twice), K/V gathered (twice) and dK/dV reduce-scattered per group,
     partial weight gradients reduced to their owner, MLP/embedding/head shards around the ring (the head again
     in backward) with their gradients travelling along, norm gradients (q/k norms too) all-reduced. With n_kv < D
@@ -197,11 +221,12 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     p_attn = tsp_attention_elements(cfg, D)
     p_mlp = 3 * h * cfg.ffn_dim
     rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
-    kv = 2 * B * (seq_len // D) * kv_width // D  # elements of one group's K/V of one rank
+    kv_half = B * (seq_len // D) * kv_width // D  # elements of one chunk of one group's K/V of one rank
+    gathered, scattered = kv_exchange_halves(D, seq_rank)
     travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
     g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients, norms) travel in float32
     bwd = ((D - 1) * p_attn // D * e  # broadcasts again
-           + D * (D - 1) * kv * (e + g)  # K/V all-gather again + dK/dV reduce-scatter, every group
+           + D * kv_half * (gathered * e + scattered * g)  # K/V all-gather again + dK/dV reduce-scatter, every group
            + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
            + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
@@ -211,7 +236,7 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
     grad_sync += L * _all_reduce(kv_local * g, replicas)
     dense = [h, p_attn // D, *qk_norms, h, p_mlp // D]
-    fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D) * e
+    fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D, seq_rank) * e
     sparse_fwd = sparse_bwd = routed_fwd = routed_bwd = 0
     sparse = dense[:-1]  # a sparse layer has no dense MLP shard
     if cfg.moe:
@@ -239,23 +264,28 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
         recompute_forward=fwd - (D - 1) * p_mlp // D * e)
 
 
-def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
+                    seq_rank: int | None = None):
     """The whole model on each rank: nothing moves but the sums over dp replicas."""
     return SchemeTraffic(0, 0, 0, 0, 0, 0, _reference_tensors(cfg))
 
 
-def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
+                    seq_rank: int | None = None):
     """SP over Σ: the K/V all-gather per layer, mirrored by the dK/dV reduce-scatter; every gradient all-reduced."""
     sp = degrees["sp"]
-    fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp) * e
+    fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp, seq_rank) * e
+    # dK/dV are reduce-scattered in float32 (``distributed.attention.ZigzagAttention``).
+    bwd = kv_exchange_halves(sp, seq_rank)[1] * (_kv_elements(cfg, B, seq_len) // sp // 2) * 4
     return SchemeTraffic(
-        layer_forward=fwd, layer_backward=fwd, embed_head_forward=0, embed_head_backward=0,
+        layer_forward=fwd, layer_backward=bwd, embed_head_forward=0, embed_head_backward=0,
         loss=2 * _all_reduce(4, sp) + _aux_stats(cfg, sp),
         grad_sync=sum(_all_reduce(n * e, sp) for n in _reference_tensors(cfg)),
-        local_tensors=_reference_tensors(cfg), sparse_forward=fwd, sparse_backward=fwd)
+        local_tensors=_reference_tensors(cfg), sparse_forward=fwd, sparse_backward=bwd)
 
 
-def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool):
+def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
+                    seq_rank: int | None = None):
     """Megatron TP over T on the B·S/Σ tokens of an sp group (Σ = 1 for plain TP), with the K/V gather over
     Σ of TP x SP and, with Megatron-SP, all-gather / reduce-scatter pairs instead of all-reduces."""
     h, L, T, sp = cfg.dim, cfg.n_layers, degrees["tp"], degrees["sp"]
@@ -264,8 +294,9 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     chunk = (T - 1) * act // T  # one all-gather or reduce-scatter of it
     rows = -(-cfg.vocab_size // T) * h
     kv_width = cfg.n_kv_heads * cfg.head_dim
-    kv_sp = (sp - 1) * 2 * B * (seq_len // sp) * (kv_width // T) * e  # K/V gather over sp, per layer
-    fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp) if sp > 1
+    # The dK/dV reduce-scatter over sp, per layer (the gather is part of the forward).
+    kv_sp = kv_exchange_halves(sp, seq_rank)[1] * B * (seq_len // sp) * (kv_width // T) * 4  # in float32
+    fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp, seq_rank) if sp > 1
            else tp_layer_forward_recv_elements(cfg, B, seq_len, T)) * e
     grad_sync = 0
     if sequence_parallel:
@@ -294,16 +325,16 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
 
 
 def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int,
-                    sequence_parallel: bool) -> SchemeTraffic:
+                    sequence_parallel: bool, seq_rank: int | None = None) -> SchemeTraffic:
     spec = get_scheme(scheme)
     if spec.traffic is None:
         raise ValueError(f"no communication model for scheme {scheme!r} (its collectives are not counted)")
-    return globals()[spec.traffic](cfg, B, seq_len, degrees, e, sequence_parallel)
+    return globals()[spec.traffic](cfg, B, seq_len, degrees, e, sequence_parallel, seq_rank)
 
 
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                  tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
-                 mode: str = "train", recompute: bool = False) -> CommBreakdown:
+                 mode: str = "train", recompute: bool = False, seq_rank: int | None = None) -> CommBreakdown:
     """Bytes one rank receives per training step (forward + backward + gradient sync), or per prefill
     (``mode="infer"``: the forward only, no loss), under ``scheme`` as our parallel/ modules run it.
 
@@ -311,12 +342,17 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     dtype (``dtype_bytes``); loss statistics and the gradient sums over dp replicas in fp32. The per-layer
     forward equals ``layer_forward_recv_elements(...) · dtype_bytes`` for every scheme. The scheme's own
     formula is the function its registry entry names (``torchtsp.schemes``).
+
+    ``seq_rank``: None for a collective backend (NCCL), where every rank moves the same bytes. On a
+    point-to-point backend (gloo, CPU) the K/V exchange of TSP, SP and TP x SP skips what causality never
+    reads (``kv_exchange_halves``) and a rank's bytes depend on its rank on the sequence axis (tsp or sp):
+    pass it to count that rank's.
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     get_scheme(scheme).validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-    t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel)
+    t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel, seq_rank)
     fwd, bwd, emb_fwd, emb_bwd, grad_sync = (t.layer_forward, t.layer_backward, t.embed_head_forward,
                                              t.embed_head_backward, t.grad_sync)
     sparse_fwd, sparse_bwd = t.sparse_forward, t.sparse_backward

@@ -155,10 +155,11 @@ def _cell(spec: CellSpec, mesh) -> dict:
 
     world = AxisComm.world(spec.timeout_s)  # a separate comm: not counted with the model's axes
     exposed = waited / sum(times) if times else 0.0
-    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, fwd_routed, step_routed, *times],
-                         dtype=torch.float64, device=built.device)
+    seq_rank = model.traffic_seq_rank()  # which rank's bytes predict_comm must count (-1 below: None)
+    local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, fwd_routed, step_routed,
+                          -1 if seq_rank is None else seq_rank, *times], dtype=torch.float64, device=built.device)
     rows = world.all_gather(local).cpu().tolist()
-    step_times = [max(r[7 + i] for r in rows) for i in range(len(times))]
+    step_times = [max(r[8 + i] for r in rows) for i in range(len(times))]
     return {
         "error": None,
         "peak_bytes_per_rank": [int(r[0]) for r in rows],
@@ -166,6 +167,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
         "step_bytes_per_rank": [int(r[2]) for r in rows] if spec.counted else None,
         "routed_forward_bytes_per_rank": [int(r[5]) for r in rows] if spec.counted else None,
         "routed_step_bytes_per_rank": [int(r[6]) for r in rows] if spec.counted else None,
+        "seq_rank_per_rank": [None if r[7] < 0 else int(r[7]) for r in rows],
         "loss": rows[0][3],
         "step_times_s": step_times,
         # Fraction of its timed steps each rank spent blocked on transfers; the largest over ranks.

@@ -81,14 +81,16 @@ def layout_error(spec: CellSpec) -> str | None:
     return None
 
 
-def predictions(spec: CellSpec, foreach: bool) -> dict:
-    """The analytic model's per-rank peak memory and received bytes for ``spec`` (None where not modelled)."""
+def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None) -> dict:
+    """The analytic model's per-rank peak memory and received bytes for ``spec`` (None where not modelled);
+    the bytes of the rank at ``seq_rank`` on the sequence axis where they depend on it (``predict_comm``)."""
     if get_scheme(spec.scheme).traffic is None:
         return {"memory": None, "comm": None, "peak_bytes": None, "forward_bytes": None, "step_bytes": None}
     flags = {k: True for k in ("sequence_parallel", "recompute") if spec.options.get(k)}
     mem = predict_memory(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags,
                          dtype_bytes=4, optimizer="adamw", foreach=foreach)
-    traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4)
+    traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4,
+                           seq_rank=seq_rank)
     return {"memory": mem.to_dict(), "comm": traffic.to_dict(), "peak_bytes": mem.total,
             "forward_bytes": traffic.forward, "step_bytes": traffic.total,
             "routed_forward_bytes": traffic.routed_forward, "routed_step_bytes": traffic.routed}
@@ -121,7 +123,9 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
             "seq_len": spec.seq_len, "batch": spec.batch, "options": spec.options}
     if result.get("error"):
         return {**base, "status": f"n/a: {result['error']}"}
-    pred = predictions(spec, foreach)
+    seq_ranks = result.get("seq_rank_per_rank") or [None] * len(result["peak_bytes_per_rank"])
+    per_rank = {r: predictions(spec, foreach, r) for r in set(seq_ranks)}
+    pred = per_rank[seq_ranks[0]]  # rank 0's, next to rank 0's measured bytes
     peak = max(result["peak_bytes_per_rank"])
     rec = {**base, "status": "ok", "loss": result["loss"],
            "peak_bytes": peak, "peak_bytes_per_rank": result["peak_bytes_per_rank"],
@@ -134,21 +138,27 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
         # Exact on the deterministic bytes; a mixture of experts' all-to-alls carry what routing sent, so they are
         # reported against their expectation under uniform routing (tests/test_moe.py checks them exactly).
         routed_fwd, routed_step = result["routed_forward_bytes_per_rank"], result["routed_step_bytes_per_rank"]
+        # The deterministic bytes each rank should have received (they differ by rank where the K/V exchange is
+        # causally pruned: gloo, ``predict_comm(seq_rank=...)``).
+        expected_fwd = expected_step = None
         if fwd is not None and pred["forward_bytes"] is not None:
             fwd = [b - r for b, r in zip(fwd, routed_fwd)]
             whole = [b - r for b, r in zip(whole, routed_step)]
-            pred = {**pred, "forward_bytes": pred["forward_bytes"] - pred["routed_forward_bytes"],
-                    "step_bytes": pred["step_bytes"] - pred["routed_step_bytes"]}
+            expected_fwd = [per_rank[r]["forward_bytes"] - per_rank[r]["routed_forward_bytes"] for r in seq_ranks]
+            expected_step = [per_rank[r]["step_bytes"] - per_rank[r]["routed_step_bytes"] for r in seq_ranks]
+            pred = {**pred, "forward_bytes": expected_fwd[0], "step_bytes": expected_step[0]}
         rec.update({
             "step_times_s": result["step_times_s"], "median_step_s": median,
             "exposed_comm_fraction": result.get("exposed_comm_fraction"),
             "tokens_per_s": spec.batch * spec.seq_len / median,
             "forward_bytes": None if fwd is None else fwd[0], "forward_bytes_per_rank": fwd,
             "predicted_forward_bytes": pred["forward_bytes"],
-            "bytes_match": None if fwd is None else all(b == pred["forward_bytes"] for b in fwd),
+            "predicted_forward_bytes_per_rank": expected_fwd,
+            "bytes_match": None if expected_fwd is None else fwd == expected_fwd,
             "step_bytes": None if whole is None else whole[0], "step_bytes_per_rank": whole,
             "predicted_step_bytes": pred["step_bytes"],
-            "step_bytes_match": None if whole is None else all(b == pred["step_bytes"] for b in whole),
+            "predicted_step_bytes_per_rank": expected_step,
+            "step_bytes_match": None if expected_step is None else whole == expected_step,
             "routed_step_bytes_per_rank": routed_step,
             "routed_vs_expected": (None if not routed_step or not pred.get("routed_step_bytes")
                                    else statistics.mean(routed_step) / pred["routed_step_bytes"]),

@@ -171,8 +171,8 @@ def _row_slice(chunks, chunk_len: int) -> slice:
 
 
 def _halves(kv, r: int, first: int, end: int, chunk_len: int):
-    """Keys and values [B, Hkv, L, d] of halves [first, end) of rank r's local K/V in ``kv`` [D, 2, B, S/D, Hkv, d]."""
-    return kv[r, :, :, first * chunk_len:end * chunk_len].transpose(2, 3).unbind(0)
+    """Keys and values [B, Hkv, L, d] of halves [first, end) of rank r's local K/V ``kv[r]`` [2, B, S/D, Hkv, d]."""
+    return kv[r][:, :, first * chunk_len:end * chunk_len].transpose(2, 3).unbind(0)
 
 
 class _Sum:
@@ -208,7 +208,8 @@ class _Sum:
 
 def zigzag_attention_forward(q, kv, rank: int, world: int):
     """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against every rank's keys and values
-    ``kv`` [D, 2, B, S/D, Hkv, d] (token-major, rank by rank: the all-gather's output, never reordered).
+    ``kv``: D tensors [2, B, S/D, Hkv, d] (token-major, rank by rank: the all-gather's output, never reordered;
+    those of ranks before ``rank`` may hold their first chunk only, the one these queries see).
 
     Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
     [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
@@ -232,10 +233,15 @@ def zigzag_attention_forward(q, kv, rank: int, world: int):
 
 def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
-    dkv [D, 2, B, S/D, Hkv, d] float32, laid out like ``kv``, holds the gradient of every rank's keys and
-    values from these queries (summed over the g query heads of each KV head): the input of the
-    reduce-scatter that sums it over ranks at the keys' owners."""
-    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv, float32 and shaped like ``kv`` (one [D, 2, B, S/D, Hkv, d] tensor, or a list of D tensors when some
+    hold a first chunk only), holds the gradient of every rank's keys and values from these queries (summed
+    over the g query heads of each KV head): the input of the reduce-scatter that sums it over ranks at the
+    keys' owners."""
+    shapes = [part.shape for part in kv]
+    if all(shape == shapes[rank] for shape in shapes):
+        dkv = torch.empty((len(kv), *shapes[rank]), dtype=torch.float32, device=q.device)
+    else:
+        dkv = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in shapes]
     chunk_len = q.shape[-2] // 2
     if world == 1:
         halves = (0, 0, 2, chunk_len)
@@ -258,22 +264,30 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     for m in summed:
         m.finish()
     for r in range(world):
-        for h in range(2):
+        for h in range(dkv[r].shape[2] // chunk_len):
             if (r, h) not in written:  # keys after every local query
-                dkv[r, :, :, h * chunk_len:(h + 1) * chunk_len].zero_()
+                dkv[r][:, :, h * chunk_len:(h + 1) * chunk_len].zero_()
     return dq, dkv
 
 
+def first_chunk(kv: torch.Tensor) -> tuple[int, int]:
+    """Where a rank's first chunk lies in its local K/V [2, B, S/D, Hkv, d]: (dim, length), a ``prefix`` of comm."""
+    return 2, kv.shape[2] // 2
+
+
 def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
-    """Every rank's local K/V [2, B, S/D, Hkv, d] (token-major) -> [D, 2, B, S/D, Hkv, d], rank by rank (the
-    layout the zigzag attention reads; no reordering). At D = 1 a view of ``kv``.
+    """Every rank's local K/V [2, B, S/D, Hkv, d] (token-major) -> a list of D such tensors, rank by rank (the
+    layout the zigzag attention reads; no reordering). Rank p never reads the second chunk (2D-1-r) of a rank
+    r < p, which comes after both of its query chunks: where the backend moves tensors point to point, those
+    ranks' entries hold their first chunk only (a quarter of the K/V traffic saved, evenly over the ranks:
+    rank p receives p halves fewer and sends D-1-p halves fewer). At D = 1 a view of ``kv``.
 
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.
     """
     if comm.size == 1:
-        return (lambda: kv.unsqueeze(0)) if async_op else kv.unsqueeze(0)
-    pending = comm.all_gather(kv, async_op=True, label=label)
+        return (lambda: [kv]) if async_op else [kv]
+    pending = comm.all_gather_prefixes(kv, first_chunk(kv), async_op=True, label=label)
     return pending.wait if async_op else pending.wait()
 
 
@@ -286,16 +300,17 @@ class ZigzagAttention(torch.autograd.Function):
     def forward(ctx, q, kv, comm):
         gathered = gather_kv(comm, kv)
         out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size)
-        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.save_for_backward(q, out, lse, *gathered)
         ctx.comm = comm
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, gathered, out, lse = ctx.saved_tensors
+        q, out, lse, *gathered = ctx.saved_tensors
         comm = ctx.comm
         dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size)
-        return dq, comm.reduce_scatter(dkv, label="kv.grad").to(gathered.dtype), None
+        dkv = comm.reduce_scatter(dkv, label="kv.grad", prefix=first_chunk(gathered[comm.rank]))
+        return dq, dkv.to(gathered[0].dtype), None
 
 
 def zigzag_causal_attention(q, kv, comm) -> torch.Tensor:

@@ -252,6 +252,11 @@ class CommStats:
         return sum(self.bytes_sent.values())
 
 
+def _cut(t: torch.Tensor, prefix: tuple[int, int] | None) -> torch.Tensor:
+    """The first ``prefix`` = (dim, length) entries of ``t`` along dim (all of ``t`` for None)."""
+    return t if prefix is None else t.narrow(prefix[0], 0, prefix[1])
+
+
 class Pending:
     """An issued transfer; ``wait()`` blocks (with the axis timeout) and returns its result tensor."""
 
@@ -259,13 +264,14 @@ class Pending:
         self._comm, self._works, self._result, self._op, self._label = comm, works, result, op, label
         self._records = records  # (stats, Transfer) of every counting() block open at issue time
         self._then = finish  # local work on the received tensor once it has arrived (None: none)
+        self._on_cpu = (result if isinstance(result, torch.Tensor) else result[0]).device.type == "cpu"
         self._done = False
 
     def wait(self) -> torch.Tensor:
         if not self._done:
             start = time.perf_counter()
             for work in self._works:
-                if self._result.device.type != "cpu":
+                if not self._on_cpu:
                     # NCCL: a wait with a timeout would block the host until the kernel ends; a plain wait
                     # only orders the streams, and NCCL's watchdog enforces the group's timeout.
                     work.wait()
@@ -304,6 +310,11 @@ class AxisComm:
         self.weights = self
         if weight_group is not None:
             self.weights = AxisComm(weight_group, name, timeout_s, stream=f"{name}.weights", _active=self._active)
+
+    @property
+    def point_to_point(self) -> bool:
+        """Whether this axis runs broadcast, all-gather, reduce-scatter and reduce as point-to-point transfers."""
+        return self._point_to_point
 
     @classmethod
     def world(cls, timeout_s: float = DEFAULT_TIMEOUT_S) -> AxisComm:
@@ -395,7 +406,15 @@ class AxisComm:
 
     def _exchange(self, op: str, sends, recvs) -> list:
         """Start the point-to-point transfers of one operation: isend each (tensor, peer), irecv each (tensor, peer)."""
-        tag = self._P2P_TAGS[op]
+        return self._send_recv(sends, recvs, self._P2P_TAGS[op])
+
+    def _send_recv(self, sends, recvs, tag: int) -> list:
+        """Start sends and receives of (tensor, axis rank) pairs. On gloo straight through the process group (which
+        takes its own ranks): a step issues hundreds of them, and ``batch_isend_irecv``'s checks per op cost a
+        third of the host time of each. Elsewhere as one batch, which NCCL needs to pair them without deadlock."""
+        if self._point_to_point:
+            return ([self.group.send([t], peer, tag) for t, peer in sends]
+                    + [self.group.recv([t], peer, tag) for t, peer in recvs])
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=peer, tag=tag) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer, tag=tag) for t, peer in recvs]
         return dist.batch_isend_irecv(ops)
@@ -420,6 +439,9 @@ class AxisComm:
 
     def all_gather(self, tensor: torch.Tensor, async_op=False, label=None):
         """[*shape] on each rank -> [D, *shape] on every rank, in axis-rank order."""
+        return self._finish(self._gather(tensor, label), async_op)
+
+    def _gather(self, tensor: torch.Tensor, label, finish=None) -> Pending:
         out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
         n = (self.size - 1) * self._nbytes(tensor)
         if self.size == 1 or self._point_to_point:
@@ -430,27 +452,71 @@ class AxisComm:
         else:
             launch = lambda: [dist.all_gather_single(out.view(-1), tensor.reshape(-1), group=self.group,
                                                      async_op=True)]
-        return self._finish(self._issue("all_gather", label, n, n, launch, out), async_op)
+        return self._issue("all_gather", label, n, n, launch, out, finish)
 
-    def reduce_scatter(self, tensor: torch.Tensor, async_op=False, label=None):
+    def all_gather_prefixes(self, tensor: torch.Tensor, prefix: tuple[int, int], async_op=False, label=None):
+        """``all_gather`` for a rank that needs only the first part of every earlier rank's tensor: a list of D
+        tensors, rank by rank, those of ranks before this one cut to ``prefix`` = (dim, length) entries along
+        ``dim`` (zigzag attention: a query chunk never sees a later chunk's keys). Point-to-point backends
+        move only those parts; collective ones gather everything and return views of the whole slices."""
+        if not self._point_to_point:
+            return self._finish(self._gather(tensor, label, finish=lambda out: list(out.unbind(0))), async_op)
+        dim, length = prefix
+        head = tensor.narrow(dim, 0, length).contiguous()
+        src = tensor.contiguous()
+        parts = [head.new_empty(head.shape) if peer < self.rank else torch.empty_like(src) for peer in range(self.size)]
+        parts[self.rank] = src
+        sends = [(head if peer > self.rank else src, peer) for peer in self._peers()]
+        recvs = [(parts[peer], peer) for peer in self._peers(receiving=True)]
+        sent, recv = (sum(self._nbytes(t) for t, _ in transfers) for transfers in (sends, recvs))
+        launch = lambda: self._exchange("all_gather", sends, recvs)
+        return self._finish(self._issue("all_gather", label, sent, recv, launch, parts), async_op)
+
+    def reduce_scatter(self, tensor, async_op=False, label=None, prefix: tuple[int, int] | None = None):
         """[D, *shape] on each rank -> the sum over ranks of slice [rank], [*shape] (at D = 1: ``tensor[0]``).
 
         On gloo the slices are summed here, in rank order and in the input's dtype (float32 for TSP's gradients).
+
+        The adjoint of ``all_gather_prefixes``: ``tensor`` may be a list of D slices, those for ranks before this
+        one cut to ``prefix`` = (dim, length) (their gradient is zero past it). Only those parts travel; the
+        slices a rank receives from later ranks are added to the first part of its own.
         """
-        if tensor.shape[0] != self.size:
-            raise ValueError(f"reduce_scatter input needs leading dim {self.size}, got {tuple(tensor.shape)}")
-        n = (self.size - 1) * self._nbytes(tensor[0])
+        if isinstance(tensor, (list, tuple)) and not self._point_to_point:
+            tensor = self._padded(tensor, prefix)
+        if len(tensor) != self.size:
+            raise ValueError(f"reduce_scatter input needs {self.size} slices, got {len(tensor)}")
         if self._point_to_point:
-            src = tensor.contiguous()
-            received = torch.empty_like(src)
-            received[self.rank] = src[self.rank]
-            launch = lambda: self._exchange("reduce_scatter", [(src[peer], peer) for peer in self._peers()],
-                                            [(received[peer], peer) for peer in self._peers(receiving=True)])
-            pending = self._issue("reduce_scatter", label, n, n, launch, received, finish=lambda r: r.sum(0))
-            return self._finish(pending, async_op)
+            slices = tensor if isinstance(tensor, (list, tuple)) else tensor.contiguous()
+            own = slices[self.rank]
+            # With a prefix, earlier ranks (and this one) contribute whole slices, later ones the first part.
+            received = own.new_empty(self.rank + 1 if prefix else self.size, *own.shape)
+            received[self.rank] = own
+            heads = [own.new_empty(_cut(own, prefix).shape) for _ in range(self.rank + 1, self.size)] if prefix else []
+            sends = [(_cut(slices[peer], prefix if peer < self.rank else None).contiguous(), peer)
+                     for peer in self._peers()]
+            recvs = [(received[peer] if peer < len(received) else heads[peer - self.rank - 1], peer)
+                     for peer in self._peers(receiving=True)]
+            sent, recv = (sum(self._nbytes(t) for t, _ in transfers) for transfers in (sends, recvs))
+
+            def finish(_):
+                total = received.sum(0)
+                for head in heads:
+                    _cut(total, prefix).add_(head)
+                return total
+            launch = lambda: self._exchange("reduce_scatter", sends, recvs)
+            return self._finish(self._issue("reduce_scatter", label, sent, recv, launch, received, finish), async_op)
+        n = (self.size - 1) * self._nbytes(tensor[0])
         out = tensor[0] if self.size == 1 else torch.empty_like(tensor[0])
         launch = lambda: [dist.reduce_scatter_single(out.view(-1), tensor.reshape(-1), group=self.group, async_op=True)]
         return self._finish(self._issue("reduce_scatter", label, n, n, launch, out), async_op)
+
+    def _padded(self, slices, prefix) -> torch.Tensor:
+        """Slices, some cut to ``prefix``, as one [D, *shape] tensor (zero past a cut slice's prefix)."""
+        full = max(slices, key=lambda t: t.numel())
+        out = full.new_zeros(len(slices), *full.shape)
+        for whole, part in zip(out, slices):
+            _cut(whole, prefix if part.shape != full.shape else None).copy_(part)
+        return out
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op=False, label=None):
         """Sum ``tensor`` over ranks into the destination's copy (others' copies are left undefined).
@@ -489,14 +555,7 @@ class AxisComm:
             recv.copy_(send)
         nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         n = self._nbytes(send) if self.size > 1 else 0
-
-        def launch():
-            ops = [
-                dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt, tag=tag),
-                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv, tag=tag),
-            ]
-            return dist.batch_isend_irecv(ops)
-
+        launch = lambda: self._send_recv([(send, nxt)], [(recv, prv)], tag)
         return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)
 
 

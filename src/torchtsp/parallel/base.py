@@ -124,6 +124,16 @@ class ParallelTransformer(nn.Module):
         """The mesh axes this model communicates over, by name (for counting traffic)."""
         raise NotImplementedError
 
+    def traffic_seq_rank(self) -> int | None:
+        """What ``predict_comm(seq_rank=...)`` needs to count this rank's bytes: its rank on the sequence axis
+        (tsp or sp) when that axis moves K/V point to point (gloo), which skips the halves causality never reads;
+        None when it gathers them whole (NCCL) or the scheme has no sequence axis."""
+        for name in ("tsp", "sp"):
+            comm = self.comms().get(name)
+            if comm is not None and comm.point_to_point:
+                return comm.rank
+        return None
+
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's share of a global [B, S] batch (tokens or labels)."""
         raise NotImplementedError

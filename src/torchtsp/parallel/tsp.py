@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
-from ..distributed.attention import gather_kv, zigzag_attention_backward, zigzag_attention_forward
+from ..distributed.attention import first_chunk, gather_kv, zigzag_attention_backward, zigzag_attention_forward
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..model import (
     IGNORE_INDEX,
@@ -329,7 +329,8 @@ class TSPAttention(torch.autograd.Function):
                                                 outs[j].transpose(1, 2), lses[j], comm.rank, D)
             dout = None
             # dK/dV of own tokens, summed over every rank's queries.
-            scattering = comm.reduce_scatter(dkv, async_op=True, label=("attention.backward", j))
+            scattering = comm.reduce_scatter(dkv, async_op=True, label=("attention.backward", j),
+                                             prefix=first_chunk(kvs[j]))
             dkv = None
             if j + 2 < D:
                 gathers[j + 2] = gather(j + 2)
