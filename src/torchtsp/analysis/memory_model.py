@@ -316,6 +316,11 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     # fitted to measurements at D = 2 and 4 (tiny to bench-sized models, fp32 and bf16, saved and recompute),
     # two groups' K/V at D = 2, from D = 3 on one group's in float32.
     attn_kv = 2 * K + (K32 if D > 2 else 2 * many * K)
+    # On gloo the K/V exchange is causally pruned (``distributed.attention.gather_kv``). The fullest rank is then
+    # rank 0: it still gathers every rank's K/V whole but keeps its own as they are (one slice fewer per group),
+    # and gets only first-chunk dK/dV from the D - 1 later ranks (a reduce-scatter holds (D + 1)/2 float32
+    # slices instead of D), for each of the two groups in flight.
+    attn_kv -= (2 * K + (D - 1) * K32) // D if many else 0
     attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e

@@ -33,6 +33,10 @@ all_to_all_single  rows from the other ranks    rows to the other ranks
 pipeline_p2p       n per received tensor        n per sent tensor
 =================  ===========================  ===========================
 
+``all_gather_prefixes`` and ``reduce_scatter(prefix=...)`` (the causally pruned K/V exchange) count what
+they move on point-to-point backends, where the parts of earlier ranks are cut to a prefix (so the figures
+depend on the rank), and the whole all-gather / reduce-scatter figures on collective ones.
+
 ``pipeline_p2p`` is the one kind of traffic this module does not issue itself: the sends and
 receives of ``torch.distributed.pipelining`` between pipeline stages. Its stage hands every
 batch of point-to-point ops it is about to issue to ``AxisComm.count_p2p`` first (see
