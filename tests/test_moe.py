@@ -451,7 +451,7 @@ def test_tsp_has_the_lowest_per_rank_peak_at_long_sequences(pools):
     for scheme, measured in peaks.items():
         degrees = {} if scheme == "reference" else {scheme: world}
         predicted = predict_memory("dp" if scheme == "reference" else scheme, MEM_CFG, 1, S, optimizer=None,
-                                   **degrees).total
+                                   pruned_kv=True, **degrees).total  # gloo: the K/V exchange is pruned
         assert abs(predicted - measured) <= 0.10 * measured, (scheme, predicted, measured)
 
 

@@ -78,8 +78,8 @@ def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, t
 
 def sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, sp: int,
                                    seq_rank: int | None = None) -> int:
-    """Sequence (context) parallel: the K/V all-gather, 2·B·S·h/g·(Σ-1)/Σ (``seq_rank``: this rank's sp rank
-    on a point-to-point backend, ``kv_exchange_halves``)."""
+    """Sequence (context) parallel: the K/V all-gather, 2·B·S·h/g·(Σ-1)/Σ on a collective backend; on a
+    point-to-point one pass this rank's sp rank as ``seq_rank`` (``kv_exchange_halves``)."""
     return kv_exchange_halves(sp, seq_rank)[0] * (_kv_elements(cfg, batch, seq_len) // sp // 2)
 
 

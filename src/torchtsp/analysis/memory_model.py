@@ -294,7 +294,7 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     return acts, _walk(base + acts, events)
 
 
-def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
+def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     """Saved activations and the backward walk of TSP (parallel/tsp.py), calibrated on measurements."""
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
     many = D > 1
@@ -304,9 +304,9 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     # holds its own and the D - 1 it receives (point-to-point on gloo) until that reduce is waited for.
     attn_bufs, attn_partials = min(D - 1, 3), (2 + D if D > 2 else 1 + many)
     # Travelling float32 gradients alive in a ring step besides this rank's contribution: the accumulator that
-    # arrived (being sent on), the next one's receive buffer and the previous accumulator, whose send is reaped
-    # only when the next shift is issued (at D = 1 the accumulator stays home: the contribution itself).
-    flight = 3 if many else 0
+    # arrived (being sent on) and the next one's receive buffer; the previous accumulator is freed when its
+    # shift is waited for (at D = 1 the accumulator stays home: the contribution itself).
+    flight = 2 if many else 0
     A = e * h * n  # one [n, h] tensor of local tokens
     A32 = FP32 * h * n  # its float32 accumulator (input gradients, block outputs)
     Q = e * s.hq * n  # one head group's [n, hq] tensor
@@ -316,11 +316,11 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts):
     # fitted to measurements at D = 2 and 4 (tiny to bench-sized models, fp32 and bf16, saved and recompute),
     # two groups' K/V at D = 2, from D = 3 on one group's in float32.
     attn_kv = 2 * K + (K32 if D > 2 else 2 * many * K)
-    # On gloo the K/V exchange is causally pruned (``distributed.attention.gather_kv``). The fullest rank is then
-    # rank 0: it still gathers every rank's K/V whole but keeps its own as they are (one slice fewer per group),
-    # and gets only first-chunk dK/dV from the D - 1 later ranks (a reduce-scatter holds (D + 1)/2 float32
-    # slices instead of D), for each of the two groups in flight.
-    attn_kv -= (2 * K + (D - 1) * K32) // D if many else 0
+    # A causally pruned K/V exchange (point-to-point backends, ``distributed.attention.gather_kv``): the fullest
+    # rank is then rank 0. It still gathers every rank's K/V whole but keeps its own as they are (one slice fewer
+    # per group), and gets only first-chunk dK/dV from the D - 1 later ranks (a reduce-scatter holds (D + 1)/2
+    # float32 slices instead of D), for each of the two groups in flight.
+    attn_kv -= (2 * K + (D - 1) * K32) // D if many and pruned_kv else 0
     attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e
@@ -384,7 +384,7 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
                    tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                    optimizer: str | None = "adamw", master_weights: bool | None = None, foreach: bool = True,
                    recompute: bool = False, mode: str = "train", new_tokens: int = 0, schedule: str = "auto",
-                   prefill_chunk: int | None = None) -> MemoryBreakdown:
+                   prefill_chunk: int | None = None, pruned_kv: bool = False) -> MemoryBreakdown:
     """Predicted per-rank memory of one step of ``scheme`` (bytes).
 
     ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
@@ -398,6 +398,9 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     ``mode="infer"``: ``generate`` of a ``seq_len``-token prompt per sequence then ``new_tokens`` more (no
     gradients or optimizer; the KV cache at full capacity; TSP's ``schedule`` picked as generate picks it;
     ``prefill_chunk`` as generate's). Prompts need not divide evenly: generate pads them.
+    ``pruned_kv``: the K/V exchange is causally pruned, as on point-to-point backends (gloo; a model's
+    ``traffic_seq_rank()`` is not None there), which leaves TSP's fullest rank less to hold in attention
+    backward. False (the default) for collective backends (NCCL), which gather everything.
     """
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
@@ -432,7 +435,8 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         step_extra += n_params * FP32 if master else 0
     base = params + opt
     if spec.memory_walk == "tsp":
-        acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts)
+        acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts,
+                                                   pruned_kv=pruned_kv)
     else:
         acts, (peak, phase, transient) = _reference_walk(spec, cfg, s, tp=tp, sp=sp,
                                                          sequence_parallel=sequence_parallel,

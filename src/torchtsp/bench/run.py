@@ -88,6 +88,7 @@ def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None) -> d
         return {"memory": None, "comm": None, "peak_bytes": None, "forward_bytes": None, "step_bytes": None}
     flags = {k: True for k in ("sequence_parallel", "recompute") if spec.options.get(k)}
     mem = predict_memory(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags,
+                         pruned_kv=seq_rank is not None,
                          dtype_bytes=4, optimizer="adamw", foreach=foreach)
     traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4,
                            seq_rank=seq_rank)

@@ -233,10 +233,10 @@ def zigzag_attention_forward(q, kv, rank: int, world: int):
 
 def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
-    dkv, float32 and shaped like ``kv`` (one [D, 2, B, S/D, Hkv, d] tensor, or a list of D tensors when some
-    hold a first chunk only), holds the gradient of every rank's keys and values from these queries (summed
+    dkv, float32, holds the gradient of every rank's keys and values from these queries (summed
     over the g query heads of each KV head): the input of the reduce-scatter that sums it over ranks at the
-    keys' owners."""
+    keys' owners. One [D, 2, B, S/D, Hkv, d] tensor when every rank's K/V came whole, else a list of D tensors
+    shaped like ``kv``'s (first chunks only where ``kv`` has them; zero past a written part)."""
     shapes = [part.shape for part in kv]
     if all(shape == shapes[rank] for shape in shapes):
         dkv = torch.empty((len(kv), *shapes[rank]), dtype=torch.float32, device=q.device)
@@ -280,7 +280,7 @@ def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
     layout the zigzag attention reads; no reordering). Rank p never reads the second chunk (2D-1-r) of a rank
     r < p, which comes after both of its query chunks: where the backend moves tensors point to point, those
     ranks' entries hold their first chunk only (a quarter of the K/V traffic saved, evenly over the ranks:
-    rank p receives p halves fewer and sends D-1-p halves fewer). At D = 1 a view of ``kv``.
+    rank p receives p halves fewer and sends D-1-p halves fewer). At D = 1 ``[kv]``.
 
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.

@@ -271,7 +271,7 @@ class Pending:
         self._on_cpu = (result if isinstance(result, torch.Tensor) else result[0]).device.type == "cpu"
         self._done = False
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> torch.Tensor | list[torch.Tensor]:
         if not self._done:
             start = time.perf_counter()
             for work in self._works:
@@ -289,6 +289,9 @@ class Pending:
             self._done = True
             if self._then is not None:
                 self._result = self._then(self._result)
+            # What the transfer held (send tensors, receive buffers) is free once it is done, even while the
+            # caller keeps this handle around.
+            self._works, self._then = [], None
         return self._result
 
 
@@ -462,13 +465,15 @@ class AxisComm:
         """``all_gather`` for a rank that needs only the first part of every earlier rank's tensor: a list of D
         tensors, rank by rank, those of ranks before this one cut to ``prefix`` = (dim, length) entries along
         ``dim`` (zigzag attention: a query chunk never sees a later chunk's keys). Point-to-point backends
-        move only those parts; collective ones gather everything and return views of the whole slices."""
+        move only those parts, and this rank's own entry is ``tensor`` itself when it is contiguous; collective
+        ones gather everything and return views of the whole gathered slices (this rank's a copy)."""
         if not self._point_to_point:
             return self._finish(self._gather(tensor, label, finish=lambda out: list(out.unbind(0))), async_op)
-        dim, length = prefix
-        head = tensor.narrow(dim, 0, length).contiguous()
         src = tensor.contiguous()
-        parts = [head.new_empty(head.shape) if peer < self.rank else torch.empty_like(src) for peer in range(self.size)]
+        # This rank's first part, for the ranks after it (the last rank has none to send it to).
+        head = _cut(src, prefix).contiguous() if self.rank < self.size - 1 else None
+        head_shape = _cut(src, prefix).shape
+        parts = [src.new_empty(head_shape) if peer < self.rank else torch.empty_like(src) for peer in range(self.size)]
         parts[self.rank] = src
         sends = [(head if peer > self.rank else src, peer) for peer in self._peers()]
         recvs = [(parts[peer], peer) for peer in self._peers(receiving=True)]
@@ -481,9 +486,12 @@ class AxisComm:
 
         On gloo the slices are summed here, in rank order and in the input's dtype (float32 for TSP's gradients).
 
-        The adjoint of ``all_gather_prefixes``: ``tensor`` may be a list of D slices, those for ranks before this
-        one cut to ``prefix`` = (dim, length) (their gradient is zero past it). Only those parts travel; the
-        slices a rank receives from later ranks are added to the first part of its own.
+        The adjoint of ``all_gather_prefixes``: with ``prefix`` = (dim, length), this rank's slices for the ranks
+        before it must be zero past the prefix (a gradient of keys those ranks' queries never saw). ``tensor``
+        may then be a list of D slices, those for earlier ranks cut to the prefix. Point-to-point backends move
+        only the first parts and never read the rest; collective ones move (and sum) whole slices, zero-padded
+        where cut, so the contract is what makes both agree. A rank adds the first parts it receives from
+        later ranks to the first part of its own slice.
         """
         if isinstance(tensor, (list, tuple)) and not self._point_to_point:
             tensor = self._padded(tensor, prefix)
@@ -517,6 +525,9 @@ class AxisComm:
     def _padded(self, slices, prefix) -> torch.Tensor:
         """Slices, some cut to ``prefix``, as one [D, *shape] tensor (zero past a cut slice's prefix)."""
         full = max(slices, key=lambda t: t.numel())
+        if prefix is None and any(t.shape != full.shape for t in slices):
+            raise ValueError("reduce_scatter of slices of different shapes needs the prefix they were cut to; got "
+                             f"shapes {[tuple(t.shape) for t in slices]} and prefix=None")
         out = full.new_zeros(len(slices), *full.shape)
         for whole, part in zip(out, slices):
             _cut(whole, prefix if part.shape != full.shape else None).copy_(part)

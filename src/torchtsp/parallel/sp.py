@@ -6,8 +6,9 @@ docs/design.md, "Tokens: zigzag" (chunks p and 2Σ-1-p), so causal attention wor
 * RMSNorm, the Q/K/V projections (with RoPE at each local token's *global* position), the output
   projection and the gated MLP run on local tokens with the full, replicated weights;
 * the local K/V are all-gathered over the axis and attended by the local zigzag queries
-  (``zigzag_causal_attention``: 2·B·S·h/g·(Σ-1)/Σ elements received per layer, the only forward traffic of
-  a layer; its backward reduce-scatters dK/dV to the tokens' owners).
+  (``zigzag_causal_attention``: 2·B·S·h/g·(Σ-1)/Σ elements received per layer on NCCL, less on gloo, where
+  a rank skips the chunks causality never reads; the only forward traffic of a layer; its backward
+  reduce-scatters dK/dV to the tokens' owners).
 
 The LM head and cross-entropy run on local tokens; the loss is the global mean over every token.
 Replicated weights see only local tokens, so their gradients are summed over the axis (a gradient hook).

@@ -17,7 +17,8 @@ Loss: the global mean over all tokens. The per-token NLLs are identical on the `
 the sum and the token count are reduced over ``sp`` only (no double counting over ``tp``).
 
 Per-layer forward traffic: the two TP all-reduces on the B·S/Σ local tokens, plus the K/V all-gather over
-Σ of this rank's 1/T of the KV heads (``torchtsp.analysis.tp_sp_layer_forward_recv_elements``).
+Σ of this rank's 1/T of the KV heads (``torchtsp.analysis.tp_sp_layer_forward_recv_elements``; causally
+pruned on gloo, as for SP).
 """
 
 from __future__ import annotations

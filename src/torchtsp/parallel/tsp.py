@@ -435,6 +435,7 @@ class TSPFeedForward(torch.autograd.Function):
             _mm_into(dwg, dgate.t(), x2)
             _mm_into(dwu, dup.t(), x2)
             grads.add(dw)
+            dw = dwg = dwu = dwd = None  # travels on with the ring: not bound here when the next one is made
         return dx.view(B, n, h).to(x.dtype), grads.result(shard.dtype), None, None, None, None, None, None
 
 
