@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -11,6 +13,7 @@ from ..layers import IGNORE_INDEX, RouterStats, load_balancing_loss
 from ..model import reference_shapes
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
+from .params import layer_params
 
 
 class SumOverAxis(torch.autograd.Function):
@@ -98,6 +101,30 @@ def materialize(model, mesh, weights: WeightSource | None = None) -> None:
         model.to_empty(device=weights.device)
     for name, p in model.named_parameters():
         p.copy_(weights.get(name))
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What an inference engine reads of a model on this rank, detached (no autograd): ``layers``, per layer the
+    weights under ``parallel.tp.layer_params``' names (this rank's slices of them, or whole); ``embedding`` and
+    ``head``, this rank's vocabulary rows (padded to equal slices) or the whole tables; ``norm``, the final norm;
+    ``comm``, the axis the weight slices, or the tokens, are split over."""
+
+    cfg: object
+    comm: AxisComm
+    layers: tuple[dict[str, torch.Tensor], ...]
+    embedding: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
+
+
+def reference_view(model, comm: AxisComm) -> ShardView:
+    """The whole reference ``Transformer``'s weights as a view, with the axis its replicas split tokens (or rows)
+    over."""
+    layers = tuple({attr: layer.get_parameter(ref).detach() for attr, (ref, _) in layer_params(model.cfg, i).items()}
+                   for i, layer in enumerate(model.layers))
+    return ShardView(model.cfg, comm, layers, model.tok_embeddings.weight.detach(), model.output_weight.detach(),
+                     model.norm.weight.detach())
 
 
 class ParallelTransformer(nn.Module):
@@ -237,6 +264,10 @@ class ParallelTransformer(nn.Module):
         loss.backward()
         return loss.detach()
 
+    def shard_view(self):
+        """This rank's weights as an inference engine reads them (``ShardView``, or the scheme's own typed view)."""
+        raise ValueError(f"generate does not run the {self.scheme} scheme")
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights by reference parameter name, on every rank."""
         return {k: v.clone() for k, v in self._full(lambda p: p.detach()).items()}
@@ -272,6 +303,9 @@ class ReplicatedTransformer(ParallelTransformer):
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
+
+    def shard_view(self) -> ShardView:
+        return reference_view(self.module, self.comm)
 
     def _full(self, pick):
         return {name: pick(p) for name, p in self.module.named_parameters()}

@@ -14,7 +14,7 @@ import torch
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import RouterStats
 from ..model import Transformer
-from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
+from .base import ParallelTransformer, SumOverAxis, materialize, reference_view, sum_router_stats_over
 
 
 class Replica(ParallelTransformer):
@@ -101,6 +101,13 @@ class DataParallel(ParallelTransformer):
 
     def reference_parts(self, name, local):
         return self.module.reference_parts(name.removeprefix("module."), local)
+
+    def shard_view(self):
+        """The dp scheme: the whole model, and the replicas' axis (each decodes its own rows of a batch)."""
+        if self.scheme != "dp":
+            raise ValueError(f"generate runs {self.scheme} on its own axis; data-parallel replicas of it (dp > 1) "
+                             f"are not supported yet: generate with dp = 1")
+        return reference_view(self.module.module, self.dp)
 
     def _full(self, pick):
         return self.module._full(pick)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,6 +43,34 @@ class TSPLayer(nn.Module):
         # A sparse layer holds a mixture of experts (parallel/moe.py) instead of the dense MLP's shard.
         self.mlp_shard = None if mlp_shard is None else nn.Parameter(mlp_shard)
         self.moe = moe
+
+
+@dataclass(frozen=True)
+class TSPLayerShards:
+    """One layer's weights on this rank, detached: its packed attention shard (head group p) and MLP shard (FFN
+    slice p; None for a sparse layer, whose experts ``moe`` holds), its replicated norms."""
+
+    attention: torch.Tensor
+    mlp: torch.Tensor | None
+    attention_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    moe: TSPMoE | None
+
+
+@dataclass(frozen=True)
+class TSPShardView:
+    """What the TSP inference engine reads of a ``TSPTransformer`` on this rank: the axis, the packed layouts
+    (``shard_math``), the layers' shards, the vocabulary rows of the embedding and the head, the final norm."""
+
+    cfg: object
+    comm: AxisComm
+    shard_math: TSPShardMath
+    layers: tuple[TSPLayerShards, ...]
+    embedding: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
 
 
 class TSPTransformer(ParallelTransformer):
@@ -155,6 +184,15 @@ class TSPTransformer(ParallelTransformer):
         return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)
 
     # -- full views (for checks, checkpoints, export) -----------------------
+
+    def shard_view(self) -> TSPShardView:
+        detached = lambda t: None if t is None else t.detach()
+        layers = tuple(TSPLayerShards(layer.attention_shard.detach(), detached(layer.mlp_shard),
+                                      layer.attention_norm.detach(), layer.ffn_norm.detach(), detached(layer.q_norm),
+                                      detached(layer.k_norm), layer.moe) for layer in self.layers)
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        return TSPShardView(self.cfg, self.comm, self.shard_math, layers, self.embedding_shard.detach(),
+                            head.detach(), self.norm.detach())
 
     def reference_parts(self, name, local):
         shard_math, p = self.shard_math, self.comm.rank
