@@ -47,7 +47,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..layers import CAUSAL, IGNORE_INDEX, RouterStats, attend, gated, qkv_heads, rms_norm, rope_tables
+from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, RouterStats, attend, gated, qkv_heads, rms_norm, rope_tables
 from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, ShardView, replicated_grad, weight_source
@@ -279,8 +279,9 @@ class TPTransformer(ParallelTransformer):
         """The global batch, unchanged: every TP rank computes on every token."""
         return tokens
 
-    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP)."""
+    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None) -> torch.Tensor:
+        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
+        its router statistics to ``stats``."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
         eps = cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
@@ -295,25 +296,25 @@ class TPTransformer(ParallelTransformer):
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
         if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
-            return x + tp_moe(h, layer, cfg, tp, self.router_stats)
+            return x + tp_moe(h, layer, cfg, tp, stats)
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
         return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
-        self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
+        stats = RouterStats(cfg.n_experts) if cfg.moe else None
         cos, sin = rope_tables(self._positions(tokens), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
         for layer in self.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, cos, sin, use_reentrant=False) if self.recompute
-                 else self.block(layer, x, cos, sin))
+            x = (checkpoint(self.block, layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
+                 else self.block(layer, x, cos, sin, stats))
         z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
         nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)
-        return self._sum_and_count(nll.sum(), labels)
+        return LossTerms(*self._sum_and_count(nll.sum(), labels), stats)
 
     # -- full views (for checks, checkpoints, export) -------------------------------
 

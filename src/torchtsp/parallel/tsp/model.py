@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ...layers import RouterStats, rms_norm, rope_tables
+from ...layers import LossTerms, RouterStats, rms_norm, rope_tables
 from ...model import Transformer, reference_shapes
 from ...weights import WeightSource
 from ..base import (
@@ -117,9 +117,10 @@ class TSPTransformer(ParallelTransformer):
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
-        return self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens)), labels)
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        return LossTerms(*self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens), stats), labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
 
@@ -127,8 +128,9 @@ class TSPTransformer(ParallelTransformer):
         """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
         return TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math)
 
-    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions)."""
+    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions); sparse layers add their
+        router statistics to ``stats``."""
         cfg, comm = self.cfg, self.comm
         seq_len = x.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
@@ -137,7 +139,6 @@ class TSPTransformer(ParallelTransformer):
         # layer's (during its MLP backward).
         prefetch = ShardPrefetch(comm.weights)
         layers = list(self.layers)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
         # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
         # instead of the ranks meeting once per weight in the middle of backward.
