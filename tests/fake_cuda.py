@@ -158,10 +158,10 @@ from test_tsp_step import INDEXING_OPS, SYNC_OPS  # noqa: E402
 
 
 def _library_line() -> str:
-    """The innermost torchtsp frame of the current stack ('' if none)."""
+    """The innermost torchtsp frame of the current stack, "file:line (function)" ('' if none)."""
     for frame in reversed(traceback.extract_stack()):
         if f"{os.sep}torchtsp{os.sep}" in frame.filename:
-            return f"{frame.filename.split(os.sep + 'torchtsp' + os.sep)[-1]}:{frame.lineno}"
+            return f"{frame.filename.split(os.sep + 'torchtsp' + os.sep)[-1]}:{frame.lineno} ({frame.name})"
     return ""
 
 
@@ -170,8 +170,11 @@ class FakeCuda(FakeTensorMode):
     tensors (c10d collectives included), ``fake.syncs`` lists the host-syncing ops (``SYNC_OPS``, boolean-mask
     indexing) with the library line that issued them, ``fake.host_reads`` the ``.item()`` calls among them."""
 
-    def __init__(self):
+    def __init__(self, host_values: dict | None = None):
         super().__init__(allow_non_fake_inputs=True)
+        # Answers to host reads issued from a given source file (path suffix -> value), for reads whose value
+        # a real run knows: e.g. the pipelining schedule's vote on static shapes.
+        self.host_values = host_values or {}
         self.ops: Counter = Counter()
         self.syncs: list[tuple[str, str]] = []
         self.host_reads: list[str] = []
@@ -201,6 +204,10 @@ class FakeCuda(FakeTensorMode):
                 t is not None and t.dtype in (torch.bool, torch.uint8) for t in (args[1] if len(args) > 1 else ()))):
             self.syncs.append((str(func), _library_line()))
         if func is aten._local_scalar_dense.default:
+            files = [frame.filename for frame in traceback.extract_stack()]
+            for suffix, value in self.host_values.items():
+                if any(f.endswith(suffix) for f in files):
+                    return value
             self.host_reads.append(_library_line())
             dtype = args[0].dtype
             return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0

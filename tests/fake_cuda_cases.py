@@ -231,6 +231,36 @@ def collectives():
     return {"problems": check.problems}
 
 
+def pipeline_pair():
+    """pp = 2 stages of TSP (tsp = 2) as rank 0 (stage 0) and rank 3 (stage 1). The schedule's warm-up vote
+    reads its result to the host; every stage gives its shapes (static mode), so a real run reads 1 there."""
+    import torchtsp
+    from torchtsp.parallel.pipeline import pipeline_parallelize
+
+    check = Check()
+    cfg = _config(n_layers=4)
+    reads = []
+    for rank in (0, WORLD - 1):  # mesh [pp, dp, sp, tp, tsp]: ranks 0-1 are stage 0, ranks 2-3 stage 1
+        fake_cuda.init_world(rank, WORLD)
+        mesh = torchtsp.init_mesh(pp=2, tsp=2, device_type="cuda")
+        shell, weights = _models(cfg, torch.bfloat16)
+        with fake_cuda.FakeCuda(host_values={"torch/distributed/pipelining/schedules.py": 1}) as fake:
+            model = pipeline_parallelize(shell, mesh, weights=weights)
+            tokens, labels = _batch(cfg)
+            fake.reset()
+            with model.pp.counting() as pp_traffic:
+                loss = model.forward_backward(tokens, labels)
+            check.tensor(f"rank {rank} loss", loss, (), torch.float32)
+            check.grads(model, torch.bfloat16)
+        # Stage boundary: per microbatch (2) one [B/2, S/tsp, h] bf16 shard in, or one gradient back.
+        shard = (B // 2) * (S // 2) * cfg.dim * 2
+        check.that(pp_traffic.bytes_recv["pipeline_p2p"] == 2 * shard,
+                   f"rank {rank}: {pp_traffic.bytes_recv['pipeline_p2p']} bytes between stages, expected {2 * shard}")
+        check.that(fake.count("c10d.send") > 0 and fake.count("c10d.recv_") > 0, f"rank {rank}: no stage p2p")
+        reads += fake.host_reads
+    return {"problems": check.problems, "host_reads": sorted(set(reads))}
+
+
 def generation(scheme: str):
     """generate(): prefill and one decode step; each step's ids on the fake GPU, no host read inside a step."""
     import torchtsp
@@ -284,6 +314,7 @@ CASES = {
     **{f"{s}_step": (scheme_step, (s,)) for s in ("tp", "sp", "tp_sp")},
     "moe_reads": (moe_reads, ()),
     "collectives": (collectives, ()),
+    "pipeline_pair": (pipeline_pair, ()),
     "spy_flags": (spy_flags, ()),
     "generate_tsp": (generation, ("tsp",)),
     "generate_tp": (generation, ("tp",)),

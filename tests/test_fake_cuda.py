@@ -47,3 +47,10 @@ def test_moe_step_reads_only_its_split_sizes_to_the_host(results):
     """Dropless expert parallelism needs its all-to-all split sizes on the host: the one sync of a MoE step."""
     reads = results["moe_reads"]["host_reads"]
     assert len(reads) == 2 and all(line.split(":")[0].endswith("moe.py") for line in reads), reads
+
+
+def test_pipeline_step_reads_the_host_only_to_validate_its_batch(results):
+    """forward_backward checks token ids and labels on the device (check_inputs): host reads, outside the
+    stages' compute; nothing else of the pipelined step reads the host."""
+    reads = results["pipeline_pair"]["host_reads"]
+    assert reads and all("(check_inputs)" in line for line in reads), reads
