@@ -146,7 +146,125 @@ def _efficient_backward(dout, q, k, v, attn_bias, out, lse, seed, offset, dropou
            "grad_input_mask asks a bias gradient without a bias")
 
 
+def _size_rank(group) -> tuple[int, int]:
+    """(size, rank) of the process group a c10d op receives (boxed as a ScriptObject)."""
+    pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+    return pg.size(), pg.rank()
+
+
+def _collective_tensors(op, tensors):
+    _check(all(t.is_contiguous() for t in tensors), op, "NCCL needs contiguous tensors")
+
+
+def _allgather(output, input, group, *rest):
+    op = "c10d._allgather_base_"
+    _collective_tensors(op, (output, input))
+    _check(output.dtype == input.dtype, op, f"dtypes differ: {output.dtype}, {input.dtype}")
+    _check(output.numel() == _size_rank(group)[0] * input.numel(), op,
+           f"output of {output.numel()} elements for {_size_rank(group)[0]} x {input.numel()}")
+
+
+def _reduce_scatter(output, input, group, *rest):
+    op = "c10d._reduce_scatter_base_"
+    _collective_tensors(op, (output, input))
+    _check(output.dtype == input.dtype, op, f"dtypes differ: {output.dtype}, {input.dtype}")
+    _check(input.numel() == _size_rank(group)[0] * output.numel(), op,
+           f"input of {input.numel()} elements for {_size_rank(group)[0]} x {output.numel()}")
+
+
+def _alltoall(output, input, group, output_splits, input_splits, *rest):
+    op = "c10d.alltoall_base_"
+    _collective_tensors(op, (output, input))
+    D = _size_rank(group)[0]
+    _check(output.dtype == input.dtype, op, "dtypes differ")
+    for t, splits, name in ((output, output_splits, "output"), (input, input_splits, "input")):
+        row = t[0].numel() if t.dim() and t.shape[0] else 0
+        _check(len(splits) in (0, D), op, f"{len(splits)} {name} splits for {D} ranks")
+        _check(not splits or not row or sum(splits) * row == t.numel(), op,
+               f"{name} splits {list(splits)} do not cover {t.shape[0]} rows")
+
+
+def _rooted(tensors, group, *rest, root_arg=0):
+    op = "c10d collective"
+    _collective_tensors(op, tensors)
+    roots = [r for r in rest if isinstance(r, int) and not isinstance(r, bool)]
+    _check(not roots or 0 <= roots[root_arg] < _size_rank(group)[0], op,
+           f"root {roots and roots[root_arg]} outside the group")
+
+
+def _p2p(tensors, group, peer, tag):
+    _collective_tensors("c10d send/recv", tensors)
+    size, rank = _size_rank(group)
+    _check(0 <= peer < size and peer != rank, "c10d send/recv", f"peer {peer} of rank {rank} in a group of {size}")
+
+
+def _log_entry(func, args) -> tuple:
+    """What the peers of a c10d op must agree on: its group, kind, peer (or root), shapes, dtype, and tag."""
+    name = func.overloadpacket.__name__
+    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0], args[1]]
+    group = next(a for a in args if isinstance(a, (torch.ScriptObject, dist.ProcessGroup)))
+    pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+    ints = [a for a in args[2:] if isinstance(a, int) and not isinstance(a, bool)]
+    peer = ints[0] if name in ("send", "recv_", "broadcast_", "reduce_") else None
+    tag = ints[1] if name in ("send", "recv_") else None
+    splits = tuple(tuple(a) for a in args[3:5]) if name == "alltoall_base_" else None
+    return (pg.group_name, pg.rank(), name, peer, tuple(tuple(t.shape) for t in tensors), str(tensors[0].dtype),
+            tag, splits)
+
+
+def check_pairing(logs: dict[int, list[tuple]]) -> list[str]:
+    """Problems in how the ranks' c10d ops would meet, given every rank's ``comm_log`` (global rank -> log):
+    in each group every rank issues the same collectives in the same order (kind, shapes, dtype, root), the
+    all-to-all splits agree pairwise, and the k-th send from a to b meets the k-th receive at b from a with the
+    same shape, dtype and tag. On a GPU a mismatch is a hang or garbage."""
+    problems = []
+    by_group: dict[str, dict[int, list[tuple]]] = {}
+    for log in logs.values():
+        for entry in log:
+            by_group.setdefault(entry[0], {}).setdefault(entry[1], []).append(entry)
+    for group, ranks in sorted(by_group.items()):
+        collectives = {r: [e[2:6] if e[2] != "alltoall_base_" else e[2:3] + e[5:6] for e in log
+                           if e[2] not in ("send", "recv_")] for r, log in ranks.items()}
+        first = min(collectives)
+        for r, seq in collectives.items():
+            if seq != collectives[first]:
+                diff = next((i for i, (a, b) in enumerate(zip(seq, collectives[first])) if a != b),
+                            min(len(seq), len(collectives[first])))
+                problems.append(f"group {group}: rank {r}'s collectives differ from rank {first}'s at #{diff}: "
+                                f"{seq[diff:diff + 1]} vs {collectives[first][diff:diff + 1]}")
+        a2a = {r: [e[7] for e in log if e[2] == "alltoall_base_"] for r, log in ranks.items()}
+        for k in range(min(map(len, a2a.values()), default=0)):
+            for r in a2a:
+                for p in a2a:
+                    out_r, in_p = a2a[r][k][0], a2a[p][k][1]
+                    if out_r and in_p and out_r[p] != in_p[r]:
+                        problems.append(f"group {group}: all-to-all #{k}: rank {r} expects {out_r[p]} rows from "
+                                        f"{p}, which sends it {in_p[r]}")
+        sends, recvs = {}, {}
+        for r, log in ranks.items():
+            for e in log:
+                if e[2] == "send":
+                    sends.setdefault((r, e[3]), []).append(e[4:7])
+                elif e[2] == "recv_":
+                    recvs.setdefault((e[3], r), []).append(e[4:7])
+        for pair in sorted(set(sends) | set(recvs)):
+            if pair[0] in ranks and pair[1] in ranks and sends.get(pair, []) != recvs.get(pair, []):
+                problems.append(f"group {group}: {len(sends.get(pair, []))} sends from rank {pair[0]} to "
+                                f"{pair[1]} meet {len(recvs.get(pair, []))} receives (or differ in shape/tag)")
+    return problems
+
+
+c10d = torch.ops.c10d
 CONTRACTS = {
+    c10d._allgather_base_.default: _allgather,
+    c10d._reduce_scatter_base_.default: _reduce_scatter,
+    c10d.alltoall_base_.default: _alltoall,
+    c10d.broadcast_.default: _rooted,
+    c10d.reduce_.default: lambda tensors, group, reduce_op, root, *rest: _rooted(tensors, group, root),
+    c10d.allreduce_.default: lambda tensors, group, *rest: _collective_tensors("c10d.allreduce_", tensors),
+    c10d.send.default: _p2p,
+    c10d.recv_.default: _p2p,
+
     aten._scaled_dot_product_flash_attention.default: _flash_forward,
     aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
     aten._scaled_dot_product_efficient_attention.default: _efficient_forward,
@@ -176,10 +294,13 @@ class FakeCuda(FakeTensorMode):
         # a real run knows: e.g. the pipelining schedule's vote on static shapes.
         self.host_values = host_values or {}
         self.ops: Counter = Counter()
+        # Every c10d op in issue order: (group name, this rank in it, op, peer or root, shapes, dtype, tag).
+        self.comm_log: list[tuple] = []
         self.syncs: list[tuple[str, str]] = []
         self.host_reads: list[str] = []
 
     def reset(self) -> None:
+        self.comm_log.clear()
         self.ops.clear()
         self.syncs.clear()
         self.host_reads.clear()
@@ -200,6 +321,8 @@ class FakeCuda(FakeTensorMode):
         self.ops[str(func.overloadpacket) if func.namespace == "c10d" else func] += 1
         if func in CONTRACTS:
             CONTRACTS[func](*args, **kwargs)
+        if func.namespace == "c10d":
+            self.comm_log.append(_log_entry(func, args))
         if func in SYNC_OPS or (func in INDEXING_OPS and any(
                 t is not None and t.dtype in (torch.bool, torch.uint8) for t in (args[1] if len(args) > 1 else ()))):
             self.syncs.append((str(func), _library_line()))

@@ -147,6 +147,28 @@ def tsp_attention(dtype_name: str, recompute: bool):
     return out
 
 
+def pairing(scheme: str, dtype_name: str, recompute: bool):
+    """Every rank of D = 4 in turn; their c10d ops must meet (fake_cuda.check_pairing)."""
+    import torchtsp
+
+    dtype = getattr(torch, dtype_name)
+    cfg = torchtsp.ModelConfig(**DENSE)
+    degrees = {"tsp": {"tsp": WORLD}, "tp_sp": {"tp": 2, "sp": 2}}[scheme]
+    logs = {}
+    for rank in range(WORLD):
+        fake_cuda.init_world(rank, WORLD)
+        mesh = torchtsp.init_mesh(**degrees, device_type="cuda")
+        shell, weights = _models(cfg, dtype)
+        with fake_cuda.FakeCuda() as fake:
+            model = torchtsp.parallelize(shell, mesh, scheme, weights=weights, recompute=recompute)
+            tokens, labels = _batch(cfg)
+            fake.reset()
+            model.loss_on_shard(model.shard_batch(tokens), model.shard_batch(labels)).backward()
+        logs[rank] = list(fake.comm_log)
+    problems = fake_cuda.check_pairing(logs)
+    return {"problems": problems, "entries": sum(map(len, logs.values()))}
+
+
 def tsp_rocm():
     """fp32 on a ROCm build (torch.version.hip set): the efficient kernel's LSE is not padded there."""
     hip = torch.version.hip
@@ -311,6 +333,9 @@ CASES = {
     **{f"tsp_{d}_{'recompute' if r else 'save'}": (tsp_attention, (d, r))
        for d in ("bfloat16", "float32") for r in (False, True)},
     "tsp_float32_rocm": (tsp_rocm, ()),
+    "pairing_tsp_bfloat16_save": (pairing, ("tsp", "bfloat16", False)),
+    "pairing_tsp_float32_recompute": (pairing, ("tsp", "float32", True)),
+    "pairing_tp_sp": (pairing, ("tp_sp", "bfloat16", False)),
     **{f"{s}_step": (scheme_step, (s,)) for s in ("tp", "sp", "tp_sp")},
     "moe_reads": (moe_reads, ()),
     "collectives": (collectives, ()),
