@@ -48,7 +48,7 @@ def install() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("fake CUDA is for CPU-only builds; this torch has a GPU")
     lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    slots = (ctypes.c_void_p * 64).in_dll(lib, _REGISTRY)
+    slots = (ctypes.c_void_p * 2).in_dll(lib, _REGISTRY)  # CPU, CUDA: the first two device types
     register = getattr(lib, _REGISTER)
     register.argtypes = [ctypes.c_int8, ctypes.c_void_p]
     cpu, cuda = 0, 1  # c10::DeviceType

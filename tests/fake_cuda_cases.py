@@ -87,13 +87,13 @@ def _batch(cfg):
     return tokens, torch.randint(0, cfg.vocab_size, (B, S), device="cuda")
 
 
-def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=None, moe=False, rank=0):
+def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=None, moe=False, rank=0, **features):
     """One forward + backward of ``scheme`` as rank ``rank``; the step's bytes beside ``predict_comm``."""
     import torchtsp
     from torchtsp.analysis import predict_comm
 
     check = Check()
-    cfg = torchtsp.ModelConfig(**(MOE if moe else DENSE))
+    cfg = torchtsp.ModelConfig(**{**(MOE if moe else DENSE), **features})
     fake_cuda.init_world(rank, WORLD)
     mesh = torchtsp.init_mesh(**degrees, device_type="cuda")
     options = {} if recompute is None else {"recompute": recompute}
@@ -177,6 +177,18 @@ def tsp_rocm():
         return tsp_attention("float32", False)
     finally:
         torch.version.hip = hip
+
+
+def tsp_features():
+    """Qwen-like features (q/k/v bias, q/k norm, tied embeddings) and 2 KV heads at D = 4: each KV head copied on
+    2 ranks, whose K/V exchange runs on a process group of each copy's block (AxisComm.blocks)."""
+    features = dict(n_kv_heads=2, qkv_bias=True, qk_norm=True, tie_embeddings=True)
+    out = {"problems": [], "ops": {}}
+    for rank in RANKS:
+        r = training_step("tsp", {"tsp": WORLD}, torch.bfloat16, rank=rank, **features)
+        out["problems"] += [f"rank {rank}: {p}" for p in r["problems"]]
+        out["ops"][rank] = {"all": r["n_ops"], "syncs": r["syncs"]}
+    return out
 
 
 def scheme_step(scheme: str):
@@ -333,6 +345,7 @@ CASES = {
     **{f"tsp_{d}_{'recompute' if r else 'save'}": (tsp_attention, (d, r))
        for d in ("bfloat16", "float32") for r in (False, True)},
     "tsp_float32_rocm": (tsp_rocm, ()),
+    "tsp_features": (tsp_features, ()),
     "pairing_tsp_bfloat16_save": (pairing, ("tsp", "bfloat16", False)),
     "pairing_tsp_float32_recompute": (pairing, ("tsp", "float32", True)),
     "pairing_tp_sp": (pairing, ("tp_sp", "bfloat16", False)),
