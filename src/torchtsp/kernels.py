@@ -75,7 +75,10 @@ def _cuda_backward(dout, q, k, v, out, lse, causal: bool):
         # cum_seq_q / cum_seq_k undefined (None): not a nested (variable-length) batch.
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, Lq, Lk, 0.0, causal, no_rng, no_rng)[:3]
-    padded = torch.nn.functional.pad(lse, (0, -(-Lq // 32) * 32 - Lq)).contiguous()
+    # The CUDA kernel's LSE has a multiple of 32 rows (padding sliced off in _cuda_forward); ROCm's has Lq
+    # (torch's meta rule for the op, pytorch issue 146848): give the backward the length its forward made.
+    rows = Lq if torch.version.hip else -(-Lq // 32) * 32
+    padded = torch.nn.functional.pad(lse, (0, rows - Lq)).contiguous()
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, padded, no_rng, no_rng, 0.0, [True, True, True, False], causal)[:3]
 

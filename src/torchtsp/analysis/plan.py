@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..config import PRESETS, ModelConfig, get_preset
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
+from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
@@ -198,6 +199,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--nodes", type=int, help="nodes (with --gpus-per-node)")
     pipe.add_argument("--inter-node-gbps", type=float, default=200.0, metavar="GBIT",
                       help="bandwidth of one node's link to the others, Gbit/s (default: 200)")
+    add_hardware_arguments(parser.add_argument_group("step time and tokens/s on a GPU model"))
 
 
 def _check_args(args) -> ModelConfig:
@@ -300,6 +302,10 @@ def _print_sweep(cfg, args, sweep) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed ``add_plan_arguments`` arguments; returns the exit status."""
+    if getattr(args, "hardware", None) is not None:
+        from .hardware import run_hardware_plan
+
+        return run_hardware_plan(args)
     if getattr(args, "pp", None) is not None or getattr(args, "nodes", None) is not None:
         from .pipeline_report import run_pipeline_plan
 
