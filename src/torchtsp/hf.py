@@ -27,6 +27,7 @@ import torch
 
 from .config import ModelConfig
 from .model import reference_shapes
+from .paths import contained, hub_blobs
 
 __all__ = [
     "config_from_hf",
@@ -571,30 +572,36 @@ def _dtype_name(sd: dict[str, torch.Tensor]) -> str:
 # --------------------------------------------------------------------------- HF checkpoints
 
 
+def _index_weight_map(path: Path, index: Path) -> dict[str, Path]:
+    """Tensor name -> shard file of a sharded checkpoint's index, every shard present and inside ``path``
+    (a Hugging Face hub snapshot's shards may be symlinks into its ``blobs`` folder)."""
+    weight_map = _read_json(index, "").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no 'weight_map' object; regenerate the index or the checkpoint")
+    blobs = hub_blobs(path)
+    files = {shard: contained(path, shard, index, also_inside=blobs) for shard in set(weight_map.values())}
+    missing = sorted(shard for shard, file in files.items() if not file.is_file())
+    if missing:
+        raise FileNotFoundError(f"shard(s) named in {index} are missing from {path}: {_fmt_names(missing)}; "
+                                "re-download the complete checkpoint")
+    return {name: files[shard] for name, shard in weight_map.items()}
+
+
 def _load_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     single, index = path / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_INDEX_NAME
     # Same preference order as transformers: model.safetensors, then the sharded index.
     if single.is_file():
         return _load_safetensors(single)
     if index.is_file():
-        data = _read_json(index, "")
-        weight_map = data.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map' object; regenerate the index or the checkpoint")
+        weight_map = _index_weight_map(path, index)
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"shard(s) named in {index} are missing from {path}: {_fmt_names(missing)}; "
-                "re-download the complete checkpoint"
-            )
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
-            tensors = _load_safetensors(path / shard)
+            tensors = _load_safetensors(shard)
             wanted = [k for k, s in weight_map.items() if s == shard]
             absent = [k for k in wanted if k not in tensors]
             if absent:
-                raise ValueError(f"{path / shard} lacks tensor(s) that {index} places there: {_fmt_names(absent)}")
+                raise ValueError(f"{shard} lacks tensor(s) that {index} places there: {_fmt_names(absent)}")
             sd.update((k, tensors[k]) for k in wanted)
         return sd
     candidates = sorted(path.glob("*.safetensors"))
@@ -743,14 +750,7 @@ def _hf_weight_files(path: Path) -> dict[str, Path]:
 
     single, index = path / SAFE_WEIGHTS_NAME, path / SAFE_WEIGHTS_INDEX_NAME
     if index.is_file() and not single.is_file():
-        weight_map = _read_json(index, "").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map' object; regenerate the index or the checkpoint")
-        missing = sorted({s for s in weight_map.values() if not (path / s).is_file()})
-        if missing:
-            raise FileNotFoundError(f"shard(s) named in {index} are missing from {path}: {_fmt_names(missing)}; "
-                                    "re-download the complete checkpoint")
-        return {name: path / shard for name, shard in weight_map.items()}
+        return _index_weight_map(path, index)
     candidates = [single] if single.is_file() else sorted(path.glob("*.safetensors"))
     if len(candidates) != 1:
         _load_hf_weights(path)  # raises the same clear error as a whole-checkpoint load
