@@ -448,7 +448,8 @@ def test_pipeline_plan_validates_like_plan(capsys, flags):
 
 
 def test_plan_json_is_strict(capsys):
-    for argv in (["plan", "--pp", "2", "--json"], ["plan", "--json", "--preset", "tiny", "--gpus", "4"]):
+    for argv in (["plan", "--pp", "2", "--batch-size", "4", "--json"],
+                 ["plan", "--json", "--preset", "tiny", "--gpus", "4"]):
         assert main(argv) == 0
         text = capsys.readouterr().out
         json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
