@@ -6,6 +6,10 @@ A checkpoint is written aside (``.step_N.tmp``), its files' sha256 recorded in `
 published by renaming it once every rank has finished; ``latest`` is updated atomically and always
 names a complete checkpoint, whatever point a crash falls on. Loading verifies the checksums.
 
+Like pipelining, this module is an exception to ``distributed.comm`` being the only caller of
+``torch.distributed``: it calls DCP, and the DTensors it builds (``sharded_tensor``) only describe pieces for DCP,
+never communicated.
+
 A checkpoint may come from elsewhere, so loading runs no code from it: DCP's ``.metadata`` is a pickle, read
 here by an unpickler that admits only DCP's own metadata classes (``read_dcp_metadata``); the values DCP
 stores as bytes are read with ``torch.load(weights_only=True)``; every file name read from a file (the
@@ -24,6 +28,7 @@ import os
 import pickle
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,6 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import ModelConfig
 from ..distributed import comm
@@ -63,8 +70,43 @@ def training_state(model, optimizer, named_params, mesh, step: int) -> dict:
         for key, tensor in (("model", param.data), ("optim/exp_avg", moments["exp_avg"]),
                             ("optim/exp_avg_sq", moments["exp_avg_sq"])):
             for ref, piece, shard_dims in model.reference_parts(name, tensor):
-                state[f"{key}/{ref}"] = comm.sharded_tensor(piece, mesh, shard_dims, shapes[ref])
+                state[f"{key}/{ref}"] = sharded_tensor(piece, mesh, shard_dims, shapes[ref])
     return state
+
+
+# Per parent mesh (forgotten with it, when its job ends): the meshes that only describe DTensors.
+_GROUPED_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _grouped_mesh(mesh: DeviceMesh, name: str, chunks: int) -> DeviceMesh:
+    """``mesh`` with axis ``name`` (size D) viewed as (``name``: chunks, ``name``_replica: D/chunks), for
+    DTensors of slices replicated over consecutive ranks. Built without process groups: DTensors over it
+    are only described (checkpoints), never communicated."""
+    names = tuple(mesh.mesh_dim_names)
+    i = names.index(name)
+    known = _GROUPED_MESHES.setdefault(mesh, {})
+    if (name, chunks) not in known:
+        shape = (*mesh.mesh.shape[:i], chunks, mesh.mesh.shape[i] // chunks, *mesh.mesh.shape[i + 1:])
+        known[name, chunks] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                                         mesh_dim_names=(*names[:i], name, f"{name}_replica", *names[i + 1:]),
+                                         _init_backend=False)
+    return known[name, chunks]
+
+
+def sharded_tensor(local: torch.Tensor, mesh: DeviceMesh, shard_dims: dict, global_shape) -> DTensor:
+    """A DTensor view of this rank's piece: sharded along ``shard_dims[axis]`` on those mesh axes
+    (torch.chunk split, so the last pieces may be shorter), replicated on the others.
+
+    A value ``(dim, chunks)`` instead of ``dim`` splits ``dim`` into ``chunks`` slices, each held by
+    size/chunks consecutive ranks of the axis (replicated KV heads): a checkpoint stores each slice once
+    and every rank of its group reads it back."""
+    for name, dim in list(shard_dims.items()):
+        if isinstance(dim, tuple):
+            mesh = _grouped_mesh(mesh, name, dim[1])
+            shard_dims = {**shard_dims, name: dim[0]}
+    placements = [Shard(shard_dims[name]) if name in shard_dims else Replicate() for name in mesh.mesh_dim_names]
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(global_shape), stride=stride)
 
 
 def save(run_dir: str | Path, state: dict, meta: dict, keep_last: int | None = None) -> Path:
@@ -85,7 +127,7 @@ def save(run_dir: str | Path, state: dict, meta: dict, keep_last: int | None = N
             raise disk_error(e, root) from None
     comm.barrier()
     try:
-        comm.save_checkpoint(state, str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))  # every rank writes its pieces; replicated ones once
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
