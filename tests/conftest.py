@@ -1,4 +1,6 @@
-"""Shared multi-rank worker pools: spawning ranks costs seconds, so tests reuse one pool per world size."""
+"""Shared multi-rank worker pools (spawning ranks costs seconds, so tests reuse one pool per world size) and the
+``multirank`` marker: a test that runs several ranks (the ``pools`` fixture, or processes it launches itself,
+marked by hand) is multirank; ``make test-fast`` runs the others, the single-process unit tests."""
 
 import pytest
 import torch
@@ -29,3 +31,9 @@ def pools():
     yield p
     p.close()
 
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "pools" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.multirank)

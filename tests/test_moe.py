@@ -18,7 +18,8 @@ import torch  # noqa: E402
 import torchtsp  # noqa: E402
 from helpers import batch, hf_batch, rel_err, spread_hf_weights  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, to_hf_state_dict  # noqa: E402
-from torchtsp.model import IGNORE_INDEX, RouterStats, Transformer, reference_shapes  # noqa: E402
+from torchtsp.layers import IGNORE_INDEX, RouterStats
+from torchtsp.model import Transformer, reference_shapes  # noqa: E402
 
 # float32 on both sides; the two models sum the same products in another order (experts' outputs added per
 # token in expert order vs per expert with index_add, SDPA vs eager attention): ~1e-7 relative seen. A routing
@@ -286,7 +287,8 @@ def expert_traffic_on_rank(world):
     predicted from the reference model's own routing: which rank owns each token and each chosen expert)."""
     from torchtsp.distributed import zigzag
     from torchtsp.distributed.comm import Traffic
-    from torchtsp.model import MoEFeedForward, route
+    from torchtsp.layers import route
+    from torchtsp.model import MoEFeedForward
 
     cfg = PARALLEL_CASES["shared"]
     torch.manual_seed(0)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes
 from .engine import Engine
 from .sampling import TokenSelector
 
-SCHEDULES = ("auto", "weights", "activations")
+SCHEDULES = INFERENCE_SCHEDULES
 
 
 @dataclass
@@ -57,11 +58,12 @@ def make_engine(model) -> Engine:
     if isinstance(model, DataParallel) and scheme != "dp":
         raise ValueError(f"generate runs {scheme} on its own axis; data-parallel replicas of it (dp > 1) are not "
                          f"supported yet: generate with dp = 1")
-    engines = {"tsp": TSPEngine, "tp": tp_engine, "sp": SPEngine, "dp": DPEngine}
-    if scheme not in engines:
-        raise ValueError(f"generate supports the reference Transformer and the {', '.join(engines)} schemes, "
-                         f"not {scheme or type(model).__name__!r}")
-    return engines[scheme](model)
+    engines = {"tsp": TSPEngine, "tp": tp_engine, "sp": SPEngine, "dp": DPEngine}  # by ``Scheme.inference``
+    spec = SCHEMES.get(scheme)
+    if spec is None or spec.inference is None:
+        raise ValueError(f"generate supports the reference Transformer and the {', '.join(inference_schemes())} "
+                         f"schemes, not {scheme or type(model).__name__!r}")
+    return engines[spec.inference](model)
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:

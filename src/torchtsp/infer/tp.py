@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import rms_norm, swiglu
+from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
 from ..parallel.moe import moe_partial
 from ..parallel.tp import layer_params
-from .cache import KVCache, attend, project_qkv, rope_tables
+from .cache import KVCache
 from .engine import Engine, masked_lookup, select_last, vocab_logits
 
 
@@ -53,10 +53,11 @@ class MegatronEngine(Engine):
         cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos, valid)
         for i, w in enumerate(self.layers):
-            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
             cache.write(i, slots, k, v)
             k_all, v_all, k_pos, k_valid = cache.keys(i)
-            out, _ = attend(q, k_all, v_all, pos, k_pos, k_valid)
+            out, _ = attend(q, k_all, v_all, positions_mask(pos, k_pos, k_valid))
             out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
             x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
             h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)

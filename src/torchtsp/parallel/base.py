@@ -7,7 +7,8 @@ from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..model import IGNORE_INDEX, RouterStats, load_balancing_loss, reference_shapes
+from ..layers import IGNORE_INDEX, RouterStats, load_balancing_loss
+from ..model import reference_shapes
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
 
@@ -103,21 +104,22 @@ class ParallelTransformer(nn.Module):
     """The interface every scheme exposes (see ``torchtsp.parallelize``).
 
     Subclasses set ``scheme`` (a name in ``torchtsp.schemes.SCHEMES``, whose entry lists the mesh axes the
-    scheme uses) and implement ``shard_batch``, ``nll_sum_and_count`` and ``_full``. The constructor refuses,
-    on every rank and before any communication, a mesh that lacks the scheme's axes or has another axis of
-    size > 1 the scheme would ignore, and a model whose heads or FFN width do not split over it.
+    scheme uses) and implement ``shard_batch``, ``nll_sum_and_count`` and ``_full``. They are built by
+    ``parallelize``, which resolves and checks their ``Layout`` first.
     """
 
     scheme = "?"
     router_stats: RouterStats | None = None  # a mixture-of-experts model's last forward's (this rank's tokens)
     expert_load: torch.Tensor | None = None  # and (counts over every rank's tokens) its assignments per expert
 
+    layout = None  # the Layout parallelize resolved and checked (torchtsp.layout)
+
     def __init__(self, cfg, mesh):
         super().__init__()
-        spec = SCHEMES[self.scheme]
+        # parallelize and pipeline_parallelize refuse, with what to change, a mesh or a model this scheme cannot
+        # take (``Layout``); what reaches a constructor has passed those checks.
         sizes = mesh_sizes(mesh)
-        spec.check_mesh(sizes)
-        spec.check_model(cfg, sizes)
+        assert all(axis in sizes for axis in SCHEMES[self.scheme].axes), f"{self.scheme} needs the mesh axes"
         self.cfg = cfg
 
     def comms(self) -> dict[str, AxisComm]:
@@ -203,12 +205,22 @@ class ParallelTransformer(nn.Module):
         return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
     def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
-        """Refuse a global batch the model cannot take (shapes, length, ids and labels outside the vocabulary)."""
+        """Refuse a global batch the model cannot take: shapes, length and the layout's divisibility always (no
+        device read), ids and labels outside the vocabulary when the batch is still on the host. A batch
+        already on an accelerator is not read: that would stall its stream every step (the trainer checks
+        the host batch before moving it, ``check_values``)."""
         if tokens.dim() != 2 or labels.shape != tokens.shape:
             raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
                              f"and {tuple(labels.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if self.layout is not None:
+            self.layout.check_batch(*tokens.shape)
+        if tokens.device.type == "cpu":
+            self.check_values(tokens, labels)
+
+    def check_values(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse token ids and targets outside the vocabulary (reads the values: call it on the host batch)."""
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), "
                              f"got [{tokens.min().item()}, {tokens.max().item()}]")

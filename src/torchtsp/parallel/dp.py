@@ -10,11 +10,10 @@ target count are summed over dp), and every gradient is summed over dp as backwa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, RouterStats, Transformer, rope_tables
+from ..layers import RouterStats
+from ..model import Transformer
 from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
 
 
@@ -37,18 +36,8 @@ class Replica(ParallelTransformer):
         return tokens
 
     def nll_sum_and_count(self, tokens, labels):
-        m, cfg = self.module, self.cfg
-        cos, sin = rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
-        x = m.tok_embeddings(tokens)
-        for layer in m.layers:
-            # Recompute keeps only each layer's input; backward re-runs its forward.
-            x = (checkpoint(layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
-                 else layer(x, cos, sin, stats))
-        logits = F.linear(m.norm(x), m.output_weight)
-        nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                  reduction="sum")
-        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+        stats = self.router_stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        return self.module.nll_sum_and_count(tokens, labels, stats, recompute=self.recompute)
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]

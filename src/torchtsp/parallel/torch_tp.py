@@ -53,7 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer, rope_tables
+from ..layers import IGNORE_INDEX, rope_tables
+from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
 
@@ -147,10 +148,7 @@ class TorchTPTransformer(ParallelTransformer):
         return {}  # DTensor runs its own collectives; our comm layer does not see them
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The global batch, unchanged (every TP rank computes on every token); checks divisibility."""
-        if self.sequence_parallel and tokens.shape[1] % self.tp:
-            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={self.tp} "
-                             f"with sequence parallelism; pick a multiple of {self.tp}")
+        """The global batch, unchanged (every TP rank computes on every token)."""
         return tokens
 
     def _logits(self, z) -> DTensor:

@@ -47,16 +47,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import (
-    IGNORE_INDEX,
-    RouterStats,
-    Transformer,
-    apply_rope,
-    expand_kv_heads,
-    head_norm,
-    rms_norm,
-    rope_tables,
-)
+from ..layers import CAUSAL, IGNORE_INDEX, RouterStats, attend, gated, qkv_heads, rms_norm, rope_tables
+from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, replicated_grad, weight_source
 from .moe import tp_moe
@@ -314,8 +306,7 @@ class TPTransformer(ParallelTransformer):
 
     def _attend(self, q, k, v):
         """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
-        g = self.cfg.group_size
-        return F.scaled_dot_product_attention(q, expand_kv_heads(k, g), expand_kv_heads(v, g), is_causal=True)
+        return attend(q, k, v, CAUSAL)[0]
 
     def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
         # Every rank holds every token and the same NLL: the local sum and count are the global ones.
@@ -333,34 +324,26 @@ class TPTransformer(ParallelTransformer):
     def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP)."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
-        d, eps = cfg.head_dim, cfg.norm_eps
+        eps = cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
         q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), w(layer.wk), w(layer.wv))
         if cfg.qkv_bias:  # this rank's heads' biases; every rank sees every token, so no extra reduction
             q, k, v = q + w(layer.bq), k + w(layer.bk), v + w(layer.bv)
-        B, S, _ = q.shape
-        q, k, v = q.view(B, S, -1, d), k.view(B, S, -1, d), v.view(B, S, -1, d)
-        if cfg.qk_norm:  # replicated weights applied to this rank's heads only: gradients summed over tp
-            q = head_norm(q, w(replicated_grad(layer.q_norm, tp)), eps)
-            k = head_norm(k, w(replicated_grad(layer.k_norm, tp)), eps)
-        q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
-        out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
+        # q/k norm: replicated weights applied to this rank's heads only, so their gradients are summed over tp.
+        norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
+        q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
+        B, S = q.shape[:2]
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
         if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
             return x + tp_moe(h, layer, cfg, tp, self.router_stats)
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
-        return x + RowParallelLinear.apply(F.silu(gate) * up, w(layer.w_down), tp, sp)
+        return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
 
     def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
-        if sp and tokens.shape[1] % tp.size:
-            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
-                             f"with sequence parallelism; pick a multiple of {tp.size}")
-        if cfg.moe and sp:
-            raise ValueError("mixture-of-experts models run under tp without sequence parallelism; "
-                             "drop sequence_parallel")
         self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         cos, sin = rope_tables(self._positions(tokens), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)

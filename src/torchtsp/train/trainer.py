@@ -24,10 +24,11 @@ from ..config import get_preset
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
 from ..distributed.mesh import init_mesh, mesh_device
+from ..layout import Layout
 from ..memory import measure_peak
 from ..model import Transformer
 from ..parallel import parallelize, pipeline_parallelize
-from ..schemes import AXES, PIPELINE_AXIS, check_pipeline, get_scheme
+from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .config import TrainConfig
 from .data import ByteTokenizer, TokenWindows, load_corpus
@@ -67,17 +68,15 @@ def model_config_and_weights(cfg: TrainConfig):
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        scheme = get_scheme(cfg.scheme)
-        world, self.pp = comm.world_size(), cfg.pp
-        if world % self.pp:
-            raise ValueError(f"--pp {self.pp} needs a multiple of {self.pp} ranks, but the world has {world}")
-        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks.
-        self.degrees = scheme.degrees(world // self.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
         self.model_cfg, weights = model_config_and_weights(cfg)
-        scheme.validate(self.model_cfg, cfg.batch_size, cfg.seq_len, self.degrees)  # before any communication
-        self.microbatches = check_pipeline(scheme, self.model_cfg, self.pp, cfg.microbatches, cfg.batch_size,
-                                           self.degrees, cfg.schedule)
-        self.mesh = init_mesh(pp=self.pp, **self.degrees, timeout_s=cfg.timeout_s)  # creates the process group
+        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks. Every
+        # check of degrees, model and batch against each other, before any communication.
+        self.layout = Layout.resolve(cfg.scheme, comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp,
+                                     pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                     recompute=cfg.recompute or None, cfg=self.model_cfg, batch=cfg.batch_size,
+                                     seq_len=cfg.seq_len)
+        self.pp, self.degrees, self.microbatches = self.layout.pp, self.layout.sizes, self.layout.microbatches
+        self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
 
@@ -89,8 +88,7 @@ class Trainer:
             self.model = pipeline_parallelize(model, self.mesh, microbatches=self.microbatches, schedule=cfg.schedule,
                                               recompute=cfg.recompute, timeout_s=cfg.timeout_s, weights=weights)
         else:
-            self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
-                                     recompute=cfg.recompute or None, weights=weights)
+            self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
@@ -157,7 +155,7 @@ class Trainer:
             raise ValueError(f"step {step}: the weights or optimizer state hold non-finite values; "
                              f"refusing to publish them as a checkpoint")
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
-                "mesh": self.layout, "train": self.cfg.to_dict()}
+                "mesh": self.mesh_degrees, "train": self.cfg.to_dict()}
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
@@ -342,10 +340,10 @@ class Trainer:
                 "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                 "losses": losses, "median_step_s": median,
                 "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / median if steady else None,
-                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.layout, "out": str(self.out)}
+                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.mesh_degrees, "out": str(self.out)}
 
     @property
-    def layout(self) -> dict[str, int]:
+    def mesh_degrees(self) -> dict[str, int]:
         """Every mesh degree, pp first when there is a pipeline."""
         return {PIPELINE_AXIS: self.pp, **self.degrees} if self.pp > 1 else dict(self.degrees)
 
@@ -361,7 +359,7 @@ class Trainer:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
         if isinstance(model, DataParallel) and model.scheme != "dp":
             model = model.module  # the replicas hold the same weights: each samples alone
-        if model.scheme not in ("tsp", "tp", "sp", "dp"):
+        if get_scheme(model.scheme).inference is None:
             return None  # generate does not run this scheme (tp_sp, torch_tp)
         tokenizer = ByteTokenizer()
         prompt = tokenizer.encode(self.cfg.prompt) or [tokenizer.eot_id]
