@@ -266,8 +266,8 @@ class WorkerPool:
             culprit = next((r for r in silent if r in stopped), silent[0])
             state = "its process is stopped (SIGSTOP, a debugger, or a suspended job)" if culprit in stopped \
                 else "it was still busy or stuck"
-            return RankFailedError(f"{name} on {self.nprocs} ranks: rank {culprit} did not answer: rank {first}'s "
-                                   f"collective timed out waiting for it; {state}", culprit)
+            return RankFailedError(f"{name} on {self.nprocs} ranks: rank {culprit} did not answer ({state}); rank "
+                                   f"{first} raised when its collective timed out waiting for it", culprit)
         return RankFailedError(f"rank {first} raised:", first, raised[first])
 
     def close(self, force: bool = False) -> None:
