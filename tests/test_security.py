@@ -63,6 +63,7 @@ def crafted_checkpoint(folder: Path, marker: Path) -> Path:
     return folder
 
 
+@pytest.mark.multirank  # launches processes of its own
 @pytest.mark.parametrize("command", ["train", "generate", "convert"])
 def test_a_crafted_dcp_metadata_runs_no_code(tmp_path, command):
     marker = tmp_path / "marker"
@@ -134,6 +135,7 @@ def test_dcp_data_files_outside_the_checkpoint_are_refused(tmp_path):
         checkpoint._load_tensors(folder, state)
 
 
+@pytest.mark.multirank  # launches processes of its own
 def test_an_unreadable_metadata_is_one_line_without_dcp_tracebacks(tmp_path):
     folder = crafted_checkpoint(tmp_path / "ckpt", tmp_path / "marker")
     (folder / ".metadata").write_bytes(os.urandom(100))
@@ -385,6 +387,7 @@ def stop_on_rank(stopped):
     world.all_reduce(torch.ones(1))
 
 
+@pytest.mark.multirank  # launches processes of its own
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states through /proc")
 def test_a_stopped_rank_is_named_not_the_rank_that_timed_out_waiting(tmp_path):
     with WorkerPool(2, timeout_s=3) as pool, pytest.raises(RankFailedError) as info:
@@ -404,6 +407,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.multirank  # launches processes of its own
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
 def test_a_rank_killed_under_the_launcher_leaves_one_line(tmp_path):
     out = tmp_path / "run"
