@@ -33,7 +33,12 @@ def pools():
 
 
 
+# Modules whose tests launch ranks themselves (the command line with --nproc, torchrun, spawn): multirank whole.
+LAUNCHING_MODULES = {"test_bench", "test_bench_infer", "test_cli", "test_distributed", "test_generate_cli",
+                     "test_pipeline", "test_reliability", "test_train"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "pools" in getattr(item, "fixturenames", ()):
+        if "pools" in getattr(item, "fixturenames", ()) or item.module.__name__ in LAUNCHING_MODULES:
             item.add_marker(pytest.mark.multirank)

@@ -80,12 +80,11 @@ def test_reference_matches_transformers_total_loss_and_every_gradient(case):
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
     tokens, labels = make_batch(cfg.vocab_size)
     out = hf_loss_and_grads(hf, tokens, labels)
-    loss = ours.loss(tokens, labels)
+    loss, router = ours.loss_and_router(tokens, labels)
     loss.backward()
     assert out.aux_loss > 0.5  # E·sum(f·P) is 1 for perfectly balanced routing: the term is not negligible
     assert rel_err(loss.detach(), out.loss.detach()) <= REL_TOL, (loss.item(), out.loss.item())
-    aux = torchtsp.model.load_balancing_loss(ours.router_stats.counts, ours.router_stats.probs.detach(),
-                                             ours.router_stats.rows, cfg.n_experts)
+    aux = torchtsp.layers.load_balancing_loss(router.counts, router.probs, router.rows, cfg.n_experts)
     assert rel_err(aux, out.aux_loss.detach()) <= REL_TOL
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
     hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -322,3 +323,13 @@ def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows, n_e
     per-expert assignment counts and probability sums over every sparse layer and token, and their row count:
     E · sum_e (counts_e / rows) · (prob_sums_e / rows)."""
     return (counts / rows * (prob_sums / rows)).sum() * n_experts
+
+
+class LossTerms(NamedTuple):
+    """What a forward over a batch adds to a loss: the summed cross-entropy of its targets, their number and, for a
+    mixture of experts, the router statistics of its sparse layers (``RouterStats``; None for a dense model).
+    Returned, never kept by the model: a loss over several batches (gradient accumulation) adds them up."""
+
+    nll_sum: torch.Tensor
+    count: torch.Tensor
+    router: RouterStats | None = None

@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .layers import (
     CAUSAL,
     IGNORE_INDEX,
+    LossTerms,
     RouterStats,
     attend,
     gated,
@@ -214,13 +215,13 @@ class Transformer(nn.Module):
             x = checkpoint(layer, x, cos, sin, stats, use_reentrant=False) if recompute else layer(x, cos, sin, stats)
         return self.norm(x)
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor, stats: RouterStats | None = None,
-                          recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy of the targets, their number): what a loss over several batches adds up."""
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, recompute: bool = False) -> LossTerms:
+        """The summed cross-entropy of the targets, their number and (MoE) this forward's router statistics."""
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
         logits = F.linear(self.hidden_states(tokens, stats, recompute), self.output_weight)
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+        return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype), stats)
 
     def forward(self, tokens: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
         return F.linear(self.hidden_states(tokens, stats), self.output_weight)
@@ -229,19 +230,21 @@ class Transformer(nn.Module):
         """Mean cross-entropy; ``labels[b, t]`` is the (already shifted) target of position t, -100 ignored.
 
         A mixture-of-experts model adds ``router_aux_loss_coef`` x the load-balancing loss over every token
-        (ignored targets included), as Hugging Face's ``outputs.loss`` with ``output_router_logits=True``;
-        ``self.router_stats`` then holds this forward's router statistics (for metrics).
+        (ignored targets included), as Hugging Face's ``outputs.loss`` with ``output_router_logits=True``.
         """
+        return self.loss_and_router(tokens, labels)[0]
+
+    def loss_and_router(self, tokens: torch.Tensor, labels: torch.Tensor):
+        """``loss`` and this forward's router statistics (closed, detached; None for a dense model)."""
         if labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
         stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
         logits = self(tokens, stats)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        if stats is not None:
-            self.router_stats = stats.close().detached()
-            aux = load_balancing_loss(stats.counts, stats.probs, stats.rows, self.cfg.n_experts)
-            loss = loss + self.cfg.router_aux_loss_coef * aux
-        return loss
+        if stats is None:
+            return loss, None
+        aux = load_balancing_loss(stats.counts, stats.probs, stats.rows, self.cfg.n_experts)
+        return loss + self.cfg.router_aux_loss_coef * aux, stats.close().detached()
 
 
 def reference_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

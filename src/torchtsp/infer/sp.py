@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..parallel.base import ShardView
 from ..parallel.moe import moe_partial
 from .cache import KVCache, merge_partials
 from .engine import Engine, select_last, vocab_logits
-from .reference import reference_layers
 
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
@@ -26,12 +26,9 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 class SPEngine(Engine):
     scheme = "sp"
 
-    def __init__(self, model):
-        replica = model.module
-        self.cfg, self.comm = model.cfg, model.comm
-        self.layers = [{k: t.detach() for k, t in layer.items()} for layer in reference_layers(replica)]
-        self.embedding, self.head_rows = replica.tok_embeddings.weight.detach(), replica.output_weight.detach()
-        self.norm = replica.norm.weight.detach()
+    def __init__(self, view: ShardView):
+        self.cfg, self.comm, self.layers = view.cfg, view.comm, view.layers
+        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm = AxisComm(None, "sp.vocab")  # every rank holds the whole vocabulary
         super().__init__()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..layers import RouterStats
+from ..layers import LossTerms
 from ..model import Transformer
-from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
+from .base import ParallelTransformer, SumOverAxis, materialize, reference_view, sum_router_stats_over
 
 
 class Replica(ParallelTransformer):
@@ -35,9 +35,8 @@ class Replica(ParallelTransformer):
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens
 
-    def nll_sum_and_count(self, tokens, labels):
-        stats = self.router_stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        return self.module.nll_sum_and_count(tokens, labels, stats, recompute=self.recompute)
+    def loss_terms(self, tokens, labels):
+        return self.module.loss_terms(tokens, labels, recompute=self.recompute)
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
@@ -83,17 +82,10 @@ class DataParallel(ParallelTransformer):
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by the DP degree {self.dp.size}")
         return self.module.shard_batch(tokens.chunk(self.dp.size, dim=0)[self.dp.rank])
 
-    def nll_sum_and_count(self, tokens, labels):
-        nll_sum, count = self.module.nll_sum_and_count(tokens, labels)
+    def loss_terms(self, tokens, labels):
+        nll_sum, count, router = self.module.loss_terms(tokens, labels)
         count = self.dp.all_reduce(count.clone(), label="loss")
-        return SumOverAxis.apply(nll_sum, self.dp), count
-
-    @property
-    def router_stats(self):
-        return self.module.router_stats
-
-    def keep_router_stats(self, stats):
-        self.module.router_stats = stats
+        return LossTerms(SumOverAxis.apply(nll_sum, self.dp), count, router)
 
     def sum_router_stats(self, stats):
         """The inner scheme's sums over its ranks, then over the replicas (each saw other batch rows)."""
@@ -101,6 +93,13 @@ class DataParallel(ParallelTransformer):
 
     def reference_parts(self, name, local):
         return self.module.reference_parts(name.removeprefix("module."), local)
+
+    def shard_view(self):
+        """The dp scheme: the whole model, and the replicas' axis (each decodes its own rows of a batch)."""
+        if self.scheme != "dp":
+            raise ValueError(f"generate runs {self.scheme} on its own axis; data-parallel replicas of it (dp > 1) "
+                             f"are not supported yet: generate with dp = 1")
+        return reference_view(self.module.module, self.dp)
 
     def _full(self, pick):
         return self.module._full(pick)

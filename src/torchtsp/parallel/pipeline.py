@@ -240,7 +240,7 @@ class PipelineTSP(ParallelTransformer):
     def loss(self, tokens, labels):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
-    def nll_sum_and_count(self, tokens, labels):
+    def loss_terms(self, tokens, labels):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
     # -- names ----------------------------------------------------------------

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import IGNORE_INDEX, RouterStats, project_qkv, rms_norm, rope_tables, swiglu
+from ..layers import IGNORE_INDEX, LossTerms, RouterStats, project_qkv, rms_norm, rope_tables, swiglu
 from ..model import Transformer
 from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
@@ -70,12 +70,12 @@ class SPTransformer(ReplicatedTransformer):
         return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                           w["feed_forward.w_down.weight"])
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
         cfg = self.cfg
         w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
         cos, sin = self.rope(tokens.shape[1], device=tokens.device)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
+        stats = RouterStats(cfg.n_experts) if cfg.moe else None
         x = F.embedding(tokens, w["tok_embeddings.weight"])
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
@@ -88,7 +88,7 @@ class SPTransformer(ReplicatedTransformer):
         logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return global_sum_and_count(nll_sum, labels, self.comm)
+        return LossTerms(*global_sum_and_count(nll_sum, labels, self.comm), stats)
 
     def sum_router_stats(self, stats):
         return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)

@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import IGNORE_INDEX, rope_tables
+from ..layers import IGNORE_INDEX, LossTerms, rope_tables
 from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
@@ -170,7 +170,7 @@ class TorchTPTransformer(ParallelTransformer):
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -180,7 +180,7 @@ class TorchTPTransformer(ParallelTransformer):
             x = layer(x, cos, sin)
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
         # Every rank holds every token: the local count is the global one.
-        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+        return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype))
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ...layers import RouterStats, rms_norm, rope_tables
+from ...layers import LossTerms, RouterStats, rms_norm, rope_tables
 from ...model import Transformer, reference_shapes
 from ...weights import WeightSource
 from ..base import (
@@ -42,6 +43,34 @@ class TSPLayer(nn.Module):
         # A sparse layer holds a mixture of experts (parallel/moe.py) instead of the dense MLP's shard.
         self.mlp_shard = None if mlp_shard is None else nn.Parameter(mlp_shard)
         self.moe = moe
+
+
+@dataclass(frozen=True)
+class TSPLayerShards:
+    """One layer's weights on this rank, detached: its packed attention shard (head group p) and MLP shard (FFN
+    slice p; None for a sparse layer, whose experts ``moe`` holds), its replicated norms."""
+
+    attention: torch.Tensor
+    mlp: torch.Tensor | None
+    attention_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    moe: TSPMoE | None
+
+
+@dataclass(frozen=True)
+class TSPShardView:
+    """What the TSP inference engine reads of a ``TSPTransformer`` on this rank: the axis, the packed layouts
+    (``shard_math``), the layers' shards, the vocabulary rows of the embedding and the head, the final norm."""
+
+    cfg: object
+    comm: AxisComm
+    shard_math: TSPShardMath
+    layers: tuple[TSPLayerShards, ...]
+    embedding: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
 
 
 class TSPTransformer(ParallelTransformer):
@@ -88,9 +117,10 @@ class TSPTransformer(ParallelTransformer):
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
-        return self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens)), labels)
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        return LossTerms(*self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens), stats), labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
 
@@ -98,8 +128,9 @@ class TSPTransformer(ParallelTransformer):
         """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
         return TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math)
 
-    def hidden_states(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions)."""
+    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions); sparse layers add their
+        router statistics to ``stats``."""
         cfg, comm = self.cfg, self.comm
         seq_len = x.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
@@ -108,7 +139,6 @@ class TSPTransformer(ParallelTransformer):
         # layer's (during its MLP backward).
         prefetch = ShardPrefetch(comm.weights)
         layers = list(self.layers)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
         # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
         # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
         # instead of the ranks meeting once per weight in the middle of backward.
@@ -155,6 +185,15 @@ class TSPTransformer(ParallelTransformer):
         return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)
 
     # -- full views (for checks, checkpoints, export) -----------------------
+
+    def shard_view(self) -> TSPShardView:
+        detached = lambda t: None if t is None else t.detach()
+        layers = tuple(TSPLayerShards(layer.attention_shard.detach(), detached(layer.mlp_shard),
+                                      layer.attention_norm.detach(), layer.ffn_norm.detach(), detached(layer.q_norm),
+                                      detached(layer.k_norm), layer.moe) for layer in self.layers)
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        return TSPShardView(self.cfg, self.comm, self.shard_math, layers, self.embedding_shard.detach(),
+                            head.detach(), self.norm.detach())
 
     def reference_parts(self, name, local):
         shard_math, p = self.shard_math, self.comm.rank
