@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -164,6 +165,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT or --prompt-ids IDS")
     check_request(cfg, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.prefill_chunk)
+    stop_token_ids = parse_ids(args.stop_token_ids, "--stop-token-ids")
+    _check_generate_flags(args, cfg, stop_token_ids)
     flags = {axis: getattr(args, axis) for axis in ("dp", "tsp", "tp", "sp")}
     if launched_by_torchrun():
         from .distributed import comm
@@ -175,9 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     world, degrees = layout.world, layout.sizes
     job = GenerateJob(source=source, location=location, prompts=prompts, max_new_tokens=args.max_new_tokens,
                       scheme=args.scheme, degrees=degrees, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, seed=args.seed, stop_token_ids=parse_ids(args.stop_token_ids,
-                                                                                 "--stop-token-ids"),
-                      eos_token_id=eos, schedule=args.schedule, prefill_chunk=args.prefill_chunk,
+                      top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids, eos_token_id=eos,
+                      schedule=args.schedule, prefill_chunk=args.prefill_chunk,
                       dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s)
     if launched_by_torchrun():
         from .distributed import comm
@@ -197,6 +199,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json and show:
         print_json(summary)
     return 0
+
+
+def _check_generate_flags(args: argparse.Namespace, cfg, stop_token_ids: list[int]) -> None:
+    """The launch and sampling flags of ``generate``, by the rules ``train`` applies, before any rank starts."""
+    from .infer.sampling import check_sampling
+
+    check_sampling(args.temperature, args.top_k, args.top_p)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise ValueError(f"--timeout-s must be a finite number > 0, got {args.timeout_s}")
+    outside = [t for t in stop_token_ids if not 0 <= t < cfg.vocab_size]
+    if outside:
+        raise ValueError(f"--stop-token-ids: token id {outside[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -261,7 +277,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _out_of_memory(e: BaseException) -> bool:
-    text = str(e)
+    """Whether the evidence is memory: an allocator's error, here or raised on a rank. A rank that died says
+    only how it died (a SIGKILL may be the kernel's OOM killer or a kill from outside), so it is not evidence."""
+    text = e.traceback if isinstance(e, RankFailedError) else str(e)
     return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in text \
         or "can't allocate memory" in text
 

@@ -14,9 +14,9 @@ from .hf import (
     HF_CONFIG_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
     TORCHTSP_CONFIG_NAME,
-    _require_dir,
     open_hf_weights,
     open_torchtsp_weights,
+    require_dir,
     write_weights,
 )
 
@@ -29,7 +29,7 @@ def detect_checkpoint_kind(path: str | os.PathLike) -> str:
     """``"torchtsp"`` if the directory holds torchtsp.json, ``"hf"`` if it holds config.json,
     ``"train"`` for a training checkpoint (a ``torchtsp train`` run folder or one of its checkpoints)."""
     path = Path(path)
-    _require_dir(path)
+    require_dir(path)
     if _is_training_checkpoint(path):
         return "train"
     if (path / TORCHTSP_CONFIG_NAME).is_file():

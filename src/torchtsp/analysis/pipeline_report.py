@@ -3,10 +3,11 @@ where each mesh axis lands on a multi-node machine. Pure arithmetic (``pipeline_
 
 from __future__ import annotations
 
-import json
+import math
 
 from ..config import get_preset
 from .pipeline_model import placement, predict_pipeline
+from .validation import check_gpu_mem, check_gpus, dumps
 
 GB = 1e9
 
@@ -21,13 +22,14 @@ def resolve_layout(args) -> dict:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     gpus = nodes * per_node if nodes else args.gpus
+    check_gpus(gpus, "--nodes x --gpus-per-node" if nodes else "--gpus")
     pp = args.pp or 1
     if gpus % pp:
         raise ValueError(f"--pp {pp} does not divide the {gpus} GPUs")
     tsp = args.tsp or (per_node if per_node and (gpus // pp) % per_node == 0 else gpus // pp)
     if (gpus // pp) % tsp:
         raise ValueError(f"--tsp {tsp} does not divide the {gpus // pp} GPUs of a stage (GPUs / pp)")
-    if not args.inter_node_gbps > 0:
+    if not (args.inter_node_gbps > 0 and math.isfinite(args.inter_node_gbps)):
         raise ValueError(f"--inter-node-gbps must be positive, got {args.inter_node_gbps}")
     return {"gpus": gpus, "nodes": nodes or 1, "gpus_per_node": per_node or gpus, "pp": pp,
             "dp": gpus // (pp * tsp), "tsp": tsp}
@@ -37,6 +39,7 @@ def run_pipeline_plan(args) -> int:
     cfg = get_preset(args.preset)
     if args.seq_len < 1 or args.batch_size < 1:
         raise ValueError("--seq-len and --batch-size must be positive")
+    check_gpu_mem(args.gpu_mem)
     lay = resolve_layout(args)
     e = 2 if args.dtype == "bf16" else 4
     plan = predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"], tsp=lay["tsp"],
@@ -46,10 +49,10 @@ def run_pipeline_plan(args) -> int:
                       args.inter_node_gbps)
     fits = [s.total <= args.gpu_mem * GB for s in plan.stages]
     if args.json:
-        print(json.dumps({"inputs": {"preset": args.preset, "seq_len": args.seq_len, "batch_size": args.batch_size,
-                                     "dtype": args.dtype, "recompute": args.recompute, "gpu_mem_gb": args.gpu_mem,
-                                     "inter_node_gbps": args.inter_node_gbps, **lay},
-                          "pipeline": plan.to_dict(), "fits": fits, "placement": where}, indent=1))
+        print(dumps({"inputs": {"preset": args.preset, "seq_len": args.seq_len, "batch_size": args.batch_size,
+                                "dtype": args.dtype, "recompute": args.recompute, "gpu_mem_gb": args.gpu_mem,
+                                "inter_node_gbps": args.inter_node_gbps, **lay},
+                     "pipeline": plan.to_dict(), "fits": fits, "placement": where}))
         return 0
     M, pp = plan.microbatches, lay["pp"]
     nodes = f" ({lay['nodes']} nodes x {lay['gpus_per_node']})" if lay["nodes"] > 1 else ""

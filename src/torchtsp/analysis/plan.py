@@ -8,7 +8,6 @@ memory, a recommendation, and, for the paper's 7B model, the paper's measured fi
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
 from ..config import PRESETS, ModelConfig, get_preset
@@ -16,6 +15,7 @@ from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
+from .validation import check_gpu_mem, check_gpus, divisors, dumps
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
@@ -77,8 +77,8 @@ def _splits(n: int, axes: tuple[str, ...]):
     if len(axes) == 1:
         yield {axes[0]: n}
         return
-    for d in range(n - 1, 1, -1):
-        if n % d == 0:
+    for d in reversed(divisors(n)):
+        if 1 < d < n:
             for rest in _splits(n // d, axes[1:]):
                 if all(v > 1 for v in rest.values()):
                     yield {axes[0]: d, **rest}
@@ -88,11 +88,10 @@ def layouts(gpus: int) -> list[Layout]:
     """Every layout of ``gpus`` GPUs the planner compares: each modelled scheme of the registry on all of them
     (each factorization for schemes of several axes, with and without Megatron-SP where the scheme takes it),
     then data parallelism over each of them on fewer GPUs, and plain DP."""
-    if gpus < 1:
-        raise ValueError(f"--gpus must be positive, got {gpus}")
+    check_gpus(gpus)
     modelled = [s for s in SCHEMES.values() if s.memory_walk is not None and s.axes]
     out = [Layout(SCHEMES_DP, dp=gpus)]
-    for dp in (d for d in range(1, gpus // 2 + 1) if gpus % d == 0):
+    for dp in (d for d in divisors(gpus) if d <= gpus // 2):
         for spec in modelled:
             for split in _splits(gpus // dp, spec.axes):
                 for seqpar in ((False, True) if "sequence_parallel" in spec.options and dp == 1 else (False,)):
@@ -207,8 +206,8 @@ def _check_args(args) -> ModelConfig:
     for name in ("seq_len", "gpus", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 < args.gpu_mem < float("inf"):  # NaN fails every comparison
-        raise ValueError(f"--gpu-mem must be positive, got {args.gpu_mem}")
+    check_gpus(args.gpus)
+    check_gpu_mem(args.gpu_mem)
     return cfg
 
 
@@ -316,10 +315,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.sweep:
         sweep = _sweep(cfg, args)
         if args.json:
-            print(json.dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),
-                              "sweep": [{"seq_len": s["seq_len"], "rows": [r.to_dict() for r in s["rows"]],
-                                         "recommendation": s["recommendation"]} for s in sweep],
-                              "paper": paper and {"figures": paper, "notes": list(PAPER_NOTES)}}, indent=1))
+            print(dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),
+                         "sweep": [{"seq_len": s["seq_len"], "rows": [r.to_dict() for r in s["rows"]],
+                                    "recommendation": s["recommendation"]} for s in sweep],
+                         "paper": paper and {"figures": paper, "notes": list(PAPER_NOTES)}}))
         else:
             _print_sweep(cfg, args, sweep)
             if paper:
@@ -329,10 +328,10 @@ def run_plan(args: argparse.Namespace) -> int:
                     dtype_bytes=dtype_bytes, recompute=args.recompute)
     rec = recommend(rows, args.gpu_mem)
     if args.json:
-        print(json.dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),
-                          "rows": [r.to_dict() for r in rows], "recommendation": rec,
-                          "crossover_tokens": float(tsp_tp_crossover_tokens(cfg)),
-                          "paper": paper and {"figures": paper, "notes": list(PAPER_NOTES)}}, indent=1))
+        print(dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),
+                     "rows": [r.to_dict() for r in rows], "recommendation": rec,
+                     "crossover_tokens": float(tsp_tp_crossover_tokens(cfg)),
+                     "paper": paper and {"figures": paper, "notes": list(PAPER_NOTES)}}))
     else:
         _print_table(cfg, args, rows, rec)
         if paper:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..config import PRESETS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
@@ -40,7 +41,7 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
+    if not (math.isfinite(value) and value > 0):  # NaN and infinity too: they would reach the ranks as timeouts
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
@@ -96,5 +97,5 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "peak and stage-boundary bytes")
     add("--microbatches", type=int, metavar="M", help="with --pp: microbatches per step (default: N)")
     add("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b", help="with --pp: schedule (default: 1f1b)")
-    add("--timeout-s", type=float, default=600.0, metavar="S",
+    add("--timeout-s", type=_positive_float, default=600.0, metavar="S",
         help="limit for one (scheme, sequence length) cell on all ranks, and for each collective (default: 600)")

@@ -109,8 +109,33 @@ def _signals_ignored():
 def _death(exitcode: int) -> str:
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
-        return f"killed by {name}" + (" (out of memory, or killed from outside)" if name == "SIGKILL" else "")
+        # SIGKILL comes from another process or from the kernel's OOM killer; which one, the exit code cannot say.
+        return f"killed by {name}" + (" from outside the run (a kill, or the kernel's OOM killer)"
+                                      if name == "SIGKILL" else "")
     return f"exited with code {exitcode}"
+
+
+def _process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (T: stopped), where /proc tells (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _timed_out(traceback_text: str) -> bool:
+    text = traceback_text.lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _quiet_resource_tracker() -> None:
+    """Ranks killed on a failure (see ``close``) cannot unregister the semaphores they made (tqdm's lock, ...);
+    multiprocessing's resource tracker then frees them at exit, but warns first, after torchtsp's one-line error.
+    The tracker is started with this process's -W options, so the warning is filtered there, before it starts."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
 
 
 class WorkerPool:
@@ -129,6 +154,7 @@ class WorkerPool:
         self._start()
 
     def _start(self) -> None:
+        _quiet_resource_tracker()
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         self._results = ctx.Queue()
@@ -187,10 +213,13 @@ class WorkerPool:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
                 if self._dead():
-                    raise self._failure(name, None, "") from None
+                    raise self._failure(name, None, "", set(results)) from None
                 if time.monotonic() > deadline:
+                    stopped = self._stopped()
                     self.close(force=True)
-                    raise RankFailedError(f"{name} on {self.nprocs} ranks: no answer within {limit:.0f}s") from None
+                    why = f" (rank {stopped[0]} is stopped)" if stopped else ""
+                    raise RankFailedError(f"{name} on {self.nprocs} ranks: no answer within {limit:.0f}s{why}",
+                                          stopped[0] if stopped else None) from None
                 continue
             if ok and isinstance(value, str) and value == READY:
                 self._ready.add(rank)
@@ -204,14 +233,19 @@ class WorkerPool:
                 results.clear()
                 continue
             if not ok:
-                raise self._failure(name, rank, value)
+                raise self._failure(name, rank, value, set(results))
             results[rank] = value
         return [results[r] for r in range(self.nprocs)]
 
-    def _failure(self, name, rank: int | None, traceback_text: str) -> RankFailedError:
+    def _stopped(self) -> list[int]:
+        return [r for r, p in enumerate(self._procs) if p.is_alive() and _process_state(p.pid) in ("T", "t")]
+
+    def _failure(self, name, rank: int | None, traceback_text: str, answered: set) -> RankFailedError:
         """The error to report, once the pool is closed. A rank that died outranks one that raised, since the
-        survivors of a dead peer raise 'connection reset' errors of their own; among ranks that raised within
-        a moment of each other (the same error on every rank, as a checked value gives), the lowest."""
+        survivors of a dead peer raise 'connection reset' errors of their own; a rank that never answered
+        outranks the ranks whose collectives timed out waiting for it (gloo's timeout does not name the peer);
+        among ranks that raised within a moment of each other (the same error on every rank, as a checked value
+        gives), the lowest."""
         raised = {rank: traceback_text} if rank is not None else {}
         deadline = time.monotonic() + REPORT_GRACE_S
         while not (dead := self._dead()) and raised and time.monotonic() < deadline:
@@ -220,12 +254,20 @@ class WorkerPool:
                 if not ok:
                     raised.setdefault(other, value)
         codes = {r: self._procs[r].exitcode for r in dead}
+        silent = [r for r in range(self.nprocs) if r not in raised and r not in answered]
+        stopped = set(self._stopped())
         self.close(force=True)
         if dead:
             first = dead[0]
             return RankFailedError(f"{name} on {self.nprocs} ranks: rank {first} died ({_death(codes[first])})",
                                    first)
         first = min(raised)
+        if silent and _timed_out(raised[first]):
+            culprit = next((r for r in silent if r in stopped), silent[0])
+            state = "its process is stopped (SIGSTOP, a debugger, or a suspended job)" if culprit in stopped \
+                else "it was still busy or stuck"
+            return RankFailedError(f"{name} on {self.nprocs} ranks: rank {culprit} did not answer ({state}); rank "
+                                   f"{first} raised when its collective timed out waiting for it", culprit)
         return RankFailedError(f"rank {first} raised:", first, raised[first])
 
     def close(self, force: bool = False) -> None:

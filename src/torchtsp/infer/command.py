@@ -59,12 +59,12 @@ def model_config_and_tokenizer(source: str, location: str):
     from ..train.data import ByteTokenizer
 
     if source == "hf":
-        from ..hf import HF_CONFIG_NAME, _read_json, config_from_hf
+        from ..hf import HF_CONFIG_NAME, config_from_hf, read_json
 
         path = Path(location)
         if not path.is_dir():
             raise FileNotFoundError(f"--hf {location}: not a directory (give a Hugging Face checkpoint folder)")
-        hf_config = _read_json(path / HF_CONFIG_NAME, "a Hugging Face checkpoint directory needs config.json")
+        hf_config = read_json(path / HF_CONFIG_NAME, "a Hugging Face checkpoint directory needs config.json")
         cfg = config_from_hf(hf_config)
         eos = hf_config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -15,7 +15,22 @@ the same filter to the same numbers.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """ValueError (the same on every rank) unless temperature is a finite number >= 0, top_k None or an integer
+    >= 1, and top_p None or a number in (0, 1]; NaN and infinity are refused (softmax(logits / inf) is the
+    uniform distribution only in exact arithmetic: in floats every score becomes 0 or NaN)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -46,6 +61,7 @@ class TokenSelector:
 
     def __init__(self, comm, vocab_size: int, vocab_start: int, batch: int, rows: slice, temperature: float,
                  top_k: int | None, top_p: float | None, seed: int, device):
+        check_sampling(temperature, top_k, top_p)
         self.comm, self.V, self.start, self.batch, self.rows = comm, vocab_size, vocab_start, batch, rows
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -59,7 +75,10 @@ class TokenSelector:
         return torch.nn.functional.pad(noise, (0, 0, 0, padding_rows))[self.rows]
 
     def argmax_over_slices(self, scores: torch.Tensor) -> torch.Tensor:
-        """Global argmax of [B, cols] scores split by columns over ``comm`` (lowest id among ties)."""
+        """Global argmax of [B, cols] scores split by columns over ``comm`` (lowest id among ties). Padding
+        columns and NaN scores (argmax would pick a NaN) never win, so the id is always in [0, vocab)."""
+        real = torch.arange(self.start, self.start + scores.shape[-1], device=scores.device) < self.V
+        scores = scores.nan_to_num(nan=float("-inf")).masked_fill(~real, float("-inf"))
         index = scores.argmax(dim=-1)  # the first maximum: the lowest id
         value = scores.gather(1, index.unsqueeze(1)).squeeze(1)
         # float64 holds both the float32 value and any vocabulary index exactly: one all-gather.
@@ -83,4 +102,4 @@ class TokenSelector:
             own = torch.nn.functional.pad(own, (0, cols - own.shape[1]))  # padding columns stay -inf
             return self.argmax_over_slices(logits / self.temperature + own)
         full = filter_logits(self.gather_full(logits) / self.temperature, self.top_k, self.top_p)
-        return (full + noise).argmax(dim=-1)
+        return (full + noise).nan_to_num(nan=float("-inf")).argmax(dim=-1)

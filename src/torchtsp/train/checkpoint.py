@@ -5,23 +5,44 @@ later run with another layout (another D, another scheme) reads back exactly its
 A checkpoint is written aside (``.step_N.tmp``), its files' sha256 recorded in ``meta.json``, and
 published by renaming it once every rank has finished; ``latest`` is updated atomically and always
 names a complete checkpoint, whatever point a crash falls on. Loading verifies the checksums.
+
+Like pipelining, this module is an exception to ``distributed.comm`` being the only caller of
+``torch.distributed``: it calls DCP, and the DTensors it builds (``sharded_tensor``) only describe pieces for DCP,
+never communicated.
+
+A checkpoint may come from elsewhere, so loading runs no code from it: DCP's ``.metadata`` is a pickle, read
+here by an unpickler that admits only DCP's own metadata classes (``read_dcp_metadata``); the values DCP
+stores as bytes are read with ``torch.load(weights_only=True)``; every file name read from a file (the
+metadata's data files, ``meta.json``'s ``files``, the ``latest`` pointer) must lie inside the checkpoint's
+folder (``torchtsp.paths.contained``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
+import pickle
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..config import ModelConfig
 from ..distributed import comm
 from ..model import reference_shapes
+from ..paths import contained
 from ..weights import WeightSource
 
 FORMAT = "torchtsp-train"
@@ -49,8 +70,43 @@ def training_state(model, optimizer, named_params, mesh, step: int) -> dict:
         for key, tensor in (("model", param.data), ("optim/exp_avg", moments["exp_avg"]),
                             ("optim/exp_avg_sq", moments["exp_avg_sq"])):
             for ref, piece, shard_dims in model.reference_parts(name, tensor):
-                state[f"{key}/{ref}"] = comm.sharded_tensor(piece, mesh, shard_dims, shapes[ref])
+                state[f"{key}/{ref}"] = sharded_tensor(piece, mesh, shard_dims, shapes[ref])
     return state
+
+
+# Per parent mesh (forgotten with it, when its job ends): the meshes that only describe DTensors.
+_GROUPED_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _grouped_mesh(mesh: DeviceMesh, name: str, chunks: int) -> DeviceMesh:
+    """``mesh`` with axis ``name`` (size D) viewed as (``name``: chunks, ``name``_replica: D/chunks), for
+    DTensors of slices replicated over consecutive ranks. Built without process groups: DTensors over it
+    are only described (checkpoints), never communicated."""
+    names = tuple(mesh.mesh_dim_names)
+    i = names.index(name)
+    known = _GROUPED_MESHES.setdefault(mesh, {})
+    if (name, chunks) not in known:
+        shape = (*mesh.mesh.shape[:i], chunks, mesh.mesh.shape[i] // chunks, *mesh.mesh.shape[i + 1:])
+        known[name, chunks] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(shape),
+                                         mesh_dim_names=(*names[:i], name, f"{name}_replica", *names[i + 1:]),
+                                         _init_backend=False)
+    return known[name, chunks]
+
+
+def sharded_tensor(local: torch.Tensor, mesh: DeviceMesh, shard_dims: dict, global_shape) -> DTensor:
+    """A DTensor view of this rank's piece: sharded along ``shard_dims[axis]`` on those mesh axes
+    (torch.chunk split, so the last pieces may be shorter), replicated on the others.
+
+    A value ``(dim, chunks)`` instead of ``dim`` splits ``dim`` into ``chunks`` slices, each held by
+    size/chunks consecutive ranks of the axis (replicated KV heads): a checkpoint stores each slice once
+    and every rank of its group reads it back."""
+    for name, dim in list(shard_dims.items()):
+        if isinstance(dim, tuple):
+            mesh = _grouped_mesh(mesh, name, dim[1])
+            shard_dims = {**shard_dims, name: dim[0]}
+    placements = [Shard(shard_dims[name]) if name in shard_dims else Replicate() for name in mesh.mesh_dim_names]
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(global_shape), stride=stride)
 
 
 def save(run_dir: str | Path, state: dict, meta: dict, keep_last: int | None = None) -> Path:
@@ -71,7 +127,7 @@ def save(run_dir: str | Path, state: dict, meta: dict, keep_last: int | None = N
             raise disk_error(e, root) from None
     comm.barrier()
     try:
-        comm.save_checkpoint(state, str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))  # every rank writes its pieces; replicated ones once
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
@@ -122,8 +178,7 @@ def recover(root: Path) -> None:
     """Finish a publish a crash interrupted, then drop hidden leftovers that ``latest`` does not name."""
     if not root.is_dir():
         return
-    pointer = root / LATEST
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = latest_name(root)
     if named and named.startswith(".") and named.endswith(".tmp") and (root / named / META).is_file():
         publish(root, named[1:-len(".tmp")])
         named = named[1:-len(".tmp")]
@@ -134,6 +189,25 @@ def recover(root: Path) -> None:
             leftover.unlink()
 
 
+def latest_name(root: Path) -> str | None:
+    """The checkpoint that ``root/latest`` names (None without one): a folder directly inside ``root``, else
+    ValueError (a crafted ``latest`` must not make a save publish or remove a folder elsewhere)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        named = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{pointer} is unreadable ({e}); remove it or resume from a step_N folder") from None
+    if not named:
+        return None
+    if Path(named).name != named or named in (".", ".."):
+        raise ValueError(f"{pointer} names {named!r}, which is not a checkpoint folder directly inside {root}; "
+                         f"the file is damaged or crafted")
+    contained(root, named, pointer)
+    return named
+
+
 def point_latest(root: Path, name: str) -> None:
     pointer = root / f".{LATEST}.tmp"
     write_file(pointer, name)
@@ -142,7 +216,7 @@ def point_latest(root: Path, name: str) -> None:
 
 def prune(root: Path, keep_last: int) -> None:
     """Remove all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
-    named = (root / LATEST).read_text().strip()
+    named = latest_name(root)
     steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: p.name)
     for old in steps[:-keep_last]:
         if old.name != named:
@@ -193,7 +267,12 @@ def verify(checkpoint: Path, meta: dict, world=None, device: torch.device | str 
 
     ``world`` is an ``AxisComm`` over every rank (None: this process checks every file).
     """
-    files = sorted(meta.get("files", {}).items())  # checkpoints written before checksums carry none
+    listed = meta.get("files", {})  # checkpoints written before checksums carry none
+    if not isinstance(listed, dict):
+        raise ValueError(f"checkpoint {checkpoint} is damaged: {META}'s 'files' is not an object of sha256 digests")
+    files = sorted(listed.items())
+    for name, _ in files:  # every rank checks every name, so that every rank refuses alike
+        contained(checkpoint, name, checkpoint / META)
     size, rank = (world.size, world.rank) if world is not None else (1, 0)
     status = torch.zeros(len(files), dtype=torch.float32)
     for i, (name, digest) in enumerate(files):
@@ -214,9 +293,9 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint path {p} does not exist")
-    for latest in (p / "checkpoints" / LATEST, p / LATEST):
-        if latest.is_file():
-            p = latest.parent / latest.read_text().strip()
+    for root in (p / "checkpoints", p):
+        if (named := latest_name(root)) is not None:
+            p = root / named
             break
     if not (p / META).is_file():
         raise FileNotFoundError(f"{p} is not a complete torchtsp checkpoint (no {META}); give a run folder "
@@ -249,10 +328,13 @@ def restore_optimizer_steps(optimizer, state: dict) -> None:
         moments["step"].copy_(state["optim/step"])
 
 
-def _load_tensors(checkpoint: Path, state: dict) -> None:
-    """DCP load into ``state`` in place (resharding); a failure is one ValueError naming the checkpoint."""
+def _load_tensors(checkpoint: Path, state: dict, metadata: dcp_metadata.Metadata | None = None) -> None:
+    """DCP load into ``state`` in place (resharding); a failure is one ValueError naming the checkpoint.
+    ``metadata``: the checkpoint's ``read_dcp_metadata`` when already read."""
+    metadata = metadata or read_dcp_metadata(checkpoint)
     try:
-        comm.load_checkpoint(state, str(checkpoint))
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=_CheckedReader(checkpoint, metadata), planner=_WeightsOnlyPlanner())
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
@@ -282,11 +364,115 @@ class CheckpointWeights(WeightSource):
         self.checkpoint = resolve(checkpoint)
         meta = read_meta(self.checkpoint)
         verify(self.checkpoint, meta)  # a damaged file is named before anything is read
+        self._metadata = read_dcp_metadata(self.checkpoint)  # once, and a crafted one is refused before any write
         super().__init__(ModelConfig.from_dict(meta["model"]))
 
     def _read(self, name, shape, dim, start, stop):
         full = torch.empty(shape)
         with warnings.catch_warnings():  # DCP warns that it runs without a process group, as intended here
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            _load_tensors(self.checkpoint, {f"model/{name}": full})
+            _load_tensors(self.checkpoint, {f"model/{name}": full}, self._metadata)
         return full.narrow(dim, start, stop - start)
+
+
+# ---------------------------------------------------------------- reading DCP files without running their code
+
+DCP_METADATA = ".metadata"
+# Everything a DCP metadata pickle refers to: DCP's own dataclasses and the torch values inside them.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by name (torch.strided)
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _RefusedGlobal(Exception):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only the objects a DCP metadata file holds: any other class or function (``os.system``,
+    ``builtins.eval``, ...) stops the read before it can be called."""
+
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise _RefusedGlobal(f"{module}.{name}")
+
+
+def read_dcp_metadata(checkpoint: Path) -> dcp_metadata.Metadata:
+    """The DCP ``Metadata`` of ``checkpoint``, read without running code from the file, its data files
+    checked to lie inside the folder; ValueError (one line) for a crafted, damaged or missing file."""
+    path = checkpoint / DCP_METADATA
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _RefusedGlobal as e:
+        raise ValueError(f"checkpoint {checkpoint} refused: its {DCP_METADATA} asks to build {e}, which DCP "
+                         f"metadata never holds (a crafted file that would run code); nothing was loaded") from None
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {checkpoint} is incomplete: {DCP_METADATA} is missing; resume from another "
+                         f"checkpoint") from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways; each is one line
+        raise ValueError(f"checkpoint {checkpoint} is damaged: {DCP_METADATA} is unreadable "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(storage, dict):
+        raise ValueError(f"checkpoint {checkpoint} is damaged: {DCP_METADATA} does not hold DCP metadata")
+    for info in storage.values():
+        if not isinstance(info, _StorageInfo):
+            raise ValueError(f"checkpoint {checkpoint} is damaged: {DCP_METADATA} does not hold DCP metadata")
+        contained(checkpoint, info.relative_path, path)
+    return metadata
+
+
+class _CheckedReader(FileSystemReader):
+    """DCP's file reader, handed metadata that ``read_dcp_metadata`` has already read and checked, so DCP
+    never unpickles ``.metadata`` itself (nor its per-rank fallback)."""
+
+    def __init__(self, checkpoint: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(str(checkpoint))
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = dcp_metadata.StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, reading the values it stores as bytes (the step counter) with ``weights_only=True``
+    instead of an unrestricted ``torch.load``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _from_dcp(record: logging.LogRecord) -> bool:
+    return "torch/distributed/checkpoint" in record.pathname.replace(os.sep, "/")
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP logs every failure with its traceback (on the root logger) before raising; the raised error becomes
+    torchtsp's one line, so those records are dropped while DCP runs."""
+    root = logging.getLogger()
+    drop = lambda record: not _from_dcp(record)
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)

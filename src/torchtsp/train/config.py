@@ -84,6 +84,7 @@ class TrainConfig:
             raise ValueError(f"{_name('microbatches')} applies to pipeline stages; give --pp N (N >= 2) or drop it")
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
             self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
+        _check_run_folder(self.out)
 
     @property
     def warmup(self) -> int:
@@ -127,6 +128,15 @@ def _checked_type(name: str, value, hint):
     return value
 
 
+def _check_run_folder(out: str) -> None:
+    """``out`` can be (or become) a folder: neither it nor the nearest existing folder above it is a file."""
+    path = Path(out)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        raise ValueError(f"{_name('out')}: {out} {where}; give a folder for the run (it is created if missing)")
+
+
 def run_folder_of(resume: str) -> Path:
     """The run folder a resume path belongs to: the folder itself, or the run of a ``checkpoints/step_N`` folder."""
     p = Path(resume)
@@ -144,14 +154,23 @@ def load_toml(path: str) -> dict:
         raw = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-    raw = raw.get("train", raw)
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {path}: [train] must be a table of settings")
+    if "train" in raw:
+        outside = sorted(k for k in raw if k != "train")
+        if outside:  # a [train] table holds every setting: anything beside it would be silently ignored
+            raise ValueError(f"config file {path}: {', '.join(outside)} outside the [train] table would be "
+                             f"ignored; move the settings into [train] or remove them")
+        raw = raw["train"]
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {path}: [train] must be a table of settings")
     values = {k.replace("-", "_"): v for k, v in raw.items()}
     unknown = sorted(set(values) - FIELDS)
     if unknown:
-        raise ValueError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(FIELDS))}")
+        tables = [k for k in unknown if isinstance(values[k], dict)]
+        what = f"unknown table(s) {', '.join(tables)} and " if tables else ""
+        keys = [k for k in unknown if k not in tables]
+        what += f"unknown setting(s) {', '.join(keys)}" if keys else ""
+        raise ValueError(f"config file {path}: {what.removesuffix(' and ')}; known settings: "
+                         f"{', '.join(sorted(FIELDS))}")
     return values
 
 

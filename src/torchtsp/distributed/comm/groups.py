@@ -1,0 +1,118 @@
+"""Process groups: the default group's lifecycle, the second groups over a mesh axis (weight streams, replicated
+KV-head blocks, pipeline stages), and the job's rank and size. Every other part of the comm package, and nothing
+outside it, creates or destroys process groups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ...runenv import launched_by_torchrun
+
+DEFAULT_TIMEOUT_S = float(300)
+
+# ---------------------------------------------------------------- process group
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default group unless the caller (torchrun, our spawner, user code) already did.
+
+    Without launcher environment variables this is a one-rank group, so D = 1 runs need no launcher.
+    """
+    if is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launched_by_torchrun():
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    _SIBLING_GROUPS.clear()  # they die with the default group
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def release_subgroups() -> None:
+    """Destroy every process group but the default one, and forget the cached ones.
+
+    A long-lived worker (``launch.WorkerPool``) runs many jobs, each building its own meshes and groups;
+    without this their communicators (each gloo group with its own threads) pile up for the worker's life.
+    Local, not collective: every rank of a pool calls it after the same job.
+    """
+    _SIBLING_GROUPS.clear()
+    if not is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):  # torch keeps no public list of live groups
+        if group is not default:
+            dist.destroy_process_group(group)
+
+
+# Second process groups over the ranks of a mesh axis, by (every slice's ranks, purpose): building a model
+# twice reuses them instead of leaking a new communicator per model.
+_SIBLING_GROUPS: dict = {}
+
+
+def sibling_group(mesh: DeviceMesh, name: str, purpose: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A second process group over this rank's ranks of mesh axis ``name`` (created once per purpose).
+
+    Every rank must call this, in the same order: ``new_group`` is collective over the default group,
+    so each rank creates the groups of every slice of the axis and keeps its own.
+    """
+    return block_group(mesh, name, mesh.size(mesh.mesh_dim_names.index(name)), purpose, timeout_s)
+
+
+def pipeline_group(mesh: DeviceMesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """This rank's process group along the ``pp`` mesh axis, for ``torch.distributed.pipelining``.
+
+    A group of its own (created once, collectively), with the run's timeout: the pipelining library waits on
+    its transfers without a timeout of its own, so the group's timeout is what turns a dead stage into an
+    error instead of a hang.
+    """
+    return sibling_group(mesh, "pp", "pipeline", timeout_s)
+
+
+def world_size() -> int:
+    """Ranks in the job: the process group's, or the launcher's (torchrun) before the group exists."""
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def make_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def block_group(mesh: DeviceMesh, name: str, block: int, purpose: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A process group over this rank's block of ``block`` consecutive ranks of mesh axis ``name`` (created
+    once per purpose; collective over the default group like ``sibling_group``)."""
+    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
+    slices = tuple(tuple(row) for row in ranks.reshape(-1, block).tolist())
+    key = (slices, purpose)
+    if key not in _SIBLING_GROUPS:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine = None
+        for members in slices:
+            group = dist.new_group(list(members), timeout=timeout)
+            if global_rank() in members:
+                mine = group
+        _SIBLING_GROUPS[key] = mine
+    return _SIBLING_GROUPS[key]
+
+
+def barrier() -> None:
+    """Wait for every rank (bounded by the process group's timeout)."""
+    if world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,205 @@
+"""Hugging Face tensor names and state dicts: where each torchtsp parameter lies in an HF model or file.
+
+No weight permutation is needed: ``torchtsp.model.apply_rope`` uses the same half-split ("rotate_half") RoPE
+convention as these HF models, so q/k projections map one to one, and the dense families use the same HF
+parameter names. Expert weights are stacked [E, ...] tensors in torchtsp; HF holds them fused in a live model
+(``gate_up_proj``, ``hf_location``) and one tensor per expert in checkpoint files (``file_location``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..model import reference_shapes
+
+SHOW = 5  # how many offending names an error message lists
+
+# torchtsp name inside a block -> HF name inside ``model.layers.{i}``.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
+    "feed_forward.w_up.weight": "mlp.up_proj.weight",
+    "feed_forward.w_down.weight": "mlp.down_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",  # qkv_bias (Qwen2)
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",  # qk_norm (Qwen3)
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    # Mixture of experts (Qwen2-MoE, Mixtral): the router, the experts' stacked weights, the shared expert.
+    "feed_forward.router.weight": "mlp.gate.weight",
+    "feed_forward.experts.w_down": "mlp.experts.down_proj",
+    "feed_forward.shared.w_gate.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared.w_up.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared.w_down.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
+}
+# Halves of one fused HF tensor: torchtsp name inside a block -> (HF name, dim, which half). transformers stores
+# each expert's gate and up projections as one [E, 2·F, h] tensor (gate rows first); torchtsp keeps them apart,
+# so that tensor parallelism can cut both along F.
+_FUSED_NAMES = {
+    "feed_forward.experts.w_gate": ("mlp.experts.gate_up_proj", 1, 0),
+    "feed_forward.experts.w_up": ("mlp.experts.gate_up_proj", 1, 1),
+}
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_EMBED, _HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# Non-persistent RoPE buffers that old checkpoints sometimes carry; they are recomputed, never loaded.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+
+def hf_location(name: str) -> str | tuple:
+    """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name, or
+    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    prefix, _, rest = name.partition(".")
+    idx, _, local = rest.partition(".")
+    if prefix == "layers" and idx.isdigit() and local in _LAYER_NAMES:
+        return f"model.layers.{idx}.{_LAYER_NAMES[local]}"
+    if prefix == "layers" and idx.isdigit() and local in _FUSED_NAMES:
+        hf_name, dim, half = _FUSED_NAMES[local]
+        return "fused", f"model.layers.{idx}.{hf_name}", dim, half
+    raise KeyError(name)
+
+
+# The experts' matrices one by one, as checkpoint files hold them (what save_pretrained writes and the Hub
+# serves; transformers fuses them on load): torchtsp name -> HF name of expert e's matrix, per family.
+_EXPERT_FILE_NAMES = {
+    "qwen2_moe": ("mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}),
+}
+
+
+def file_location(cfg: ModelConfig):
+    """``hf_location`` for checkpoint files: stacked expert weights are ("experts", [HF name of each expert's
+    matrix]), and Mixtral's MoE block is ``block_sparse_moe``."""
+    block, names = _EXPERT_FILE_NAMES.get(cfg.hf_model_type, ("mlp", {}))
+
+    def location(name: str):
+        prefix, _, rest = name.partition(".")
+        idx, _, local = rest.partition(".")
+        if prefix == "layers" and local.startswith("feed_forward.experts."):
+            kind = names[local.rpartition(".")[2]]
+            return "experts", [f"model.layers.{idx}.{block}.experts.{e}.{kind}.weight" for e in range(cfg.n_experts)]
+        where = hf_location(name)
+        return where.replace(".mlp.gate.", f".{block}.gate.") if isinstance(where, str) else where
+
+    return location
+
+
+def is_fused(names) -> bool:
+    return any(n.endswith(".experts.gate_up_proj") for n in names)
+
+
+def to_hf_name(name: str) -> str:
+    """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
+    where = hf_location(name)
+    return where if isinstance(where, str) else where[1]
+
+
+def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, from torchtsp names -> shapes (fused halves add up along their dim)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected.items():
+        where = location(name)
+        if isinstance(where, str):
+            out[where] = tuple(shape)
+        elif where[0] == "fused":
+            out[where[1]] = tuple(n * 2 if d == where[2] else n for d, n in enumerate(shape))
+        else:
+            out.update(dict.fromkeys(where[1], tuple(shape[1:])))
+    return out
+
+
+def _from_hf_tensor(hf_sd: dict, where) -> torch.Tensor:
+    if isinstance(where, str):
+        return hf_sd[where]
+    if where[0] == "fused":
+        return hf_sd[where[1]].chunk(2, dim=where[2])[where[3]]
+    return torch.stack([hf_sd[n] for n in where[1]])
+
+
+def to_hf_tensors(sd: dict, names, location) -> dict[str, torch.Tensor]:
+    """HF-named tensors from torchtsp ``names`` of ``sd`` (fused halves concatenated, experts split)."""
+    out, halves = {}, {}
+    for name in names:
+        where = location(name)
+        if isinstance(where, str):
+            out[where] = sd[name]
+        elif where[0] == "fused":
+            halves.setdefault(where[1], {})[where[3]] = (where[2], sd[name])
+        else:
+            out.update(zip(where[1], sd[name].unbind(0)))
+    for hf_name, parts in halves.items():
+        if set(parts) != {0, 1}:
+            raise ValueError(f"{hf_name} needs both of its halves, got {sorted(parts)}")
+        out[hf_name] = torch.cat([parts[0][1], parts[1][1]], dim=parts[0][0])
+    return out
+
+
+def format_names(names: list[str]) -> str:
+    shown = ", ".join(names[:SHOW])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > SHOW else shown
+
+
+def check_state_dict(sd: dict, expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """Raise one ValueError describing missing/unexpected keys and shape mismatches."""
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    bad_shape = [k for k in expected if k in sd and tuple(sd[k].shape) != expected[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {format_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {format_names(unexpected)}")
+    if bad_shape:
+        details = [f"{k}: expected {expected[k]}, found {tuple(sd[k].shape)}" for k in bad_shape[:SHOW]]
+        more = f" ... ({len(bad_shape)} in all)" if len(bad_shape) > SHOW else ""
+        problems.append("shape mismatches: " + "; ".join(details) + more)
+    if problems:
+        raise ValueError(f"{what} does not match the model config: " + " | ".join(problems))
+
+
+def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
+    """HF ``*ForCausalLM`` state dict -> torchtsp ``Transformer`` state dict (same tensors, renamed).
+
+    With tied embeddings ``lm_head.weight`` is optional; when present it must equal the embedding.
+    ``rotary_emb.inv_freq`` buffers are ignored.
+    """
+    expected = reference_shapes(cfg)
+    # Expert weights fused (a transformers model's state dict) or one tensor per expert (checkpoint files).
+    location = hf_location if is_fused(hf_sd) else file_location(cfg)
+    hf_expected = _hf_shapes(expected, location)
+    sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
+    if cfg.tie_embeddings and _HF_LM_HEAD in sd:
+        lm_head = sd.pop(_HF_LM_HEAD)
+        embed = sd.get(_HF_EMBED)
+        if embed is not None and tuple(lm_head.shape) == tuple(embed.shape) and not torch.equal(lm_head, embed):
+            raise ValueError(
+                f"tie_word_embeddings is true but {_HF_LM_HEAD} differs from {_HF_EMBED}; "
+                "set tie_word_embeddings to false in config.json to keep a separate output head"
+            )
+        if embed is not None and tuple(lm_head.shape) != tuple(embed.shape):
+            raise ValueError(
+                f"tie_word_embeddings is true but {_HF_LM_HEAD} has shape {tuple(lm_head.shape)}, "
+                f"expected {tuple(embed.shape)} like {_HF_EMBED}"
+            )
+    check_state_dict(sd, hf_expected, "Hugging Face state dict")
+    return {k: _from_hf_tensor(sd, location(k)) for k in expected}
+
+
+def to_hf_state_dict(sd: dict, cfg: ModelConfig, files: bool = False) -> dict:
+    """torchtsp ``Transformer`` state dict -> HF ``*ForCausalLM`` names (no ``lm_head`` when tied): those of a
+    transformers model's state dict (experts fused), or with ``files`` those of checkpoint files (one tensor per
+    expert, as ``save_pretrained`` writes)."""
+    expected = reference_shapes(cfg)
+    check_state_dict(sd, expected, "torchtsp state dict")
+    return to_hf_tensors(sd, expected, file_location(cfg) if files else hf_location)
