@@ -79,7 +79,9 @@ def expert_parallel(w_gate, w_up, w_down, comm: AxisComm, n_experts: int):
         recv_splits = received.sum(dim=1).tolist()
         x = AllToAll.apply(h2[routing.token], comm, recv_splits, send_splits, "moe.dispatch")
         # Received rows come grouped by source rank, then by expert: regroup them by expert for the expert GEMMs.
-        local_expert = torch.repeat_interleave(torch.arange(per, device=h2.device).repeat(D), received.flatten())
+        # output_size: the length is already on the host (recv_splits), so this needs no device read.
+        local_expert = torch.repeat_interleave(torch.arange(per, device=h2.device).repeat(D), received.flatten(),
+                                               output_size=sum(recv_splits))
         by_expert = torch.argsort(local_expert, stable=True)
         out = expert_mlps(x[by_expert], received.sum(dim=0).tolist(), w_gate, w_up, w_down)
         out = out[torch.argsort(by_expert)]  # back to (source rank, expert) order
