@@ -20,7 +20,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import comm
     from .distributed.launch import watch_parent
     from .train.config import FIELDS, build_config
-    from .train.trainer import format_summary, run_training
+    from .train.trainer import check_before_launch, format_summary, run_training
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
     if launched_by_torchrun():
@@ -38,9 +38,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         scheme = get_scheme(cfg.scheme)
         degrees = scheme.degrees(nproc // cfg.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
         if cfg.pp > 1 and not cfg.init_from_hf:
-            check_pipeline(scheme, get_preset(cfg.preset), cfg.pp, cfg.microbatches, cfg.batch_size, degrees,
-                           cfg.schedule)
-        summary = run_training(cfg) if nproc == 1 else _launch(cfg, nproc)
+            check_pipeline(scheme, get_preset(cfg.preset), cfg.pp, cfg.microbatches,
+                           cfg.batch_size // cfg.grad_accum, degrees, cfg.schedule)
+        # The model's tokenizer and data, checked here once (ranks skip the scans): a bad dataset is refused
+        # before any rank starts.
+        data = check_before_launch(cfg, degrees)
+        if data.notice:
+            print(f"torchtsp: {data.notice}", file=sys.stderr)
+        summary = run_training(cfg, True) if nproc == 1 else _launch(cfg, nproc)
         show = True
     if summary["status"] == "aborted":  # another rank reported why
         return 2
@@ -75,7 +80,7 @@ def _launch(cfg, nproc: int) -> dict:
     with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            summary = pool.run(run_training, cfg, timeout_s=float("inf"), on_wait=forward)[0]
+            summary = pool.run(run_training, cfg, True, timeout_s=float("inf"), on_wait=forward)[0]
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -105,7 +110,19 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--warmup-steps", type=int, help="linear warmup steps (default: steps/10)")
     add("--skip-nonfinite", type=int, metavar="N",
         help="skip up to N steps whose loss or gradient norm is not finite (default: 0, the first one stops the run)")
-    add("--data", metavar="PATH", help="text file or folder (default: the Python standard library)")
+    add("--data", metavar="DATA", help="a Megatron dataset PREFIX (.bin/.idx), a .npy of ids, .jsonl/.parquet/text "
+        "files or a folder (tokenized on the fly), or a blend \"0.7 A 0.3 B\" (default: the Python standard "
+        "library)")
+    add("--tokenizer", metavar="DIR", help="folder of the model's tokenizer.json (default: the --init-from-hf "
+        "folder's; presets: bytes)")
+    add("--eval-data", metavar="DATA", help="evaluation dataset, same forms as --data")
+    add("--eval-every", type=int, metavar="N", help="evaluate every N steps (default: only at the end)")
+    add("--eval-batches", type=int, metavar="K", help="batches per evaluation (default: the whole eval set, at most "
+        "50)")
+    add("--grad-accum", type=int, metavar="N", help="split the global batch into N micro-batches, one optimizer step "
+        "(default: 1)")
+    add("--tensorboard", action="store_true", default=None, help="also write TensorBoard scalars to OUT/tensorboard")
+    add("--profile-steps", metavar="A:B", help="torch.profiler trace of steps A..B per rank, OUT/profile/rankR.json")
     add("--out", metavar="DIR", help="run folder: metrics.jsonl and checkpoints/ (default: the --resume run "
         "folder, else runs/latest)")
     add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
@@ -205,6 +222,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from .data.prepare import cmd_prepare_data as run
+
+    return run(args)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .analysis.plan import run_plan
 
@@ -236,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     from .analysis.plan import add_plan_arguments  # torch-free
+    from .data.prepare import add_prepare_arguments  # torch-free
+
+    prepare = sub.add_parser("prepare-data", help="tokenize text into a Megatron indexed dataset (.bin/.idx/.json)")
+    add_prepare_arguments(prepare)
+    prepare.set_defaults(func=cmd_prepare_data)
     from .bench.args import add_bench_arguments  # torch-free
 
     bench = sub.add_parser("bench", help="measure memory, step time and traffic of every scheme side by side")

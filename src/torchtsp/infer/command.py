@@ -36,27 +36,9 @@ class GenerateJob:
     timeout_s: float = 300.0
 
 
-# ---------------------------------------------------------------- tokenizers
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids))
-
-
 def model_config_and_tokenizer(source: str, location: str):
     """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights."""
-    from ..train.data import ByteTokenizer
+    from ..data.tokenizers import ByteTokenizer, HFTokenizer
 
     if source == "hf":
         from ..hf import HF_CONFIG_NAME, _read_json, config_from_hf
@@ -70,16 +52,21 @@ def model_config_and_tokenizer(source: str, location: str):
         eos = eos[0] if isinstance(eos, list) and eos else eos
         tokenizer = None
         if (path / "tokenizer.json").is_file():
-            try:
-                tokenizer = HFTokenizer(path / "tokenizer.json")
-            except ImportError:
+            try:  # a malformed tokenizer.json is a one-line error naming it
+                tokenizer = HFTokenizer(path, eos_id=eos if isinstance(eos, int) else None)
+            except OSError:
                 tokenizer = None  # ids only, without the optional tokenizers library
         return cfg, tokenizer, eos if isinstance(eos, int) else None
     if source == "checkpoint":
         from ..config import ModelConfig
+        from ..data.tokenizers import run_tokenizer_folder
         from ..train import checkpoint
 
         meta = checkpoint.read_meta(checkpoint.resolve(location))
+        kept = run_tokenizer_folder(location)  # a run trained with its model's own tokenizer kept a copy
+        if kept is not None:
+            tokenizer = HFTokenizer(kept)
+            return ModelConfig.from_dict(meta["model"]), tokenizer, tokenizer.eos_id
         return ModelConfig.from_dict(meta["model"]), ByteTokenizer(), ByteTokenizer.eot_id
     from ..config import get_preset
 
