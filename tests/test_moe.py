@@ -377,11 +377,11 @@ def test_training_on_dp_x_tsp_resumes_reshards_and_exports(pools, tmp_path):
     resume at TSP4, and an export that transformers loads as Qwen2-MoE with the trained model's logits."""
     import transformers
 
-    from torchtsp.train.checkpoint import load_full_state_dict
-    from torchtsp.train.config import TrainConfig
     from torchtsp.data.samples import BatchStream, PackedSamples
     from torchtsp.data.sources import TokenSource, builtin_corpus
     from torchtsp.data.tokenizers import ByteTokenizer
+    from torchtsp.train.checkpoint import load_full_state_dict
+    from torchtsp.train.config import TrainConfig
     from torchtsp.train.single import train_single
     from torchtsp.train.trainer import run_training
 

@@ -171,10 +171,10 @@ def test_hf_in_and_out(pools, tmp_path):
     import transformers
 
     from torchtsp import Transformer
-    from torchtsp.hf import config_to_hf, save_hf_checkpoint
     from torchtsp.data.samples import BatchStream, PackedSamples
     from torchtsp.data.sources import TokenSource, builtin_corpus
     from torchtsp.data.tokenizers import ByteTokenizer
+    from torchtsp.hf import config_to_hf, save_hf_checkpoint
 
     cfg = get_preset("tiny")
     torch.manual_seed(123)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..memory import next_pass
 from ..model import IGNORE_INDEX, load_balancing_loss
 
 
@@ -31,6 +32,7 @@ def _router_totals(model, micro) -> tuple[torch.Tensor, torch.Tensor]:
     """(assignments per expert, rows) over the whole batch, every rank's tokens, from a forward-only pass."""
     counts = rows = 0
     for tokens, labels in micro:
+        next_pass()
         _nll_sum(model, tokens, labels)
         c, _, r = model.sum_router_stats(model.router_stats.close())
         counts, rows = counts + c, rows + r
@@ -44,7 +46,11 @@ def _pipeline_forward_backward(model, micro) -> torch.Tensor:
     counts = {int((labels != IGNORE_INDEX).sum()) for _, labels in micro}
     if len(counts) != 1:
         raise ValueError("--grad-accum with --pp needs micro-batches with equal numbers of targets")
-    loss = sum(model.forward_backward(tokens, labels) for tokens, labels in micro) / len(micro)
+    loss = 0
+    for tokens, labels in micro:
+        next_pass()
+        loss = loss + model.forward_backward(tokens, labels)
+    loss = loss / len(micro)
     for p in model.parameters():
         if p.grad is not None:
             p.grad.div_(len(micro))
@@ -65,6 +71,7 @@ def forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, grad_acc
         counts, rows = _router_totals(model, micro)
     loss_total, aux_total = torch.zeros((), device=tokens.device), torch.zeros((), device=tokens.device)
     for m_tokens, m_labels in micro:
+        next_pass()
         loss = _nll_sum(model, m_tokens, m_labels) / total
         if cfg.moe:
             stats = model.router_stats.close()
@@ -87,6 +94,7 @@ def evaluate(model, batches, grad_accum: int) -> float:
     for batch in batches:
         tokens, labels = batch[:, :-1], batch[:, 1:]
         for m_tokens, m_labels in _micro(tokens, labels, grad_accum):
+            next_pass()
             model.check_inputs(m_tokens, m_labels)
             s, c = model.nll_sum_and_count(model.shard_batch(m_tokens), model.shard_batch(m_labels))
             nll, count = nll + s.item(), count + c.item()
