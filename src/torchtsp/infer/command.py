@@ -56,7 +56,10 @@ def model_config_and_tokenizer(source: str, location: str):
                 tokenizer = HFTokenizer(path, eos_id=eos if isinstance(eos, int) else None)
             except OSError:
                 tokenizer = None  # ids only, without the optional tokenizers library
-        return cfg, tokenizer, eos if isinstance(eos, int) else None
+        eos = eos if isinstance(eos, int) else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_id  # tokenizer_config.json's eos_token when config.json names none
+        return cfg, tokenizer, eos
     if source == "checkpoint":
         from ..config import ModelConfig
         from ..data.tokenizers import run_tokenizer_folder
