@@ -144,6 +144,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders "
                         "(byte tokenizer)")
     source.add_argument("--preset", choices=list(PRESETS), help="random weights of a preset shape (default: tiny)")
+    add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
     add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     add("--prompt-ids", metavar="IDS", help='token ids, e.g. "1,2,3;4,5" (";" separates the prompts of a batch)')
     add("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most (default: 32)")
@@ -177,7 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))
-    cfg, tokenizer, eos = model_config_and_tokenizer(source, location)
+    cfg, tokenizer, eos = model_config_and_tokenizer(source, location, args.tokenizer)
     if args.prompt and tokenizer is None:
         raise ValueError("this model has no tokenizer (no tokenizer.json, or the tokenizers library is missing); "
                          "give --prompt-ids")
@@ -201,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       top_p=args.top_p, seed=args.seed, stop_token_ids=parse_ids(args.stop_token_ids,
                                                                                  "--stop-token-ids"),
                       eos_token_id=eos, schedule=args.schedule, prefill_chunk=args.prefill_chunk,
-                      dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s)
+                      dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s, tokenizer=args.tokenizer)
     if launched_by_torchrun():
         from .distributed import comm
 

@@ -29,6 +29,7 @@ class GenerateJob:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    tokenizer: str | None = None  # --tokenizer DIR: overrides the model source's own tokenizer
     schedule: str = "auto"
     prefill_chunk: int | None = None
     dtype: str = "float32"
@@ -36,9 +37,15 @@ class GenerateJob:
     timeout_s: float = 300.0
 
 
-def model_config_and_tokenizer(source: str, location: str):
-    """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights."""
+def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None = None):
+    """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights; ``tokenizer``
+    (a folder of tokenizer.json) overrides the source's own."""
     from ..data.tokenizers import ByteTokenizer, HFTokenizer
+
+    if tokenizer is not None:
+        cfg, _, eos = model_config_and_tokenizer(source, location)
+        override = HFTokenizer(tokenizer, eos_id=eos)
+        return cfg, override, override.eos_id if override.eos_id is not None else eos
 
     if source == "hf":
         from ..hf import HF_CONFIG_NAME, _read_json, config_from_hf
@@ -134,7 +141,7 @@ def run_generate(job: GenerateJob) -> dict:
     from ..memory import measure_peak
     from .api import generate
 
-    cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location)
+    cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location, job.tokenizer)
     mesh = init_mesh(**job.degrees, timeout_s=job.timeout_s)
     model = _load_model(job, cfg, mesh)
     rank0 = comm.global_rank() == 0
