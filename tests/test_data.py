@@ -320,3 +320,15 @@ def test_reading_every_sample_keeps_resident_memory_flat(tmp_path):
     assert stream.epoch >= 1.0
     # The permutation of 46,874 samples is 0.2 MB and a batch 0.1 MB; a mapped file would add its 24 MB.
     assert grown < 4 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
+
+
+def test_text_for_a_model_with_its_own_tokenizer_is_read_with_it(bpe_dir, tmp_path):
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.data import TrainData
+
+    (tmp_path / "notes.txt").write_text("the cat sat on the mat")
+    cfg = TrainConfig(init_from_hf=str(bpe_dir), data=str(tmp_path / "notes.txt"), seq_len=4, batch_size=1)
+    data = TrainData(cfg, vocab_size=300)
+    tok = HFTokenizer(bpe_dir)
+    assert data.train.datasets[0].source.tokens.tolist() == tok.encode("the cat sat on the mat") + [tok.eos_id]
+    assert isinstance(TrainData(TrainConfig(seq_len=4), 257).tokenizer, ByteTokenizer)  # a preset: bytes

@@ -76,6 +76,10 @@ def test_tokenizer_to_generation(tmp_path):
     out = json.loads(cli("generate", "--hf", tmp_path / "hf_out", "--prompt", "the", "--max-new-tokens", 8,
                          "--json").stdout.strip().splitlines()[-1])
 
+    override = json.loads(cli("generate", "--hf", tmp_path / "hf_out", "--tokenizer", hf, "--prompt", "the",
+                              "--max-new-tokens", 8, "--json").stdout.strip().splitlines()[-1])
+    assert override["tokens"] == out["tokens"]  # --tokenizer DIR: the same tokenizer, named explicitly
+
     # 6. transformers loads the export and its tokenizer and gives the same greedy text.
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").float().eval()
