@@ -57,7 +57,7 @@ def test_a_pattern_above_the_byte_range_is_learned(pools, tmp_path, wide_hf, pat
 
 
 @pytest.mark.parametrize("preset,world,degrees", [("tiny", 2, {"tsp": 2}), ("tiny", 4, {"dp": 2, "tsp": 2}),
-                                                  ("tiny-moe", 2, {"tsp": 2})])
+                                                  ("tiny-moe", 2, {"tsp": 2}), ("tiny", 2, {"pp": 2, "tsp": 1})])
 def test_grad_accum_equals_one_big_batch(pools, tmp_path, preset, world, degrees):
     runs = {n: train(pools, world, tmp_path / f"accum{n}", preset=preset, steps=2, grad_accum=n, **degrees)
             for n in (1, 2)}
