@@ -1,4 +1,6 @@
-"""Shared multi-rank worker pools: spawning ranks costs seconds, so tests reuse one pool per world size."""
+"""Shared multi-rank worker pools (spawning ranks costs seconds, so tests reuse one pool per world size) and the
+``multirank`` marker: a test that runs several ranks (the ``pools`` fixture, or processes it launches itself,
+marked by hand) is multirank; ``make test-fast`` runs the others, the single-process unit tests."""
 
 import pytest
 import torch
@@ -29,3 +31,14 @@ def pools():
     yield p
     p.close()
 
+
+
+# Modules whose tests launch ranks themselves (the command line with --nproc, torchrun, spawn): multirank whole.
+LAUNCHING_MODULES = {"test_bench", "test_bench_infer", "test_cli", "test_distributed", "test_generate_cli",
+                     "test_pipeline", "test_reliability", "test_train"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "pools" in getattr(item, "fixturenames", ()) or item.module.__name__ in LAUNCHING_MODULES:
+            item.add_marker(pytest.mark.multirank)

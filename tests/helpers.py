@@ -62,7 +62,7 @@ def spread_hf_weights(model, router: str | None = None) -> None:
 def hf_batch(vocab: int, batch: int, seq_len: int, seed: int = 1):
     """(tokens, labels) [batch, seq_len] with some ignored targets; the last position has no target, as in
     Hugging Face's own loss, which shifts the labels itself."""
-    from torchtsp.model import IGNORE_INDEX
+    from torchtsp.layers import IGNORE_INDEX
 
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(vocab, (batch, seq_len + 1), generator=g)

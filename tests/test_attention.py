@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import rel_err
+from torchtsp import kernels
 from torchtsp.distributed import attention, zigzag
 from torchtsp.distributed.comm import AxisComm
 
@@ -12,9 +13,9 @@ from torchtsp.distributed.comm import AxisComm
 @pytest.fixture(params=["fused_cpu", "portable"])
 def kernel(request, monkeypatch):
     if request.param == "portable":  # the path every non-CPU device takes, checked here on the CPU
-        monkeypatch.setattr(attention, "_flash_forward", attention.portable_forward)
-        monkeypatch.setattr(attention, "_flash_backward", attention.portable_backward)
-        monkeypatch.setattr(attention, "KEY_BLOCK", 5)  # several key blocks per part
+        monkeypatch.setattr(kernels, "_flash_forward", kernels.portable_forward)
+        monkeypatch.setattr(kernels, "_flash_backward", kernels.portable_backward)
+        monkeypatch.setattr(kernels, "KEY_BLOCK", 5)  # several key blocks per part
     return request.param
 
 
@@ -80,9 +81,9 @@ def test_portable_kernel_matches_fused_cpu_kernel(causal):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
     dout = torch.randn_like(out)
     fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-    p_out, p_lse = attention.portable_forward(q, k, v, causal)
+    p_out, p_lse = kernels.portable_forward(q, k, v, causal)
     assert rel_err(p_out, out) < 1e-6 and rel_err(p_lse, lse) < 1e-6
-    for got, want in zip(attention.portable_backward(dout, q, k, v, p_out, p_lse, causal), fused):
+    for got, want in zip(kernels.portable_backward(dout, q, k, v, p_out, p_lse, causal), fused):
         assert rel_err(got, want) < 1e-6
 
 
@@ -107,11 +108,11 @@ def test_fused_cuda_kernels_match_portable_kernel(dtype, causal):
     q = torch.randn(2, 3, 64, 64, device="cuda", dtype=dtype)
     k = torch.randn(2, 3, 64 if causal else 96, 64, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    out, lse = attention._flash_forward(q, k, v, causal)
+    out, lse = kernels._flash_forward(q, k, v, causal)
     dout = torch.randn_like(out)
-    p_out, p_lse = attention.portable_forward(q, k, v, causal)
+    p_out, p_lse = kernels.portable_forward(q, k, v, causal)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8 mantissa bits, fp32 accumulation in both
     assert rel_err(out.float(), p_out.float()) < tol and rel_err(lse, p_lse) < tol
-    fused = attention._flash_backward(dout, q, k, v, out, lse, causal)
-    for got, want in zip(fused, attention.portable_backward(dout, q, k, v, p_out, p_lse, causal)):
+    fused = kernels._flash_backward(dout, q, k, v, out, lse, causal)
+    for got, want in zip(fused, kernels.portable_backward(dout, q, k, v, p_out, p_lse, causal)):
         assert rel_err(got.float(), want.float()) < tol

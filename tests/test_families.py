@@ -35,17 +35,16 @@ from helpers import hf_batch, spread_hf_weights  # noqa: E402
 from torchtsp.config import PRESETS, ModelConfig, get_preset  # noqa: E402
 from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, load_torchtsp_checkpoint  # noqa: E402
-from torchtsp.model import (  # noqa: E402
+from torchtsp.layers import (  # noqa: E402
     IGNORE_INDEX,
-    Transformer,
     _llama3_inv_freq,
     _rope_inv_freq,
     head_norm,
-    reference_shapes,
     rms_norm,
     rope_cos_sin,
     rope_tables,
 )
+from torchtsp.model import Transformer, reference_shapes  # noqa: E402
 
 # Same justification as tests/test_hf.py: both sides compute in float32 in a different order (SDPA on
 # expanded K/V vs eager matmul + softmax, different blocking); the worst round-off seen relative to a

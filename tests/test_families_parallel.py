@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import torchtsp  # noqa: E402
 from test_families import FAMILIES, make_hf, rel_err  # noqa: E402
 from torchtsp.hf import config_from_hf, from_hf_state_dict  # noqa: E402
-from torchtsp.model import IGNORE_INDEX  # noqa: E402
+from torchtsp.layers import IGNORE_INDEX  # noqa: E402
 from torchtsp.schemes import MODEL_FEATURES, get_scheme  # noqa: E402
 
 # One float32 model against another (within 1e-5 of each other, see tests/test_families.py), plus the

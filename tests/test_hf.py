@@ -29,7 +29,8 @@ from torchtsp.hf import (
     save_torchtsp_checkpoint,
     to_hf_state_dict,
 )
-from torchtsp.model import IGNORE_INDEX, Transformer
+from torchtsp.layers import IGNORE_INDEX
+from torchtsp.model import Transformer
 
 # Non-power-of-two sizes everywhere so that a transposed or mis-split weight cannot go unnoticed.
 HF_SHAPES = {

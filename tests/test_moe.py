@@ -18,7 +18,8 @@ import torch  # noqa: E402
 import torchtsp  # noqa: E402
 from helpers import batch, hf_batch, rel_err, spread_hf_weights  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, to_hf_state_dict  # noqa: E402
-from torchtsp.model import IGNORE_INDEX, RouterStats, Transformer, reference_shapes  # noqa: E402
+from torchtsp.layers import IGNORE_INDEX, RouterStats
+from torchtsp.model import Transformer, reference_shapes  # noqa: E402
 
 # float32 on both sides; the two models sum the same products in another order (experts' outputs added per
 # token in expert order vs per expert with index_add, SDPA vs eager attention): ~1e-7 relative seen. A routing
@@ -79,12 +80,11 @@ def test_reference_matches_transformers_total_loss_and_every_gradient(case):
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg), strict=True)
     tokens, labels = make_batch(cfg.vocab_size)
     out = hf_loss_and_grads(hf, tokens, labels)
-    loss = ours.loss(tokens, labels)
+    loss, router = ours.loss_and_router(tokens, labels)
     loss.backward()
     assert out.aux_loss > 0.5  # E·sum(f·P) is 1 for perfectly balanced routing: the term is not negligible
     assert rel_err(loss.detach(), out.loss.detach()) <= REL_TOL, (loss.item(), out.loss.item())
-    aux = torchtsp.model.load_balancing_loss(ours.router_stats.counts, ours.router_stats.probs.detach(),
-                                             ours.router_stats.rows, cfg.n_experts)
+    aux = torchtsp.layers.load_balancing_loss(router.counts, router.probs, router.rows, cfg.n_experts)
     assert rel_err(aux, out.aux_loss.detach()) <= REL_TOL
     ours_grads = {n: p.grad for n, p in ours.named_parameters()}
     hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
@@ -286,7 +286,8 @@ def expert_traffic_on_rank(world):
     predicted from the reference model's own routing: which rank owns each token and each chosen expert)."""
     from torchtsp.distributed import zigzag
     from torchtsp.distributed.comm import Traffic
-    from torchtsp.model import MoEFeedForward, route
+    from torchtsp.layers import route
+    from torchtsp.model import MoEFeedForward
 
     cfg = PARALLEL_CASES["shared"]
     torch.manual_seed(0)

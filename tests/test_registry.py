@@ -47,7 +47,7 @@ def test_validate_raises_the_layout_errors_a_run_would():
         get_scheme("tp").validate(CFG, 2, 32, get_scheme("tp").degrees(4))
     with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
         tsp.validate(CFG.replace(n_heads=12, n_kv_heads=3, dim=96), 2, 32, tsp.degrees(4))
-    with pytest.raises(ValueError, match="divisible by 2x2 for zigzag"):
+    with pytest.raises(ValueError, match=r"divisible by 2\*D = 4 for zigzag"):
         tsp.validate(CFG, 2, 30, tsp.degrees(2))
     with pytest.raises(ValueError, match="divisible by the DP degree 2"):
         tsp.validate(CFG, 3, 32, tsp.degrees(4, dp=2))

@@ -16,7 +16,7 @@ import torch
 import torchtsp
 from helpers import batch, compare_with_reference
 from torchtsp.analysis import layer_forward_recv_elements
-from torchtsp.model import rope_cos_sin
+from torchtsp.layers import rope_cos_sin
 
 CFG = dict(n_layers=2, max_seq_len=64)
 CASES = {

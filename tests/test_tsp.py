@@ -10,7 +10,8 @@ import torchtsp
 from helpers import batch, run_against_reference
 from torchtsp.analysis import tsp_layer_forward_recv_elements
 from torchtsp.memory import measure_peak
-from torchtsp.parallel.tsp import TSPAttention, TSPFeedForward
+from torchtsp.parallel.tsp.attention import TSPAttention
+from torchtsp.parallel.tsp.rings import TSPFeedForward
 
 CFG = dict(n_layers=2, max_seq_len=4096)
 CASES = {
@@ -160,7 +161,7 @@ def one_layer_traffic_on_rank(world, batch_size, seq_len):
     torch.manual_seed(0)
     mesh = torchtsp.init_mesh(tsp=world)
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), mesh, "tsp")
-    comm, layer, blocks = model.comm, model.layers[0], model.math
+    comm, layer, blocks = model.comm, model.layers[0], model.shard_math
     x = torch.randn(batch_size, seq_len // world, cfg.dim, requires_grad=True)
     cos = sin = torch.ones(seq_len // world, cfg.head_dim)
     with comm.counting() as fwd:

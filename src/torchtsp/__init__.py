@@ -1,8 +1,9 @@
 """torchtsp: folded Tensor and Sequence Parallelism (TSP) for PyTorch."""
 
 from .config import PRESETS, ModelConfig, get_preset
+from .layout import Layout
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize",
+__all__ = ["PRESETS", "Layout", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize",
            "pipeline_parallelize", "spawn"]
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import os
 import signal
 import sys
@@ -11,8 +11,9 @@ import time
 
 from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
+from .layout import Layout
 from .runenv import launched_by_torchrun
-from .schemes import PIPELINE_SCHEDULES, SCHEMES, check_pipeline, get_scheme
+from .schemes import INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -31,21 +32,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             comm.destroy_process_group()
     else:
-        nproc = cfg.nproc or cfg.pp * (cfg.dp or 1) * (cfg.tsp or 1) * (cfg.tp or 1) * (cfg.sp or 1)
         # A mesh the scheme cannot use, or a pipeline it cannot split, is refused here, before any rank starts.
-        if nproc % cfg.pp:
-            raise ValueError(f"--pp {cfg.pp} needs a multiple of {cfg.pp} ranks, got --nproc {nproc}")
-        scheme = get_scheme(cfg.scheme)
-        degrees = scheme.degrees(nproc // cfg.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
-        if cfg.pp > 1 and not cfg.init_from_hf:
-            check_pipeline(scheme, get_preset(cfg.preset), cfg.pp, cfg.microbatches,
-                           cfg.batch_size // cfg.grad_accum, degrees, cfg.schedule)
+        # The model sees one micro-batch of --grad-accum at a time (check_before_launch names a bad split).
+        resolve = functools.partial(Layout.resolve, cfg.scheme, cfg.nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
+                                    sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                    cfg=get_preset(cfg.preset) if cfg.pp > 1 and not cfg.init_from_hf else None)
+        layout = resolve(batch=cfg.batch_size)
         # The model's tokenizer and data, checked here once (ranks skip the scans): a bad dataset is refused
         # before any rank starts.
-        data = check_before_launch(cfg, degrees)
+        data = check_before_launch(cfg, layout.sizes)
+        resolve(batch=cfg.batch_size // cfg.grad_accum)
         if data.notice:
             print(f"torchtsp: {data.notice}", file=sys.stderr)
-        summary = run_training(cfg, True) if nproc == 1 else _launch(cfg, nproc)
+        summary = run_training(cfg, True) if layout.world == 1 else _launch(cfg, layout.world)
         show = True
     if summary["status"] == "aborted":  # another rank reported why
         return 2
@@ -153,11 +152,11 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add("--top-p", type=float, help="sample in the nucleus of probability p")
     add("--seed", type=int, default=0, help="sampling seed (and the init seed of --preset); default 0")
     add("--stop-token-ids", metavar="IDS", help='ids that end a sequence, e.g. "2,13" (besides the model\'s EOS)')
-    add("--scheme", choices=["tsp", "tp", "sp", "dp"], default="tsp", help="parallel scheme (default: tsp)")
+    add("--scheme", choices=inference_schemes(), default="tsp", help="parallel scheme (default: tsp)")
     for axis in ("tsp", "tp", "sp", "dp"):
         add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
     add("--nproc", type=int, help="local CPU ranks to spawn when not under torchrun (default: the degree, or 1)")
-    add("--schedule", choices=["auto", "weights", "activations"], default="auto",
+    add("--schedule", choices=INFERENCE_SCHEDULES, default="auto",
         help="tsp: weights move or activations move; auto picks per phase by tokens in flight (default)")
     add("--prefill-chunk", type=int, help="prefill at most this many tokens per prompt at a time (bounds memory)")
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
@@ -193,10 +192,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         world = comm.world_size()
     else:
-        world = args.nproc or math.prod(v or 1 for v in flags.values())
-    scheme = get_scheme(args.scheme)
-    degrees = scheme.degrees(world, **flags)
-    scheme.check_model(cfg, degrees)  # before any rank starts
+        world = args.nproc  # None: the product of the degrees given
+    layout = Layout.resolve(args.scheme, world, **flags, cfg=cfg)  # before any rank starts
+    world, degrees = layout.world, layout.sizes
     job = GenerateJob(source=source, location=location, prompts=prompts, max_new_tokens=args.max_new_tokens,
                       scheme=args.scheme, degrees=degrees, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, stop_token_ids=parse_ids(args.stop_token_ids,

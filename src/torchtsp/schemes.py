@@ -50,6 +50,9 @@ class Scheme:
     another is refused, never run without it. ``kv_replication``: fewer KV heads than the weight degree are
     held as copies by groups of consecutive ranks (the degree must then be a multiple of n_kv_heads).
     ``pipeline``: whether it runs as the stages of a pipeline (``parallel/pipeline.py``, the ``pp`` axis).
+    ``inference``: the name of its inference engine in ``torchtsp.infer`` (None: ``generate`` does not run it);
+    ``weight_schedules``: TSP's two inference schedules (weights move / activations move), chosen per phase by
+    ``infer_schedule``.
     """
 
     name: str
@@ -65,6 +68,8 @@ class Scheme:
     features: tuple[str, ...] = MODEL_FEATURES
     kv_replication: bool = False
     pipeline: bool = False
+    inference: str | None = None
+    weight_schedules: bool = False
 
     # -- degrees --------------------------------------------------------------------------
 
@@ -182,14 +187,15 @@ class Scheme:
             raise ValueError(f"batch size {batch} must be divisible by the DP degree {dp}")
         tokens = self.token_degree(degrees)
         if tokens > 1 and seq_len % (2 * tokens):
-            raise ValueError(f"sequence length {seq_len} must be divisible by 2x{tokens} for zigzag sharding "
-                             f"over {tokens} ranks; pick a multiple of {2 * tokens}")
+            raise ValueError(f"sequence length {seq_len} must be divisible by 2*D = {2 * tokens} for zigzag sharding "
+                             f"over D={tokens} ranks; pick a length that is a multiple of {2 * tokens}")
         if sequence_parallel:
             if "sequence_parallel" not in self.options:
                 raise ValueError(f"sequence_parallel (Megatron-SP) applies to tp and torch_tp, not {self.name}")
-            if seq_len % degrees.get("tp", 1):
-                raise ValueError(f"sequence length {seq_len} must be divisible by T={degrees['tp']} with "
-                                 f"Megatron-SP")
+            T = degrees.get("tp", 1)
+            if seq_len % T:
+                raise ValueError(f"sequence length {seq_len} must be divisible by the TP degree T={T} with sequence "
+                                 f"parallelism; pick a multiple of {T}")
 
     def validate(self, cfg, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False):
         """Every check above: the clear error a run would raise, before any rank communicates."""
@@ -207,19 +213,21 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
            axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
            options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", kv_replication=True,
-           pipeline=True),
+           pipeline=True, inference="tsp", weight_schedules=True),
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
-           options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic"),
+           options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic",
+           inference="tp"),
     Scheme("sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
            axes=("sp",), token_axes=("sp",), free_axis="sp",
-           options=("recompute",), memory_walk="reference", traffic="sp_step_traffic"),
+           options=("recompute",), memory_walk="reference", traffic="sp_step_traffic", inference="sp"),
     Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
            axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
            options=("recompute",), memory_walk="reference", traffic="tp_step_traffic",
            features=("rope_scaling", "qkv_bias", "qk_norm")),
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
-           axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic"),
+           axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic",
+           inference="dp"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=()),
 )}
@@ -279,6 +287,27 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
 
 def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def inference_schemes() -> tuple[str, ...]:
+    """The schemes ``generate`` runs (those that name an inference engine)."""
+    return tuple(s.name for s in SCHEMES.values() if s.inference)
+
+
+INFERENCE_SCHEDULES = ("auto", "weights", "activations")
+
+
+def infer_schedule(scheme: str, tokens_in_flight: int, crossover_tokens: int, schedule: str = "auto") -> str:
+    """The schedule an inference phase runs with ``tokens_in_flight`` tokens per step: for a scheme with two
+    (TSP), weights move when the tokens reach ``crossover_tokens`` (``analysis.tsp_tp_crossover_tokens``: the
+    paper's B·S at which moving the weights costs no more traffic than moving activations), else activations
+    move, unless ``schedule`` names one; the others have one schedule, named after the scheme. The one rule of
+    ``generate`` and of the memory model."""
+    if not get_scheme(scheme).weight_schedules:
+        return scheme
+    if schedule != "auto":
+        return schedule
+    return "weights" if tokens_in_flight >= crossover_tokens else "activations"
 
 
 def get_scheme(name: str) -> Scheme:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .. import schemes
 from ..config import ModelConfig
 from ..schemes import Scheme, get_scheme
 
@@ -460,15 +461,11 @@ def _attend_bytes(batch: int, heads: int, tokens: int, keys: int, d: int) -> int
 
 
 def infer_schedule(scheme: str, cfg: ModelConfig, tokens_in_flight: int, schedule: str = "auto") -> str:
-    """The schedule an inference phase of ``scheme`` runs with ``tokens_in_flight`` tokens per step: TSP's
-    "weights" or "activations" (``infer.tsp``'s rule), or the scheme's own name for the others."""
-    if get_scheme(scheme).memory_walk != "tsp":
-        return scheme
-    if schedule != "auto":
-        return schedule
+    """The schedule an inference phase of ``scheme`` runs with ``tokens_in_flight`` tokens per step
+    (``schemes.infer_schedule``, the rule ``generate`` applies)."""
     from .comm_model import tsp_tp_crossover_tokens
 
-    return "weights" if tokens_in_flight >= tsp_tp_crossover_tokens(cfg) else "activations"
+    return schemes.infer_schedule(scheme, tokens_in_flight, tsp_tp_crossover_tokens(cfg), schedule)
 
 
 def _predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, degrees: dict[str, int], *,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-INFER_SCHEMES = ("tsp", "tp", "sp", "dp")
+from ..schemes import inference_schemes
+
+INFER_SCHEMES = inference_schemes()
 
 
 @dataclass(frozen=True)
@@ -35,22 +37,20 @@ def infer_on_rank(cell: InferCell) -> dict:
     from ..config import ModelConfig
     from ..distributed.mesh import init_mesh
     from ..infer import generate
+    from ..layout import Layout
     from ..memory import measure_peak
     from ..model import Transformer
     from ..parallel import parallelize
-    from ..schemes import get_scheme
 
     cfg = ModelConfig(**{**cell.model, "max_seq_len": max(cell.model.get("max_seq_len", 0),
                                                            cell.prompt_len + cell.new_tokens)})
-    scheme = get_scheme(cell.scheme)
-    degrees = scheme.degrees(cell.world)
     try:
-        scheme.check_model(cfg, degrees)
+        layout = Layout.resolve(cell.scheme, cell.world, cfg=cfg)
     except ValueError as e:
         return {"error": str(e)}
-    mesh = init_mesh(**degrees, timeout_s=cell.timeout_s)
+    mesh = init_mesh(layout, timeout_s=cell.timeout_s)
     torch.manual_seed(cell.seed)
-    model = parallelize(Transformer(cfg, device="meta"), mesh, cell.scheme, timeout_s=cell.timeout_s)
+    model = parallelize(Transformer(cfg, device="meta"), mesh, layout, timeout_s=cell.timeout_s)
     g = torch.Generator().manual_seed(cell.seed)
     prompts = torch.randint(cfg.vocab_size, (cell.batch, cell.prompt_len), generator=g).tolist()
     options = dict(schedule=cell.schedule, prefill_chunk=cell.prefill_chunk)
@@ -82,7 +82,7 @@ def aggregate(cell: InferCell, per_rank: list[dict]) -> dict:
     analytic model's prediction of the peak and the KV bytes (``torchtsp.analysis``, mode infer)."""
     from ..analysis import predict_memory
     from ..config import ModelConfig
-    from ..schemes import get_scheme
+    from ..layout import Layout
 
     row = {k: v for k, v in asdict(cell).items() if k not in ("model", "timeout_s")}
     if "error" in per_rank[0]:
@@ -91,7 +91,7 @@ def aggregate(cell: InferCell, per_rank: list[dict]) -> dict:
                                                            cell.prompt_len + cell.new_tokens)})
     predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
                                new_tokens=cell.new_tokens, schedule=cell.schedule, prefill_chunk=cell.prefill_chunk,
-                               **get_scheme(cell.scheme).degrees(cell.world))
+                               **Layout.resolve(cell.scheme, cell.world).sizes)
     peak = max(r["peak_bytes"] for r in per_rank)
     return {**row, "ttft_s": max(r["ttft_s"] for r in per_rank),
             "tpot_s": max(r["tpot_s"] or 0.0 for r in per_rank),

@@ -33,6 +33,7 @@ from ..config import ModelConfig, get_preset
 from ..distributed import comm
 from ..distributed.launch import WorkerPool
 from ..distributed.mesh import default_device_type
+from ..layout import Layout
 from ..runenv import launched_by_torchrun
 from ..schemes import get_scheme
 from . import report
@@ -69,13 +70,9 @@ def scheme_options(scheme: str, sequence_parallel: bool, recompute: bool = False
 def layout_error(spec: CellSpec) -> str | None:
     """Why ``spec`` cannot run (indivisible heads, FFN, sequence or batch, an option the scheme lacks), before
     any rank starts it."""
-    scheme = get_scheme(spec.scheme)
     try:
-        missing = sorted(set(spec.options) - set(scheme.options))
-        if missing:
-            raise ValueError(f"scheme {spec.scheme!r} does not support {', '.join(missing)}")
-        scheme.validate(spec.cfg, spec.batch, spec.seq_len, spec.degrees,
-                        sequence_parallel=bool(spec.options.get("sequence_parallel")))
+        Layout.resolve(spec.scheme, cfg=spec.cfg, batch=spec.batch, seq_len=spec.seq_len, **spec.degrees,
+                       **spec.options)
     except ValueError as e:
         return " ".join(str(e).split())
     return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..layout import Layout, check_positive_int
 from ..schemes import AXES, PIPELINE_AXIS
 from . import comm
 
@@ -28,9 +29,10 @@ def mesh_sizes(mesh) -> dict[str, int]:
     return {name: mesh.size(i) for i, name in enumerate(names)}
 
 
-def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, pp: int = 1, device_type: str | None = None,
-              timeout_s: float = comm.DEFAULT_TIMEOUT_S):
-    """A DeviceMesh with axes ``dp, sp, tp, tsp`` (all four always present; unused ones have size 1).
+def init_mesh(dp: int | Layout = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, pp: int = 1,
+              device_type: str | None = None, timeout_s: float = comm.DEFAULT_TIMEOUT_S):
+    """A DeviceMesh with axes ``dp, sp, tp, tsp`` (all four always present; unused ones have size 1), of the
+    degrees given, or of a resolved ``Layout`` passed in their place (``init_mesh(layout)``).
 
     ``pp > 1`` adds the pipeline axis ``pp`` outermost: [pp, dp, sp, tp, tsp], so that a stage's TSP group
     (and its data-parallel replicas) are neighbouring ranks and consecutive stages are ``dp x tsp`` ranks
@@ -41,10 +43,11 @@ def init_mesh(dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, *, pp: int = 
     environment if present, as a one-rank group otherwise. gloo on CPU, NCCL on CUDA.
     Raises ``ValueError`` before any collective if the degrees do not multiply to the world size.
     """
+    if isinstance(dp, Layout):
+        dp, tsp, tp, sp, pp = (dp.mesh_degrees().get(a, 1) for a in ("dp", "tsp", "tp", "sp", PIPELINE_AXIS))
     degrees = {PIPELINE_AXIS: pp, "dp": dp, "sp": sp, "tp": tp, "tsp": tsp}
     for name, value in degrees.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"mesh degree {name}={value!r} must be a positive integer")
+        check_positive_int(f"mesh degree {name}", value)
     device_type = device_type or default_device_type()
     comm.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout_s)
     if device_type == "cuda":

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes
 from .engine import Engine
 from .sampling import TokenSelector
 
-SCHEDULES = ("auto", "weights", "activations")
+SCHEDULES = INFERENCE_SCHEDULES
 
 
 @dataclass
@@ -44,24 +45,21 @@ class GenerationResult:
 def make_engine(model) -> Engine:
     """The inference engine of a reference ``Transformer`` or a model from ``parallelize``."""
     from ..model import Transformer
-    from ..parallel.dp import DataParallel
     from .dp import DPEngine
     from .reference import ReferenceEngine
     from .sp import SPEngine
-    from .tp import tp_engine
+    from .tp import MegatronEngine
     from .tsp import TSPEngine
 
     if isinstance(model, Transformer):
         return ReferenceEngine(model)
     scheme = getattr(model, "scheme", None)
-    if isinstance(model, DataParallel) and scheme != "dp":
-        raise ValueError(f"generate runs {scheme} on its own axis; data-parallel replicas of it (dp > 1) are not "
-                         f"supported yet: generate with dp = 1")
-    engines = {"tsp": TSPEngine, "tp": tp_engine, "sp": SPEngine, "dp": DPEngine}
-    if scheme not in engines:
-        raise ValueError(f"generate supports the reference Transformer and the {', '.join(engines)} schemes, "
-                         f"not {scheme or type(model).__name__!r}")
-    return engines[scheme](model)
+    engines = {"tsp": TSPEngine, "tp": MegatronEngine, "sp": SPEngine, "dp": DPEngine}  # by ``Scheme.inference``
+    spec = SCHEMES.get(scheme)
+    if spec is None or spec.inference is None:
+        raise ValueError(f"generate supports the reference Transformer and the {', '.join(inference_schemes())} "
+                         f"schemes, not {scheme or type(model).__name__!r}")
+    return engines[spec.inference](model.shard_view())
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:

@@ -11,9 +11,7 @@ prompt, then decoded tokens assigned to ranks in turn) while TP keeps its heads 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-KEY_BLOCK = 1024  # keys per block of the attention loop: bounds its score matrix to [B, H, T, KEY_BLOCK]
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
 
 
@@ -55,71 +53,6 @@ class KVCache:
         """(K, V, positions, valid) of the filled slots (views)."""
         n = self.filled
         return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
-
-
-def rope_tables(positions: torch.Tensor, cfg):
-    """cos/sin [B, T, 1, d] for per-sequence positions [B, T] (sequences of a batch sit at different positions)."""
-    from ..model import rope_tables as tables
-
-    cos, sin = tables(positions.reshape(-1), cfg)
-    return cos.view(*positions.shape, 1, cfg.head_dim), sin.view(*positions.shape, 1, cfg.head_dim)
-
-
-def project_qkv(cfg, w: dict, h: torch.Tensor, cos, sin):
-    """Queries, keys and values [B, heads, T, d] of hidden states h [B, T, h] with the (possibly head-sliced)
-    weights ``w`` (``wq``, ``wk``, ``wv``; ``bq``, ``bk``, ``bv`` with q/k/v bias; ``q_norm``, ``k_norm`` with
-    q/k norm), rotated at the tokens' positions: the reference attention's math, on any heads (and on no
-    token: T may be 0)."""
-    from ..model import head_norm
-
-    B, T, _ = h.shape
-    d = cfg.head_dim
-    q, k, v = (F.linear(h, w[f"w{n}"], w.get(f"b{n}")).view(B, T, w[f"w{n}"].shape[0] // d, d) for n in "qkv")
-    if cfg.qk_norm:
-        q, k = head_norm(q, w["q_norm"], cfg.norm_eps), head_norm(k, w["k_norm"], cfg.norm_eps)
-    return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``torchtsp.model.apply_rope`` with per-sequence tables: x [B, T, H, d], cos/sin [B, T, 1, d]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
-
-
-def attend(q, k, v, q_pos, k_pos, k_valid):
-    """Attention of queries q [B, Hq, T, d] against keys/values [B, Hkv, N, d] in float32.
-
-    A query at position i sees the valid keys at positions <= i. Returns (out [B, Hq, T, d] float32,
-    lse [B, Hq, T] float32); a query that sees no key here gets out = 0, lse = -inf, which the merge
-    weighs by exp(-inf) = 0. GQA: query head j uses KV head j // g, without expanding K/V.
-    """
-    B, Hq, T, d = q.shape
-    Hkv = k.shape[1]
-    g = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, g * T, d) * d**-0.5
-    out = torch.zeros(B, Hkv, g * T, d, dtype=torch.float32, device=q.device)
-    run_max = torch.full((B, Hkv, g * T), float("-inf"), dtype=torch.float32, device=q.device)
-    run_sum = torch.zeros_like(run_max)
-    for a in range(0, k.shape[2], KEY_BLOCK):
-        b = min(a + KEY_BLOCK, k.shape[2])
-        s = qf @ k[:, :, a:b].float().transpose(-1, -2)  # [B, Hkv, gT, b-a]: the one score-sized buffer
-        # The mask is per (query token, key), shared by the g query heads of a KV head: [B, 1, 1, T, b-a].
-        hidden = k_pos[:, None, None, None, a:b] > q_pos[:, None, None, :, None]
-        hidden |= ~k_valid[:, None, None, None, a:b]  # in place: one mask-sized buffer per block
-        s.view(B, Hkv, g, T, b - a).masked_fill_(hidden, float("-inf"))
-        new_max = torch.maximum(run_max, s.amax(dim=-1))
-        # Rows that have seen no key yet keep max = -inf; a finite stand-in avoids -inf - -inf = NaN.
-        shift = torch.where(torch.isfinite(new_max), new_max, 0.0)
-        p = s.sub_(shift.unsqueeze(-1)).exp_()  # in place: online softmax (flash attention)
-        rescale = torch.exp(run_max - shift)
-        run_sum = run_sum * rescale + p.sum(dim=-1)
-        out = out * rescale.unsqueeze(-1) + p @ v[:, :, a:b].float()
-        run_max = new_max
-        del s, p, hidden  # before the next block's scores: never two score buffers alive
-    seen_any = run_sum > 0
-    out = out / torch.where(seen_any, run_sum, 1.0).unsqueeze(-1)
-    lse = torch.where(seen_any, torch.where(torch.isfinite(run_max), run_max, 0.0) + run_sum.log(), float("-inf"))
-    return out.view(B, Hq, T, d), lse.view(B, Hq, T)
 
 
 def merge_partials(comm, out, lse, heads: slice | None = None):

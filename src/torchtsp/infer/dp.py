@@ -3,15 +3,20 @@ until the end, when the rows are all-gathered so that every rank returns every p
 
 from __future__ import annotations
 
-from .reference import ReferenceEngine
+from dataclasses import replace
+
+from ..distributed.comm import AxisComm
+from ..parallel.base import ShardView
+from .tp import MegatronEngine
 
 
-class DPEngine(ReferenceEngine):
+class DPEngine(MegatronEngine):
     scheme = "dp"
 
-    def __init__(self, model):
-        super().__init__(model.module.module)  # DataParallel over Replica over the reference Transformer
-        self.rows_comm = model.dp
+    def __init__(self, view: ShardView):
+        # The whole model on every rank (no slices): a one-rank engine; ``view.comm`` splits the batch rows.
+        super().__init__(replace(view, comm=AxisComm(None, "dp.model")))
+        self.rows_comm = view.comm
 
     def batch_rows(self, batch):
         """Rank r decodes rows [r·b, (r+1)·b) with b = ceil(B/D); rows past B are padding (dropped)."""

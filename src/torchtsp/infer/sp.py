@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
-from ..model import rms_norm, swiglu
+from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..parallel.base import ShardView
 from ..parallel.moe import moe_partial
-from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
+from .cache import KVCache, merge_partials
 from .engine import Engine, select_last, vocab_logits
-from .reference import reference_layers
 
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
@@ -26,12 +26,9 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 class SPEngine(Engine):
     scheme = "sp"
 
-    def __init__(self, model):
-        replica = model.module
-        self.cfg, self.comm = model.cfg, model.comm
-        self.layers = [{k: t.detach() for k, t in layer.items()} for layer in reference_layers(replica)]
-        self.embedding, self.head_rows = replica.tok_embeddings.weight.detach(), replica.output_weight.detach()
-        self.norm = replica.norm.weight.detach()
+    def __init__(self, view: ShardView):
+        self.cfg, self.comm, self.layers = view.cfg, view.comm, view.layers
+        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm = AxisComm(None, "sp.vocab")  # every rank holds the whole vocabulary
         super().__init__()
@@ -63,11 +60,12 @@ class SPEngine(Engine):
         key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V below
         seen = torch.ones_like(key_pos, dtype=torch.bool)
         for i, w in enumerate(self.layers):
-            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
             cache.write(i, slots, k, v)
             kv = comm.all_gather(torch.stack([cache.k[i][:, :, :m], cache.v[i][:, :, :m]]), label="sp.kv")
             kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H, D·m, d]
-            out, _ = attend(q, kv[0], kv[1], pos, key_pos, seen)
+            out, _ = attend(q, kv[0], kv[1], positions_mask(pos, key_pos, seen))
             x = self._rest(w, x, out)
         return select_last(rms_norm(x, self.norm, cfg.norm_eps), pos, lengths)
 
@@ -85,9 +83,10 @@ class SPEngine(Engine):
         cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos[:, keep], torch.ones_like(pos[:, keep], dtype=torch.bool))
         for i, w in enumerate(self.layers):
-            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
             cache.write(i, slots, k[:, :, keep], v[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
-            out, lse = attend(q, k_own, v_own, pos, k_pos, k_valid)
+            out, lse = attend(q, k_own, v_own, positions_mask(pos, k_pos, k_valid))
             x = self._rest(w, x, merge_partials(comm, out, lse))
         return self.head(rms_norm(x, self.norm, cfg.norm_eps)[:, 0])

@@ -12,25 +12,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import rms_norm, swiglu
+from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..parallel.base import ShardView
 from ..parallel.moe import moe_partial
-from ..parallel.tp import layer_params
-from .cache import KVCache, attend, project_qkv, rope_tables
+from .cache import KVCache
 from .engine import Engine, masked_lookup, select_last, vocab_logits
 
 
 class MegatronEngine(Engine):
-    """``layers``: per layer a dict of the weights ``parallel.tp.layer_params`` names (this rank's slices);
-    ``embedding`` / ``head``: this rank's vocabulary rows (padded to equal slices); ``comm``: the axis the slices
-    are split over."""
+    """Runs a ``ShardView``: per layer the weights ``parallel.params.layer_params`` names (this rank's slices),
+    this rank's vocabulary rows, and the axis the slices are split over."""
 
     scheme = "tp"
 
-    def __init__(self, cfg, comm, layers, embedding, head, norm):
-        self.cfg, self.comm, self.layers = cfg, comm, layers
-        self.embedding, self.head_rows, self.norm = embedding, head, norm
-        self.device, self.dtype = embedding.device, embedding.dtype
-        self.vocab_comm, self.vocab_start = comm, comm.rank * embedding.shape[0]
+    def __init__(self, view: ShardView):
+        self.cfg, self.comm, self.layers = view.cfg, view.comm, view.layers
+        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
+        self.device, self.dtype = self.embedding.device, self.embedding.dtype
+        self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
 
     def start(self, batch, prompt_len, max_new_tokens):
@@ -53,10 +52,11 @@ class MegatronEngine(Engine):
         cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos, valid)
         for i, w in enumerate(self.layers):
-            q, k, v = project_qkv(cfg, w, rms_norm(x, w["attention_norm"], cfg.norm_eps), cos, sin)
+            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
+            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
             cache.write(i, slots, k, v)
             k_all, v_all, k_pos, k_valid = cache.keys(i)
-            out, _ = attend(q, k_all, v_all, pos, k_pos, k_valid)
+            out, _ = attend(q, k_all, v_all, positions_mask(pos, k_pos, k_valid))
             out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
             x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
             h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
@@ -72,15 +72,3 @@ class MegatronEngine(Engine):
     def decode(self, ids, pos, step):
         valid = torch.ones_like(ids, dtype=torch.bool).unsqueeze(1)
         return self.head(self.forward(ids.unsqueeze(1), pos.unsqueeze(1), valid)[:, 0])
-
-
-def tp_engine(model) -> MegatronEngine:
-    """The engine of a ``TPTransformer`` (its own shards, read in place)."""
-    if getattr(model, "sequence_parallel", False):
-        raise ValueError("inference runs TP without sequence parallelism; parallelize with sequence_parallel=False")
-    # The plain weights plus the model's biases and q/k norms (a sparse layer's experts instead of its MLP).
-    layers = [{name: getattr(layer, name).detach() for name in layer_params(model.cfg, i)}
-              for i, layer in enumerate(model.layers)]
-    head = model.embedding_shard if model.output_shard is None else model.output_shard
-    return MegatronEngine(model.cfg, model.tp, layers, model.embedding_shard.detach(), head.detach(),
-                          model.norm.detach())

@@ -7,7 +7,7 @@ whatever the number of KV heads (also with n_kv < D, where D/n_kv consecutive he
 KV head: their K/V is computed, stored and gathered once, for the first of them).
 
 Model features travel with the packed shard (q/k/v biases) or are replicated (q/k norm weights), as in
-training; ``cache.project_qkv`` applies them.
+training; ``layers.project_qkv`` applies them.
 
 **Weights move** (the training forward; many tokens in flight, e.g. a long prefill). Each rank holds
 its share of the step's tokens. Per layer the packed attention shards are broadcast head group by head
@@ -34,37 +34,34 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import zigzag
-from ..model import rms_norm, swiglu
-from ..parallel.moe import moe_partial, tsp_inference_weights, tsp_moe_local_tokens
+from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..parallel.moe import moe_partial
 from ..parallel.tsp import broadcast_each, ring_each
-from .cache import KVCache, attend, merge_partials, project_qkv, rope_tables
+from ..parallel.tsp.model import TSPLayerShards, TSPShardView
+from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
+from ..schemes import infer_schedule
+from .cache import KVCache, merge_partials
 from .engine import Engine, masked_lookup, select_last, vocab_logits
 
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
 
-def _layouts(model):
-    """(attention, mlp) packed layouts of a TSPTransformer: the one place that knows where they live."""
-    return model.math.attention_layout, model.math.mlp_layout
-
-
-def _attention_weights(model, layer, flat) -> dict:
-    """``cache.project_qkv``'s weights from one packed attention shard and the layer's q/k norms."""
-    a = model.math.attention(flat)
+def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
+    """``layers.project_qkv``'s weights from one packed attention shard and the layer's q/k norms."""
+    a = view.shard_math.attention(flat)
     w = {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "bq": a.bq, "bk": a.bk, "bv": a.bv}
     if layer.q_norm is not None:
-        w.update(q_norm=layer.q_norm.detach(), k_norm=layer.k_norm.detach())
+        w.update(q_norm=layer.q_norm, k_norm=layer.k_norm)
     return w
 
 
 class TSPEngine(Engine):
     scheme = "tsp"
 
-    def __init__(self, model):
-        self.model, self.cfg, self.comm = model, model.cfg, model.comm
-        self.attention_layout, self.mlp_layout = _layouts(model)
-        self.embedding = model.embedding_shard.detach()
-        self.head_rows = (model.embedding_shard if model.output_shard is None else model.output_shard).detach()
+    def __init__(self, view: TSPShardView):
+        self.view, self.cfg, self.comm = view, view.cfg, view.comm
+        self.attention_layout, self.mlp_layout = view.shard_math.attention_layout, view.shard_math.mlp_layout
+        self.embedding, self.head_rows = view.embedding, view.head
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
@@ -78,9 +75,8 @@ class TSPEngine(Engine):
         from ..analysis import tsp_tp_crossover_tokens
 
         crossover = tsp_tp_crossover_tokens(self.cfg)
-        pick = lambda tokens: "weights" if tokens >= crossover else "activations"
-        self.schedule = ({"prefill": pick(batch * prefill_tokens), "decode": pick(batch)} if schedule == "auto"
-                         else {"prefill": schedule, "decode": schedule})
+        pick = lambda tokens: infer_schedule(self.scheme, tokens, crossover, schedule)
+        self.schedule = {"prefill": pick(batch * prefill_tokens), "decode": pick(batch)}
 
     def start(self, batch, prompt_len, max_new_tokens):
         D, cfg = self.comm.size, self.cfg
@@ -101,7 +97,7 @@ class TSPEngine(Engine):
         cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
         B, T = ids.shape
         x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
-        for s, w in ring_each(comm, self.model.embedding_shard.detach(), "infer.embedding"):
+        for s, w in ring_each(comm, self.embedding, "infer.embedding"):
             found, hit = masked_lookup(ids, w, s)
             x = torch.where(hit.unsqueeze(-1), found, x)
         cos, sin = rope_tables(pos, cfg)
@@ -110,45 +106,47 @@ class TSPEngine(Engine):
         key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="infer.kv.positions")
         key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the gathered K/V below
         seen = torch.ones_like(key_pos, dtype=torch.bool)
-        hq, hkv, replicas = self.model.math.q_heads, self.model.math.kv_heads, self.model.math.kv_replicas
-        for i, layer in enumerate(self.model.layers):
-            h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
+        shards = self.view.shard_math
+        hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
+        for i, layer in enumerate(self.view.layers):
+            h = rms_norm(x, layer.attention_norm, cfg.norm_eps)
             y = torch.zeros_like(x)
-            for j, w in broadcast_each(comm, layer.attention_shard.detach(), "infer.attention"):
-                w = _attention_weights(self.model, layer, w)
-                q, k, v = project_qkv(cfg, w, h, cos, sin)
+            for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
+                w = _attention_weights(self.view, layer, w)
+                q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
                 if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
                     group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
                     cache.write(i, slots, k, v, heads=group)
                     kv = torch.stack([cache.k[i][:, group, :m], cache.v[i][:, group, :m]])
                     kv = comm.all_gather(kv, label="infer.kv")  # [D, 2, B, hkv, m, d]
                     kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, hkv, D·m, d]
-                out, _ = attend(q, kv[0], kv[1], pos, key_pos, seen)
+                out, _ = attend(q, kv[0], kv[1], positions_mask(pos, key_pos, seen))
                 y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), w["wo"])
             x = x + y
-            h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
+            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
             if layer.moe is not None:  # tokens travel to the experts' owners and back
                 x = x + tsp_moe_local_tokens(h, layer.moe)
                 continue
             y = torch.zeros_like(x)
-            for _, w in ring_each(comm, layer.mlp_shard.detach(), "infer.mlp"):
+            for _, w in ring_each(comm, layer.mlp, "infer.mlp"):
                 y += swiglu(h, *self.mlp_layout.unpack(w))
             x = x + y
-        return rms_norm(x, self.model.norm.detach(), cfg.norm_eps)
+        return rms_norm(x, self.view.norm, cfg.norm_eps)
 
     def activations_move(self, ids, pos, valid, keep, counts):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
         of tokens ``keep`` (indices into T). Returns the final-norm hidden states [B, T, h] (replicated)."""
         cfg, comm, cache = self.cfg, self.comm, self.cache
         B, T = ids.shape
-        hq, hkv, replicas = self.model.math.q_heads, self.model.math.kv_heads, self.model.math.kv_replicas
+        shards = self.view.shard_math
+        hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
         x = comm.all_reduce(masked_lookup(ids, self.embedding, comm.rank)[0], label="infer.embedding")
         cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos[:, keep], valid[:, keep], counts)
-        for i, layer in enumerate(self.model.layers):
-            w = _attention_weights(self.model, layer, layer.attention_shard.detach())
-            h = rms_norm(x, layer.attention_norm.detach(), cfg.norm_eps)
-            q, k, v = (t.transpose(1, 2) for t in project_qkv(cfg, w, h, cos, sin))  # [B, T, heads, d]
+        for i, layer in enumerate(self.view.layers):
+            w = _attention_weights(self.view, layer, layer.attention)
+            h = rms_norm(x, layer.attention_norm, cfg.norm_eps)
+            q, k, v = project_qkv(h, w, cfg, cos, sin)  # [B, T, heads, d]
             qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
             qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
             # [B, heads, T, d] each, heads in global order; a KV head copied on several ranks is taken once.
@@ -157,17 +155,17 @@ class TSPEngine(Engine):
                                                       (hq + hkv, hq + 2 * hkv, replicas)))
             cache.write(i, slots, k_all[:, :, keep], v_all[:, :, keep])
             k_own, v_own, k_pos, k_valid = cache.keys(i)
-            out, lse = attend(q_all, k_own, v_own, pos, k_pos, k_valid)
+            out, lse = attend(q_all, k_own, v_own, positions_mask(pos, k_pos, k_valid))
             mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
             y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
             x = x + comm.all_reduce(y, label="infer.attention")
-            h = rms_norm(x, layer.ffn_norm.detach(), cfg.norm_eps)
+            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
             if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
                 y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, comm.rank * cfg.n_experts // comm.size)
             else:
-                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp_shard.detach()))
+                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp))
             x = x + comm.all_reduce(y, label="infer.mlp")
-        return rms_norm(x, self.model.norm.detach(), cfg.norm_eps)
+        return rms_norm(x, self.view.norm, cfg.norm_eps)
 
     # -- phases --------------------------------------------------------------------------
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..distributed.mesh import mesh_sizes
+from ..layout import Layout
 from ..model import Transformer
-from ..schemes import SCHEMES, get_scheme
+from ..schemes import SCHEMES
 from ..weights import WeightSource
 from .base import ParallelTransformer
 from .dp import DataParallel, Replica
@@ -27,11 +30,15 @@ SCHEME_CLASSES: dict[str, type[ParallelTransformer]] = {
 assert SCHEME_CLASSES.keys() == SCHEMES.keys(), "every registered scheme needs its class here"
 
 
-def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: bool | None = None,
+def parallelize(model: Transformer, mesh, scheme: str | Layout = "tsp", *, recompute: bool | None = None,
                 sequence_parallel: bool | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                 weights: WeightSource | None = None) -> ParallelTransformer:
     """Split ``model`` over ``mesh`` with ``scheme``; returns a module with the same interface for every scheme:
     ``loss(tokens, labels)``, ``loss_on_shard``, ``shard_batch``, ``full_grads()``, ``full_state_dict()``.
+
+    ``scheme`` is a registered scheme's name, with its options as keywords, or a ``Layout`` resolved before
+    (``Layout.resolve``: scheme, degrees and options in one checked object), whose mesh ``init_mesh(layout)``
+    built. Either way the layout is checked against the mesh and the model before any communication.
 
     The scheme runs on its own mesh axes; a ``dp`` axis of size > 1 replicates it (``parallel/dp.py``), and the
     ``dp`` scheme is data parallelism over the whole model. The reference model is consumed: schemes that shard
@@ -49,17 +56,24 @@ def parallelize(model: Transformer, mesh, scheme: str = "tsp", *, recompute: boo
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    spec = get_scheme(scheme)
-    if mesh_sizes(mesh).get("pp", 1) > 1:
+    sizes = mesh_sizes(mesh)
+    if sizes.get("pp", 1) > 1:
         raise ValueError("a mesh with a pp axis is split into pipeline stages by "
                          "torchtsp.parallel.pipeline.pipeline_parallelize, not parallelize")
-    options = {name: value for name, value in (("recompute", recompute), ("sequence_parallel", sequence_parallel))
-               if value is not None}
-    unsupported = sorted(set(options) - set(spec.options))
-    if unsupported:
-        raise ValueError(f"scheme {scheme!r} does not support {', '.join(unsupported)}; "
-                         f"its options are: {', '.join(spec.options) or 'none'}")
-    built = SCHEME_CLASSES[scheme](model, mesh, timeout_s=timeout_s, weights=weights, **options)
-    if scheme == "dp" or mesh_sizes(mesh).get("dp", 1) > 1:  # the dp scheme is the wrapper over Replica
-        return DataParallel(built, mesh, timeout_s)
+    if isinstance(scheme, Layout):
+        layout = scheme
+        if layout.pp > 1 or any(sizes.get(a, 1) != n for a, n in layout.degrees):
+            raise ValueError(f"the mesh {sizes} is not the layout's {layout.mesh_degrees()}; build it with "
+                             f"torchtsp.init_mesh(layout)")
+        layout.check_model(model.cfg)
+    else:
+        layout = Layout.of_mesh(scheme, sizes, cfg=model.cfg, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
+    built = SCHEME_CLASSES[layout.scheme](model, mesh, timeout_s=timeout_s, weights=weights, **layout.option_values)
+    if "sequence_parallel" in layout.spec.options:  # the scheme's default when not given (torch_tp: on)
+        layout = replace(layout, options=tuple(sorted({**layout.option_values,
+                                                       "sequence_parallel": bool(built.sequence_parallel)}.items())))
+    if layout.scheme == "dp" or sizes.get("dp", 1) > 1:  # the dp scheme is the wrapper over Replica
+        built = DataParallel(built, mesh, timeout_s)
+    built.layout = layout
     return built

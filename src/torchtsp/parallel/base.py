@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..model import IGNORE_INDEX, RouterStats, load_balancing_loss, reference_shapes
+from ..layers import IGNORE_INDEX, LossTerms, RouterStats, load_balancing_loss
+from ..model import reference_shapes
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
+from .params import layer_params
 
 
 class SumOverAxis(torch.autograd.Function):
@@ -99,25 +103,51 @@ def materialize(model, mesh, weights: WeightSource | None = None) -> None:
         p.copy_(weights.get(name))
 
 
+@dataclass(frozen=True)
+class ShardView:
+    """What an inference engine reads of a model on this rank, detached (no autograd): ``layers``, per layer the
+    weights under ``parallel.tp.layer_params``' names (this rank's slices of them, or whole); ``embedding`` and
+    ``head``, this rank's vocabulary rows (padded to equal slices) or the whole tables; ``norm``, the final norm;
+    ``comm``, the axis the weight slices, or the tokens, are split over."""
+
+    cfg: object
+    comm: AxisComm
+    layers: tuple[dict[str, torch.Tensor], ...]
+    embedding: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
+
+
+def reference_view(model, comm: AxisComm) -> ShardView:
+    """The whole reference ``Transformer``'s weights as a view, with the axis its replicas split tokens (or rows)
+    over."""
+    layers = tuple({attr: layer.get_parameter(ref).detach() for attr, (ref, _) in layer_params(model.cfg, i).items()}
+                   for i, layer in enumerate(model.layers))
+    return ShardView(model.cfg, comm, layers, model.tok_embeddings.weight.detach(), model.output_weight.detach(),
+                     model.norm.weight.detach())
+
+
 class ParallelTransformer(nn.Module):
     """The interface every scheme exposes (see ``torchtsp.parallelize``).
 
     Subclasses set ``scheme`` (a name in ``torchtsp.schemes.SCHEMES``, whose entry lists the mesh axes the
-    scheme uses) and implement ``shard_batch``, ``nll_sum_and_count`` and ``_full``. The constructor refuses,
-    on every rank and before any communication, a mesh that lacks the scheme's axes or has another axis of
-    size > 1 the scheme would ignore, and a model whose heads or FFN width do not split over it.
+    scheme uses) and implement ``shard_batch``, ``loss_terms`` and ``_full``. They are built by
+    ``parallelize``, which resolves and checks their ``Layout`` first.
     """
 
     scheme = "?"
-    router_stats: RouterStats | None = None  # a mixture-of-experts model's last forward's (this rank's tokens)
-    expert_load: torch.Tensor | None = None  # and (counts over every rank's tokens) its assignments per expert
+    # A mixture-of-experts model's last loss, for metrics only: (its load-balancing loss, assignments per expert
+    # over every rank's tokens), both detached. The loss itself never reads it (``LossTerms`` carries the router).
+    router_load: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    layout = None  # the Layout parallelize resolved and checked (torchtsp.layout)
 
     def __init__(self, cfg, mesh):
         super().__init__()
-        spec = SCHEMES[self.scheme]
+        # parallelize and pipeline_parallelize refuse, with what to change, a mesh or a model this scheme cannot
+        # take (``Layout``); what reaches a constructor has passed those checks.
         sizes = mesh_sizes(mesh)
-        spec.check_mesh(sizes)
-        spec.check_model(cfg, sizes)
+        assert all(axis in sizes for axis in SCHEMES[self.scheme].axes), f"{self.scheme} needs the mesh axes"
         self.cfg = cfg
 
     def comms(self) -> dict[str, AxisComm]:
@@ -138,10 +168,16 @@ class ParallelTransformer(nn.Module):
         """This rank's share of a global [B, S] batch (tokens or labels)."""
         raise NotImplementedError
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """(summed cross-entropy, number of targets) over every token of the scheme's ranks, from this rank's
-        share of tokens and labels; identical on those ranks. Data parallelism sums both over replicas."""
+        share of tokens and labels, identical on those ranks (data parallelism sums both over replicas), and a
+        mixture of experts' router statistics of this rank's tokens."""
         raise NotImplementedError
+
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first two of ``loss_terms``."""
+        terms = self.loss_terms(tokens, labels)
+        return terms.nll_sum, terms.count
 
     def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Global mean cross-entropy from this rank's share of tokens and labels.
@@ -149,35 +185,34 @@ class ParallelTransformer(nn.Module):
         A batch without any target is 0 with zero gradients (not 0/0 = NaN, which would poison a
         data-parallel gradient sum).
         """
-        nll_sum, count = self.nll_sum_and_count(tokens, labels)
-        loss = nll_sum / count.clamp_min(1)
+        terms = self.loss_terms(tokens, labels)
+        loss = terms.nll_sum / terms.count.clamp_min(1)
         if self.cfg.moe:
-            loss = loss + self.cfg.router_aux_loss_coef * self.aux_loss()
+            loss = loss + self.cfg.router_aux_loss_coef * self.aux_loss(terms.router)
         return loss
 
-    def aux_loss(self) -> torch.Tensor:
-        """The load-balancing loss of the forward just run (``router_stats``, which a mixture-of-experts scheme
-        sets in ``nll_sum_and_count``), from statistics summed over every rank's tokens (``sum_router_stats``)."""
-        if self.router_stats is None:
+    def aux_loss(self, router: RouterStats, totals: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """The load-balancing loss of the forward whose router statistics are ``router``, from statistics summed
+        over every rank's tokens (``sum_router_stats``). ``totals`` = (assignments per expert, rows) of a whole
+        batch this forward is a part of (gradient accumulation), in place of this forward's own: the loss is then
+        this part's share of the whole batch's. Records ``router_load`` for metrics."""
+        if router is None:
             raise NotImplementedError(f"scheme {self.scheme!r} does not implement mixture-of-experts models")
-        counts, probs, rows = self.sum_router_stats(self.router_stats.close())
-        self.expert_load = counts
-        self.keep_router_stats(self.router_stats.detached())  # metrics only: let the graph go with backward
+        counts, probs, rows = self.sum_router_stats(router.close())
+        if totals is not None:
+            counts, rows = totals
         aux = load_balancing_loss(counts, probs, rows, self.cfg.n_experts)
-        self.last_aux_loss = aux.detach()
+        self.router_load = (aux.detach(), counts.detach())
         return aux
 
     def router_metrics(self) -> dict[str, float]:
-        """The last forward's load-balancing loss and expert load: (token, slot) assignments per expert and
-        sparse layer, over every rank's tokens, min and max over experts ({} for a dense model)."""
-        if not self.cfg.moe or self.expert_load is None:
+        """The last loss's load-balancing loss and expert load: (token, slot) assignments per expert and sparse
+        layer, over every rank's tokens, min and max over experts ({} for a dense model)."""
+        if not self.cfg.moe or self.router_load is None:
             return {}
-        load = self.expert_load / sum(map(self.cfg.is_moe_layer, range(self.cfg.n_layers)))
-        return {"aux_loss": self.last_aux_loss.item(), "expert_load_min": load.min().item(),
-                "expert_load_max": load.max().item()}
-
-    def keep_router_stats(self, stats: RouterStats) -> None:
-        self.router_stats = stats
+        aux, counts = self.router_load
+        load = counts / sum(map(self.cfg.is_moe_layer, range(self.cfg.n_layers)))
+        return {"aux_loss": aux.item(), "expert_load_min": load.min().item(), "expert_load_max": load.max().item()}
 
     def sum_router_stats(self, stats: RouterStats):
         """(assignments per expert, probability sums per expert, rows) over every token of the scheme's ranks.
@@ -203,12 +238,22 @@ class ParallelTransformer(nn.Module):
         return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
 
     def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
-        """Refuse a global batch the model cannot take (shapes, length, ids and labels outside the vocabulary)."""
+        """Refuse a global batch the model cannot take: shapes, length and the layout's divisibility always (no
+        device read), ids and labels outside the vocabulary when the batch is still on the host. A batch
+        already on an accelerator is not read: that would stall its stream every step (the trainer checks
+        the host batch before moving it, ``check_values``)."""
         if tokens.dim() != 2 or labels.shape != tokens.shape:
             raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
                              f"and {tuple(labels.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if self.layout is not None:
+            self.layout.check_batch(*tokens.shape)
+        if tokens.device.type == "cpu":
+            self.check_values(tokens, labels)
+
+    def check_values(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Refuse token ids and targets outside the vocabulary (reads the values: call it on the host batch)."""
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), "
                              f"got [{tokens.min().item()}, {tokens.max().item()}]")
@@ -224,6 +269,10 @@ class ParallelTransformer(nn.Module):
         loss = self.loss(tokens, labels)
         loss.backward()
         return loss.detach()
+
+    def shard_view(self):
+        """This rank's weights as an inference engine reads them (``ShardView``, or the scheme's own typed view)."""
+        raise ValueError(f"generate does not run the {self.scheme} scheme")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights by reference parameter name, on every rank."""
@@ -260,6 +309,9 @@ class ReplicatedTransformer(ParallelTransformer):
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
+
+    def shard_view(self) -> ShardView:
+        return reference_view(self.module, self.comm)
 
     def _full(self, pick):
         return {name: pick(p) for name, p in self.module.named_parameters()}

@@ -10,12 +10,11 @@ target count are summed over dp), and every gradient is summed over dp as backwa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import IGNORE_INDEX, RouterStats, Transformer, rope_tables
-from .base import ParallelTransformer, SumOverAxis, materialize, sum_router_stats_over
+from ..layers import LossTerms
+from ..model import Transformer
+from .base import ParallelTransformer, SumOverAxis, materialize, reference_view, sum_router_stats_over
 
 
 class Replica(ParallelTransformer):
@@ -36,19 +35,8 @@ class Replica(ParallelTransformer):
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens
 
-    def nll_sum_and_count(self, tokens, labels):
-        m, cfg = self.module, self.cfg
-        cos, sin = rope_tables(torch.arange(tokens.shape[1], device=tokens.device), cfg)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
-        x = m.tok_embeddings(tokens)
-        for layer in m.layers:
-            # Recompute keeps only each layer's input; backward re-runs its forward.
-            x = (checkpoint(layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
-                 else layer(x, cos, sin, stats))
-        logits = F.linear(m.norm(x), m.output_weight)
-        nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                  reduction="sum")
-        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+    def loss_terms(self, tokens, labels):
+        return self.module.loss_terms(tokens, labels, recompute=self.recompute)
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
@@ -94,17 +82,10 @@ class DataParallel(ParallelTransformer):
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by the DP degree {self.dp.size}")
         return self.module.shard_batch(tokens.chunk(self.dp.size, dim=0)[self.dp.rank])
 
-    def nll_sum_and_count(self, tokens, labels):
-        nll_sum, count = self.module.nll_sum_and_count(tokens, labels)
+    def loss_terms(self, tokens, labels):
+        nll_sum, count, router = self.module.loss_terms(tokens, labels)
         count = self.dp.all_reduce(count.clone(), label="loss")
-        return SumOverAxis.apply(nll_sum, self.dp), count
-
-    @property
-    def router_stats(self):
-        return self.module.router_stats
-
-    def keep_router_stats(self, stats):
-        self.module.router_stats = stats
+        return LossTerms(SumOverAxis.apply(nll_sum, self.dp), count, router)
 
     def sum_router_stats(self, stats):
         """The inner scheme's sums over its ranks, then over the replicas (each saw other batch rows)."""
@@ -112,6 +93,13 @@ class DataParallel(ParallelTransformer):
 
     def reference_parts(self, name, local):
         return self.module.reference_parts(name.removeprefix("module."), local)
+
+    def shard_view(self):
+        """The dp scheme: the whole model, and the replicas' axis (each decodes its own rows of a batch)."""
+        if self.scheme != "dp":
+            raise ValueError(f"generate runs {self.scheme} on its own axis; data-parallel replicas of it (dp > 1) "
+                             f"are not supported yet: generate with dp = 1")
+        return reference_view(self.module.module, self.dp)
 
     def _full(self, pick):
         return self.module._full(pick)

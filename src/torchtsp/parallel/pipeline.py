@@ -36,8 +36,10 @@ from ..distributed import comm as comm_lib
 from ..distributed import zigzag
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..model import IGNORE_INDEX, Transformer
-from ..schemes import PIPELINE_AXIS, check_pipeline, get_scheme, stage_layer_ranges, stages_per_rank
+from ..layers import IGNORE_INDEX
+from ..layout import Layout
+from ..model import Transformer
+from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
 from .tsp import TSPTransformer
@@ -153,8 +155,11 @@ class PipelineTSP(ParallelTransformer):
             raise ValueError("pipeline_parallelize needs a mesh with a pp axis of size >= 2 "
                              "(torchtsp.init_mesh(pp=...)); without one use torchtsp.parallelize")
         cfg = model.cfg
-        # The checks that need no batch: microbatches against stages, layers against stages.
-        self.microbatches = check_pipeline(get_scheme("tsp"), cfg, pp, microbatches, None, sizes, schedule)
+        # The checks that need no batch (microbatches and layers against stages, heads against tsp); the batch is
+        # checked against the layout as it arrives (``check_inputs``).
+        self.layout = Layout.of_mesh("tsp", sizes, cfg, microbatches=microbatches, schedule=schedule,
+                                     recompute=recompute)
+        self.microbatches = self.layout.microbatches
         self.schedule_name = schedule
         self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
@@ -215,12 +220,8 @@ class PipelineTSP(ParallelTransformer):
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One pipelined forward and backward of the global batch: gradients accumulate into ``.grad`` (summed
         over microbatches and replicas); returns the global mean loss (detached, the same on every rank)."""
-        self.check_batch(tokens, labels)
+        self.check_inputs(tokens, labels)
         B = tokens.shape[0]
-        if B % (self.dp.size * self.microbatches):
-            raise ValueError(f"batch size {B} does not divide into {self.microbatches} microbatches on each of "
-                             f"{self.dp.size} data-parallel replicas; choose a batch divisible by "
-                             f"{self.dp.size * self.microbatches}")
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
         self._count = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(self.device)
         args = (self.shard_batch(tokens),) if self.has_first else ()
@@ -236,16 +237,10 @@ class PipelineTSP(ParallelTransformer):
                     p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
         return total
 
-    def check_batch(self, tokens, labels) -> None:
-        self.check_inputs(tokens, labels)
-        if tokens.shape[1] % (2 * self.tsp_size):
-            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by 2x{self.tsp_size} for zigzag "
-                             f"sharding")
-
     def loss(self, tokens, labels):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
-    def nll_sum_and_count(self, tokens, labels):
+    def loss_terms(self, tokens, labels):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
     # -- names ----------------------------------------------------------------

@@ -23,18 +23,14 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import (
-    IGNORE_INDEX,
-    RouterStats,
-    Transformer,
-    apply_rope,
-    head_norm,
-    rms_norm,
-    rope_tables,
-    swiglu,
-)
+from ..layers import IGNORE_INDEX, LossTerms, RouterStats, project_qkv, rms_norm, rope_tables, swiglu
+from ..model import Transformer
 from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
+
+# ``layers.project_qkv``'s names for the reference parameters of a block (those the model has).
+QKV_NAMES = {**{f"w{n}": f"attention.w{n}.weight" for n in "qkv"}, **{f"b{n}": f"attention.w{n}.bias" for n in "qkv"},
+             "q_norm": "attention.q_norm.weight", "k_norm": "attention.k_norm.weight"}
 
 
 class SPTransformer(ReplicatedTransformer):
@@ -62,16 +58,10 @@ class SPTransformer(ReplicatedTransformer):
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
         cfg, comm = self.cfg, self.comm
-        B, L, _ = x.shape
-        d = cfg.head_dim
         h = rms_norm(x, w["attention_norm.weight"], cfg.norm_eps)
-        q, k, v = (F.linear(h, w[f"attention.{n}.weight"], w.get(f"attention.{n}.bias")).view(B, L, -1, d)
-                   for n in ("wq", "wk", "wv"))
-        if cfg.qk_norm:
-            q = head_norm(q, w["attention.q_norm.weight"], cfg.norm_eps)
-            k = head_norm(k, w["attention.k_norm.weight"], cfg.norm_eps)
-        kv = torch.stack([apply_rope(k, cos, sin), v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
-        out = zigzag_causal_attention(apply_rope(q, cos, sin).transpose(1, 2), kv, comm)  # KV heads unexpanded
+        q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, cfg, cos, sin)
+        kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
+        out = zigzag_causal_attention(q.transpose(1, 2), kv, comm)  # KV heads unexpanded
         x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
         h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
@@ -80,12 +70,12 @@ class SPTransformer(ReplicatedTransformer):
         return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                           w["feed_forward.w_down.weight"])
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
         cfg = self.cfg
         w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
         cos, sin = self.rope(tokens.shape[1], device=tokens.device)
-        stats = self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
+        stats = RouterStats(cfg.n_experts) if cfg.moe else None
         x = F.embedding(tokens, w["tok_embeddings.weight"])
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
@@ -98,7 +88,7 @@ class SPTransformer(ReplicatedTransformer):
         logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return global_sum_and_count(nll_sum, labels, self.comm)
+        return LossTerms(*global_sum_and_count(nll_sum, labels, self.comm), stats)
 
     def sum_router_stats(self, stats):
         return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)

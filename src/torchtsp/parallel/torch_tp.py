@@ -53,7 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..model import IGNORE_INDEX, Transformer, rope_tables
+from ..layers import IGNORE_INDEX, LossTerms, rope_tables
+from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
 
@@ -147,10 +148,7 @@ class TorchTPTransformer(ParallelTransformer):
         return {}  # DTensor runs its own collectives; our comm layer does not see them
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The global batch, unchanged (every TP rank computes on every token); checks divisibility."""
-        if self.sequence_parallel and tokens.shape[1] % self.tp:
-            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={self.tp} "
-                             f"with sequence parallelism; pick a multiple of {self.tp}")
+        """The global batch, unchanged (every TP rank computes on every token)."""
         return tokens
 
     def _logits(self, z) -> DTensor:
@@ -172,7 +170,7 @@ class TorchTPTransformer(ParallelTransformer):
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -182,7 +180,7 @@ class TorchTPTransformer(ParallelTransformer):
             x = layer(x, cos, sin)
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
         # Every rank holds every token: the local count is the global one.
-        return nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype)
+        return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype))
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t

@@ -47,19 +47,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..model import (
-    IGNORE_INDEX,
-    RouterStats,
-    Transformer,
-    apply_rope,
-    expand_kv_heads,
-    head_norm,
-    rms_norm,
-    rope_tables,
-)
+from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, RouterStats, attend, gated, qkv_heads, rms_norm, rope_tables
+from ..model import Transformer
 from ..weights import WeightSource
-from .base import ParallelTransformer, replicated_grad, weight_source
+from .base import ParallelTransformer, ShardView, replicated_grad, weight_source
 from .moe import tp_moe
+from .params import layer_params
 from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
@@ -221,49 +214,6 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 # ---------------------------------------------------------------- the model
 
-# Per-layer parameters: attribute -> (reference name under ``layers.i.``, dimension sharded over tp or None).
-LAYER_PARAMS = {
-    "attention_norm": ("attention_norm.weight", None),
-    "wq": ("attention.wq.weight", 0),
-    "wk": ("attention.wk.weight", 0),
-    "wv": ("attention.wv.weight", 0),
-    "wo": ("attention.wo.weight", 1),
-    "ffn_norm": ("ffn_norm.weight", None),
-    "w_gate": ("feed_forward.w_gate.weight", 0),
-    "w_up": ("feed_forward.w_up.weight", 0),
-    "w_down": ("feed_forward.w_down.weight", 1),
-}
-# Model features' parameters: q/k/v biases shard with their heads' rows; q/k norms act per head, replicated.
-BIAS_PARAMS = {"bq": ("attention.wq.bias", 0), "bk": ("attention.wk.bias", 0), "bv": ("attention.wv.bias", 0)}
-HEAD_NORM_PARAMS = {"q_norm": ("attention.q_norm.weight", None), "k_norm": ("attention.k_norm.weight", None)}
-
-
-# A sparse layer's feed-forward (parallel/moe.py, ``tp_moe``): every expert and the shared expert cut along their
-# FFN width; the router and the shared gate replicated.
-MOE_PARAMS = {
-    "router": ("feed_forward.router.weight", None),
-    "w_gate": ("feed_forward.experts.w_gate", 1),
-    "w_up": ("feed_forward.experts.w_up", 1),
-    "w_down": ("feed_forward.experts.w_down", 2),
-}
-SHARED_EXPERT_PARAMS = {
-    "shared_w_gate": ("feed_forward.shared.w_gate.weight", 0),
-    "shared_w_up": ("feed_forward.shared.w_up.weight", 0),
-    "shared_w_down": ("feed_forward.shared.w_down.weight", 1),
-    "shared_gate": ("feed_forward.shared_gate.weight", None),
-}
-
-
-def layer_params(cfg, index: int | None = None) -> dict[str, tuple[str, int | None]]:
-    """The per-layer parameters of ``cfg``'s model: attribute -> (reference name under ``layers.i.``, tp dim);
-    of layer ``index`` if given (a mixture of experts' sparse layers have other feed-forward weights)."""
-    params = {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {})}
-    if index is not None and cfg.is_moe_layer(index):
-        params = {k: v for k, v in params.items() if not v[0].startswith("feed_forward.")}
-        params.update(MOE_PARAMS, **(SHARED_EXPERT_PARAMS if cfg.shared_expert_ffn_dim else {}))
-    return params
-
-
 class TPLayer(nn.Module):
     """One decoder block's parameters on this rank (see ``LAYER_PARAMS``)."""
 
@@ -314,8 +264,7 @@ class TPTransformer(ParallelTransformer):
 
     def _attend(self, q, k, v):
         """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
-        g = self.cfg.group_size
-        return F.scaled_dot_product_attention(q, expand_kv_heads(k, g), expand_kv_heads(v, g), is_causal=True)
+        return attend(q, k, v, CAUSAL)[0]
 
     def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
         # Every rank holds every token and the same NLL: the local sum and count are the global ones.
@@ -330,49 +279,42 @@ class TPTransformer(ParallelTransformer):
         """The global batch, unchanged: every TP rank computes on every token."""
         return tokens
 
-    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP)."""
+    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None) -> torch.Tensor:
+        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
+        its router statistics to ``stats``."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
-        d, eps = cfg.head_dim, cfg.norm_eps
+        eps = cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
         q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), w(layer.wk), w(layer.wv))
         if cfg.qkv_bias:  # this rank's heads' biases; every rank sees every token, so no extra reduction
             q, k, v = q + w(layer.bq), k + w(layer.bk), v + w(layer.bv)
-        B, S, _ = q.shape
-        q, k, v = q.view(B, S, -1, d), k.view(B, S, -1, d), v.view(B, S, -1, d)
-        if cfg.qk_norm:  # replicated weights applied to this rank's heads only: gradients summed over tp
-            q = head_norm(q, w(replicated_grad(layer.q_norm, tp)), eps)
-            k = head_norm(k, w(replicated_grad(layer.k_norm, tp)), eps)
-        q, k, v = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
-        out = self._attend(q, k, v).transpose(1, 2).reshape(B, S, -1)
+        # q/k norm: replicated weights applied to this rank's heads only, so their gradients are summed over tp.
+        norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
+        q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
+        B, S = q.shape[:2]
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
         if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
-            return x + tp_moe(h, layer, cfg, tp, self.router_stats)
+            return x + tp_moe(h, layer, cfg, tp, stats)
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
-        return x + RowParallelLinear.apply(F.silu(gate) * up, w(layer.w_down), tp, sp)
+        return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
-        if sp and tokens.shape[1] % tp.size:
-            raise ValueError(f"sequence length {tokens.shape[1]} must be divisible by the TP degree T={tp.size} "
-                             f"with sequence parallelism; pick a multiple of {tp.size}")
-        if cfg.moe and sp:
-            raise ValueError("mixture-of-experts models run under tp without sequence parallelism; "
-                             "drop sequence_parallel")
-        self.router_stats = RouterStats(cfg.n_experts) if cfg.moe else None
+        stats = RouterStats(cfg.n_experts) if cfg.moe else None
         cos, sin = rope_tables(self._positions(tokens), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
         for layer in self.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, cos, sin, use_reentrant=False) if self.recompute
-                 else self.block(layer, x, cos, sin))
+            x = (checkpoint(self.block, layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
+                 else self.block(layer, x, cos, sin, stats))
         z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
         nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)
-        return self._sum_and_count(nll.sum(), labels)
+        return LossTerms(*self._sum_and_count(nll.sum(), labels), stats)
 
     # -- full views (for checks, checkpoints, export) -------------------------------
 
@@ -385,6 +327,16 @@ class TPTransformer(ParallelTransformer):
         prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>
         ref, dim = layer_params(self.cfg, int(prefix.split(".")[1]))[attr]
         return [(f"{prefix}.{ref}", local, {} if dim is None else {"tp": dim})]
+
+    def shard_view(self) -> ShardView:
+        """This rank's slices under ``layer_params``' names (a sparse layer's expert slices instead of its MLP)."""
+        if self.sequence_parallel:
+            raise ValueError("inference runs TP without sequence parallelism; parallelize with "
+                             "sequence_parallel=False")
+        layers = tuple({name: getattr(layer, name).detach() for name in layer_params(self.cfg, i)}
+                       for i, layer in enumerate(self.layers))
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        return ShardView(self.cfg, self.tp, layers, self.embedding_shard.detach(), head.detach(), self.norm.detach())
 
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""

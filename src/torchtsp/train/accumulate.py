@@ -14,17 +14,16 @@ from __future__ import annotations
 import torch
 
 from ..memory import next_pass
-from ..model import IGNORE_INDEX, load_balancing_loss
+from ..model import IGNORE_INDEX
 
 
 def _micro(tokens: torch.Tensor, labels: torch.Tensor, n: int):
     return list(zip(tokens.chunk(n, dim=0), labels.chunk(n, dim=0)))
 
 
-def _nll_sum(model, tokens, labels) -> torch.Tensor:
+def _loss_terms(model, tokens, labels):
     model.check_inputs(tokens, labels)
-    nll_sum, _ = model.nll_sum_and_count(model.shard_batch(tokens), model.shard_batch(labels))
-    return nll_sum
+    return model.loss_terms(model.shard_batch(tokens), model.shard_batch(labels))
 
 
 @torch.no_grad()
@@ -33,10 +32,8 @@ def _router_totals(model, micro) -> tuple[torch.Tensor, torch.Tensor]:
     counts = rows = 0
     for tokens, labels in micro:
         next_pass()
-        _nll_sum(model, tokens, labels)
-        c, _, r = model.sum_router_stats(model.router_stats.close())
+        c, _, r = model.sum_router_stats(_loss_terms(model, tokens, labels).router.close())
         counts, rows = counts + c, rows + r
-    model.keep_router_stats(None)
     return counts, rows
 
 
@@ -72,18 +69,16 @@ def forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, grad_acc
     loss_total, aux_total = torch.zeros((), device=tokens.device), torch.zeros((), device=tokens.device)
     for m_tokens, m_labels in micro:
         next_pass()
-        loss = _nll_sum(model, m_tokens, m_labels) / total
-        if cfg.moe:
-            stats = model.router_stats.close()
-            _, probs, _ = model.sum_router_stats(stats)
-            model.keep_router_stats(stats.detached())  # metrics only: the graph goes with backward
-            aux = load_balancing_loss(counts, probs, rows, cfg.n_experts)
+        terms = _loss_terms(model, m_tokens, m_labels)
+        loss = terms.nll_sum / total
+        if cfg.moe:  # this micro-batch's share of the whole batch's load-balancing loss
+            aux = model.aux_loss(terms.router, totals=(counts, rows))
             loss = loss + cfg.router_aux_loss_coef * aux
             aux_total += aux.detach()
         loss.backward()
         loss_total += loss.detach()
     if cfg.moe:  # what router_metrics reports after an unsplit step
-        model.expert_load, model.last_aux_loss = counts, aux_total
+        model.router_load = (aux_total, counts)
     return loss_total
 
 
@@ -98,6 +93,4 @@ def evaluate(model, batches, grad_accum: int) -> float:
             model.check_inputs(m_tokens, m_labels)
             s, c = model.nll_sum_and_count(model.shard_batch(m_tokens), model.shard_batch(m_labels))
             nll, count = nll + s.item(), count + c.item()
-    if model.cfg.moe:
-        model.keep_router_stats(None)
     return nll / max(count, 1.0)

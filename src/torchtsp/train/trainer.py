@@ -27,10 +27,11 @@ from ..data.tokenizers import RUN_TOKENIZER_DIR, HFTokenizer, copy_tokenizer_fil
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
 from ..distributed.mesh import init_mesh, mesh_device
+from ..layout import Layout
 from ..memory import measure_peak
 from ..model import Transformer
 from ..parallel import parallelize, pipeline_parallelize
-from ..schemes import AXES, PIPELINE_AXIS, check_pipeline, get_scheme
+from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
 from .config import TrainConfig
@@ -92,21 +93,18 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data_checked: bool = False):
         """``data_checked``: the launcher has already run ``check_before_launch`` (ranks skip the scans)."""
         self.cfg = cfg
-        scheme = get_scheme(cfg.scheme)
-        world, self.pp = comm.world_size(), cfg.pp
-        if world % self.pp:
-            raise ValueError(f"--pp {self.pp} needs a multiple of {self.pp} ranks, but the world has {world}")
-        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks.
-        self.degrees = scheme.degrees(world // self.pp, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp)
         self.model_cfg, weights = model_config_and_weights(cfg)
-        check_batch_split(cfg, self.degrees, self.model_cfg.moe)
-        # The model sees one micro-batch of accumulation at a time.
-        micro_batch = cfg.batch_size // cfg.grad_accum
-        scheme.validate(self.model_cfg, micro_batch, cfg.seq_len, self.degrees)  # before any communication
-        self.microbatches = check_pipeline(scheme, self.model_cfg, self.pp, cfg.microbatches, micro_batch,
-                                           self.degrees, cfg.schedule)
+        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks. Every
+        # check of degrees, model and batch against each other, before any communication; the model sees one
+        # micro-batch of accumulation at a time.
+        layout = functools.partial(Layout.resolve, cfg.scheme, comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
+                                   sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                   recompute=cfg.recompute or None, cfg=self.model_cfg, seq_len=cfg.seq_len)
+        check_batch_split(cfg, layout(batch=cfg.batch_size).sizes, self.model_cfg.moe)
+        self.layout = layout(batch=cfg.batch_size // cfg.grad_accum)
+        self.pp, self.degrees, self.microbatches = self.layout.pp, self.layout.sizes, self.layout.microbatches
         self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
-        self.mesh = init_mesh(pp=self.pp, **self.degrees, timeout_s=cfg.timeout_s)  # creates the process group
+        self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
 
@@ -118,8 +116,7 @@ class Trainer:
             self.model = pipeline_parallelize(model, self.mesh, microbatches=self.microbatches, schedule=cfg.schedule,
                                               recompute=cfg.recompute, timeout_s=cfg.timeout_s, weights=weights)
         else:
-            self.model = parallelize(model, self.mesh, cfg.scheme, timeout_s=cfg.timeout_s,
-                                     recompute=cfg.recompute or None, weights=weights)
+            self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
@@ -193,7 +190,7 @@ class Trainer:
             raise ValueError(f"step {step}: the weights or optimizer state hold non-finite values; "
                              f"refusing to publish them as a checkpoint")
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
-                "mesh": self.layout, "train": self.cfg.to_dict(), "data_position": state[DATA_POSITION],
+                "mesh": self.mesh_degrees, "train": self.cfg.to_dict(), "data_position": state[DATA_POSITION],
                 "tokenizer": self.data.tokenizer.fingerprint}
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
@@ -396,11 +393,11 @@ class Trainer:
                 "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                 "losses": losses, "median_step_s": median,
                 "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / median if steady else None,
-                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.layout, "out": str(self.out),
+                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.mesh_degrees, "out": str(self.out),
                 "epoch": self.data.train.epoch}
 
     @property
-    def layout(self) -> dict[str, int]:
+    def mesh_degrees(self) -> dict[str, int]:
         """Every mesh degree, pp first when there is a pipeline."""
         return {PIPELINE_AXIS: self.pp, **self.degrees} if self.pp > 1 else dict(self.degrees)
 
@@ -416,7 +413,7 @@ class Trainer:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
         if isinstance(model, DataParallel) and model.scheme != "dp":
             model = model.module  # the replicas hold the same weights: each samples alone
-        if model.scheme not in ("tsp", "tp", "sp", "dp"):
+        if get_scheme(model.scheme).inference is None:
             return None  # generate does not run this scheme (tp_sp, torch_tp)
         tokenizer = self.data.tokenizer
         eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []

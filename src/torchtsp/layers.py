@@ -1,0 +1,335 @@
+"""The decoder's math as functions: the one layer core that every placement of the model calls.
+
+The reference model (model.py), every baseline, every inference engine and the mixture-of-experts layers
+compute with these functions on whatever shard of weights and tokens they hold; a scheme only decides where
+its weights come from and which collectives wrap which of these operations. TSP keeps its hand-written
+backward (its schedule is the project) but calls the same forward math.
+
+Layouts: hidden states are [B, S, h]; heads stay token-major ([B, S, H, d]) from projection to output
+projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------- norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's q/k norm: RMSNorm of each head of x [..., H, d] over d, with one weight [d] for all heads.
+
+    Per head, so it needs no other head's values: a scheme holding some heads applies it to them alone.
+    """
+    return rms_norm(x, weight, eps)
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def _rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling, op for op as transformers' ``_compute_llama3_parameters``.
+
+    Wavelengths shorter than original_max/high_freq_factor are kept, longer than original_max/low_freq_factor
+    are stretched by ``factor``, and the band between is interpolated smoothly.
+    """
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_context_len = cfg.rope_original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (unscaled) RoPE cos/sin tables [..., head_dim] for (global) positions of any shape."""
+    return _cos_sin(positions, _rope_inv_freq(head_dim, theta, positions.device))
+
+
+def rope_tables(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE cos/sin tables for (global) positions of any shape: [S] -> [S, d] (one sequence, or
+    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache).
+
+    Every caller gets its tables here, so a RoPE variant of the config (``rope_scaling``) applies everywhere.
+    """
+    inv_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
+    if cfg.rope_scaling == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, cfg)
+    elif cfg.rope_scaling is not None:  # ModelConfig refuses others; a new variant must be added here
+        raise ValueError(f"rope_scaling={cfg.rope_scaling!r} has no implementation in rope_tables")
+    return _cos_sin(positions, inv_freq)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
+    """Rotate x [B, S, H, d] by position (cos/sin [S, d] or [B, S, d]); HF Llama's half-split convention.
+
+    Written into ``out`` (a new tensor if None) half by half, without building the rotated copy, and rounded
+    as the reference formula x·cos + rotate_half(x)·sin rounds. With -sin it is RoPE's transpose (backward).
+    """
+    half = x.shape[-1] // 2
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # one table row for all heads
+    x1, x2 = x[..., :half], x[..., half:]
+    if out is None and torch.is_grad_enabled() and x.requires_grad:  # autograd cannot record out= writes
+        return torch.cat([x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]],
+                         dim=-1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos[..., :half], out=out1).sub_(x2 * sin[..., :half])
+    torch.mul(x2, cos[..., half:], out=out2).add_(x1 * sin[..., half:])
+    return out
+
+
+# ---------------------------------------------------------------- attention
+
+
+def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[B, S, H·d] -> token-major heads [B, S, H, d] (a view); the head count comes from the tensor, so the
+    same code runs on head-sharded weights."""
+    return x.view(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+
+
+def qkv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, cos: torch.Tensor, sin: torch.Tensor,
+              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+    """Projections [B, S, H·d] -> token-major heads [B, S, H, d]: q/k norm (Qwen3) and RoPE on queries and keys."""
+    q, k, v = (heads(t, cfg.head_dim) for t in (q, k, v))
+    if cfg.qk_norm:
+        q, k = head_norm(q, q_norm, cfg.norm_eps), head_norm(k, k_norm, cfg.norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotated queries and keys and the values of hidden states x [B, S, h], token-major [B, S, H, d].
+
+    ``w`` maps ``wq``, ``wk``, ``wv`` (any contiguous group of heads' rows), with q/k/v bias ``bq``, ``bk``,
+    ``bv``, with q/k norm ``q_norm``, ``k_norm``. S may be 0 (a rank that holds none of a step's tokens).
+    """
+    q, k, v = (F.linear(x, w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
+    return qkv_heads(q, k, v, cfg, cos, sin, w.get("q_norm"), w.get("k_norm"))
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys a query sees: ``causal`` (query i sees keys j <= i of one sequence laid out in order), or
+    everything (``causal=False``); with ``q_pos`` [B, Lq], ``k_pos`` [B, Lk] and ``k_valid`` [B, Lk], a query
+    sees the valid keys at positions <= its own (a KV cache: slots in any order, padding)."""
+
+    causal: bool = True
+    q_pos: torch.Tensor | None = None
+    k_pos: torch.Tensor | None = None
+    k_valid: torch.Tensor | None = None
+
+    @property
+    def positional(self) -> bool:
+        return self.k_pos is not None
+
+
+CAUSAL, FULL = Mask(causal=True), Mask(causal=False)
+
+
+def positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor) -> Mask:
+    return Mask(causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = CAUSAL):
+    """The one entry point to attention: (out [B, Hq, Lq, d], lse [B, Hq, Lq] float32) of queries q against
+    keys and values k, v [B, Hkv, Lk, d] (head-major views, any strides; Hkv divides Hq: GQA without expanding
+    K/V). Plain causal or full masks run a fused kernel (differentiable by autograd; hand-written backward
+    passes call ``attend_backward``); a positional mask runs the block-wise kernel in float32 (no autograd:
+    inference), where a query that sees no key gets out = 0 and lse = -inf."""
+    if mask.positional:
+        return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid)
+    return kernels.fused_attention(q, k, v, mask.causal)
+
+
+def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: bool):
+    """dq of ``attend`` from the (merged) output and LSE; dK/dV (float32) written to ``dk``, ``dv`` or, with
+    ``accumulate``, added to them."""
+    if mask.positional:
+        raise NotImplementedError("positional masks are for inference: attend_backward takes causal or full")
+    return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
+
+
+def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B, H_kv, S, d] -> [B, H_kv * g, S, d]: each KV head serves g consecutive query heads."""
+    return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=1)
+
+
+# ---------------------------------------------------------------- gated MLP
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's nonlinearity: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+def route(h2: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
+    """The router of a mixture of experts on tokens h2 [N, h]: (probabilities [N, E] in float32, top-k weights
+    [N, k] in h2's dtype, top-k expert ids [N, k]), as Hugging Face Qwen2-MoE / Mixtral compute them: softmax in
+    float32, ``torch.topk``, optionally renormalised so the k weights sum to one."""
+    probs = torch.softmax(F.linear(h2, router_weight), dim=-1, dtype=torch.float32)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return probs, top.to(h2.dtype), experts
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert on its rows: x [R, h] holds ``counts[e]`` consecutive rows for expert e of the
+    stacked weights w_gate, w_up [E, F, h] and w_down [E, h, F]. Every expert runs (also on zero rows), so
+    every rank builds the same autograd graph whatever the routing."""
+    # unbind, not w[e]: its backward stacks the E gradients once (indexing would add E zero-filled [E, ...] tensors).
+    weights = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
+    return torch.cat([swiglu(xe, *w) for xe, w in zip(x.split(counts), weights)])
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One forward's routing of N tokens: their top-k ``weights`` [N, k], the ``order`` of the N·k (token, slot)
+    pairs grouped by expert (stable), each pair's ``token``, and ``counts`` of pairs per expert [E] (int64)."""
+
+    weights: torch.Tensor
+    order: torch.Tensor
+    token: torch.Tensor
+    counts: torch.Tensor
+
+
+def sort_by_expert(experts: torch.Tensor, n_experts: int):
+    """For top-k ids [N, k]: (order of the N·k (token, slot) pairs grouped by expert, stable; each pair's token;
+    number of pairs per expert [E], int64, on the ids' device)."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return order, order // experts.shape[1], counts
+
+
+def combine(n_tokens: int, out: torch.Tensor, order: torch.Tensor, token: torch.Tensor, weights: torch.Tensor):
+    """Sum each token's expert outputs (``out`` [N·k, h], in ``order``) weighted by its top-k weights [N, k]."""
+    weighted = out * weights.flatten()[order].unsqueeze(1)
+    return out.new_zeros(n_tokens, out.shape[1]).index_add_(0, token, weighted)
+
+
+def local_experts(w_gate, w_up, w_down, first: int = 0):
+    """``run_experts`` for ``moe_layer`` when this rank holds the weights of experts [first, first + n) (whole,
+    or every expert's FFN slice): it computes only those experts' rows and combines them per token."""
+
+    def run(h2: torch.Tensor, routing: Routing) -> torch.Tensor:
+        n, counts = w_gate.shape[0], routing.counts
+        order, token = routing.order, routing.token
+        if first or n != counts.shape[0]:
+            bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[[first, first + n]].tolist()
+            rows = slice(*bounds)
+            order, token, counts = order[rows], token[rows], counts[first:first + n]
+        out = expert_mlps(h2[token], counts.tolist(), w_gate, w_up, w_down)
+        return combine(h2.shape[0], out, order, token, routing.weights)
+
+    return run
+
+
+def moe_layer(h: torch.Tensor, router_weight: torch.Tensor, run_experts, cfg, stats=None, shared=None):
+    """A sparse layer on tokens h [..., dim]: route, add the router statistics to ``stats`` (a ``RouterStats``,
+    or None), ``run_experts(h2, routing)`` -> the combined expert outputs [N, dim] (where the experts live and
+    how tokens reach them is the scheme's), plus ``shared(h2)``, the gated shared expert's output, if any."""
+    h2 = h.reshape(-1, h.shape[-1])
+    probs, weights, experts = route(h2, router_weight, cfg.moe_top_k, cfg.moe_norm_topk)
+    routing = Routing(weights, *sort_by_expert(experts, cfg.n_experts))
+    if stats is not None:
+        stats.add(probs, routing.counts)
+    y = run_experts(h2, routing)
+    if shared is not None:
+        y = y + shared(h2)
+    return y.view(h.shape)
+
+
+def gated_shared_expert(gate_weight, w_gate, w_up, w_down):
+    """``shared`` for ``moe_layer``: Qwen2-MoE's shared expert, sigmoid(h·gate) * swiglu(h)."""
+    return lambda h2: torch.sigmoid(F.linear(h2, gate_weight)) * swiglu(h2, w_gate, w_up, w_down)
+
+
+class RouterStats:
+    """What the load-balancing loss needs from one forward: per expert, the number of (token, slot)
+    assignments and the sum of router probabilities, summed over every sparse layer, and the rows counted.
+
+    Schemes whose ranks hold different tokens sum the three over those ranks before the loss
+    (``load_balancing_loss``): the loss multiplies global sums, never per-rank products. ``close()`` ends
+    collection, so a layer re-run in backward (recompute) adds nothing.
+    """
+
+    def __init__(self, n_experts: int):
+        self.n_experts, self.closed = n_experts, False
+        self.counts = self.probs = None
+        self.rows = 0
+
+    def add(self, probs: torch.Tensor, counts: torch.Tensor) -> None:
+        if self.closed:
+            return
+        counts = counts.to(torch.float32)
+        prob_sum = probs.sum(dim=0)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.probs = prob_sum if self.probs is None else self.probs + prob_sum
+        self.rows += probs.shape[0]
+
+    def close(self) -> RouterStats:
+        self.closed = True
+        return self
+
+    def detached(self) -> RouterStats:
+        """A closed copy without autograd history (to keep for metrics without keeping the graph alive)."""
+        out = RouterStats(self.n_experts)
+        out.counts, out.rows, out.closed = self.counts, self.rows, True
+        out.probs = None if self.probs is None else self.probs.detach()
+        return out
+
+
+def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, rows, n_experts: int) -> torch.Tensor:
+    """Hugging Face's load-balancing loss (Switch Transformer eq. 4-6, ``load_balancing_loss_func``) from the
+    per-expert assignment counts and probability sums over every sparse layer and token, and their row count:
+    E · sum_e (counts_e / rows) · (prob_sums_e / rows)."""
+    return (counts / rows * (prob_sums / rows)).sum() * n_experts
+
+
+class LossTerms(NamedTuple):
+    """What a forward over a batch adds to a loss: the summed cross-entropy of its targets, their number and, for a
+    mixture of experts, the router statistics of its sparse layers (``RouterStats``; None for a dense model).
+    Returned, never kept by the model: a loss over several batches (gradient accumulation) adds them up."""
+
+    nll_sum: torch.Tensor
+    count: torch.Tensor
+    router: RouterStats | None = None

@@ -1,0 +1,241 @@
+"""The TSP model: each rank's shards as parameters, and the layer loop with its cross-layer prefetch."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ...distributed import zigzag
+from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
+from ...layers import LossTerms, RouterStats, rms_norm, rope_tables
+from ...model import Transformer, reference_shapes
+from ...weights import WeightSource
+from ..base import (
+    ParallelTransformer,
+    ReplicatedGrad,
+    global_sum_and_count,
+    replicated_grad,
+    sum_router_stats_over,
+    weight_source,
+)
+from ..shards import real_vocab_rows, vocab_shard
+from .attention import TSPAttention
+from .moe import TSPMoE
+from .rings import TSPEmbedding, TSPFeedForward, TSPHeadCrossEntropy
+from .shard_math import TSPShardMath
+from .streams import ACC, ShardPrefetch
+
+
+class TSPLayer(nn.Module):
+    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None, moe=None):
+        super().__init__()
+        self.attention_norm = nn.Parameter(attention_norm)
+        self.attention_shard = nn.Parameter(attention_shard)
+        # Qwen3's q/k norm weights act on head_dim, the same for every head: replicated, like the RMSNorms.
+        self.q_norm = None if q_norm is None else nn.Parameter(q_norm)
+        self.k_norm = None if k_norm is None else nn.Parameter(k_norm)
+        self.ffn_norm = nn.Parameter(ffn_norm)
+        # A sparse layer holds a mixture of experts (parallel/moe.py) instead of the dense MLP's shard.
+        self.mlp_shard = None if mlp_shard is None else nn.Parameter(mlp_shard)
+        self.moe = moe
+
+
+@dataclass(frozen=True)
+class TSPLayerShards:
+    """One layer's weights on this rank, detached: its packed attention shard (head group p) and MLP shard (FFN
+    slice p; None for a sparse layer, whose experts ``moe`` holds), its replicated norms."""
+
+    attention: torch.Tensor
+    mlp: torch.Tensor | None
+    attention_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    moe: TSPMoE | None
+
+
+@dataclass(frozen=True)
+class TSPShardView:
+    """What the TSP inference engine reads of a ``TSPTransformer`` on this rank: the axis, the packed layouts
+    (``shard_math``), the layers' shards, the vocabulary rows of the embedding and the head, the final norm."""
+
+    cfg: object
+    comm: AxisComm
+    shard_math: TSPShardMath
+    layers: tuple[TSPLayerShards, ...]
+    embedding: torch.Tensor
+    head: torch.Tensor
+    norm: torch.Tensor
+
+
+class TSPTransformer(ParallelTransformer):
+    """A reference ``Transformer`` split over the ``tsp`` mesh axis; each rank keeps only its shards."""
+
+    scheme = "tsp"
+
+    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights: WeightSource | None = None):
+        super().__init__(model.cfg, mesh)
+        self.recompute = recompute
+        comm = AxisComm.from_mesh(mesh, "tsp", timeout_s, weight_stream=True)
+        cfg, D, p = model.cfg, comm.size, comm.rank
+        self.comm = comm
+        # Ranks holding copies of one KV head (n_kv < D) sum their gradients over a group of their own.
+        kv_comm = comm.blocks(mesh, D // min(cfg.n_kv_heads, D), "kv_replicas")
+        self.shard_math = TSPShardMath(cfg, comm, kv_comm)
+        # This rank's shards, one reference tensor at a time: the full model is never materialised here.
+        weights = weight_source(model, mesh, weights)
+        self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", D, p))
+        self.layers = nn.ModuleList()
+        for i in range(cfg.n_layers):
+            prefix = f"layers.{i}."
+            qk_norms = [weights.get(f"{prefix}attention.{n}.weight") for n in ("q_norm", "k_norm")] if cfg.qk_norm \
+                else [None, None]
+            sparse = cfg.is_moe_layer(i)
+            self.layers.append(TSPLayer(
+                self.shard_math.attention_layout.pack(weights, prefix, p),
+                None if sparse else self.shard_math.mlp_layout.pack(weights, prefix, p),
+                weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms,
+                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None))
+        self.norm = nn.Parameter(weights.get("norm.weight"))
+        self.output_shard = None
+        if not cfg.tie_embeddings:
+            self.output_shard = nn.Parameter(vocab_shard(weights, "output.weight", D, p))
+        model.to("meta")  # release the full weights, if any: this rank keeps only its shards
+
+    # -- batches ------------------------------------------------------------
+
+    def comms(self):
+        return {"tsp": self.comm}
+
+    def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
+        return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
+
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+        """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        return LossTerms(*self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens), stats), labels), stats)
+
+    # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
+        return TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math)
+
+    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions); sparse layers add their
+        router statistics to ``stats``."""
+        cfg, comm = self.cfg, self.comm
+        seq_len = x.shape[1] * comm.size
+        positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
+        cos, sin = rope_tables(positions, cfg)
+        # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
+        # layer's (during its MLP backward).
+        prefetch = ShardPrefetch(comm.weights)
+        layers = list(self.layers)
+        # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
+        # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
+        # instead of the ranks meeting once per weight in the middle of backward.
+        norm_names = ["attention_norm", "ffn_norm"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+        summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
+        norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
+        block = functools.partial(self._block, cos=cos, sin=sin, norms=norms, prefetch=prefetch, stats=stats)
+        for i in range(len(layers)):
+            # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
+            x = (checkpoint(block, x, i, use_reentrant=False,
+                            context_fn=lambda: (contextlib.nullcontext(), prefetch.rerun()))
+                 if self.recompute else block(x, i))
+        return x
+
+    def _block(self, x, i: int, cos, sin, norms, prefetch: ShardPrefetch, stats):
+        """Layer i on local tokens x, with its cross-layer prefetches."""
+        cfg, layers, shard_math = self.cfg, self.layers, self.shard_math
+        layer, norm, eps = layers[i], norms[i], cfg.norm_eps
+        h = rms_norm(x, norm["attention_norm"], eps)
+        qk_norms = [norm["q_norm"], norm["k_norm"]] if cfg.qk_norm else [None, None]
+        # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
+        rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
+                 if self.recompute and i > 0 else None)
+        x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, shard_math, prefetch, i, *qk_norms, rerun)
+        h = rms_norm(x, norm["ffn_norm"], eps)
+        ahead = None
+        if not prefetch.rerunning and i + 1 < len(layers):
+            ahead = prefetch.request("attention.forward", i + 1, layers[i + 1].attention_shard)
+        behind = prefetch.request("attention.backward", i, layer.attention_shard)
+        if layer.moe is not None:
+            return x + layer.moe(h, stats, shard_math, ahead, behind)
+        return x + TSPFeedForward.apply(h, layer.mlp_shard, shard_math, ahead, behind, None, self.recompute,
+                                        prefetch.rerunning)
+
+    def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
+        """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
+        comm, shard_math = self.comm, self.shard_math
+        z = rms_norm(x, replicated_grad(self.norm, comm, ACC), self.cfg.norm_eps).flatten(0, 1)
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, shard_math)
+        return global_sum_and_count(nll.sum(), labels, comm)
+
+    def sum_router_stats(self, stats):
+        return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)
+
+    # -- full views (for checks, checkpoints, export) -----------------------
+
+    def shard_view(self) -> TSPShardView:
+        detached = lambda t: None if t is None else t.detach()
+        layers = tuple(TSPLayerShards(layer.attention_shard.detach(), detached(layer.mlp_shard),
+                                      layer.attention_norm.detach(), layer.ffn_norm.detach(), detached(layer.q_norm),
+                                      detached(layer.k_norm), layer.moe) for layer in self.layers)
+        head = self.embedding_shard if self.output_shard is None else self.output_shard
+        return TSPShardView(self.cfg, self.comm, self.shard_math, layers, self.embedding_shard.detach(),
+                            head.detach(), self.norm.detach())
+
+    def reference_parts(self, name, local):
+        shard_math, p = self.shard_math, self.comm.rank
+        if ".moe." in name:
+            layer, _, attr = name.partition(".moe.")
+            return self.layers[int(layer.split(".")[1])].moe.reference_parts(layer, attr, local)
+        if name in ("embedding_shard", "output_shard"):
+            ref = "tok_embeddings.weight" if name == "embedding_shard" else "output.weight"
+            return [(ref, real_vocab_rows(local, self.cfg.vocab_size, p), {"tsp": 0})]
+        layer, _, kind = name.rpartition(".")
+        if kind in ("attention_shard", "mlp_shard"):
+            layout = shard_math.attention_layout if kind == "attention_shard" else shard_math.mlp_layout
+            # A KV-head copy held by several ranks is one of n_kv slices, stored once (comm.sharded_tensor).
+            return [(f"{layer}.{part.name}", view,
+                     {"tsp": part.shard_dim if layout.replicas(part) == 1 else (part.shard_dim, layout.chunks(part))})
+                    for part, view in zip(layout.parts, layout.unpack(local))]
+        if kind in ("q_norm", "k_norm"):
+            return [(f"{layer}.attention.{kind}.weight", local, {})]  # replicated
+        return [(f"{name}.weight", local, {})]  # norms: replicated
+
+    def _full(self, pick) -> dict[str, torch.Tensor]:
+        """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
+        shard_math, V = self.shard_math, self.cfg.vocab_size
+        gather = lambda t: self.comm.all_gather(t, label="gather_full")
+        out = {}
+        if self.embedding_shard is not None:  # None: a pipeline stage without the embedding
+            out["tok_embeddings.weight"] = gather(pick(self.embedding_shard)).flatten(0, 1)[:V]
+        for i, layer in enumerate(self.layers):
+            out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
+            if layer.q_norm is not None:
+                out[f"layers.{i}.attention.q_norm.weight"] = pick(layer.q_norm)
+                out[f"layers.{i}.attention.k_norm.weight"] = pick(layer.k_norm)
+            for name, t in shard_math.attention_layout.unpack_gathered(gather(pick(layer.attention_shard))).items():
+                out[f"layers.{i}.{name}"] = t
+            out[f"layers.{i}.ffn_norm.weight"] = pick(layer.ffn_norm)
+            if layer.moe is not None:
+                out.update(layer.moe.full(f"layers.{i}", pick))
+                continue
+            for name, t in shard_math.mlp_layout.unpack_gathered(gather(pick(layer.mlp_shard))).items():
+                out[f"layers.{i}.{name}"] = t
+        if self.norm is not None:  # None: a pipeline stage without the head
+            out["norm.weight"] = pick(self.norm)
+        if self.output_shard is not None:
+            out["output.weight"] = gather(pick(self.output_shard)).flatten(0, 1)[:V]
+        return {name: out[name] for name in reference_shapes(self.cfg) if name in out}  # the reference model's order
