@@ -14,7 +14,7 @@ def torchtsp(*args):
 def test_help_lists_every_command():
     result = torchtsp("--help")
     assert result.returncode == 0
-    for command in ("train", "bench", "plan", "generate", "convert"):
+    for command in ("train", "prepare-data", "bench", "plan", "generate", "convert"):
         assert re.search(rf"^\s+{command}\s+\S", result.stdout, re.M), command
 
 
@@ -40,7 +40,7 @@ def test_missing_data_is_a_one_line_error():
     result = torchtsp("train", "--data", "/does/not/exist")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "torchtsp: error: corpus path '/does/not/exist' does not exist; expected a text file or a folder"
+        "torchtsp: error: --data /does/not/exist: no such file, folder or Megatron dataset (exist.bin + exist.idx)"
     ]
 
 

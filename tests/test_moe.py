@@ -378,9 +378,11 @@ def test_training_on_dp_x_tsp_resumes_reshards_and_exports(pools, tmp_path):
     resume at TSP4, and an export that transformers loads as Qwen2-MoE with the trained model's logits."""
     import transformers
 
+    from torchtsp.data.samples import BatchStream, PackedSamples
+    from torchtsp.data.sources import TokenSource, builtin_corpus
+    from torchtsp.data.tokenizers import ByteTokenizer
     from torchtsp.train.checkpoint import load_full_state_dict
     from torchtsp.train.config import TrainConfig
-    from torchtsp.train.data import TokenWindows, load_corpus
     from torchtsp.train.single import train_single
     from torchtsp.train.trainer import run_training
 
@@ -412,7 +414,8 @@ def test_training_on_dp_x_tsp_resumes_reshards_and_exports(pools, tmp_path):
     cfg, weights = load_full_state_dict(tmp_path / "full")
     trained = Transformer(cfg)
     trained.load_state_dict(weights)
-    tokens, _ = TokenWindows(load_corpus(None), 4, 32, 0).inputs_and_labels(0)
+    corpus = TokenSource("builtin", builtin_corpus(ByteTokenizer()), "builtin")
+    tokens = BatchStream([(1.0, PackedSamples(corpus, 32))], 4, 0).next_batch()[:, :-1]
     with torch.no_grad():
         assert rel_err(hf(tokens).logits, trained(tokens)) <= REL_TOL
 

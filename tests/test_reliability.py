@@ -440,7 +440,7 @@ def test_flags_outside_their_domain_are_one_line_errors(capsys, argv, match):
 def test_out_of_memory_is_one_line(monkeypatch, capsys):
     import torchtsp.train.trainer as trainer
 
-    def oom(cfg):
+    def oom(cfg, *args):  # run_training(cfg, data_checked)
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(trainer, "run_training", oom)

@@ -171,8 +171,10 @@ def test_hf_in_and_out(pools, tmp_path):
     import transformers
 
     from torchtsp import Transformer
+    from torchtsp.data.samples import BatchStream, PackedSamples
+    from torchtsp.data.sources import TokenSource, builtin_corpus
+    from torchtsp.data.tokenizers import ByteTokenizer
     from torchtsp.hf import config_to_hf, save_hf_checkpoint
-    from torchtsp.train.data import TokenWindows, load_corpus
 
     cfg = get_preset("tiny")
     torch.manual_seed(123)
@@ -180,7 +182,9 @@ def test_hf_in_and_out(pools, tmp_path):
     save_hf_checkpoint(tmp_path / "hf_in", start.state_dict(), cfg)
     assert config_to_hf(cfg)["vocab_size"] == cfg.vocab_size
     summary = run(pools, 2, tmp_path, "from_hf", tsp=2, steps=2, init_from_hf=str(tmp_path / "hf_in"))
-    tokens, labels = TokenWindows(load_corpus(None), SMALL["batch_size"], SMALL["seq_len"], 0).inputs_and_labels(0)
+    corpus = TokenSource("builtin", builtin_corpus(ByteTokenizer()), "builtin")  # no tokenizer.json: bytes
+    batch = BatchStream([(1.0, PackedSamples(corpus, SMALL["seq_len"]))], SMALL["batch_size"], 0).next_batch()
+    tokens, labels = batch[:, :-1], batch[:, 1:]  # the trainer's first batch
     expected = start.loss(tokens, labels).item()
     assert abs(summary["losses"][0] - expected) <= 1e-5 * expected  # float32 round-off of TSP vs reference
 

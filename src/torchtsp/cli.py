@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import signal
@@ -21,7 +22,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import comm
     from .distributed.launch import watch_parent
     from .train.config import FIELDS, build_config
-    from .train.trainer import format_summary, run_training
+    from .train.trainer import check_before_launch, format_summary, run_training
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
     if launched_by_torchrun():
@@ -33,10 +34,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             comm.destroy_process_group()
     else:
         # A mesh the scheme cannot use, or a pipeline it cannot split, is refused here, before any rank starts.
-        layout = Layout.resolve(cfg.scheme, cfg.nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp, pp=cfg.pp,
-                                microbatches=cfg.microbatches, schedule=cfg.schedule, batch=cfg.batch_size,
-                                cfg=get_preset(cfg.preset) if cfg.pp > 1 and not cfg.init_from_hf else None)
-        summary = run_training(cfg) if layout.world == 1 else _launch(cfg, layout.world)
+        # The model sees one micro-batch of --grad-accum at a time (check_before_launch names a bad split).
+        resolve = functools.partial(Layout.resolve, cfg.scheme, cfg.nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
+                                    sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                    cfg=get_preset(cfg.preset) if cfg.pp > 1 and not cfg.init_from_hf else None)
+        layout = resolve(batch=cfg.batch_size)
+        # The model's tokenizer and data, checked here once (ranks skip the scans): a bad dataset is refused
+        # before any rank starts.
+        data = check_before_launch(cfg, layout.sizes)
+        resolve(batch=cfg.batch_size // cfg.grad_accum)
+        if data.notice:
+            print(f"torchtsp: {data.notice}", file=sys.stderr)
+        summary = run_training(cfg, True) if layout.world == 1 else _launch(cfg, layout.world)
         show = True
     if summary["status"] == "aborted":  # another rank reported why
         return 2
@@ -71,7 +80,7 @@ def _launch(cfg, nproc: int) -> dict:
     with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            summary = pool.run(run_training, cfg, timeout_s=float("inf"), on_wait=forward)[0]
+            summary = pool.run(run_training, cfg, True, timeout_s=float("inf"), on_wait=forward)[0]
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -101,7 +110,19 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--warmup-steps", type=int, help="linear warmup steps (default: steps/10)")
     add("--skip-nonfinite", type=int, metavar="N",
         help="skip up to N steps whose loss or gradient norm is not finite (default: 0, the first one stops the run)")
-    add("--data", metavar="PATH", help="text file or folder (default: the Python standard library)")
+    add("--data", metavar="DATA", help="a Megatron dataset PREFIX (.bin/.idx), a .npy of ids, .jsonl/.parquet/text "
+        "files or a folder (tokenized on the fly), or a blend \"0.7 A 0.3 B\" (default: the Python standard "
+        "library)")
+    add("--tokenizer", metavar="DIR", help="folder of the model's tokenizer.json (default: the --init-from-hf "
+        "folder's; presets: bytes)")
+    add("--eval-data", metavar="DATA", help="evaluation dataset, same forms as --data")
+    add("--eval-every", type=int, metavar="N", help="evaluate every N steps (default: only at the end)")
+    add("--eval-batches", type=int, metavar="K", help="batches per evaluation (default: the whole eval set, at most "
+        "50)")
+    add("--grad-accum", type=int, metavar="N", help="split the global batch into N micro-batches, one optimizer step "
+        "(default: 1)")
+    add("--tensorboard", action="store_true", default=None, help="also write TensorBoard scalars to OUT/tensorboard")
+    add("--profile-steps", metavar="A:B", help="torch.profiler trace of steps A..B per rank, OUT/profile/rankR.json")
     add("--out", metavar="DIR", help="run folder: metrics.jsonl and checkpoints/ (default: the --resume run "
         "folder, else runs/latest)")
     add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
@@ -123,6 +144,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders "
                         "(byte tokenizer)")
     source.add_argument("--preset", choices=list(PRESETS), help="random weights of a preset shape (default: tiny)")
+    add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
     add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     add("--prompt-ids", metavar="IDS", help='token ids, e.g. "1,2,3;4,5" (";" separates the prompts of a batch)')
     add("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most (default: 32)")
@@ -156,7 +178,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))
-    cfg, tokenizer, eos = model_config_and_tokenizer(source, location)
+    cfg, tokenizer, eos = model_config_and_tokenizer(source, location, args.tokenizer)
     if args.prompt and tokenizer is None:
         raise ValueError("this model has no tokenizer (no tokenizer.json, or the tokenizers library is missing); "
                          "give --prompt-ids")
@@ -180,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       scheme=args.scheme, degrees=degrees, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids, eos_token_id=eos,
                       schedule=args.schedule, prefill_chunk=args.prefill_chunk,
-                      dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s)
+                      dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s, tokenizer=args.tokenizer)
     if launched_by_torchrun():
         from .distributed import comm
 
@@ -215,6 +237,12 @@ def _check_generate_flags(args: argparse.Namespace, cfg, stop_token_ids: list[in
         raise ValueError(f"--stop-token-ids: token id {outside[0]} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from .data.prepare import cmd_prepare_data as run
+
+    return run(args)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .analysis.plan import run_plan
 
@@ -246,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     from .analysis.plan import add_plan_arguments  # torch-free
+    from .data.prepare import add_prepare_arguments  # torch-free
+
+    prepare = sub.add_parser("prepare-data", help="tokenize text into a Megatron indexed dataset (.bin/.idx/.json)")
+    add_prepare_arguments(prepare)
+    prepare.set_defaults(func=cmd_prepare_data)
     from .bench.args import add_bench_arguments  # torch-free
 
     bench = sub.add_parser("bench", help="measure memory, step time and traffic of every scheme side by side")

@@ -84,4 +84,10 @@ def convert_checkpoint(
                 (dst / name).unlink()
     write_weights(dst, weights, target, max_shard_bytes or DEFAULT_SHARD_BYTES,
                   dtype=getattr(weights, "stored_dtype", None))
+    # The model's tokenizer travels with it: a Hugging Face folder's own files, or the one a training run kept.
+    from .data.tokenizers import copy_tokenizer_files, run_tokenizer_folder
+
+    tokenizer = run_tokenizer_folder(src) if kind == "train" else src
+    if tokenizer is not None:
+        copy_tokenizer_files(tokenizer, dst)
     return target

@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+_measuring: list[MemTracker] = []
+
+
+def next_pass() -> None:
+    """Tell a measurement in progress that the same modules run forward again within the measured call (the
+    micro-batches of gradient accumulation): MemTracker would otherwise take it for a second iteration."""
+    for tracker in _measuring:
+        tracker.reset_mod_stats()  # per-module figures only: the peak over the whole call is kept
+
 
 def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[object, int]:
     """Run ``fn()`` and return (its result, peak bytes of live tensors on its device).
@@ -15,8 +24,12 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     tracker = MemTracker()
     if track:
         tracker.track_external(*track)
-    with tracker:
-        result = fn()
+    _measuring.append(tracker)
+    try:
+        with tracker:
+            result = fn()
+    finally:
+        _measuring.remove(tracker)
     peaks = tracker.get_tracker_snapshot("peak")
     # Meta tensors (a model built on the meta device) have no storage: they are not memory.
     return result, max((by_kind["Total"] for device, by_kind in peaks.items() if torch.device(device).type != "meta"),

@@ -29,6 +29,7 @@ class GenerateJob:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    tokenizer: str | None = None  # --tokenizer DIR: overrides the model source's own tokenizer
     schedule: str = "auto"
     prefill_chunk: int | None = None
     dtype: str = "float32"
@@ -36,27 +37,15 @@ class GenerateJob:
     timeout_s: float = 300.0
 
 
-# ---------------------------------------------------------------- tokenizers
+def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None = None):
+    """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights; ``tokenizer``
+    (a folder of tokenizer.json) overrides the source's own."""
+    from ..data.tokenizers import ByteTokenizer, HFTokenizer
 
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` library."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(path))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids))
-
-
-def model_config_and_tokenizer(source: str, location: str):
-    """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights."""
-    from ..train.data import ByteTokenizer
+    if tokenizer is not None:
+        cfg, _, eos = model_config_and_tokenizer(source, location)
+        override = HFTokenizer(tokenizer, eos_id=eos)
+        return cfg, override, override.eos_id if override.eos_id is not None else eos
 
     if source == "hf":
         from ..hf import HF_CONFIG_NAME, config_from_hf, read_json
@@ -70,16 +59,24 @@ def model_config_and_tokenizer(source: str, location: str):
         eos = eos[0] if isinstance(eos, list) and eos else eos
         tokenizer = None
         if (path / "tokenizer.json").is_file():
-            try:
-                tokenizer = HFTokenizer(path / "tokenizer.json")
-            except ImportError:
+            try:  # a malformed tokenizer.json is a one-line error naming it
+                tokenizer = HFTokenizer(path, eos_id=eos if isinstance(eos, int) else None)
+            except OSError:
                 tokenizer = None  # ids only, without the optional tokenizers library
-        return cfg, tokenizer, eos if isinstance(eos, int) else None
+        eos = eos if isinstance(eos, int) else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_id  # tokenizer_config.json's eos_token when config.json names none
+        return cfg, tokenizer, eos
     if source == "checkpoint":
         from ..config import ModelConfig
+        from ..data.tokenizers import run_tokenizer_folder
         from ..train import checkpoint
 
         meta = checkpoint.read_meta(checkpoint.resolve(location))
+        kept = run_tokenizer_folder(location)  # a run trained with its model's own tokenizer kept a copy
+        if kept is not None:
+            tokenizer = HFTokenizer(kept)
+            return ModelConfig.from_dict(meta["model"]), tokenizer, tokenizer.eos_id
         return ModelConfig.from_dict(meta["model"]), ByteTokenizer(), ByteTokenizer.eot_id
     from ..config import get_preset
 
@@ -144,7 +141,7 @@ def run_generate(job: GenerateJob) -> dict:
     from ..memory import measure_peak
     from .api import generate
 
-    cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location)
+    cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location, job.tokenizer)
     mesh = init_mesh(**job.degrees, timeout_s=job.timeout_s)
     model = _load_model(job, cfg, mesh)
     rank0 = comm.global_rank() == 0

@@ -1,5 +1,1 @@
-"""Training: data pipeline and training loops."""
-
-from .data import ByteTokenizer, TokenWindows, default_corpus_files, load_corpus
-
-__all__ = ["ByteTokenizer", "TokenWindows", "default_corpus_files", "load_corpus"]
+"""Training: the parallel trainer, its data, checkpoints and the single-device reference loop."""

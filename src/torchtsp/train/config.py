@@ -41,7 +41,14 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm that may be skipped before failing
-    data: str | None = None  # text file or folder; default: the Python standard library
+    data: str | None = None  # a dataset or a blend (torchtsp.data.sources); default: the Python standard library
+    tokenizer: str | None = None  # folder of the model's tokenizer.json (default: --init-from-hf's, else bytes)
+    eval_data: str | None = None  # evaluation dataset (same forms as data)
+    eval_every: int = 0  # evaluate every N steps (0: only at the end, when eval_data is given)
+    eval_batches: int | None = None  # batches per evaluation (default: the whole eval set, capped)
+    grad_accum: int = 1  # micro-batches per optimizer step; the global batch is split into them
+    tensorboard: bool = False  # also write the metrics as TensorBoard scalars under out/tensorboard
+    profile_steps: str | None = None  # "A:B": a torch.profiler trace of steps A..B per rank under out/profile
     out: str | None = None  # default: the --resume run folder, else runs/latest
     overwrite: bool = False  # replace the run already in `out` (its metrics and checkpoints)
     checkpoint_every: int = 0  # 0: only the final checkpoint
@@ -62,7 +69,8 @@ class TrainConfig:
         at_least = {"dp": 1, "tp": 1, "sp": 1, "tsp": 1, "pp": 1, "microbatches": 1, "nproc": 1,
                      "batch_size": 1, "seq_len": 1, "steps": 1,
                     "warmup_steps": 0, "skip_nonfinite": 0, "checkpoint_every": 0, "keep_last": 1,
-                    "sample_tokens": 0, "mem_every": 0, "seed": 0}
+                    "sample_tokens": 0, "mem_every": 0, "seed": 0, "eval_every": 0, "eval_batches": 1,
+                    "grad_accum": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -82,6 +90,17 @@ class TrainConfig:
                 raise ValueError(f"{_name(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.microbatches is not None and self.pp == 1:
             raise ValueError(f"{_name('microbatches')} applies to pipeline stages; give --pp N (N >= 2) or drop it")
+        if self.eval_every and not self.eval_data:
+            raise ValueError(f"{_name('eval_every')} needs {_name('eval_data')}: give the evaluation dataset")
+        if self.eval_batches is not None and not self.eval_data:
+            raise ValueError(f"{_name('eval_batches')} needs {_name('eval_data')}: give the evaluation dataset")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"{_name('grad_accum')} {self.grad_accum} does not divide the batch "
+                             f"(--batch-size {self.batch_size}) into equal micro-batches")
+        if self.profile_steps is not None:
+            from .metrics import parse_step_range
+
+            parse_step_range(self.profile_steps)
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
             self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
         _check_run_folder(self.out)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..data.samples import BatchStream, PackedSamples
+from ..data.sources import TokenSource, builtin_corpus, open_source
+from ..data.tokenizers import ByteTokenizer
 from ..model import Transformer
-from .data import ByteTokenizer, TokenWindows, load_corpus
 from .optim import build_adamw, warmup_cosine
 
 
@@ -41,17 +44,21 @@ def train_single(
 ) -> list[float]:
     """Train ``Transformer(cfg)`` with AdamW for ``steps`` steps; returns the per-step losses.
 
-    ``data`` is a corpus path (``None``: the built-in corpus) or a 1-D tensor of token ids.
+    ``data`` is what ``--data`` names (one dataset; ``None``: the built-in corpus, byte-tokenized) or a 1-D
+    tensor of token ids. Batches are drawn as the parallel trainer draws them.
     After training, prints a greedy continuation of ``prompt`` unless it is ``None``.
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
-    if cfg.vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(f"vocab_size={cfg.vocab_size} is smaller than the byte tokenizer's {ByteTokenizer.vocab_size}")
     if seq_len > cfg.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
-    corpus = data if isinstance(data, torch.Tensor) else load_corpus(data)
-    windows = TokenWindows(corpus, batch_size, seq_len, seed)
+    if isinstance(data, torch.Tensor):
+        source = TokenSource("tensor", data.numpy().astype(np.int64), "tensor")
+    elif data is None:
+        source = TokenSource("builtin", builtin_corpus(ByteTokenizer()), "builtin")
+    else:
+        source = open_source(str(data), ByteTokenizer())
+    stream = BatchStream([(1.0, PackedSamples(source, seq_len))], batch_size, seed)
 
     torch.manual_seed(seed)
     model = Transformer(cfg)
@@ -63,7 +70,8 @@ def train_single(
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="train", unit="step", dynamic_ncols=True)
     for step in bar:
-        tokens, labels = windows.inputs_and_labels(step)
+        batch = stream.next_batch()
+        tokens, labels = batch[:, :-1], batch[:, 1:]
         loss = model.loss(tokens, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

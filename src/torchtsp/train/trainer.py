@@ -2,13 +2,15 @@
 
 The mesh degrees, and whether the model and batch split over them, come from the scheme registry
 (``torchtsp.schemes``) before any communication. ``parallelize`` applies data parallelism over the
-scheme, so the loss is the global mean over all tokens, exactly as on one device.
+scheme, so the loss is the global mean over all tokens, exactly as on one device. Every rank draws the
+same global batch from the data stream (``torchtsp.train.data``), whose position is saved with each
+checkpoint; gradient accumulation and evaluation are in ``torchtsp.train.accumulate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import math
 import os
 import shutil
@@ -21,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import get_preset
+from ..data.tokenizers import RUN_TOKENIZER_DIR, HFTokenizer, copy_tokenizer_files
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
 from ..distributed.mesh import init_mesh, mesh_device
@@ -30,8 +33,10 @@ from ..model import Transformer
 from ..parallel import parallelize, pipeline_parallelize
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
+from .accumulate import evaluate, forward_backward
 from .config import TrainConfig
-from .data import ByteTokenizer, TokenWindows, load_corpus
+from .data import TrainData
+from .metrics import MetricsLog, NonFiniteBudget, ProfileWindow, finite_or_none, resident_bytes
 from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
 
 try:
@@ -40,12 +45,7 @@ except ImportError:  # not on Windows: run folders are not locked there
     fcntl = None
 
 LOCK = ".lock"
-
-
-def _finite_or_none(value: float) -> float | None:
-    """JSON has no NaN or infinity: metrics.jsonl writes them as null."""
-    return value if math.isfinite(value) else None
-
+DATA_POSITION = "train/data"  # the data stream's position in the checkpoint state
 
 
 def model_config_and_weights(cfg: TrainConfig):
@@ -59,23 +59,51 @@ def model_config_and_weights(cfg: TrainConfig):
         model_cfg, weights = get_preset(cfg.preset), None
     if cfg.seq_len > model_cfg.max_seq_len:
         model_cfg = model_cfg.replace(max_seq_len=cfg.seq_len)
-    if model_cfg.vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(f"the model's vocab_size={model_cfg.vocab_size} is smaller than the byte tokenizer's "
-                         f"{ByteTokenizer.vocab_size}")
     return model_cfg, weights
 
 
+def check_batch_split(cfg: TrainConfig, degrees: dict[str, int], moe: bool) -> None:
+    """Refuse, before any rank starts, a --grad-accum that does not split each replica's rows, and loop options
+    a pipeline cannot take."""
+    dp = degrees.get("dp") or 1
+    per_replica = cfg.batch_size // dp if cfg.batch_size % dp == 0 else None
+    if cfg.grad_accum > 1 and (per_replica is None or per_replica % cfg.grad_accum):
+        raise ValueError(f"--grad-accum {cfg.grad_accum} does not divide the batch per replica (--batch-size "
+                         f"{cfg.batch_size} over dp={dp}); choose a batch size divisible by {dp * cfg.grad_accum}")
+    if cfg.pp > 1 and cfg.eval_data:
+        raise ValueError("--eval-data with --pp is not supported yet: a pipeline has no forward-only pass")
+    if cfg.pp > 1 and cfg.grad_accum > 1 and moe:
+        raise ValueError("--grad-accum with --pp on a mixture-of-experts model is not supported; raise "
+                         "--microbatches instead")
+    if cfg.tensorboard:
+        from .metrics import tensorboard_available
+
+        if not tensorboard_available():
+            raise OSError("--tensorboard needs the tensorboard package: pip install 'torchtsp[tensorboard]'")
+
+
+def check_before_launch(cfg: TrainConfig, degrees: dict[str, int]) -> TrainData:
+    """Every refusal that needs no rank: the model's shape against its data and the loop's options."""
+    model_cfg, _ = model_config_and_weights(cfg)
+    check_batch_split(cfg, degrees, model_cfg.moe)
+    return TrainData(cfg, model_cfg.vocab_size, check=True)
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, data_checked: bool = False):
+        """``data_checked``: the launcher has already run ``check_before_launch`` (ranks skip the scans)."""
         self.cfg = cfg
         self.model_cfg, weights = model_config_and_weights(cfg)
         # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks. Every
-        # check of degrees, model and batch against each other, before any communication.
-        self.layout = Layout.resolve(cfg.scheme, comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp,
-                                     pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                     recompute=cfg.recompute or None, cfg=self.model_cfg, batch=cfg.batch_size,
-                                     seq_len=cfg.seq_len)
+        # check of degrees, model and batch against each other, before any communication; the model sees one
+        # micro-batch of accumulation at a time.
+        layout = functools.partial(Layout.resolve, cfg.scheme, comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
+                                   sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                   recompute=cfg.recompute or None, cfg=self.model_cfg, seq_len=cfg.seq_len)
+        check_batch_split(cfg, layout(batch=cfg.batch_size).sizes, self.model_cfg.moe)
+        self.layout = layout(batch=cfg.batch_size // cfg.grad_accum)
         self.pp, self.degrees, self.microbatches = self.layout.pp, self.layout.sizes, self.layout.microbatches
+        self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
@@ -97,7 +125,6 @@ class Trainer:
         self.named_trained = list(zip(params, trained))
         refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in params.items()}
         self.optimizer = build_adamw(((refs[n], p) for n, p in self.named_trained), cfg.lr, cfg.weight_decay)
-        self.windows = TokenWindows(load_corpus(cfg.data), cfg.batch_size, cfg.seq_len, cfg.seed)
         self.out = Path(cfg.out)
         self.start_step = 0
         self.stop_requested = False
@@ -105,10 +132,11 @@ class Trainer:
     # -- one step -----------------------------------------------------------
 
     def train_step(self, step: int) -> tuple[float, float]:
-        tokens, labels = (t.to(self.device) for t in self.windows.inputs_and_labels(step))
+        batch = self.data.train.next_batch().to(self.device)
+        tokens, labels = batch[:, :-1], batch[:, 1:]
         # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
-        # pipeline's microbatches) by the time it returns.
-        loss = self.model.forward_backward(tokens, labels)
+        # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
+        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1)
         if self.master:
             self.master.grads_to_masters()
         norm = self.clip_gradients()
@@ -138,13 +166,20 @@ class Trainer:
                 p.grad.mul_(scale)
         return norm.item()
 
+    def eval_loss(self) -> float:
+        """Mean NLL over the eval batches, forward only on the parallel model (no weights gathered)."""
+        return evaluate(self.model, self.data.eval_stream(), self.cfg.grad_accum)
+
     # -- checkpoints --------------------------------------------------------
 
     def state(self, step: int) -> dict:
         # A pipeline stage's tensors are DTensors over its own ranks (the mesh without pp): stages hold
         # different reference names, so a checkpoint looks the same whatever the split.
         mesh = self.mesh[AXES] if self.pp > 1 else self.mesh
-        return checkpoint.training_state(self.model, self.optimizer, self.named_trained, mesh, step)
+        state = checkpoint.training_state(self.model, self.optimizer, self.named_trained, mesh, step)
+        # The data position is global (every rank draws the same batches): it restores under any mesh.
+        state[DATA_POSITION] = self.data.train.position()
+        return state
 
     def save(self, step: int) -> Path:
         state = self.state(step)
@@ -155,7 +190,8 @@ class Trainer:
             raise ValueError(f"step {step}: the weights or optimizer state hold non-finite values; "
                              f"refusing to publish them as a checkpoint")
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
-                "mesh": self.mesh_degrees, "train": self.cfg.to_dict()}
+                "mesh": self.mesh_degrees, "train": self.cfg.to_dict(), "data_position": state[DATA_POSITION],
+                "tokenizer": self.data.tokenizer.fingerprint}
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
@@ -164,11 +200,16 @@ class Trainer:
         checkpoint.check_model_matches(meta, self.model_cfg, ckpt)
         checkpoint.verify(ckpt, meta, AxisComm.world(self.cfg.timeout_s), self.device)
         state = self.state(0)
+        if "data_position" not in meta:
+            # Written before the data position was saved: batches were drawn at random per step, so no position
+            # reproduces them; continue at the samples a step count implies.
+            del state[DATA_POSITION]
         checkpoint.load(ckpt, state)
         checkpoint.restore_optimizer_steps(self.optimizer, state)
         if self.master:
             self.master.masters_to_params()
         self.start_step = state["train/step"]
+        self.data.train.set_position(state.get(DATA_POSITION) or {"drawn": [self.start_step * self.cfg.batch_size]})
 
     # -- the run folder -----------------------------------------------------
 
@@ -199,33 +240,26 @@ class Trainer:
                                      f"--resume {self.out} to continue it, --overwrite to replace it, or choose "
                                      f"another --out")
                 (self.out / "metrics.jsonl").unlink(missing_ok=True)
-                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+                for folder in ("checkpoints", "tensorboard", "profile", RUN_TOKENIZER_DIR):
+                    shutil.rmtree(self.out / folder, ignore_errors=True)
         except BaseException:
             lock.close()
             raise
         return lock
 
-    def _open_metrics(self):
-        """metrics.jsonl: a fresh run starts it anew; a resumed run keeps the steps up to its checkpoint.
-
-        The checkpoint is the truth: lines past its step are cut, and damaged lines (a crash mid-write) dropped.
-        """
-        path = self.out / "metrics.jsonl"
-        kept, damaged = [], 0
-        if self.cfg.resume and path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                    if record["step"] <= self.start_step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    damaged += bool(line.strip())
-        if damaged:
-            tqdm.write(f"torchtsp: dropped {damaged} damaged line(s) of {path}", file=sys.stderr)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-        return path.open("a")
+    def _claim_or_refuse(self, world: AxisComm):
+        """(lock, refused): rank 0 claims the run folder; every rank learns whether it could, and only rank 0
+        raises, with the reason."""
+        lock, problem = None, None
+        if self.rank == 0:
+            try:
+                lock = self._claim_run_folder()
+            except (ValueError, OSError) as e:
+                problem = e
+        refused = world.all_reduce(torch.tensor(float(problem is not None), device=self.device), label="out").item()
+        if problem is not None:
+            raise problem
+        return lock, refused > 0
 
     # -- the loop -----------------------------------------------------------
 
@@ -234,100 +268,119 @@ class Trainer:
             tqdm.write("torchtsp: stopping after this step and saving a checkpoint", file=sys.stderr)
         self.stop_requested = self.stop_requested or signum
 
+    def _stop_agreed(self, world: AxisComm) -> bool:
+        """Whether any rank was asked to stop: every rank leaves the loop at the same step boundary."""
+        flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
+        return world.all_reduce(flag, label="stop").item() > 0
+
+    @contextlib.contextmanager
+    def _listening_for_stop(self):
+        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _timed_step(self, step: int, world: AxisComm, measure: bool) -> dict:
+        """Run step ``step`` (0-based); its metrics record (1-based step)."""
+        start = time.perf_counter()
+        with Traffic(self.comms) as traffic:
+            if measure:  # live-tensor peak of a whole step once optimizer state exists
+                (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
+                                                        self.optimizer)
+                step_peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
+            else:
+                loss, norm = self.train_step(step)
+        elapsed = time.perf_counter() - start
+        record = {"step": step + 1, "loss": finite_or_none(loss), "grad_norm": finite_or_none(norm),
+                  "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
+                  "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / elapsed,
+                  "bytes_recv_rank0": traffic.recv, "epoch": self.data.train.epoch, **self.model.router_metrics()}
+        if measure:
+            record["peak_mem_bytes"] = step_peak
+        rss = resident_bytes()
+        if rss is not None:
+            record["rss_bytes"] = rss  # this rank's resident memory: flat however large the dataset
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            record["skipped"] = "non-finite"
+        return {**record, "_loss": loss, "_norm": norm}
+
+    def _evaluate_into(self, record: dict) -> None:
+        loss = self.eval_loss()
+        record["eval_loss"] = finite_or_none(loss)
+        record["eval_ppl"] = finite_or_none(math.exp(loss)) if loss < 700 else None
+        if self.rank == 0:
+            ppl = f"{math.exp(loss):.2f}" if loss < 700 else "inf"
+            tqdm.write(f"torchtsp: step {record['step']}: eval loss {loss:.4f}, perplexity {ppl}", file=sys.stderr)
+
     def run(self) -> dict:
         cfg = self.cfg
         world = AxisComm.world(cfg.timeout_s)
-        lock, problem = None, None
-        if self.rank == 0:
-            try:
-                lock = self._claim_run_folder()
-            except (ValueError, OSError) as e:
-                problem = e
-        # Every rank learns whether rank 0 could take the folder; only rank 0 raises, with the reason.
-        refused = world.all_reduce(torch.tensor(float(problem is not None), device=self.device), label="out").item()
-        if problem is not None:
-            raise problem
+        lock, refused = self._claim_or_refuse(world)
         if refused:
             return {"status": "aborted", "out": str(self.out)}
-        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.rank == 0 and isinstance(self.data.tokenizer, HFTokenizer):
+            # The run keeps its tokenizer: convert and generate --checkpoint find it there.
+            copy_tokenizer_files(self.data.tokenizer.folder, self.out / RUN_TOKENIZER_DIR)
         log, bar = None, None
-        losses, times, peak, status = [], [], None, "done"
+        losses, times, peak, status, eval_loss = [], [], None, "done", None
+        profile = ProfileWindow(cfg.profile_steps, self.out, self.rank)
         try:
-            if cfg.resume:
-                self.resume(cfg.resume)
-            log = self._open_metrics() if self.rank == 0 else None
-            bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
-                       dynamic_ncols=True, disable=self.rank != 0)
-            tokens_per_step = cfg.batch_size * cfg.seq_len
-            step = saved = self.start_step
-            skipped = 0
-            while True:
-                flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
-                stop = world.all_reduce(flag, label="stop").item() > 0
-                if stop or step >= cfg.steps:
-                    break
-                has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state exists (or last step)
-                measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
-                start = time.perf_counter()
-                with Traffic(self.comms) as traffic:
-                    if measure:  # live-tensor peak of a whole step once optimizer state exists
-                        (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
-                                                                self.optimizer)
-                        step_peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
-                        peak = max(peak or 0, step_peak)
-                    else:
-                        loss, norm = self.train_step(step)
-                elapsed = time.perf_counter() - start
-                step += 1
-                losses.append(loss)
-                times.append(elapsed)
-                finite = math.isfinite(loss) and math.isfinite(norm)
-                record = {"step": step, "loss": _finite_or_none(loss), "grad_norm": _finite_or_none(norm),
-                          "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
-                          "tokens_per_s": tokens_per_step / elapsed,
-                          "bytes_recv_rank0": traffic.recv, **self.model.router_metrics()}
-                if measure:
-                    record["peak_mem_bytes"] = step_peak
-                if not finite:
-                    record["skipped"] = "non-finite"
-                if log:
-                    try:
-                        log.write(json.dumps(record) + "\n")
-                        log.flush()
-                    except OSError as e:
-                        raise checkpoint.disk_error(e, self.out) from None
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}",
-                                mem=f"{peak / 2**20:.1f}MiB" if peak else "-")
-                if not finite:
-                    skipped += 1
-                    if skipped > cfg.skip_nonfinite:
-                        budget = f"{skipped - 1} skipped already, --skip-nonfinite {cfg.skip_nonfinite}" \
-                            if cfg.skip_nonfinite else "pass --skip-nonfinite N to skip up to N such steps"
-                        raise ValueError(f"step {step}: non-finite loss ({loss}) or gradient norm ({norm}); the step "
-                                         f"was not applied and no checkpoint was written; lower --lr ({budget})")
-                    if self.rank == 0:
-                        tqdm.write(f"torchtsp: step {step} skipped: non-finite loss ({loss}) or gradient norm "
-                                   f"({norm}); {skipped}/{cfg.skip_nonfinite} of the budget used", file=sys.stderr)
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                    self.save(step)
-                    saved = step
-            if stop:
-                status = "interrupted"
-                where = self.save(step) if step != saved else None
+            with self._listening_for_stop():
+                if cfg.resume:
+                    self.resume(cfg.resume)
                 if self.rank == 0:
-                    what = f"checkpoint saved to {where}" if where else "no new step to save"
-                    tqdm.write(f"torchtsp: interrupted at step {step}; {what}", file=sys.stderr)
+                    log = MetricsLog(self.out, self.start_step if cfg.resume else None, cfg.tensorboard)
+                bar = tqdm(total=cfg.steps, initial=self.start_step, desc=f"train {cfg.scheme}", unit="step",
+                           dynamic_ncols=True, disable=self.rank != 0)
+                budget = NonFiniteBudget(cfg.skip_nonfinite, announce=self.rank == 0)
+                step = saved = self.start_step
+                while True:
+                    stop = self._stop_agreed(world)
+                    if stop or step >= cfg.steps:
+                        break
+                    has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state (or last step)
+                    measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
+                    profile.before(step + 1)
+                    record = self._timed_step(step, world, measure)
+                    profile.after(step + 1)
+                    loss, norm = record.pop("_loss"), record.pop("_norm")
+                    step += 1
+                    losses.append(loss)
+                    times.append(record["step_time_s"])
+                    peak = max(peak or 0, record.get("peak_mem_bytes", 0)) or None
+                    if self.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0)
+                                                       or step == cfg.steps):
+                        self._evaluate_into(record)
+                        eval_loss = record["eval_loss"]
+                    if log:
+                        log.write(record)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                    epoch=f"{record['epoch']:.2f}", mem=f"{peak / 2**20:.1f}MiB" if peak else "-",
+                                    **({"eval": f"{eval_loss:.3f}"} if eval_loss is not None else {}))
+                    if "skipped" in record:
+                        budget.charge(step, loss, norm)
+                    if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                        self.save(step)
+                        saved = step
+                if stop:
+                    status = "interrupted"
+                    where = self.save(step) if step != saved else None
+                    if self.rank == 0:
+                        what = f"checkpoint saved to {where}" if where else "no new step to save"
+                        tqdm.write(f"torchtsp: interrupted at step {step}; {what}", file=sys.stderr)
         finally:
+            profile.finish()
             if bar is not None:
                 bar.close()
             if log:
                 log.close()
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
             if lock is not None:
                 lock.close()
         summary = self.summary(losses, times, peak, status)
+        summary["eval_loss"] = eval_loss
         summary["signal"] = int(self.stop_requested) if status == "interrupted" else None
         if status == "done" and cfg.sample_tokens:
             summary["sample"] = self.sample()
@@ -340,7 +393,8 @@ class Trainer:
                 "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                 "losses": losses, "median_step_s": median,
                 "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / median if steady else None,
-                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.mesh_degrees, "out": str(self.out)}
+                "peak_mem_bytes": peak, "scheme": self.cfg.scheme, "mesh": self.mesh_degrees, "out": str(self.out),
+                "epoch": self.data.train.epoch}
 
     @property
     def mesh_degrees(self) -> dict[str, int]:
@@ -349,8 +403,8 @@ class Trainer:
 
     def sample(self) -> str | None:
         """A continuation of the prompt by the parallel model itself (``torchtsp.infer.generate``: seeded sampling,
-        temperature 0.8, top-k 40); the weights are never gathered. Every replica of a dp run generates the same
-        tokens on its own model axis."""
+        temperature 0.8, top-k 40), in the model's tokenizer; the weights are never gathered. Every replica of a
+        dp run generates the same tokens on its own model axis."""
         from ..infer import generate
         from ..parallel.dp import DataParallel
 
@@ -361,18 +415,21 @@ class Trainer:
             model = model.module  # the replicas hold the same weights: each samples alone
         if get_scheme(model.scheme).inference is None:
             return None  # generate does not run this scheme (tp_sp, torch_tp)
-        tokenizer = ByteTokenizer()
-        prompt = tokenizer.encode(self.cfg.prompt) or [tokenizer.eot_id]
+        tokenizer = self.data.tokenizer
+        eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        prompt = tokenizer.encode(self.cfg.prompt) or eos
+        if not prompt:
+            return None
         with torch.no_grad():
             result = generate(model.eval(), [prompt], self.cfg.sample_tokens, temperature=0.8, top_k=40,
-                              seed=self.cfg.seed, stop_token_ids=[tokenizer.eot_id])
+                              seed=self.cfg.seed, stop_token_ids=eos)
         model.train()
         return tokenizer.decode(result.new_tokens[0])
 
-
-def run_training(cfg: TrainConfig) -> dict:
-    """Entry point on every rank (spawned locally or launched by torchrun)."""
-    return Trainer(cfg).run()
+def run_training(cfg: TrainConfig, data_checked: bool = False) -> dict:
+    """Entry point on every rank (spawned locally or launched by torchrun); ``data_checked``: the launcher ran
+    ``check_before_launch``."""
+    return Trainer(cfg, data_checked=data_checked).run()
 
 
 def format_summary(summary: dict) -> str:
@@ -382,6 +439,9 @@ def format_summary(summary: dict) -> str:
         ("scheme / mesh", f"{summary['scheme']} / {mesh}"),
         ("steps", f"{summary['steps_run']} run, at step {summary['last_step']} ({summary['status']})"),
         ("loss", f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}" if summary["losses"] else "-"),
+        ("eval loss", f"{summary['eval_loss']:.4f} (perplexity {math.exp(min(summary['eval_loss'], 700)):.2f})"
+         if summary.get("eval_loss") is not None else "-"),
+        ("epochs", f"{summary['epoch']:.3f}" if summary.get("epoch") is not None else "-"),
         ("median step", f"{summary['median_step_s'] * 1000:.0f} ms"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
         ("peak live memory / rank", f"{peak / 2**20:.1f} MiB" if peak else "-"),

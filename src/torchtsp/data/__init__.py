@@ -1,0 +1,10 @@
+"""Training data: tokenizers, datasets (Megatron .bin/.idx, .npy, text), packing, order and blends, prepare.
+
+Submodules: ``tokenizers``, ``documents`` (raw text files), ``indexed`` (Megatron's format), ``sources``
+(what ``--data`` names), ``samples`` (packing, epochs, blends), ``prepare`` (``torchtsp prepare-data``).
+Only ``samples`` imports torch, so tokenizer worker processes start quickly.
+"""
+
+from .tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]

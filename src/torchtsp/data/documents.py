@@ -1,0 +1,112 @@
+"""Documents of raw text files: ``.jsonl`` (one JSON object per line, text under a key), ``.parquet`` (a
+text column), plain text files (one document each) and folders of them.
+
+``torchtsp prepare-data`` and the trainer's on-the-fly text datasets read through here, so both see the
+same documents in the same order (files sorted by path, folders walked recursively).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+PARQUET_SUFFIXES = frozenset({".parquet"})
+TEXT_SUFFIXES = frozenset(
+    {".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".js", ".ts", ".java"}
+    | {".sh", ".toml", ".yaml", ".yml", ".json", ".csv", ".html", ".tex"}
+)
+DOCUMENT_SUFFIXES = JSONL_SUFFIXES | PARQUET_SUFFIXES | TEXT_SUFFIXES
+DEFAULT_MAX_BYTES = 8_000_000
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+def input_files(paths) -> list[Path]:
+    """The document files named by ``paths`` (files, or folders searched recursively), in a fixed order."""
+    files = []
+    for raw in paths:
+        root = Path(raw).expanduser()
+        if root.is_file():
+            files.append(root)
+        elif root.is_dir():
+            found = sorted(p for p in root.rglob("*") if p.suffix.lower() in DOCUMENT_SUFFIXES and p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(root).parts))
+            if not found:
+                raise ValueError(f"{root} holds no .jsonl, .parquet or text files")
+            files += found
+        else:
+            raise FileNotFoundError(f"{raw} does not exist; expected a .jsonl, .parquet or text file, or a folder")
+    return files
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{number}: not a JSON object ({e.args[0][:80]})") from None
+            text = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                what = "has no" if not isinstance(record, dict) or text_key not in record else "has a non-string"
+                raise ValueError(f"{path}:{number}: the record {what} {text_key!r} field; choose the field with "
+                                 f"--text-key")
+            yield text
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise OSError("reading .parquet needs pyarrow: pip install pyarrow") from None
+    try:
+        source = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid for a damaged file
+        raise ValueError(f"{path} is not a readable parquet file ({str(e)[:120]})") from None
+    if text_key not in source.schema_arrow.names:
+        raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(source.schema_arrow.names)}); "
+                         f"choose it with --text-key")
+    for batch in source.iter_batches(columns=[text_key], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _text_document(path: Path) -> Iterator[str]:
+    data = path.read_bytes()
+    # A NUL byte is a reliable sign of a binary file that only looks like text by name.
+    if data and b"\0" not in data[:8192]:
+        yield data.decode("utf-8", errors="replace")
+
+
+def iter_documents(paths, text_key: str = "text") -> Iterator[str]:
+    """Every document of ``paths``, in order."""
+    for path in input_files(paths):
+        suffix = path.suffix.lower()
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl_documents(path, text_key)
+        elif suffix in PARQUET_SUFFIXES:
+            yield from _parquet_documents(path, text_key)
+        else:
+            yield from _text_document(path)
+
+
+def default_corpus_files(max_bytes: int = DEFAULT_MAX_BYTES) -> list[Path]:
+    """The standard library's own .py sources (no tests, no site-packages), sorted, capped at max_bytes."""
+    files = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        # Prune in place so os.walk never descends into installed packages or test suites.
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
+        files += [Path(root, n) for n in names if n.endswith(".py")]
+    chosen, total = [], 0
+    for f in sorted(files):
+        total += f.stat().st_size
+        if total > max_bytes:
+            break
+        chosen.append(f)
+    return chosen

@@ -1,0 +1,140 @@
+"""``torchtsp prepare-data``: tokenize raw text into a Megatron-LM indexed dataset plus a JSON sidecar.
+
+Documents (``torchtsp.data.documents``) are tokenized in worker processes, in chunks, and written in input
+order whatever the worker count: ``PREFIX.bin`` + ``PREFIX.idx`` (one sequence per document, uint16 when the
+vocabulary fits, else int32) and ``PREFIX.json`` (tokenizer fingerprint, vocabulary, EOS, counts). Both
+files are written under temporary names and renamed at the end: an interrupted run leaves no dataset that
+looks whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .documents import iter_documents
+from .indexed import IndexedWriter, dataset_paths, token_dtype
+from .sources import SIDECAR_SUFFIX
+from .tokenizers import ByteTokenizer, load_tokenizer
+
+CHUNK_DOCUMENTS = 256  # documents per task handed to a worker: large enough to amortise the hand-over
+_worker_tokenizer = None
+
+
+def _init_worker(spec: str, eos_id) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _worker_tokenizer = load_tokenizer(spec, eos_id)
+
+
+def _encode_chunk(texts: list[str]) -> list[np.ndarray]:
+    return [np.asarray(ids, dtype=np.int64) for ids in _worker_tokenizer.encode_batch(texts)]
+
+
+def _in_order(pool, chunks, window: int):
+    """Each chunk's encoding, in input order, with at most ``window`` chunks in flight (``Pool.imap`` would read
+    the whole input ahead into memory)."""
+    pending = collections.deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("inputs", nargs="+", metavar="INPUT", help=".jsonl, .parquet, .txt/.md files or folders of them")
+    add("--tokenizer", required=True, metavar="DIR",
+        help="folder holding the model's tokenizer.json (and tokenizer_config.json), or 'byte'")
+    add("--out", required=True, metavar="PREFIX", help="writes PREFIX.bin, PREFIX.idx and PREFIX.json")
+    add("--text-key", default="text", help="the text field of .jsonl records / column of .parquet (default: text)")
+    add("--no-eos", action="store_true", help="do not append the EOS id after every document")
+    add("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1) - 1)),
+        help="tokenizer processes (default: CPUs - 1, at most 8)")
+    add("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
+
+
+def prepare(inputs, tokenizer_spec: str, out: str, text_key: str = "text", append_eos: bool = True,
+            workers: int = 1, overwrite: bool = False, progress: bool = True) -> dict:
+    """Tokenize ``inputs`` into the dataset ``out``; returns the sidecar written (with throughput)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    tokenizer = load_tokenizer(tokenizer_spec)
+    if append_eos and tokenizer.eos_id is None:
+        raise ValueError(f"{tokenizer.name} names no EOS token (eos_token in tokenizer_config.json); add it, or "
+                         f"pass --no-eos")
+    bin_path, idx_path = dataset_paths(out)
+    sidecar_path = Path(out + SIDECAR_SUFFIX)
+    existing = [p for p in (bin_path, idx_path, sidecar_path) if p.exists()]
+    if existing and not overwrite:
+        raise ValueError(f"--out {out}: {existing[0]} already exists; pass --overwrite to replace the dataset or "
+                         f"choose another --out")
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = [tokenizer.eos_id] if append_eos else []
+    documents = iter_documents(inputs, text_key)
+    chunks = iter(lambda: list(itertools.islice(documents, CHUNK_DOCUMENTS)), [])
+    from tqdm import tqdm
+
+    writer = IndexedWriter(out, dtype)
+    bar = tqdm(desc="prepare-data", unit="doc", dynamic_ncols=True, disable=not progress, file=sys.stderr)
+    pool = None
+    start = time.perf_counter()
+    try:
+        if workers > 1:
+            import multiprocessing
+
+            # spawn, not fork: the tokenizers library's threads do not survive a fork.
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_spec),
+                                                                                    tokenizer.eos_id))
+            encoded = _in_order(pool, chunks, window=2 * workers)
+        else:
+            encoded = ([np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(c)] for c in chunks)
+        for docs in encoded:
+            writer.add_documents(np.concatenate([d, np.asarray(eos, np.int64)]) for d in docs)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.update(len(docs))
+            bar.set_postfix(tok_s=f"{writer.n_tokens / elapsed:,.0f}", tokens=f"{writer.n_tokens:,}")
+        if not writer.n_tokens:
+            raise ValueError(f"no documents with text in {' '.join(map(str, inputs))}; nothing was written")
+        sidecar_path.unlink(missing_ok=True)
+        n_docs, n_tokens = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    elapsed = time.perf_counter() - start
+    sidecar = {
+        "format": "megatron-mmidx-v1",
+        "tokenizer": {"fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+                      "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id,
+                      "path": "byte" if isinstance(tokenizer, ByteTokenizer) else str(Path(tokenizer.path).resolve())},
+        "dtype": dtype.name, "documents": n_docs, "tokens": n_tokens, "max_id": writer.max_id,
+        "eos_appended": append_eos, "text_key": text_key, "inputs": [str(p) for p in inputs],
+    }
+    tmp = sidecar_path.with_name(sidecar_path.name + ".partial")
+    tmp.write_text(json.dumps(sidecar, indent=1) + "\n")
+    os.replace(tmp, sidecar_path)
+    return {**sidecar, "seconds": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9), "workers": workers}
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    result = prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, append_eos=not args.no_eos,
+                     workers=args.workers, overwrite=args.overwrite)
+    print(f"wrote {args.out}.bin/.idx/.json: {result['documents']:,} documents, {result['tokens']:,} tokens "
+          f"({result['dtype']}) in {result['seconds']:.1f} s, {result['tokens_per_s']:,.0f} tokens/s with "
+          f"{result['workers']} worker(s)")
+    return 0

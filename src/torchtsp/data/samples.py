@@ -1,0 +1,118 @@
+"""Samples, their order and epochs, and blends.
+
+A dataset's ids are one stream (documents joined with their EOS). Sample ``i`` is the ``seq_len + 1``
+consecutive ids starting at ``i * seq_len`` (neighbours share one id: the last label of one is the first
+input of the next), as Megatron-LM's GPT dataset packs them. Each epoch visits every sample once, in a
+permutation drawn from ``(seed, dataset, epoch)``.
+
+A blend draws each row of the global batch from the dataset furthest behind its weight (the greedy rule of
+Megatron's blended dataset), so after k rows each dataset has supplied within one row of ``weight * k``. The
+position is how many samples each dataset has supplied: it fixes everything that follows, so saving it in a
+checkpoint makes a resumed run read exactly what the uninterrupted one would, whatever its mesh.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .sources import TokenSource
+
+
+class PackedSamples:
+    """The ``seq_len + 1``-id samples of one token stream."""
+
+    def __init__(self, source: TokenSource, seq_len: int):
+        self.source, self.seq_len = source, seq_len
+        self.n_samples = (len(source.tokens) - 1) // seq_len
+        if self.n_samples < 1:
+            raise ValueError(f"{source.name} has {len(source.tokens)} tokens; a sample needs seq_len + 1 = "
+                             f"{seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def sample(self, i: int) -> np.ndarray:
+        start = i * self.seq_len
+        return np.asarray(self.source.tokens[start:start + self.seq_len + 1])
+
+
+class EpochOrder:
+    """A seeded permutation of ``n`` samples per epoch, without replacement; one epoch's is kept at a time."""
+
+    def __init__(self, n: int, seed: int, stream: int = 0, shuffle: bool = True):
+        self.n, self.seed, self.stream, self.shuffle = n, seed, stream, shuffle
+        self._epoch, self._order = None, None
+
+    def __call__(self, visit: int) -> tuple[int, int]:
+        """(epoch, sample index) of the ``visit``-th sample drawn from this dataset (0-based)."""
+        epoch, k = divmod(visit, self.n)
+        if not self.shuffle:
+            return epoch, k
+        if epoch != self._epoch:
+            dtype = np.int32 if self.n < 2**31 else np.int64
+            rng = np.random.default_rng([self.seed, self.stream, epoch])
+            self._order, self._epoch = rng.permutation(np.arange(self.n, dtype=dtype)), epoch
+        return epoch, int(self._order[k])
+
+
+class BatchStream:
+    """Global batches of ``batch_size`` samples drawn from one dataset or a weighted blend.
+
+    ``position`` (samples drawn from each dataset) is the whole state; ``next_batch`` advances it.
+    """
+
+    def __init__(self, datasets: list[tuple[float, PackedSamples]], batch_size: int, seed: int = 0,
+                 shuffle: bool = True):
+        total = sum(w for w, _ in datasets)
+        self.weights = np.array([w / total for w, _ in datasets])
+        self.datasets = [d for _, d in datasets]
+        self.orders = [EpochOrder(len(d), seed, i, shuffle) for i, d in enumerate(self.datasets)]
+        self.batch_size = batch_size
+        self.drawn = [0] * len(self.datasets)
+
+    @property
+    def n_samples(self) -> int:
+        return sum(len(d) for d in self.datasets)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed, fractionally, of the dataset furthest along relative to its size."""
+        return max(drawn / len(d) for drawn, d in zip(self.drawn, self.datasets))
+
+    def _pick(self) -> int:
+        if len(self.datasets) == 1:
+            return 0
+        rows = sum(self.drawn) + 1
+        return int(np.argmax(self.weights * rows - np.asarray(self.drawn)))
+
+    def next_rows(self, rows: int) -> list[tuple[int, int, int]]:
+        """Advance by ``rows`` samples; (dataset, epoch, sample index) of each."""
+        picked = []
+        for _ in range(rows):
+            d = self._pick()
+            epoch, index = self.orders[d](self.drawn[d])
+            self.drawn[d] += 1
+            picked.append((d, epoch, index))
+        return picked
+
+    def next_batch(self) -> torch.Tensor:
+        """The next [batch_size, seq_len + 1] int64 batch (the same on every rank that holds this position)."""
+        rows = self.next_rows(self.batch_size)
+        return torch.from_numpy(np.stack([self.datasets[d].sample(i) for d, _, i in rows]).astype(np.int64))
+
+    def position(self) -> dict:
+        return {"drawn": list(self.drawn), "datasets": [d.source.name for d in self.datasets]}
+
+    def set_position(self, position: dict) -> None:
+        drawn = list(position["drawn"])
+        if len(drawn) != len(self.datasets):
+            raise ValueError(f"the checkpoint's data position is for {len(drawn)} dataset(s) "
+                             f"({', '.join(position.get('datasets', []))}), but --data names {len(self.datasets)}; "
+                             f"resume with the same --data")
+        self.drawn = [int(x) for x in drawn]
+
+
+def inputs_and_labels(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) of [B, seq_len + 1] samples: labels[:, t] is the id after tokens[:, t]."""
+    return batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,181 @@
+"""The token datasets the trainer reads, and the ``--data`` syntax.
+
+``--data`` names one dataset or a blend of them (``"0.7 PREFIX_A 0.3 PREFIX_B"``, as Megatron-LM's
+``--data-path``). A dataset is one of:
+
+- a Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``, any dtype code; ``PREFIX.json``, the sidecar
+  ``torchtsp prepare-data`` writes, is optional);
+- a 1-D ``.npy`` array of ids;
+- ``.jsonl`` / ``.parquet`` / text files or folders, tokenized on the fly with the model's tokenizer (small
+  corpora: their ids are held in memory).
+
+Files are read slice by slice (``TokenFile``), never loaded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .documents import DEFAULT_MAX_BYTES, default_corpus_files, iter_documents
+from .indexed import IndexedDataset, TokenFile, dataset_paths
+from .tokenizers import BYTE_FINGERPRINT, ByteTokenizer, Tokenizer
+
+SIDECAR_SUFFIX = ".json"
+
+
+@dataclass
+class TokenSource:
+    """One dataset: its name as given, its ids as one stream (documents joined with their EOS)."""
+
+    name: str
+    tokens: TokenFile | np.ndarray
+    kind: str  # "megatron", "npy", "text" or "builtin"
+    sidecar: dict | None = None
+    _max_id: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def max_id(self) -> int:
+        """The largest id: the sidecar's record when it describes this file, else one scan in 4M-id pieces."""
+        if self._max_id is None:
+            recorded = (self.sidecar or {}).get("max_id")
+            if isinstance(recorded, int) and (self.sidecar or {}).get("tokens") == len(self.tokens):
+                self._max_id = recorded
+            elif isinstance(self.tokens, np.ndarray):
+                self._max_id = int(self.tokens.max()) if len(self.tokens) else -1
+            else:
+                self._max_id = max((int(c.max()) for c in self.tokens.chunks() if c.size), default=-1)
+        return self._max_id
+
+    def min_id(self) -> int:
+        if isinstance(self.tokens, np.ndarray):
+            return int(self.tokens.min()) if len(self.tokens) else 0
+        if self.tokens.dtype.kind == "u":
+            return 0
+        return min((int(c.min()) for c in self.tokens.chunks() if c.size), default=0)
+
+
+def read_sidecar(prefix: str | Path) -> dict | None:
+    path = Path(str(prefix) + SIDECAR_SUFFIX)
+    if not path.is_file():
+        return None
+    try:
+        sidecar = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{path} is not valid JSON; delete it (the dataset is read without it) or prepare the "
+                         f"dataset again") from None
+    return sidecar if isinstance(sidecar, dict) else None
+
+
+def _npy_tokens(path: Path) -> TokenFile:
+    from numpy.lib import format as npy_format
+
+    with open(path, "rb") as f:
+        try:
+            version = npy_format.read_magic(f)
+            read_header = npy_format.read_array_header_1_0 if version == (1, 0) else \
+                npy_format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not a .npy file ({e})") from None
+        offset = f.tell()
+    if len(shape) != 1 or dtype.kind not in "iu" or dtype.hasobject:
+        raise ValueError(f"{path}: expected a 1-D array of integer token ids, got shape {shape} of {dtype}")
+    count = shape[0]
+    size = path.stat().st_size
+    if size < offset + count * dtype.itemsize:
+        raise ValueError(f"{path} is truncated: {size} bytes, its header announces {offset + count * dtype.itemsize}")
+    return TokenFile(path, dtype, count, offset)
+
+
+def text_tokens(paths, tokenizer: Tokenizer, text_key: str = "text", append_eos: bool = True,
+                batch: int = 256) -> np.ndarray:
+    """The ids of every document of ``paths``, each followed by the tokenizer's EOS, in one int32 array (held by
+    every rank: half the memory of int64; batches are widened when drawn)."""
+    eos = [tokenizer.eos_id] if append_eos and tokenizer.eos_id is not None else []
+    pieces, pending = [], []
+
+    def flush():
+        if isinstance(tokenizer, ByteTokenizer):  # the bytes are the ids: no Python list per byte
+            encoded = [np.frombuffer(text.encode("utf-8"), np.uint8) for text in pending]
+        else:
+            encoded = [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(pending)]
+        for ids in encoded:
+            pieces.append(ids)
+            pieces.append(np.asarray(eos, dtype=np.int64))
+        pending.clear()
+
+    for text in iter_documents(paths, text_key):
+        pending.append(text)
+        if len(pending) >= batch:
+            flush()
+    flush()
+    return np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
+
+
+def builtin_corpus(tokenizer: Tokenizer, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+    """The default corpus: the Python standard library's sources (at most ``max_bytes``), tokenized."""
+    return text_tokens(default_corpus_files(max_bytes), tokenizer)
+
+
+def open_source(path: str, tokenizer: Tokenizer, text_key: str = "text") -> TokenSource:
+    """One dataset named by ``path`` (see the module docstring)."""
+    p = Path(path).expanduser()
+    prefix = str(p)[:-4] if p.suffix in (".bin", ".idx") else str(p)
+    bin_path, idx_path = dataset_paths(prefix)
+    if bin_path.exists() or idx_path.exists():
+        dataset = IndexedDataset(prefix)  # names the missing half, a wrong header, a truncated .bin
+        return TokenSource(path, dataset.tokens(), "megatron", read_sidecar(prefix))
+    if p.suffix == ".npy":
+        if not p.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        return TokenSource(path, _npy_tokens(p), "npy")
+    if p.exists():
+        return TokenSource(path, text_tokens([p], tokenizer, text_key), "text")
+    raise FileNotFoundError(f"--data {path}: no such file, folder or Megatron dataset ({bin_path.name} + "
+                            f"{idx_path.name})")
+
+
+def parse_blend(spec: str) -> list[tuple[float, str]]:
+    """``"0.7 A 0.3 B"`` -> [(0.7, "A"), (0.3, "B")]; a single path -> [(1.0, path)]."""
+    words = spec.split()
+    if len(words) <= 1:
+        return [(1.0, spec.strip())]
+    if len(words) % 2:
+        raise ValueError(f"--data {spec!r}: a blend is pairs of weight and dataset, e.g. \"0.7 PREFIX_A 0.3 "
+                         f"PREFIX_B\" (a single path must not contain spaces)")
+    pairs = []
+    for weight, path in zip(words[::2], words[1::2]):
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--data {spec!r}: blend weight {weight!r} is not a positive number")
+        pairs.append((value, path))
+    return pairs
+
+
+def check_source(source: TokenSource, vocab_size: int, tokenizer: Tokenizer, seq_len: int, flag: str) -> None:
+    """Refuse a dataset the model cannot train on: ids outside its vocabulary, another tokenizer, too short."""
+    if len(source) < seq_len + 1:
+        what = "is empty" if not len(source) else f"has {len(source)} tokens"
+        raise ValueError(f"{flag} {source.name} {what}; a sample needs seq_len + 1 = {seq_len + 1} tokens")
+    recorded = ((source.sidecar or {}).get("tokenizer") or {}).get("fingerprint")
+    if recorded is not None and recorded != tokenizer.fingerprint:
+        prepared = "the byte tokenizer" if recorded == BYTE_FINGERPRINT else \
+            f"another tokenizer ({(source.sidecar['tokenizer'].get('path') or recorded[:12])})"
+        raise ValueError(f"{flag} {source.name} was prepared with {prepared}, but the model uses {tokenizer.name}; "
+                         f"prepare it again with --tokenizer of the model")
+    high = source.max_id()
+    if high >= vocab_size:
+        raise ValueError(f"{flag} {source.name} holds token id {high}, outside the model's vocabulary of "
+                         f"{vocab_size}; it was tokenized for another model")
+    if source.min_id() < 0:
+        raise ValueError(f"{flag} {source.name} holds negative token ids; it is not a dataset of token ids")

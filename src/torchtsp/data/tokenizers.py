@@ -1,0 +1,169 @@
+"""Tokenizers: the byte tokenizer of presets trained from scratch, and a model's own Hugging Face tokenizer.
+
+A Hugging Face tokenizer is its folder's ``tokenizer.json`` (read with the ``tokenizers`` library) plus,
+when present, ``tokenizer_config.json`` for the BOS and EOS tokens and the chat template. Its fingerprint
+is the sha256 of ``tokenizer.json``: a prepared dataset records it, and the trainer refuses a dataset
+prepared with another tokenizer than the model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BYTE_FINGERPRINT = "byte"  # the byte tokenizer has no file: its name stands for its fingerprint
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; id 256 marks the end of a document."""
+
+    vocab_size = 257
+    eot_id = 256
+    eos_id = 256
+    bos_id = None
+    chat_template = None
+    fingerprint = BYTE_FINGERPRINT
+    name = "the byte tokenizer"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in map(int, ids) if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict with ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore it from the model's checkpoint") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return config
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer folder (``tokenizer.json`` + optional ``tokenizer_config.json``)."""
+
+    def __init__(self, folder: str | Path, eos_id: int | None = None):
+        """``eos_id``: the model's own EOS (config.json), used when tokenizer_config.json names none."""
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE if folder.is_dir() else folder
+        folder = path.parent
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; give a folder holding the model's {TOKENIZER_FILE}")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise OSError("reading tokenizer.json needs the tokenizers library: pip install tokenizers") from None
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception for a malformed file
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ValueError(f"{path} is not a valid tokenizer file, it looks truncated or malformed ({cause}); "
+                             f"restore it from the model's checkpoint") from None
+        self.path, self.folder = path, folder
+        self.fingerprint = file_fingerprint(path)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        config = _read_config(folder / TOKENIZER_CONFIG_FILE)
+        self.chat_template = config.get("chat_template")
+        self.bos_id = self._token_id(config.get("bos_token"))
+        named_eos = self._token_id(config.get("eos_token"))
+        self.eos_id = named_eos if named_eos is not None else eos_id
+        self.name = str(path)
+
+    def _token_id(self, value) -> int | None:
+        text = _token_text(value)
+        return None if text is None else self.tokenizer.token_to_id(text)
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(map(int, ids)))
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(spec: str | Path, eos_id: int | None = None) -> Tokenizer:
+    """``"byte"``: the byte tokenizer; else a folder holding tokenizer.json (or the file itself)."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec, eos_id=eos_id)
+
+
+def model_eos_id(folder: str | Path) -> int | None:
+    """The EOS id a Hugging Face checkpoint's config.json names (its first, when it lists several)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    eos = _read_config(path).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return eos if isinstance(eos, int) else None
+
+
+def hf_folder_tokenizer(folder: str | Path) -> HFTokenizer | None:
+    """A Hugging Face checkpoint folder's own tokenizer, or None when it holds no tokenizer.json."""
+    folder = Path(folder)
+    if not (folder / TOKENIZER_FILE).is_file():
+        return None
+    return HFTokenizer(folder, eos_id=model_eos_id(folder))
+
+
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
+RUN_TOKENIZER_DIR = "tokenizer"  # a training run keeps a copy of its model's tokenizer here
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy a tokenizer's files (those present) from folder ``src`` into folder ``dst``; returns their names."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def run_tokenizer_folder(checkpoint: str | Path) -> Path | None:
+    """The tokenizer a training run kept (``RUN/tokenizer``), given the run folder or one of its checkpoints."""
+    p = Path(checkpoint)
+    for run in (p, p.parent.parent if p.parent.name == "checkpoints" else None):
+        if run is not None and (run / RUN_TOKENIZER_DIR / TOKENIZER_FILE).is_file():
+            return run / RUN_TOKENIZER_DIR
+    return None
