@@ -166,10 +166,10 @@ class AxisComm:
     # -- operations ---------------------------------------------------------
 
     # On gloo (CPU), broadcast, all-gather, reduce-scatter and reduce run as point-to-point transfers, plus a local
-    # sum where they reduce: gloo's own versions of them cost 1.4-3.2x the CPU time per rank (D = 4, at TSP's sizes;
-    # benchmarks/gloo_collectives.py), and ranks sharing a host's cores pay for it in step time. all_reduce keeps
-    # gloo's ring, the fastest there for large tensors. Each kind has its own tag; every rank issues the same
-    # transfers in the same order, so sends and receives between two ranks pair up in order.
+    # sum where they reduce: gloo's own versions of them cost several times the CPU time per rank at TSP's sizes
+    # (benchmarks/gloo_collectives.py measures it), and ranks sharing a host's cores pay for it in step time.
+    # all_reduce keeps gloo's ring, the fastest there for large tensors. Each kind has its own tag; every rank issues
+    # the same transfers in the same order, so sends and receives between two ranks pair up in order.
     _P2P_TAGS = {"broadcast": 10, "all_gather": 11, "reduce_scatter": 12, "reduce": 13}
 
     def _exchange(self, op: str, sends, recvs) -> list:

@@ -206,7 +206,7 @@ class TSPTransformer(ParallelTransformer):
         layer, _, kind = name.rpartition(".")
         if kind in ("attention_shard", "mlp_shard"):
             layout = shard_math.attention_layout if kind == "attention_shard" else shard_math.mlp_layout
-            # A KV-head copy held by several ranks is one of n_kv slices, stored once (comm.sharded_tensor).
+            # A KV-head copy held by several ranks is one of n_kv slices, stored once (checkpoint.sharded_tensor).
             return [(f"{layer}.{part.name}", view,
                      {"tsp": part.shard_dim if layout.replicas(part) == 1 else (part.shard_dim, layout.chunks(part))})
                     for part, view in zip(layout.parts, layout.unpack(local))]
