@@ -96,14 +96,14 @@ def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
 
 
 @contextlib.contextmanager
-def _signals_ignored():
-    """Children inherit ignored signals across exec (Python keeps SIGINT ignored if it starts so)."""
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+def stop_signals_handled(handler):
+    """SIGINT and SIGTERM go to ``handler`` (or ``signal.SIG_IGN``) inside the block; the old handlers after it."""
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
 
 
 def _death(exitcode: int) -> str:
@@ -166,7 +166,8 @@ class WorkerPool:
             for r in range(self.nprocs)
         ]
         in_main_thread = threading.current_thread() is threading.main_thread()
-        with _signals_ignored() if in_main_thread else contextlib.nullcontext():
+        # Children inherit ignored signals across exec (Python keeps SIGINT ignored if it starts so).
+        with stop_signals_handled(signal.SIG_IGN) if in_main_thread else contextlib.nullcontext():
             for p in self._procs:
                 p.start()
 

@@ -9,12 +9,10 @@ checkpoint; gradient accumulation and evaluation are in ``torchtsp.train.accumul
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from ..config import get_preset
 from ..data.tokenizers import RUN_TOKENIZER_DIR, HFTokenizer, copy_tokenizer_files
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
+from ..distributed.launch import stop_signals_handled
 from ..distributed.mesh import init_mesh, mesh_device
 from ..layout import Layout
 from ..memory import measure_peak
@@ -273,15 +272,6 @@ class Trainer:
         flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
         return world.all_reduce(flag, label="stop").item() > 0
 
-    @contextlib.contextmanager
-    def _listening_for_stop(self):
-        handlers = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
     def _timed_step(self, step: int, world: AxisComm, measure: bool) -> dict:
         """Run step ``step`` (0-based); its metrics record (1-based step)."""
         start = time.perf_counter()
@@ -327,7 +317,7 @@ class Trainer:
         losses, times, peak, status, eval_loss = [], [], None, "done", None
         profile = ProfileWindow(cfg.profile_steps, self.out, self.rank)
         try:
-            with self._listening_for_stop():
+            with stop_signals_handled(self._request_stop):
                 if cfg.resume:
                     self.resume(cfg.resume)
                 if self.rank == 0:
