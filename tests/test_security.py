@@ -269,7 +269,7 @@ def test_a_crafted_latest_cannot_make_a_save_remove_a_folder_elsewhere(tmp_path)
     (["--stop-token-ids", "-5"], "token id -5 is outside the vocabulary"),
 ])
 def test_generate_refuses_bad_values_before_any_rank_starts(monkeypatch, capsys, flags, match):
-    import torchtsp.infer.command as command
+    import torchtsp.generate_job as command
 
     monkeypatch.setattr(command, "run_generate", lambda job: pytest.fail(f"generate ran with {flags}"))
     assert main(["generate", "--prompt-ids", "1,2", "--max-new-tokens", "1", *flags]) == 2

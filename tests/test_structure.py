@@ -80,3 +80,12 @@ def test_find_cycle_finds_one():
 @pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
 def test_source_files_stay_readable(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path} has more than {MAX_LINES} lines: split it"
+
+
+def test_inference_does_not_import_training():
+    # Training uses inference (the end-of-run sample); inference reads no training module (tokenizers live in data/,
+    # the generate command's checkpoint loading in generate_job.py).
+    graph = import_graph()
+    offending = {name: sorted(m for m in deps if m.startswith("torchtsp.train"))
+                 for name, deps in graph.items() if name.startswith("torchtsp.infer")}
+    assert not any(offending.values()), offending

@@ -166,8 +166,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .infer.api import check_request
-    from .infer.command import (
+    from .generate_job import (
         GenerateJob,
         model_config_and_tokenizer,
         parse_ids,
@@ -175,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print_json,
         run_generate,
     )
+    from .infer.api import check_request
 
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))

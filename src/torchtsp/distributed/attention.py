@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from ..layers import CAUSAL, FULL, attend, attend_backward
 from . import zigzag
 
 
@@ -92,13 +92,13 @@ def zigzag_attention_forward(q, kv, rank: int, world: int):
     """
     chunk_len = q.shape[-2] // 2
     if world == 1:  # the local tokens are the sequence, in order: one causal call
-        return kernels.fused_attention(q, *_halves(kv, 0, 0, 2, chunk_len), True)
+        return attend(q, *_halves(kv, 0, 0, 2, chunk_len), CAUSAL)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     merged = [_Sum(out[..., _row_slice((c,), chunk_len), :], lse[..., _row_slice((c,), chunk_len)]) for c in (0, 1)]
     for chunks, r, first, end, causal in _key_blocks(rank, world):
-        part_out, part_lse = kernels.fused_attention(q[..., _row_slice(chunks, chunk_len), :],
-                                          *_halves(kv, r, first, end, chunk_len), causal)
+        part_out, part_lse = attend(q[..., _row_slice(chunks, chunk_len), :], *_halves(kv, r, first, end, chunk_len),
+                                    CAUSAL if causal else FULL)
         for i, c in enumerate(chunks):
             rows = _row_slice((i,), chunk_len)
             merged[c].add(part_out[..., rows, :], part_lse[..., rows])
@@ -121,8 +121,8 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     chunk_len = q.shape[-2] // 2
     if world == 1:
         halves = (0, 0, 2, chunk_len)
-        dq = kernels.fused_attention_backward(dout, q, *_halves(kv, *halves), out, lse, True,
-                                              *_halves(dkv, *halves), accumulate=False)
+        dq = attend_backward(dout, q, *_halves(kv, *halves), out, lse, CAUSAL, *_halves(dkv, *halves),
+                             accumulate=False)
         return dq, dkv
     dq = torch.empty_like(q)
     summed = [_Sum(dq[..., _row_slice((c,), chunk_len), :]) for c in (0, 1)]
@@ -134,9 +134,9 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
         if any(seen) != all(seen):  # _key_blocks never overlaps a part only partly with earlier ones
             raise AssertionError(f"key part {(r, first, end)} of rank {rank} overlaps earlier parts only partly")
         written.update((r, h) for h in range(first, end))
-        part_dq = kernels.fused_attention_backward(dout[..., rows, :], q[..., rows, :], *_halves(kv, *keys),
-                                                   out[..., rows, :], lse[..., rows], causal, *_halves(dkv, *keys),
-                                                   accumulate=any(seen))
+        part_dq = attend_backward(dout[..., rows, :], q[..., rows, :], *_halves(kv, *keys), out[..., rows, :],
+                                  lse[..., rows], CAUSAL if causal else FULL, *_halves(dkv, *keys),
+                                  accumulate=any(seen))
         for i, c in enumerate(chunks):
             summed[c].add(part_dq[..., _row_slice((i,), chunk_len), :])
     for m in summed:

@@ -40,7 +40,7 @@ class GenerateJob:
 def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None = None):
     """(ModelConfig, tokenizer or None, EOS id or None) of a model source, without loading weights; ``tokenizer``
     (a folder of tokenizer.json) overrides the source's own."""
-    from ..data.tokenizers import ByteTokenizer, HFTokenizer
+    from .data.tokenizers import ByteTokenizer, HFTokenizer
 
     if tokenizer is not None:
         cfg, _, eos = model_config_and_tokenizer(source, location)
@@ -48,7 +48,7 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
         return cfg, override, override.eos_id if override.eos_id is not None else eos
 
     if source == "hf":
-        from ..hf import HF_CONFIG_NAME, config_from_hf, read_json
+        from .hf import HF_CONFIG_NAME, config_from_hf, read_json
 
         path = Path(location)
         if not path.is_dir():
@@ -68,9 +68,9 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
             eos = tokenizer.eos_id  # tokenizer_config.json's eos_token when config.json names none
         return cfg, tokenizer, eos
     if source == "checkpoint":
-        from ..config import ModelConfig
-        from ..data.tokenizers import run_tokenizer_folder
-        from ..train import checkpoint
+        from .config import ModelConfig
+        from .data.tokenizers import run_tokenizer_folder
+        from .train import checkpoint
 
         meta = checkpoint.read_meta(checkpoint.resolve(location))
         kept = run_tokenizer_folder(location)  # a run trained with its model's own tokenizer kept a copy
@@ -78,7 +78,7 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
             tokenizer = HFTokenizer(kept)
             return ModelConfig.from_dict(meta["model"]), tokenizer, tokenizer.eos_id
         return ModelConfig.from_dict(meta["model"]), ByteTokenizer(), ByteTokenizer.eot_id
-    from ..config import get_preset
+    from .config import get_preset
 
     cfg = get_preset(location)
     return cfg, (ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None), None
@@ -113,16 +113,16 @@ def _load_model(job: GenerateJob, cfg, mesh):
     (a preset's seeded initial values) only its own shards."""
     import torch
 
-    from ..model import Transformer
-    from ..parallel import parallelize
+    from .model import Transformer
+    from .parallel import parallelize
 
     weights = None
     if job.source == "hf":
-        from ..hf import open_hf_weights
+        from .hf import open_hf_weights
 
         cfg, weights = open_hf_weights(job.location)
     elif job.source == "checkpoint":
-        from ..train.checkpoint import CheckpointWeights
+        from .train.checkpoint import CheckpointWeights
 
         weights = CheckpointWeights(job.location)
         cfg = weights.cfg
@@ -135,11 +135,11 @@ def run_generate(job: GenerateJob) -> dict:
     """On every rank: load, parallelize, generate; returns the summary (per-rank figures gathered)."""
     import torch
 
-    from ..distributed import comm
-    from ..distributed.comm import AxisComm
-    from ..distributed.mesh import init_mesh
-    from ..memory import measure_peak
-    from .api import generate
+    from .distributed import comm
+    from .distributed.comm import AxisComm
+    from .distributed.mesh import init_mesh
+    from .infer.api import generate
+    from .memory import measure_peak
 
     cfg, tokenizer, _ = model_config_and_tokenizer(job.source, job.location, job.tokenizer)
     mesh = init_mesh(**job.degrees, timeout_s=job.timeout_s)
