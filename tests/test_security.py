@@ -357,7 +357,7 @@ def test_a_killed_rank_is_not_reported_as_out_of_memory(pools, monkeypatch, caps
     with pytest.raises(RankFailedError) as info:
         pools(2).run(die_on_rank, 1)
 
-    def killed(cfg):
+    def killed(cfg, *args):  # run_training(cfg, data_checked)
         raise info.value
 
     monkeypatch.setattr(trainer, "run_training", killed)
@@ -369,7 +369,7 @@ def test_a_killed_rank_is_not_reported_as_out_of_memory(pools, monkeypatch, caps
 def test_an_out_of_memory_error_on_a_rank_is_still_reported_as_such(monkeypatch, capsys):
     import torchtsp.train.trainer as trainer
 
-    def oom(cfg):
+    def oom(cfg, *args):  # run_training(cfg, data_checked)
         raise RankFailedError("rank 1 raised:", 1, "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory.")
 
     monkeypatch.setattr(trainer, "run_training", oom)
