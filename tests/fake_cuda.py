@@ -156,20 +156,20 @@ def _collective_tensors(op, tensors):
     _check(all(t.is_contiguous() for t in tensors), op, "NCCL needs contiguous tensors")
 
 
+def _whole_and_part(op, whole, part, group):
+    """An all-gather's output (a reduce-scatter's input) holds one part per rank of the group, in the part's dtype."""
+    _collective_tensors(op, (whole, part))
+    _check(whole.dtype == part.dtype, op, f"dtypes differ: {whole.dtype}, {part.dtype}")
+    _check(whole.numel() == _size_rank(group)[0] * part.numel(), op,
+           f"{whole.numel()} elements for {_size_rank(group)[0]} x {part.numel()}")
+
+
 def _allgather(output, input, group, *rest):
-    op = "c10d._allgather_base_"
-    _collective_tensors(op, (output, input))
-    _check(output.dtype == input.dtype, op, f"dtypes differ: {output.dtype}, {input.dtype}")
-    _check(output.numel() == _size_rank(group)[0] * input.numel(), op,
-           f"output of {output.numel()} elements for {_size_rank(group)[0]} x {input.numel()}")
+    _whole_and_part("c10d._allgather_base_", output, input, group)
 
 
 def _reduce_scatter(output, input, group, *rest):
-    op = "c10d._reduce_scatter_base_"
-    _collective_tensors(op, (output, input))
-    _check(output.dtype == input.dtype, op, f"dtypes differ: {output.dtype}, {input.dtype}")
-    _check(input.numel() == _size_rank(group)[0] * output.numel(), op,
-           f"input of {input.numel()} elements for {_size_rank(group)[0]} x {output.numel()}")
+    _whole_and_part("c10d._reduce_scatter_base_", input, output, group)
 
 
 def _alltoall(output, input, group, output_splits, input_splits, *rest):
