@@ -14,7 +14,7 @@ import torch
 
 from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes
 from .engine import Engine
-from .sampling import TokenSelector
+from .sampling import TokenSelector, check_sampling
 
 SCHEDULES = INFERENCE_SCHEDULES
 
@@ -80,12 +80,7 @@ def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefi
             raise ValueError(f"prompt {i} ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the model's "
                              f"max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for fewer tokens")
         clean.append(ids)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
     return clean
