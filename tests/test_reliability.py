@@ -158,9 +158,13 @@ def test_stopping_torchrun_leaves_no_rank_behind(tmp_path, sig):
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 def test_a_second_signal_aborts_at_once(tmp_path):
     proc = launcher(tmp_path)
-    while len(ranks_in(proc.pid)) < 2:  # signalled during start-up, the ranks cannot stop for seconds
+    while len(ranks := ranks_in(proc.pid)) < 2:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.02)
+    # Frozen ranks cannot reach a step boundary however long the test waits, so only the abort can end the run
+    # (without the freeze, a fast machine finishes the step and saves before the second signal).
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(1.1)  # a second, separate request (a repeat within a second counts as the same one)
     os.kill(proc.pid, signal.SIGINT)
