@@ -305,3 +305,78 @@ def test_pipeline_stages_over_tsp_equal_each_document_alone(pools, llama):
 def test_mixture_of_experts_under_tsp_equals_each_document_alone(pools):
     truth = hf_truth(make_mixtral())
     check(pools(2).run(scheme_on_rank, truth, "tsp", {"tsp": 2}), truth, "moe tsp2")
+
+
+# ----------------------------------------------------------------------------- the trainer's --document-mask
+
+
+@pytest.fixture(scope="module")
+def documents_npy(tmp_path_factory):
+    """Byte-range documents of 3 to 40 ids, each ended by the byte tokenizer's EOS (256)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    docs = [np.append(rng.integers(0, 256, rng.integers(3, 40)), 256) for _ in range(150)]
+    path = tmp_path_factory.mktemp("documents") / "ids.npy"
+    np.save(path, np.concatenate(docs).astype(np.uint16))
+    return path
+
+
+def train_losses(pools, world, out, **settings):
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.trainer import run_training
+
+    cfg = TrainConfig(batch_size=4, seq_len=48, steps=4, lr=1e-2, sample_tokens=0, out=str(out), **settings)
+    return pools(world).run(run_training, cfg)[0]["losses"]
+
+
+def test_packed_inputs_end_documents_after_eos():
+    from torchtsp.train.data import packed_inputs
+
+    batch = torch.tensor([[5, 9, 256, 7, 256, 256, 3, 4]])
+    tokens, labels, ids = packed_inputs(batch, eos_id=256)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 3]]  # an EOS closes its document; an empty one is one EOS
+    assert labels.tolist() == [[9, 256, IGNORE_INDEX, 256, IGNORE_INDEX, IGNORE_INDEX, 4]]
+    assert packed_inputs(batch, eos_id=None)[2] is None
+
+
+def test_trainer_document_mask_is_exact_across_layouts_accumulation_and_resume(pools, tmp_path, documents_npy):
+    data = {"data": str(documents_npy), "document_mask": True}
+    one = train_losses(pools, 1, tmp_path / "one", **data)
+    plain = train_losses(pools, 1, tmp_path / "plain", data=str(documents_npy))
+    # The mask changes the losses (the first barely: a fresh model hardly attends), so the checks below can fail.
+    assert abs(one[-1] - plain[-1]) > 1e-2, (one, plain)
+    runs = {
+        "tsp2, accum 2": train_losses(pools, 2, tmp_path / "tsp2", tsp=2, grad_accum=2, **data),
+        "dp2 x tsp2, accum 2": train_losses(pools, 4, tmp_path / "dp", dp=2, tsp=2, grad_accum=2, **data),
+        "pp2, accum 2": train_losses(pools, 2, tmp_path / "pp", pp=2, tsp=1, grad_accum=2, **data),
+        "sp2": train_losses(pools, 2, tmp_path / "sp", scheme="sp", sp=2, **data),
+    }
+    for name, losses in runs.items():
+        # float32 sums over ranks and micro-batches in another order, compounded over 3 AdamW steps.
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses, one)), (name, losses, one)
+    # Resume mid-run: the same batches with the same documents, bit for bit.
+    first = train_losses(pools, 2, tmp_path / "first", tsp=2, checkpoint_every=2, **data)
+    step2 = tmp_path / "first" / "checkpoints" / "step_000002"
+    assert train_losses(pools, 2, tmp_path / "again", tsp=2, resume=str(step2), **data) == first[2:]
+
+
+def test_bench_masks_documents_without_adding_memory(pools):
+    """The bench's --documents cells: both run, and the mask adds no buffer (no S x S mask, ever)."""
+    import dataclasses
+
+    from torchtsp.bench.measure import CellSpec, packed_document_ids
+
+    ids = packed_document_ids(2, 512, 64, seed=0)
+    assert ids.shape == (2, 512) and 4 < len(Documents.from_ids(ids).runs[0]) < 20
+    assert torch.equal(ids, packed_document_ids(2, 512, 64, seed=0))  # seeded
+    cfg = torchtsp.ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128,
+                               max_seq_len=512)
+    plain = CellSpec("tsp", {"tsp": 2}, cfg, 2, 512, warmup=1, steps=2)
+    from torchtsp.bench.measure import paired_on_rank
+
+    result = pools(2).run(paired_on_rank, [plain, dataclasses.replace(plain, documents=64)], True)[0]
+    masked, unmasked = result["tsp documents=64"], result["tsp"]
+    # The live-tensor peaks differ by the per-document kernels' small outputs only (no [S, S] mask: at S=512 a
+    # float32 one would be 1 MiB per head and row, far above the 3% allowed here).
+    assert masked["peak_bytes"] <= 1.03 * unmasked["peak_bytes"], (masked, unmasked)

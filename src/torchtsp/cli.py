@@ -131,6 +131,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--resume", metavar="PATH", help="continue from a run folder's latest checkpoint or a checkpoint folder")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
     add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
+    add("--document-mask", action=argparse.BooleanOptionalAction,
+        help="packed samples: attend within documents only, positions restart at each (a document ends after "
+             "its EOS, whose target is ignored); default off")
     add("--seed", type=int, help="seed for init and data order (default: 0)")
     add("--sample-tokens", type=int, help="greedy tokens generated after training (default: 64; 0: none)")
     add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")

@@ -182,8 +182,9 @@ class Documents:
         return Documents(self.runs[start:stop], self.positions[start:stop])
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """Positions within their documents [B, L] of the tokens at global indices ``positions`` [L]."""
-        return self.positions[:, positions.to(self.positions.device)]
+        """Positions within their documents [B, L] of the tokens at global indices ``positions`` [L], on the
+        device of ``positions`` (the ids may stay on the host, where they were read)."""
+        return self.positions.to(positions.device)[:, positions]
 
     def mask(self, q_start: int = 0, k_start: int = 0) -> Mask:
         """The mask of queries whose first is global token ``q_start`` against keys from global ``k_start``."""

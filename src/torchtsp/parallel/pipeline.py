@@ -220,10 +220,12 @@ class PipelineTSP(ParallelTransformer):
         rows = tokens.chunk(self.dp.size, dim=0)[self.dp.rank]
         return zigzag.shard(rows, self.tsp_size, self.stages[0].tsp.comm.rank, dim=1)
 
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None) -> torch.Tensor:
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None,
+                         target_count: torch.Tensor | None = None) -> torch.Tensor:
         """One pipelined forward and backward of the global batch: gradients accumulate into ``.grad`` (summed
         over microbatches and replicas); returns the global mean loss (detached, the same on every rank).
-        ``document_ids``: packed rows, as ``ParallelTransformer.loss`` takes them."""
+        ``document_ids``: packed rows, as ``ParallelTransformer.loss`` takes them. ``target_count``: divide the
+        summed NLL by this instead of the batch's own target count (the batch is a part of a larger one)."""
         self.check_inputs(tokens, labels)
         documents = as_documents(document_ids, tokens.shape)
         # Every stage of every rank gets its microbatch's document positions (a keyword of the schedule).
@@ -231,7 +233,12 @@ class PipelineTSP(ParallelTransformer):
             "document_positions": documents.positions.chunk(self.dp.size, dim=0)[self.dp.rank]}
         B = tokens.shape[0]
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
-        self._count = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(self.device)
+        self._count = (target_count if target_count is not None else
+                       (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)).to(self.device)
+        # Gradients of earlier batches (accumulation) are already summed over replicas: set aside, added back.
+        earlier = {p: p.grad for p in self.parameters() if p.grad is not None} if self.dp.size > 1 else {}
+        for p in earlier:
+            p.grad = None
         args = (self.shard_batch(tokens),) if self.has_first else ()
         target = self.shard_batch(labels) if self.has_last else None
         losses: list = []
@@ -244,6 +251,8 @@ class PipelineTSP(ParallelTransformer):
             for p in self.parameters():
                 if p.grad is not None:  # summed in float32, like DataParallel
                     p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
+                if p in earlier:
+                    p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
         return total
 
     def loss(self, tokens, labels, document_ids=None):
