@@ -91,10 +91,9 @@ def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=Non
                   **features):
     """One forward + backward of ``scheme`` as rank ``rank``; the step's bytes beside ``predict_comm``. ``packed``:
     rows of documents (their ids read on the host before the step, as the trainer does)."""
-    from torchtsp.layers import Documents
-
     import torchtsp
     from torchtsp.analysis import predict_comm
+    from torchtsp.layers import Documents
 
     check = Check()
     cfg = torchtsp.ModelConfig(**{**(MOE if moe else DENSE), **features})
