@@ -300,6 +300,10 @@ def test_recompute_equals_each_document_alone(pools, llama, scheme):
     check(pools(2).run(scheme_on_rank, llama, scheme, {scheme: 2}, recompute=True), llama, (scheme, "recompute"))
 
 
+def test_megatron_sequence_parallel_equals_each_document_alone(pools, llama):
+    check(pools(2).run(scheme_on_rank, llama, "tp", {"tp": 2}, sequence_parallel=True), llama, "tp + sp")
+
+
 def test_tsp_at_three_ranks_equals_each_document_alone(pools):
     truth = hf_truth(make_llama(heads=6, kv_heads=3))
     check(pools(3).run(scheme_on_rank, truth, "tsp", {"tsp": 3}), truth, "tsp3")
