@@ -34,3 +34,12 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     # Meta tensors (a model built on the meta device) have no storage: they are not memory.
     return result, max((by_kind["Total"] for device, by_kind in peaks.items() if torch.device(device).type != "meta"),
                        default=0)
+
+
+def live_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors`` (each storage once; views and aliases are not counted twice; meta
+    tensors hold none), by the same meter as ``measure_peak``."""
+    tracker = MemTracker()
+    tracker.track_external(*[t for t in tensors if t is not None])
+    now = tracker.get_tracker_snapshot("current")
+    return sum(by_kind["Total"] for device, by_kind in now.items() if torch.device(device).type != "meta")

@@ -145,6 +145,7 @@ class PipelineTSP(ParallelTransformer):
     """
 
     scheme = "tsp"
+    grad_sum_over_dp = True  # as DataParallel's: off under a distributed optimizer (train/zero.py)
 
     def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
                  recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
@@ -231,7 +232,7 @@ class PipelineTSP(ParallelTransformer):
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
         total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if self.dp.size > 1:
+        if self.dp.size > 1 and self.grad_sum_over_dp:
             for p in self.parameters():
                 if p.grad is not None:  # summed in float32, like DataParallel
                     p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
