@@ -232,11 +232,18 @@ class PipelineTSP(ParallelTransformer):
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
         total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if self.dp.size > 1 and self.grad_sum_over_dp:
-            for p in self.parameters():
-                if p.grad is not None:  # summed in float32, like DataParallel
-                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
+        if self.grad_sum_over_dp:
+            self.sum_grads_over_dp()
         return total
+
+    def sum_grads_over_dp(self) -> None:
+        """Sum every ``.grad`` over the replicas, in float32 like DataParallel. Gradient accumulation sums once,
+        after its last micro-batch (a sum per micro-batch would count the earlier micro-batches dp times)."""
+        if self.dp.size == 1:
+            return
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
 
     def loss(self, tokens, labels):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")

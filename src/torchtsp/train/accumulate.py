@@ -44,9 +44,15 @@ def _pipeline_forward_backward(model, micro) -> torch.Tensor:
     if len(counts) != 1:
         raise ValueError("--grad-accum with --pp needs micro-batches with equal numbers of targets")
     loss = 0
-    for tokens, labels in micro:
-        next_pass()
-        loss = loss + model.forward_backward(tokens, labels)
+    summing, model.grad_sum_over_dp = model.grad_sum_over_dp, False  # once, after the last micro-batch
+    try:
+        for tokens, labels in micro:
+            next_pass()
+            loss = loss + model.forward_backward(tokens, labels)
+    finally:
+        model.grad_sum_over_dp = summing
+    if summing:
+        model.sum_grads_over_dp()
     loss = loss / len(micro)
     for p in model.parameters():
         if p.grad is not None:
