@@ -8,6 +8,7 @@ memory, a recommendation, and, for the paper's 7B model, the paper's measured fi
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 from ..config import PRESETS, ModelConfig, get_preset
@@ -110,11 +111,11 @@ def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str
         row = Row(lay)
         level = zero if lay.dp > 1 and get_scheme(lay.scheme).zero else 0
         try:
-            predict = lambda level: predict_memory(  # noqa: E731
-                lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, recompute=recompute, mode=mode,
-                optimizer="adamw" if mode == "train" else None, zero=level, **lay.degrees())
-            row.memory = predict(level)
-            plain = predict(0) if level else row.memory
+            memory = functools.partial(predict_memory, lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes,
+                                       recompute=recompute, mode=mode,
+                                       optimizer="adamw" if mode == "train" else None, **lay.degrees())
+            row.memory = memory(zero=level)
+            plain = memory(zero=0) if level else row.memory
             row.state_zero0 = plain.params + plain.grads + plain.optimizer
             row.comm = predict_comm(lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, mode=mode,
                                     recompute=recompute, zero=level, **lay.degrees())
