@@ -322,31 +322,35 @@ class Trainer:
         flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
         return world.all_reduce(flag, label="stop").item() > 0
 
-    def _timed_step(self, step: int, world: AxisComm, measure: bool) -> dict:
-        """Run step ``step`` (0-based); its metrics record (1-based step)."""
+    def _timed_step(self, step: int, world: AxisComm, measure: bool, count_state: bool = False) -> dict:
+        """Run step ``step`` (0-based); its metrics record (1-based step). ``measure``: the live-tensor peak of the
+        step; with it, or with ``count_state``, the live bytes of parameters, gradients and optimizer state."""
         start = time.perf_counter()
+        count_state = count_state or measure
+        self.measure_grads = count_state
+        if self.zero:
+            self.zero.measuring, self.zero.grad_peak = count_state, 0
         with Traffic(self.comms) as traffic:
             if measure:  # live-tensor peak of a whole step once optimizer state exists
                 optimizers = self.zero.optimizers if self.zero else [self.optimizer]
-                self.measure_grads = True
-                if self.zero:
-                    self.zero.measuring, self.zero.grad_peak = True, 0
                 (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
                                                         *optimizers)
-                self.measure_grads = False
-                if self.zero:
-                    self.zero.measuring = False
-                mine = [float(local_peak), *map(float, self.state_bytes().values())]
-                step_peak, *state_bytes = world.all_gather(torch.tensor(mine, device=self.device)).amax(0).tolist()
             else:
-                loss, norm = self.train_step(step)
+                loss, norm, local_peak = *self.train_step(step), 0
+        self.measure_grads = False
+        if self.zero:
+            self.zero.measuring = False
+        if count_state:  # each the maximum over ranks
+            mine = [float(local_peak), *map(float, self.state_bytes().values())]
+            step_peak, *state_bytes = world.all_gather(torch.tensor(mine, device=self.device)).amax(0).tolist()
         elapsed = time.perf_counter() - start
         record = {"step": step + 1, "loss": finite_or_none(loss), "grad_norm": finite_or_none(norm),
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
                   "tokens_per_s": self.cfg.batch_size * self.cfg.seq_len / elapsed,
                   "bytes_recv_rank0": traffic.recv, "epoch": self.data.train.epoch, **self.model.router_metrics()}
-        if measure:  # each the maximum over ranks
+        if measure:
             record["peak_mem_bytes"] = step_peak
+        if count_state:
             record.update(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), map(int, state_bytes)))
         rss = resident_bytes()
         if rss is not None:
@@ -392,7 +396,7 @@ class Trainer:
                     has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state (or last step)
                     measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
                     profile.before(step + 1)
-                    record = self._timed_step(step, world, measure)
+                    record = self._timed_step(step, world, measure, count_state=step == self.start_step)
                     profile.after(step + 1)
                     loss, norm = record.pop("_loss"), record.pop("_norm")
                     step += 1

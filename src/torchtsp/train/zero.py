@@ -114,6 +114,7 @@ class ZeroOptimizer:
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
         self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
         self.grad_peak = 0
+        self.issued_early = 0  # reduce-scatters issued while backward had gradients left to compute (a count)
         model.grad_sum_over_dp = False  # the model's own dp all-reduce gives way to the reduce-scatter
         dp, r = self.dp.size, self.dp.rank
         self.slots: list[_Slot] = []
@@ -198,6 +199,8 @@ class ZeroOptimizer:
             bucket = self.buckets[slot.bucket]
             if bucket.arrived == len(bucket.slots):
                 self._issue_ready()
+                if self._issued < len(self.buckets):  # sent while backward still computes later buckets
+                    self.issued_early += 1
         return hook
 
     def _take(self, slot: _Slot) -> None:
