@@ -134,6 +134,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--document-mask", action=argparse.BooleanOptionalAction,
         help="packed samples: attend within documents only, positions restart at each (a document ends after "
              "its EOS, whose target is ignored); default off")
+    add("--zero", type=int, metavar="{0,1,2}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
+        "masters 1/dp, 2 also the gradients (default: 2 when dp > 1; 0: replicated)")
     add("--seed", type=int, help="seed for init and data order (default: 0)")
     add("--sample-tokens", type=int, help="greedy tokens generated after training (default: 64; 0: none)")
     add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")

@@ -34,3 +34,15 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     # Meta tensors (a model built on the meta device) have no storage: they are not memory.
     return result, max((by_kind["Total"] for device, by_kind in peaks.items() if torch.device(device).type != "meta"),
                        default=0)
+
+
+def live_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (views and aliases are not counted twice), as
+    ``measure_peak``'s MemTracker counts a tensor; meta tensors hold none. Cheap enough to call during backward."""
+    storages = {}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())

@@ -52,7 +52,8 @@ class Scheme:
     ``pipeline``: whether it runs as the stages of a pipeline (``parallel/pipeline.py``, the ``pp`` axis).
     ``inference``: the name of its inference engine in ``torchtsp.infer`` (None: ``generate`` does not run it);
     ``weight_schedules``: TSP's two inference schedules (weights move / activations move), chosen per phase by
-    ``infer_schedule``.
+    ``infer_schedule``. ``zero``: its parameters can be sharded over dp by the distributed optimizer
+    (``train/zero.py``; plain tensors, not DTensors).
     """
 
     name: str
@@ -70,6 +71,7 @@ class Scheme:
     pipeline: bool = False
     inference: str | None = None
     weight_schedules: bool = False
+    zero: bool = True
 
     # -- degrees --------------------------------------------------------------------------
 
@@ -229,7 +231,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
            axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic",
            inference="dp"),
     Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
-           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=()),
+           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=(),
+           zero=False),
 )}
 
 

@@ -334,7 +334,8 @@ def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees
 
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                  tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
-                 mode: str = "train", recompute: bool = False, seq_rank: int | None = None) -> CommBreakdown:
+                 mode: str = "train", recompute: bool = False, seq_rank: int | None = None,
+                 zero: int = 0) -> CommBreakdown:
     """Bytes one rank receives per training step (forward + backward + gradient sync), or per prefill
     (``mode="infer"``: the forward only, no loss), under ``scheme`` as our parallel/ modules run it.
 
@@ -347,6 +348,10 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     point-to-point backend (gloo, CPU) the K/V exchange of TSP, SP and TP x SP skips what causality never
     reads (``kv_exchange_halves``) and a rank's bytes depend on its rank on the sequence axis (tsp or sp):
     pass it to count that rank's.
+
+    ``zero`` 1 or 2 (``train/zero.py``, dp > 1): each local tensor's gradient is reduce-scattered over dp in fp32
+    and the updated weights all-gathered in the model dtype, (dp - 1)/dp of the tensor each (its dp chunks
+    counted whole here; the code pads chunks to whole rows, a few rows more).
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     get_scheme(scheme).validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
@@ -367,7 +372,10 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
         # Data parallelism (parallel/dp.py): the NLL sum and token count (and a mixture of experts' router
         # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
         emb_fwd += t.loss + 2 * _all_reduce(4, dp) + _aux_stats(cfg, dp)
-        grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
+        if zero and dp > 1:
+            grad_sync += sum((dp - 1) * -(-n // dp) * (4 + dtype_bytes) for n in t.local_tensors)
+        else:
+            grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
     sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
     total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
     layer_fwd = fwd

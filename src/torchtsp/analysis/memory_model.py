@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..schemes import Scheme, get_scheme
 
 FP32 = 4
+ZERO_BUCKETS_IN_FLIGHT = 3  # train/zero.py: IN_FLIGHT reduce-scatters and the bucket being filled
 INDEX = 8  # int64 token ids and labels
 
 
@@ -385,7 +386,8 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
                    tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                    optimizer: str | None = "adamw", master_weights: bool | None = None, foreach: bool = True,
                    recompute: bool = False, mode: str = "train", new_tokens: int = 0, schedule: str = "auto",
-                   prefill_chunk: int | None = None, pruned_kv: bool = False) -> MemoryBreakdown:
+                   prefill_chunk: int | None = None, pruned_kv: bool = False, zero: int = 0,
+                   zero_bucket_mb: float = 32.0) -> MemoryBreakdown:
     """Predicted per-rank memory of one step of ``scheme`` (bytes).
 
     ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
@@ -402,7 +404,13 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     ``pruned_kv``: the K/V exchange is causally pruned, as on point-to-point backends (gloo; a model's
     ``traffic_seq_rank()`` is not None there), which leaves TSP's fullest rank less to hold in attention
     backward. False (the default) for collective backends (NCCL), which gather everything.
+    ``zero``: the distributed optimizer over dp (``train/zero.py``, effective when dp > 1): 1 and 2 keep AdamW
+    moments and fp32 masters of 1/dp of each local tensor; 1 keeps a float32 buffer of the whole local gradient,
+    2 the owned 1/dp of it plus the float32 buckets in flight (of ``zero_bucket_mb``). The backward walk still
+    counts each gradient as it is produced, an upper bound for ZeRO-2, which frees them bucket by bucket.
     """
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     if mode == "infer":  # generate pads prompts and gives replicas unequal rows: only the layout must split
@@ -430,11 +438,18 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     params = grads = n_params * e
     opt = step_extra = 0
     if optimizer == "adamw":
-        opt = n_params * (2 * FP32 + (FP32 if master else 0))
+        # With the distributed optimizer a rank updates its 1/dp chunk of every local tensor (padding aside).
+        owned = _ceil_div(n_params, dp) if zero and dp > 1 else n_params
+        opt = owned * (2 * FP32 + (FP32 if master else 0))
         # AdamW's sqrt(v) temporaries; mixed precision keeps fp32 copies of the gradients for the masters;
-        step_extra = FP32 * (n_params if foreach else 2 * _largest_param(scheme, cfg, tsp=tsp, tp=tp))
-        step_extra += n_params * FP32 if master else 0
-    base = params + opt
+        largest = _largest_param(scheme, cfg, tsp=tsp, tp=tp)
+        step_extra = FP32 * (owned if foreach else 2 * _ceil_div(largest, dp if owned < n_params else 1))
+        step_extra += owned * FP32 if master else 0
+        if owned < n_params:
+            in_flight = min(n_params, ZERO_BUCKETS_IN_FLIGHT * int(zero_bucket_mb * 2**20) // FP32)
+            grads = owned * e + (n_params * FP32 if zero == 1 else in_flight * FP32)
+    # ZeRO-1's float32 gradient buffers live from step to step, beside the weights and optimizer state.
+    base = params + opt + (n_params * FP32 if optimizer == "adamw" and zero == 1 and dp > 1 else 0)
     if spec.memory_walk == "tsp":
         acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts,
                                                    pruned_kv=pruned_kv)

@@ -8,6 +8,7 @@ memory, a recommendation, and, for the paper's 7B model, the paper's measured fi
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 from ..config import PRESETS, ModelConfig, get_preset
@@ -64,12 +65,14 @@ class Row:
     comm: object = None  # CommBreakdown
     error: str | None = None
     fits: bool = False
+    state_zero0: int | None = None  # weights + gradients + optimizer state without the distributed optimizer
 
     def to_dict(self) -> dict:
         out = {"layout": self.layout.label, "scheme": self.layout.scheme, **self.layout.degrees()}
         if self.error:
             return {**out, "error": self.error, "fits": False}
-        return {**out, "fits": self.fits, "memory_bytes": self.memory.to_dict(), "comm_bytes": self.comm.to_dict()}
+        return {**out, "fits": self.fits, "memory_bytes": self.memory.to_dict(), "comm_bytes": self.comm.to_dict(),
+                "model_state_bytes_zero0": self.state_zero0}
 
 
 def _splits(n: int, axes: tuple[str, ...]):
@@ -100,15 +103,22 @@ def layouts(gpus: int) -> list[Layout]:
 
 
 def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str, gpu_mem_gb: float,
-             dtype_bytes: int, recompute: bool) -> list[Row]:
+             dtype_bytes: int, recompute: bool, zero: int = 0) -> list[Row]:
+    """Every layout's predicted memory and traffic; with ``zero`` (the distributed optimizer, on layouts with dp >
+    1 whose scheme has it), also its model state without it (``Row.state_zero0``)."""
     rows = []
     for lay in layouts(gpus):
         row = Row(lay)
+        level = zero if lay.dp > 1 and get_scheme(lay.scheme).zero else 0
         try:
-            row.memory = predict_memory(lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, recompute=recompute,
-                                        mode=mode, optimizer="adamw" if mode == "train" else None, **lay.degrees())
+            memory = functools.partial(predict_memory, lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes,
+                                       recompute=recompute, mode=mode,
+                                       optimizer="adamw" if mode == "train" else None, **lay.degrees())
+            row.memory = memory(zero=level)
+            plain = memory(zero=0) if level else row.memory
+            row.state_zero0 = plain.params + plain.grads + plain.optimizer
             row.comm = predict_comm(lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, mode=mode,
-                                    recompute=recompute, **lay.degrees())
+                                    recompute=recompute, zero=level, **lay.degrees())
             row.fits = row.memory.total <= gpu_mem_gb * GB
         except ValueError as e:
             if lay.dp > 1 and get_scheme(lay.scheme).axes:
@@ -183,6 +193,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype; bf16 adds fp32 master weights (default: bf16)")
     parser.add_argument("--recompute", action="store_true",
                         help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=2,
+                        help="distributed optimizer over dp, as torchtsp train --zero (default: 2; the table shows "
+                             "the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")
@@ -213,14 +226,21 @@ def _check_args(args) -> ModelConfig:
 
 def _inputs(args) -> dict:
     return {"preset": args.preset, "seq_len": args.seq_len, "gpus": args.gpus, "batch_size": args.batch_size,
-            "mode": args.mode, "gpu_mem_gb": args.gpu_mem, "dtype": args.dtype, "recompute": args.recompute}
+            "mode": args.mode, "gpu_mem_gb": args.gpu_mem, "dtype": args.dtype, "recompute": args.recompute,
+            "zero": _zero(args)}
+
+
+def _zero(args) -> int:
+    return getattr(args, "zero", 0) if args.mode == "train" else 0
 
 
 def _assumptions(args) -> list[str]:
     e = 2 if args.dtype == "bf16" else 4
     lines = [f"{args.dtype} weights, gradients and activations"
              + (", fp32 master weights" if e == 2 else "")
-             + (", AdamW (two fp32 moments), foreach step" if args.mode == "train" else ", prefill with KV cache"),
+             + (", AdamW (two fp32 moments), foreach step" if args.mode == "train" else ", prefill with KV cache")
+             + (f", --zero {_zero(args)} where dp > 1 (AdamW state and masters 1/dp"
+                + (", gradients too)" if _zero(args) == 2 else ")") if _zero(args) else ""),
              "activations: " + ("full recompute (each layer's input saved)" if args.recompute
                                 else "as torchtsp's modules save them (no recompute)"),
              "memory: live tensor bytes at the peak; CUDA context, NCCL buffers, workspaces and fragmentation "
@@ -240,7 +260,9 @@ def _print_table(cfg, args, rows, rec) -> None:
           f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}")
     train = args.mode == "train"
     cols = ("w+g+opt", "activations") if train else ("weights", "KV cache")
-    head = f"{'layout':<14} {cols[0]:>11} {cols[1]:>11} {'peak GB':>8}  {'fits':<4} {'comm/step':>10} " \
+    zero = _zero(args)
+    beside = f" {'(zero 0)':>9}" if zero else ""  # the model state without the distributed optimizer
+    head = f"{'layout':<14} {cols[0]:>11}{beside} {cols[1]:>11} {'peak GB':>8}  {'fits':<4} {'comm/step':>10} " \
            f"{'fwd/layer':>10}  peak during"
     print(head)
     print("-" * len(head))
@@ -250,9 +272,12 @@ def _print_table(cfg, args, rows, rec) -> None:
             continue
         m, c = r.memory, r.comm
         first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
-        print(f"{r.layout.label:<14} {_fmt_gb(first):>11} {_fmt_gb(second):>11} {_fmt_gb(m.total):>8}  "
+        plain = f" {_fmt_gb(r.state_zero0):>9}" if zero else ""
+        print(f"{r.layout.label:<14} {_fmt_gb(first):>11}{plain} {_fmt_gb(second):>11} {_fmt_gb(m.total):>8}  "
               f"{'yes' if r.fits else 'no':<4} {c.total / GB:>8.2f}GB {c.layer_forward / 1e6:>8.1f}MB  {m.phase}")
-    print("(GB = 1e9 bytes per GPU; comm/step: bytes received per GPU per step; fwd/layer: one layer's forward)")
+    print("(GB = 1e9 bytes per GPU; comm/step: bytes received per GPU per step; fwd/layer: one layer's forward"
+          + (f"; w+g+opt at --zero {zero} where dp > 1, (zero 0): the same without the distributed optimizer"
+             if zero else "") + ")")
     print()
     print(f"recommended: {', '.join(rec['layouts']) or 'none'} - {rec['reason']}")
     bs = tsp_tp_crossover_tokens(cfg)
@@ -277,7 +302,7 @@ def _sweep(cfg, args) -> list[dict]:
     out = []
     for S in SWEEP_LENGTHS:
         rows = evaluate(cfg, args.gpus, args.batch_size, S, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                        dtype_bytes=2 if args.dtype == "bf16" else 4, recompute=args.recompute)
+                        dtype_bytes=2 if args.dtype == "bf16" else 4, recompute=args.recompute, zero=_zero(args))
         out.append({"seq_len": S, "rows": rows, "recommendation": recommend(rows, args.gpu_mem)})
     return out
 
@@ -325,7 +350,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 _print_paper(paper)
         return 0
     rows = evaluate(cfg, args.gpus, args.batch_size, args.seq_len, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                    dtype_bytes=dtype_bytes, recompute=args.recompute)
+                    dtype_bytes=dtype_bytes, recompute=args.recompute, zero=_zero(args))
     rec = recommend(rows, args.gpu_mem)
     if args.json:
         print(dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),

@@ -48,6 +48,10 @@ class Replica(ParallelTransformer):
 class DataParallel(ParallelTransformer):
     """``inner`` (a scheme's model on this rank's model axes) replicated over the ``dp`` mesh axis."""
 
+    # Whether backward sums each gradient over dp (all-reduce); a distributed optimizer (train/zero.py), which
+    # reduce-scatters them itself, turns it off.
+    grad_sum_over_dp = True
+
     def __init__(self, inner: ParallelTransformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.scheme = inner.scheme  # the instance attribute the base class reads (mesh already checked)
         super().__init__(inner.cfg, mesh)
@@ -59,7 +63,7 @@ class DataParallel(ParallelTransformer):
             p.register_hook(self._sum_over_replicas)
 
     def _sum_over_replicas(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.dp.size == 1:
+        if self.dp.size == 1 or not self.grad_sum_over_dp:
             return grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # torch_tp: this rank's DTensor piece
         # Summed in float32: a bf16 sum over replicas would lose the low bits of every gradient.

@@ -16,6 +16,10 @@ from pathlib import Path
 from ..config import PRESETS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 
+# ZeRO-2 by default: the same bytes and float operations as ZeRO-1 (both reduce each backward pass as it ends),
+# and less memory (README, "Distributed optimizer").
+ZERO_DEFAULT = 2
+
 
 @dataclass
 class TrainConfig:
@@ -56,6 +60,11 @@ class TrainConfig:
     keep_last: int | None = None  # keep only the newest N checkpoints (default: all)
     resume: str | None = None  # a run folder (its latest checkpoint) or a checkpoint folder
     dtype: str = "float32"  # or bfloat16: bf16 compute, fp32 master weights and optimizer state
+    # Distributed optimizer over dp (train/zero.py): 0 replicates AdamW state on every replica; 1 shards it (and
+    # the fp32 masters) 1/dp; 2 also frees gradients outside the owned chunk. None: ZERO_DEFAULT where the
+    # scheme supports it, else 0. Without data parallelism (dp = 1) it changes nothing.
+    zero: int | None = None
+    zero_bucket_mb: float = 32.0  # float32 gradient bucket of one reduce-scatter (all dp rows together)
     recompute: bool = False
     seed: int = 0
     sample_tokens: int = 64  # greedy continuation printed after training (0: none)
@@ -82,6 +91,10 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_name(name)} must be >= 0, got {getattr(self, name)}")
+        if self.zero is not None and self.zero not in (0, 1, 2):
+            raise ValueError(f"{_name('zero')} must be 0, 1 or 2, got {self.zero}")
+        if self.zero_bucket_mb <= 0:
+            raise ValueError(f"{_name('zero_bucket_mb')} must be > 0, got {self.zero_bucket_mb}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"{_name('min_lr_ratio')} must lie in [0, 1], got {self.min_lr_ratio}")
         for name, choices in (("dtype", ("float32", "bfloat16")), ("scheme", tuple(SCHEMES)),
@@ -89,6 +102,9 @@ class TrainConfig:
                               ("preset", tuple(PRESETS))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_name(name)} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.zero and not SCHEMES[self.scheme].zero:
+            raise ValueError(f"{_name('zero')} {self.zero}: scheme {self.scheme!r} has no distributed optimizer over "
+                             f"dp (its parameters are DTensors); use --zero 0 or another scheme")
         if self.microbatches is not None and self.pp == 1:
             raise ValueError(f"{_name('microbatches')} applies to pipeline stages; give --pp N (N >= 2) or drop it")
         if self.eval_every and not self.eval_data:
@@ -105,6 +121,14 @@ class TrainConfig:
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
             self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
         _check_run_folder(self.out)
+
+    def zero_level(self, dp: int) -> int:
+        """The distributed optimizer's level on ``dp`` replicas (0 without data parallelism)."""
+        if dp == 1:
+            return 0
+        if self.zero is None:
+            return ZERO_DEFAULT if SCHEMES[self.scheme].zero else 0
+        return self.zero
 
     @property
     def warmup(self) -> int:

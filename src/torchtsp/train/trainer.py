@@ -27,7 +27,7 @@ from ..distributed.comm import AxisComm, Traffic
 from ..distributed.launch import stop_signals_handled
 from ..distributed.mesh import init_mesh, mesh_device
 from ..layout import Layout
-from ..memory import measure_peak
+from ..memory import live_bytes, measure_peak
 from ..model import Transformer
 from ..parallel import parallelize, pipeline_parallelize
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
@@ -119,11 +119,21 @@ class Trainer:
         self.comms = self.model.comms()
 
         params = dict(self.model.named_parameters())
-        self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
-        trained = self.master.masters if self.master else list(params.values())
-        self.named_trained = list(zip(params, trained))
-        refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in params.items()}
-        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named_trained), cfg.lr, cfg.weight_decay)
+        self.zero = None  # the distributed optimizer over dp (train/zero.py), or AdamW on whole local shards
+        if cfg.zero_level(self.degrees.get("dp", 1)):
+            from .zero import ZeroOptimizer
+
+            self.zero = ZeroOptimizer(self.model, cfg.zero_level(self.degrees["dp"]), cfg.lr, cfg.weight_decay,
+                                      master_weights=cfg.dtype == "bfloat16", bucket_mb=cfg.zero_bucket_mb)
+            self.master, self.optimizer, self.named_trained = None, self.zero, None
+        else:
+            self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
+            trained = self.master.masters if self.master else list(params.values())
+            self.named_trained = list(zip(params, trained))
+            refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in params.items()}
+            self.optimizer = build_adamw(((refs[n], p) for n, p in self.named_trained), cfg.lr, cfg.weight_decay)
+        # Live gradient bytes, measured (when ``measure_grads``) at their fullest: reduced, before the update.
+        self.measure_grads, self.grad_bytes = False, 0
         self.out = Path(cfg.out)
         self.start_step = 0
         self.stop_requested = False
@@ -133,13 +143,18 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, float]:
         # Document ids stay on the host, where the kernels read which blocks each document keeps.
         tokens, labels, document_ids = self.data.next_train_batch(self.device)
+        self.weights_ready()
         # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
         # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
         loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1,
                                 document_ids=document_ids)
-        if self.master:
-            self.master.grads_to_masters()
-        norm = self.clip_gradients()
+        if self.zero:
+            self.zero.reduce_gradients()
+            norm = self.zero.clip_(self.cfg.grad_clip)
+        else:
+            if self.master:
+                self.master.grads_to_masters()
+            norm = self.clip_gradients()
         global_loss = loss.item()  # already the mean over every token of every replica
         if not (math.isfinite(global_loss) and math.isfinite(norm)):  # never let a non-finite step reach the weights
             self.optimizer.zero_grad(set_to_none=True)
@@ -147,6 +162,8 @@ class Trainer:
             return global_loss, norm
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * warmup_cosine(step, self.cfg.steps, self.cfg.warmup, self.cfg.min_lr_ratio)
+        if self.measure_grads:
+            self.grad_bytes = self.live_grad_bytes()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
@@ -166,9 +183,44 @@ class Trainer:
                 p.grad.mul_(scale)
         return norm.item()
 
+    def weights_ready(self) -> None:
+        """Before anything reads a weight: the distributed optimizer's all-gathers of updated weights are done."""
+        if self.zero:
+            self.zero.wait_for_weights()
+
+    def live_grad_bytes(self) -> int:
+        if self.zero:
+            return max(self.zero.grad_peak, self.zero.grad_bytes())
+        grads = [p.grad for p in self.model.parameters()] + [p.grad for _, p in self.named_trained]
+        return live_bytes(grads)
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's live bytes of parameters, gradients (as measured in the step) and optimizer state (AdamW
+        moments plus fp32 masters)."""
+        if self.zero:
+            optimizer = self.zero.optimizer_bytes()
+        else:
+            moments = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+            optimizer = live_bytes(moments + (self.master.masters if self.master else []))
+        return {"param_bytes": live_bytes(self.model.parameters()), "grad_bytes": self.grad_bytes,
+                "optimizer_bytes": optimizer}
+
     def eval_loss(self) -> float:
         """Mean NLL over the eval batches, forward only on the parallel model (no weights gathered)."""
-        return evaluate(self.model, self.data.eval_stream(self.device), self.cfg.grad_accum)
+        # Document ids stay on the host, where the kernels read which blocks each document keeps.
+        tokens, labels, document_ids = self.data.next_train_batch(self.device)
+        self.weights_ready()
+        # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
+        # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
+        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1,
+                                document_ids=document_ids)
+        if self.zero:
+            self.zero.reduce_gradients()
+            norm = self.zero.clip_(self.cfg.grad_clip)
+        else:
+            if self.master:
+                self.master.grads_to_masters()
+            norm = self.clip_gradients()
 
     # -- checkpoints --------------------------------------------------------
 
@@ -176,7 +228,12 @@ class Trainer:
         # A pipeline stage's tensors are DTensors over its own ranks (the mesh without pp): stages hold
         # different reference names, so a checkpoint looks the same whatever the split.
         mesh = self.mesh[AXES] if self.pp > 1 else self.mesh
-        state = checkpoint.training_state(self.model, self.optimizer, self.named_trained, mesh, step)
+        if self.zero:  # the full local shards of masters and moments, for this save or load only
+            self._gathered = self.zero.gathered_state()
+            named, optimizer = self._gathered
+        else:
+            named, optimizer = self.named_trained, self.optimizer
+        state = checkpoint.training_state(self.model, optimizer, named, mesh, step)
         # The data position is global (every rank draws the same batches): it restores under any mesh.
         state[DATA_POSITION] = self.data.train.position()
         return state
@@ -205,7 +262,12 @@ class Trainer:
             # reproduces them; continue at the samples a step count implies.
             del state[DATA_POSITION]
         checkpoint.load(ckpt, state)
-        checkpoint.restore_optimizer_steps(self.optimizer, state)
+        if self.zero:
+            named, gathered = self._gathered
+            checkpoint.restore_optimizer_steps(gathered, state)
+            self.zero.load_gathered(named, gathered)
+        else:
+            checkpoint.restore_optimizer_steps(self.optimizer, state)
         if self.master:
             self.master.masters_to_params()
         self.start_step = state["train/step"]
@@ -273,16 +335,27 @@ class Trainer:
         flag = torch.tensor(float(bool(self.stop_requested)), device=self.device)
         return world.all_reduce(flag, label="stop").item() > 0
 
-    def _timed_step(self, step: int, world: AxisComm, measure: bool) -> dict:
-        """Run step ``step`` (0-based); its metrics record (1-based step)."""
+    def _timed_step(self, step: int, world: AxisComm, measure: bool, count_state: bool = False) -> dict:
+        """Run step ``step`` (0-based); its metrics record (1-based step). ``measure``: the live-tensor peak of the
+        step; with it, or with ``count_state``, the live bytes of parameters, gradients and optimizer state."""
         start = time.perf_counter()
+        count_state = count_state or measure
+        self.measure_grads = count_state
+        if self.zero:
+            self.zero.measuring, self.zero.grad_peak = count_state, 0
         with Traffic(self.comms) as traffic:
             if measure:  # live-tensor peak of a whole step once optimizer state exists
+                optimizers = self.zero.optimizers if self.zero else [self.optimizer]
                 (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
-                                                        self.optimizer)
-                step_peak = world.all_gather(torch.tensor(float(local_peak), device=self.device)).max().item()
+                                                        *optimizers)
             else:
-                loss, norm = self.train_step(step)
+                loss, norm, local_peak = *self.train_step(step), 0
+        self.measure_grads = False
+        if self.zero:
+            self.zero.measuring = False
+        if count_state:  # each the maximum over ranks
+            mine = [float(local_peak), *map(float, self.state_bytes().values())]
+            step_peak, *state_bytes = world.all_gather(torch.tensor(mine, device=self.device)).amax(0).tolist()
         elapsed = time.perf_counter() - start
         record = {"step": step + 1, "loss": finite_or_none(loss), "grad_norm": finite_or_none(norm),
                   "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed,
@@ -290,6 +363,8 @@ class Trainer:
                   "bytes_recv_rank0": traffic.recv, "epoch": self.data.train.epoch, **self.model.router_metrics()}
         if measure:
             record["peak_mem_bytes"] = step_peak
+        if count_state:
+            record.update(zip(("param_bytes", "grad_bytes", "optimizer_bytes"), map(int, state_bytes)))
         rss = resident_bytes()
         if rss is not None:
             record["rss_bytes"] = rss  # this rank's resident memory: flat however large the dataset
@@ -334,7 +409,7 @@ class Trainer:
                     has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state (or last step)
                     measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
                     profile.before(step + 1)
-                    record = self._timed_step(step, world, measure)
+                    record = self._timed_step(step, world, measure, count_state=step == self.start_step)
                     profile.after(step + 1)
                     loss, norm = record.pop("_loss"), record.pop("_norm")
                     step += 1
@@ -399,6 +474,7 @@ class Trainer:
         from ..infer import generate
         from ..parallel.dp import DataParallel
 
+        self.weights_ready()
         model = self.model
         if self.pp > 1:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages

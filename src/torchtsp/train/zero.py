@@ -1,0 +1,418 @@
+"""A distributed optimizer over the ``dp`` axis (ZeRO-1 and ZeRO-2, in the style of Megatron's), around any scheme.
+
+Forward and backward are the scheme's own and untouched; only what happens to gradients and weights between two
+forwards changes. Each local parameter (a TSP shard, a TP slice, a whole replicated tensor) is cut along its first
+dim into ``dp`` chunks of ceil(rows / dp) rows (the last ones padded, or empty when there are fewer rows than
+ranks). Data-parallel rank r owns chunk r of every local parameter: it keeps the AdamW moments and, under bf16,
+the float32 master of that chunk only, so optimizer state per rank is 1/(dp·D) of the model's.
+
+A step:
+
+1. Backward. As autograd finishes a parameter's gradient (a post-accumulate hook), it is copied in float32 into its
+   bucket: a [dp, width] buffer whose row r holds chunk r of each of the bucket's parameters, side by side; the
+   parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once (buckets are
+   issued in one fixed order on every rank), so the reductions overlap the rest of backward. At the end of the
+   backward pass (an autograd callback) the remaining transfers are waited for and each owned chunk of the sum
+   is added, in the parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own:
+   with ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
+   A pipeline's schedule runs many backward passes per step: its gradients stay in ``.grad`` until
+   ``reduce_gradients`` reduces them once, after the schedule.
+2. ZeRO-1 keeps every bucket's buffer from step to step (the full local gradient, in float32, stays allocated);
+   ZeRO-2 allocates a bucket's buffer when its first gradient arrives and frees it once its reduce-scatter is
+   done, with at most ``IN_FLIGHT`` buckets in flight: gradients outside the owned chunks live only that long.
+3. The global gradient norm from the owned chunks: squares summed over dp (the chunks partition each shard) and
+   over the model axes the way ``optim.global_grad_norm`` does (a replicated parameter counted once, a KV-head
+   copy by its share, a vocabulary shard's padding rows not at all); clipping and the non-finite check as before.
+4. AdamW on the owned chunks (elementwise, so each element gets exactly the update ``--zero 0`` gives it), then the
+   updated chunks are all-gathered over dp, bucket by bucket, each as soon as its bucket's update is done; the
+   gathers are waited for (``wait_for_weights``) before anything reads a weight again: the next forward (and
+   with it TSP's cross-layer prefetch), an evaluation, a checkpoint, a sample.
+
+Where the float operations differ from ``--zero 0``: a reduce-scatter sums the replicas' float32 gradients in rank
+order, gloo's all-reduce in its ring's order (identical at dp = 2, where a + b = b + a; at most dp - 1 float32
+roundings apart otherwise); the norm's squares are summed in another grouping. AdamW itself is elementwise and
+the gradients are rounded to the parameter's dtype exactly as ``--zero 0`` rounds them.
+
+Bytes per rank and step on the dp axis (n_p: elements of local parameter p, padded to dp whole chunks):
+reduce-scatter (dp - 1)/dp · Σ n_p · 4 per backward pass, all-gather (dp - 1)/dp · Σ n_p · (parameter bytes):
+in float32, ``--zero 0``'s all-reduce of 2 (dp - 1)/dp · Σ n_p · 4, plus the padding.
+
+Checkpoints stay ``--zero 0``'s: ``gathered_state`` all-gathers the full local shards of masters and moments for
+the save (reference names through DCP), ``load_gathered`` keeps this rank's chunks of what DCP loaded, so a run
+resumes at any dp, D or ``--zero``. The full moments live only while a checkpoint is written or read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..distributed.comm import AxisComm, Pending
+from .optim import build_adamw
+
+LEVELS = (0, 1, 2)
+DEFAULT_BUCKET_MB = 32.0
+IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One local parameter: the span of its flattened elements this rank owns, its place in a bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    chunk: int  # elements per dp chunk (whole rows)
+    lo: int  # this rank's owned elements: [lo, hi) of the flattened parameter
+    hi: int
+    bucket: int = 0
+    offset: int = 0  # where the parameter's chunks start in its bucket's rows
+    grad: torch.Tensor | None = None  # the owned chunk of the summed gradient, in the parameter's dtype
+    master: torch.nn.Parameter | None = None  # what AdamW updates: the owned chunk in float32
+    # (mesh axes the elements are sharded over, weight of each owned element or None for all ones)
+    norm_terms: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    def chunks_of(self, flat: torch.Tensor, dp: int):
+        """(full rows [k, chunk], the last partial row or None) of ``flat``'s elements, as dp chunks."""
+        k = min(self.numel // self.chunk, dp)
+        rest = flat[k * self.chunk:]
+        return flat[:k * self.chunk].view(k, self.chunk), (rest if rest.numel() else None)
+
+
+@dataclass(eq=False)
+class _Bucket:
+    slots: list
+    width: int  # elements of one row: the bucket's dp chunks of each of its parameters
+    buffer: torch.Tensor | None = None  # [dp, width] float32 gradients
+    arrived: int = 0
+    pending: Pending | None = None
+
+
+class ZeroOptimizer:
+    """AdamW over the owned dp chunks of ``model``'s parameters, with gradients reduce-scattered and weights
+    all-gathered over ``model.comms()["dp"]``. ``level``: 1 or 2 (above). ``master_weights``: keep float32
+    masters of the owned chunks and the parameters in bfloat16 (mixed precision); else the parameters are
+    float32 and AdamW updates their owned chunks in place. ``overlap``: reduce in backward through gradient
+    hooks (default: unless ``model`` runs a pipeline schedule, whose gradients are reduced after it).
+
+    Use: ``wait_for_weights()`` before a forward; ``model.forward_backward(...)``; ``reduce_gradients()``;
+    ``clip_(max_norm)``; ``step()``; ``zero_grad()``. ``param_groups``: those of the AdamW optimizers over
+    the chunks (one per bucket), which take the learning rate."""
+
+    def __init__(self, model, level: int, lr: float, weight_decay: float, *, master_weights: bool = False,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, overlap: bool | None = None, poison: bool = False):
+        if level not in (1, 2):
+            raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
+        self.model, self.level, self.comms = model, level, model.comms()
+        self.dp: AxisComm = self.comms["dp"]
+        self.pipeline = hasattr(model, "stages")
+        self.overlap = (not self.pipeline) if overlap is None else overlap
+        self.poison = poison  # tests: non-owned weights are NaN until their gather lands
+        self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
+        self.grad_peak = 0
+        self.issued_early = 0  # reduce-scatters issued while backward had gradients left to compute (a count)
+        model.grad_sum_over_dp = False  # the model's own dp all-reduce gives way to the reduce-scatter
+        dp, r = self.dp.size, self.dp.rank
+        self.slots: list[_Slot] = []
+        for name, p in model.named_parameters():
+            if not p.is_contiguous():
+                raise ValueError(f"ZeroOptimizer needs contiguous parameters; {name} is not")
+            rows = p.shape[0] if p.dim() else 1
+            per_row = p.numel() // max(rows, 1)
+            chunk = -(-rows // dp) * per_row
+            self.slots.append(_Slot(name, p, chunk, min(r * chunk, p.numel()), min((r + 1) * chunk, p.numel())))
+        for slot in self.slots:
+            slot.norm_terms = self._norm_terms(slot)
+            owned = slot.param.detach().view(-1)[slot.lo:slot.hi]
+            slot.master = torch.nn.Parameter(owned.float().clone() if master_weights else owned)
+            if master_weights:
+                slot.param.data = slot.param.data.to(torch.bfloat16)
+        self.master_weights = master_weights
+        self.buckets = self._make_buckets(int(bucket_mb * 2**20))
+        # One AdamW per bucket: a bucket's weights can be sent while the next bucket's are updated.
+        refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
+        self.optimizers = [build_adamw(((refs[s.name], s.master) for s in b.slots), lr, weight_decay)
+                           for b in self.buckets]
+        self._gathers: list[tuple[_Bucket, Pending]] = []
+        self._issued = 0  # buckets issued in this backward pass (they go out in bucket order)
+        self._in_pass = False
+        if level == 1:
+            for bucket in self.buckets:
+                bucket.buffer = torch.zeros(dp, bucket.width, device=bucket.slots[0].param.device)
+        if self.overlap:
+            for slot in self.slots:
+                slot.param.register_post_accumulate_grad_hook(self._grad_ready(slot))
+
+    # -- layout -----------------------------------------------------------------------
+
+    def _make_buckets(self, bucket_bytes: int) -> list[_Bucket]:
+        """Buckets of about ``bucket_bytes`` (float32, all dp rows), parameters in reverse order: backward
+        produces the last layers' gradients first."""
+        buckets, current, width = [], [], 0
+        for slot in reversed(self.slots):
+            if current and (width + slot.chunk) * self.dp.size * 4 > bucket_bytes:
+                buckets.append(_Bucket(current, width))
+                current, width = [], 0
+            slot.bucket, slot.offset = len(buckets), width
+            current.append(slot)
+            width += slot.chunk
+        if current:
+            buckets.append(_Bucket(current, width))
+        return buckets
+
+    def _norm_terms(self, slot: _Slot) -> list:
+        """How the owned elements enter the global norm: per set of sharded mesh axes, each element's weight
+        (1: counted as it is; chunks/size: a slice several ranks hold; 0: padding no reference tensor has)."""
+        weight, group = torch.zeros(slot.param.shape), torch.full(slot.param.shape, -1, dtype=torch.int16)
+        keys: list[tuple] = []
+        # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
+        for (_, w, dims), (_, g, _) in zip(self.model.reference_parts(slot.name, weight),
+                                           self.model.reference_parts(slot.name, group)):
+            factor = 1.0
+            for axis, dim in dims.items():
+                if isinstance(dim, tuple):
+                    factor *= dim[1] / self.comms[axis].size
+            key = tuple(sorted(dims))
+            if key not in keys:
+                keys.append(key)
+            w.fill_(factor)
+            g.fill_(keys.index(key))
+        owned_w, owned_g = weight.view(-1)[slot.lo:slot.hi], group.view(-1)[slot.lo:slot.hi]
+        terms = []
+        for i, key in enumerate(keys):
+            w = torch.where(owned_g == i, owned_w, 0.0)
+            terms.append((key, None if bool((w == 1).all()) else w.to(torch.bfloat16)))  # 0, 1, 2^-k: exact
+        return terms
+
+    # -- gradients ----------------------------------------------------------------------
+
+    def _grad_ready(self, slot: _Slot):
+        def hook(param: torch.nn.Parameter) -> None:
+            if not self._in_pass:  # the first gradient of a backward pass: reduce the rest when it ends
+                self._in_pass = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
+            self._take(slot)
+            bucket = self.buckets[slot.bucket]
+            if bucket.arrived == len(bucket.slots):
+                self._issue_ready()
+                if self._issued < len(self.buckets):  # sent while backward still computes later buckets
+                    self.issued_early += 1
+        return hook
+
+    def _take(self, slot: _Slot) -> None:
+        """Copy the parameter's gradient into its bucket (float32, as dp chunks) and drop ``.grad``."""
+        grad, bucket = slot.param.grad, self.buckets[slot.bucket]
+        slot.param.grad = None
+        if bucket.buffer is None:  # ZeRO-2: allocated per pass, zero where chunks are padded
+            bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=slot.param.device)
+        if grad is not None:
+            rows = bucket.buffer[:, slot.offset:slot.offset + slot.chunk]
+            full, rest = slot.chunks_of(grad.detach().reshape(-1), self.dp.size)
+            rows[:len(full)].copy_(full)
+            if rest is not None:
+                rows[len(full), :rest.numel()].copy_(rest)
+        bucket.arrived += 1
+
+    def _issue_ready(self) -> None:
+        """Issue, in bucket order, every bucket whose gradients are all in (the same order on every rank)."""
+        while self._issued < len(self.buckets) and self.buckets[self._issued].arrived == len(
+                self.buckets[self._issued].slots):
+            self._issue(self.buckets[self._issued])
+
+    def _issue(self, bucket: _Bucket) -> None:
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=bucket.slots[0].param.device)
+        bucket.pending = self.dp.reduce_scatter(bucket.buffer, async_op=True, label="zero.grad")
+        self._issued += 1
+        if self.measuring:
+            self.grad_peak = max(self.grad_peak, self._live_grad_bytes())
+        if self.level == 2 and self._issued > IN_FLIGHT:
+            self._finish(self.buckets[self._issued - 1 - IN_FLIGHT])
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter and add its owned chunks to the owned gradients."""
+        if bucket.pending is None:
+            return
+        total = bucket.pending.wait()
+        bucket.pending, bucket.arrived = None, 0
+        for slot in bucket.slots:
+            part = total[slot.offset:slot.offset + slot.hi - slot.lo].to(slot.param.dtype)
+            slot.grad = part if slot.grad is None else slot.grad.add_(part)
+        if self.level == 2:
+            bucket.buffer = None
+
+    def _end_of_pass(self) -> None:
+        """After a backward pass: reduce the buckets still unissued (a parameter without a gradient adds zeros),
+        wait for every transfer, and start the next pass afresh."""
+        for bucket in self.buckets[self._issued:]:
+            self._issue(bucket)
+        for bucket in self.buckets:
+            self._finish(bucket)
+        self._issued, self._in_pass = 0, False
+
+    def reduce_gradients(self) -> None:
+        """After the step's backward: without hooks (a pipeline), reduce ``.grad`` of every parameter now; with
+        them, nothing is left to do (each pass was reduced as it ended)."""
+        if self.overlap:
+            if self._in_pass:  # a backward that ran outside autograd's engine callbacks (never in practice)
+                self._end_of_pass()
+            return
+        for bucket in self.buckets:  # one bucket's float32 buffer at a time under ZeRO-2
+            for slot in bucket.slots:
+                self._take(slot)
+            self._issue_ready()
+        self._end_of_pass()
+
+    def _live_grad_bytes(self) -> int:
+        from ..memory import live_bytes
+
+        tensors = [s.grad for s in self.slots if s.grad is not None]
+        tensors += [s.param.grad for s in self.slots if s.param.grad is not None]
+        tensors += [b.buffer for b in self.buckets if b.buffer is not None]
+        return live_bytes(tensors)
+
+    def grad_bytes(self) -> int:
+        """Live gradient bytes now (owned chunks, their float32 copies for the masters, kept buffers)."""
+        extra = [s.master.grad for s in self.slots if s.master.grad is not None]
+        from ..memory import live_bytes
+
+        tensors = [s.grad for s in self.slots if s.grad is not None] + extra
+        tensors += [b.buffer for b in self.buckets if b.buffer is not None]
+        return live_bytes(tensors)
+
+    # -- norm, clipping, step ---------------------------------------------------------------
+
+    def _master_grads(self) -> None:
+        for slot in self.slots:
+            g = slot.grad if slot.grad is not None else torch.zeros_like(slot.master, dtype=slot.param.dtype)
+            slot.master.grad = g.float() if self.master_weights else g
+
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient, each element once (see the module docstring)."""
+        self._master_grads()
+        squares: dict[tuple, torch.Tensor] = {}
+        for slot in self.slots:
+            g = slot.master.grad
+            for key, weight in slot.norm_terms:
+                sq = g.pow(2) if weight is None else g.pow(2) * weight.float()
+                squares[key] = squares.get(key, 0.0) + sq.sum()
+        total = torch.zeros((), device=self.slots[0].param.device)
+        for axes in sorted(squares):
+            sq = torch.as_tensor(squares[axes], dtype=torch.float32, device=total.device)
+            for axis in axes:
+                sq = self.comms[axis].all_reduce(sq, label="grad_norm")
+            total = total + sq
+        total = self.dp.all_reduce(total, label="grad_norm")
+        if "pp" in self.comms:  # each stage's sum covers its own parameters
+            total = self.comms["pp"].all_reduce(total, label="grad_norm")
+        return total.sqrt()
+
+    def clip_(self, max_norm: float) -> float:
+        """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
+        norm = self.grad_norm()
+        if max_norm > 0:
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for slot in self.slots:
+                slot.master.grad.mul_(scale)
+        return norm.item()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every bucket's AdamW groups (set the learning rate on each)."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def _state(self, slot: _Slot) -> dict:
+        return self.optimizers[slot.bucket].state[slot.master]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned chunks, bucket by bucket, each bucket's all-gather of its updated chunks issued as
+        soon as its update is done (waited for by ``wait_for_weights``)."""
+        for bucket, optimizer in zip(self.buckets, self.optimizers):
+            optimizer.step()
+            self._gather(bucket)
+
+    def _gather(self, bucket: _Bucket) -> None:
+        dtype = bucket.slots[0].param.dtype
+        send = torch.zeros(bucket.width, dtype=dtype, device=bucket.slots[0].param.device)
+        for slot in bucket.slots:
+            flat = slot.param.data.view(-1)
+            if self.master_weights:
+                flat[slot.lo:slot.hi].copy_(slot.master)  # rounded to bf16 as --zero 0 rounds its params
+            send[slot.offset:slot.offset + slot.hi - slot.lo].copy_(flat[slot.lo:slot.hi])
+            if self.poison:
+                flat[:slot.lo].fill_(float("nan"))
+                flat[slot.hi:].fill_(float("nan"))
+        self._gathers.append((bucket, self.dp.all_gather(send, async_op=True, label="zero.weights")))
+
+    @torch.no_grad()
+    def wait_for_weights(self) -> None:
+        """Finish the all-gathers of updated weights: every parameter holds its full value again."""
+        for bucket, pending in self._gathers:
+            rows = pending.wait()
+            for slot in bucket.slots:
+                full, rest = slot.chunks_of(slot.param.data.view(-1), self.dp.size)
+                full.copy_(rows[:len(full), slot.offset:slot.offset + slot.chunk])
+                if rest is not None:
+                    rest.copy_(rows[len(full), slot.offset:slot.offset + rest.numel()])
+        self._gathers = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # gradients are always dropped, never zeroed
+        for slot in self.slots:
+            slot.grad = slot.master.grad = slot.param.grad = None
+
+    def optimizer_bytes(self) -> int:
+        """Live bytes of the AdamW moments and the float32 masters (under mixed precision) on this rank."""
+        from ..memory import live_bytes
+
+        tensors = [t for opt in self.optimizers for state in opt.state.values() for t in state.values()
+                   if torch.is_tensor(t)]
+        return live_bytes(tensors + ([s.master for s in self.slots] if self.master_weights else []))
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def _full(self, slot: _Slot, owned: torch.Tensor, label: str) -> torch.Tensor:
+        """The whole local parameter's tensor from every dp rank's owned chunk of it."""
+        send = owned.new_zeros(slot.chunk)
+        send[:owned.numel()].copy_(owned)
+        rows = self.dp.all_gather(send, label=label)
+        return rows.reshape(-1)[:slot.numel].view(slot.param.shape)
+
+    @torch.no_grad()
+    def gathered_state(self) -> tuple[list, _GatheredState]:
+        """(name, full tensor AdamW updates) pairs and their full moments, for ``checkpoint.training_state``."""
+        self.wait_for_weights()
+        named, state = [], _GatheredState()
+        for slot in self.slots:
+            full = self._full(slot, slot.master.detach(), "zero.checkpoint") if self.master_weights else slot.param
+            moments = self._state(slot)
+            state.state[full] = {key: self._full(slot, moments[key], "zero.checkpoint") for key in
+                                 ("exp_avg", "exp_avg_sq") if key in moments}
+            if "step" in moments:
+                state.state[full]["step"] = moments["step"].clone()
+            named.append((slot.name, full))
+        return named, state
+
+    @torch.no_grad()
+    def load_gathered(self, named: list, state: _GatheredState) -> None:
+        """Keep this rank's chunks of the full tensors a checkpoint was loaded into (``gathered_state``'s)."""
+        for slot, (_, full) in zip(self.slots, named):
+            flat = full.detach().reshape(-1)
+            if self.master_weights:
+                slot.master.copy_(flat[slot.lo:slot.hi])
+                slot.param.data.copy_(full)
+            moments = state.state[full]
+            self.optimizers[slot.bucket].state[slot.master] = {
+                "step": moments["step"].clone(),
+                **{key: moments[key].reshape(-1)[slot.lo:slot.hi].clone() for key in ("exp_avg", "exp_avg_sq")}}
+
+
+class _GatheredState:
+    """What ``checkpoint.training_state`` reads of an optimizer: ``state[tensor]`` -> its moments."""
+
+    def __init__(self):
+        self.state: dict = {}

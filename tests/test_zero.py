@@ -1,0 +1,232 @@
+"""The distributed optimizer over dp (--zero 1 / 2, train/zero.py): exact against --zero 0, checkpoints that
+reshard, the memory it saves (live-tensor meter), the bytes it moves, overlap, and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchtsp.analysis import predict_comm, predict_memory
+from torchtsp.analysis.memory_model import _largest_param
+from torchtsp.config import get_preset
+from torchtsp.train.checkpoint import load_full_state_dict
+from torchtsp.train.config import TrainConfig
+from torchtsp.train.trainer import run_training
+from zero_cases import api_run
+
+BASE = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "steps": 5, "sample_tokens": 0, "lr": 3e-3,
+        "weight_decay": 0.1, "zero_bucket_mb": 0.05}  # small buckets: several reduce-scatters per backward
+
+
+def train(pools, world, tmp_path, name, **settings):
+    out = tmp_path / name
+    summary = pools(world).run(run_training, TrainConfig(**{**BASE, "out": str(out), **settings}))[0]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    return summary, records, load_full_state_dict(out)[1]
+
+
+def padded_or_empty(rows: int, dp: int) -> str:
+    """How a tensor of ``rows`` rows splits into dp chunks of ceil(rows/dp) rows."""
+    chunk = -(-rows // dp)
+    return "empty" if (dp - 1) * chunk >= rows else "padded" if chunk * dp != rows else "even"
+
+
+# Each case: world, settings, the --zero levels compared with --zero 0, and the bound on parameters and losses.
+# float32: the only differences are the order of float32 sums (a reduce-scatter sums dp replicas in rank order,
+# gloo's all-reduce in ring order: equal at dp = 2, a + b = b + a; the norm's squares in another grouping), each
+# a relative 2^-23 per addition, moved by at most steps · lr through AdamW's update: 1e-6 absolute is 50 such
+# roundings. bfloat16: a float32 sum one rounding apart may round to the neighbouring bf16 gradient (2^-8
+# relative) in a few elements, which moves those elements' AdamW updates by at most lr · 2^-7 a step.
+FP32_BOUND, BF16_BOUND = 1e-6, BASE["steps"] * BASE["lr"] * 2**-7
+CASES = {
+    # D = 2, fp32, accumulation and clipping: both levels, and the measured bytes (test_memory_...)
+    "dp2-tsp2-fp32-accum-clip": (4, {"dp": 2, "tsp": 2, "grad_accum": 2, "grad_clip": 0.5, "mem_every": 0},
+                                 (1, 2), FP32_BOUND),
+    # D = 1, dp = 4: 257 vocabulary rows split 65/65/65/62 (padded)
+    "dp4-D1-bf16-accum-clip": (4, {"dp": 4, "tsp": 1, "batch_size": 8, "grad_accum": 2, "grad_clip": 0.5,
+                                   "dtype": "bfloat16"}, (2,), BF16_BOUND),
+    # mixture of experts: the shared expert's gate has one row (an empty chunk at dp = 2), experts over tsp
+    "dp2-tsp2-bf16-moe": (4, {"dp": 2, "tsp": 2, "preset": "tiny-moe", "dtype": "bfloat16"}, (1,), BF16_BOUND),
+    # pipeline stages, dp inside each, accumulation (one reduction per step after the schedule)
+    "pp2-dp2-accum": (4, {"pp": 2, "dp": 2, "tsp": 1, "batch_size": 8, "grad_accum": 2}, (2,), FP32_BOUND),
+}
+
+
+@pytest.fixture(scope="module")
+def case_runs(pools, tmp_path_factory):
+    """(summary, metrics records, final weights) of a case at a --zero level, each run once per module."""
+    done = {}
+
+    def run(case, level):
+        if (case, level) not in done:
+            world, settings, _, _ = CASES[case]
+            start = time.perf_counter()
+            done[case, level] = train(pools, world, tmp_path_factory.mktemp(case), f"zero{level}", zero=level,
+                                      **settings)
+            print(f"{case} zero {level}: {time.perf_counter() - start:.1f} s")
+        return done[case, level]
+    return run
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero_matches_zero0_loss_every_step_and_every_parameter(case_runs, case):
+    _, settings, levels, bound = CASES[case]
+    plain, plain_records, plain_weights = case_runs(case, 0)
+    if settings.get("grad_clip"):  # clipping is active: the norm exceeds the threshold
+        assert max(r["grad_norm"] for r in plain_records) > settings["grad_clip"]
+    for level in levels:
+        got, _, weights = case_runs(case, level)
+        for step, (a, b) in enumerate(zip(got["losses"], plain["losses"], strict=True)):
+            assert abs(a - b) <= bound * 10, (level, step, a, b)  # a loss moves by at most ~10x a weight here
+        assert sorted(weights) == sorted(plain_weights)
+        worst = max((weights[n] - plain_weights[n]).abs().max().item() for n in weights)
+        loss_gap = max(abs(a - b) for a, b in zip(got["losses"], plain["losses"]))
+        print(f"{case} zero {level}: largest parameter difference {worst:.2e}, loss {loss_gap:.2e}")
+        assert worst <= bound, (level, worst)
+
+
+def test_cases_have_padded_and_empty_chunks():
+    assert padded_or_empty(get_preset("tiny").vocab_size, 4) == "padded"  # D = 1: whole vocabulary rows
+    assert padded_or_empty(-(-get_preset("tiny").vocab_size // 2), 2) == "padded"  # D = 2: 129 rows a shard
+    assert get_preset("tiny-moe").shared_expert_ffn_dim and padded_or_empty(1, 2) == "empty"  # shared_gate [1, h]
+
+
+def test_memory_is_measured(case_runs):
+    """metrics.jsonl's param/grad/optimizer bytes (max over ranks, live-tensor meter) at dp = 2 x tsp = 2."""
+    by_level = {z: case_runs("dp2-tsp2-fp32-accum-clip", z)[1] for z in (0, 1, 2)}
+    first = {z: recs[0] for z, recs in by_level.items()}
+    last = {z: next(r for r in recs if "peak_mem_bytes" in r) for z, recs in by_level.items()}  # as it is logged
+    for z in (0, 1, 2):
+        assert {"param_bytes", "grad_bytes", "optimizer_bytes"} <= set(first[z])  # the first step records them
+        assert last[z]["grad_bytes"] > 0 and last[z]["optimizer_bytes"] > 0
+    zero0 = last[0]
+    assert all(last[z]["param_bytes"] == zero0["param_bytes"] for z in (1, 2))
+    # Optimizer state: half of --zero 0's, plus chunks padded to whole rows (less than a row per tensor).
+    for z in (1, 2):
+        assert 0.5 <= last[z]["optimizer_bytes"] / zero0["optimizer_bytes"] <= 0.51, (z, last[z], zero0)
+    # Gradients: ZeRO-2 keeps half, plus at most three float32 buckets (two in flight, one filling; a bucket holds
+    # at least one whole local tensor, here larger than the bucket size) and the gradient being copied in.
+    largest = _largest_param("tsp", get_preset("tiny"), tsp=2) * 4
+    in_flight = 3 * max(BASE["zero_bucket_mb"] * 2**20, largest) + largest
+    assert last[2]["grad_bytes"] <= 0.51 * zero0["grad_bytes"] + in_flight
+    assert last[2]["grad_bytes"] < last[1]["grad_bytes"]  # ZeRO-1 keeps its float32 buffers
+    assert last[2]["peak_mem_bytes"] < zero0["peak_mem_bytes"]
+    measured = {z: {k: last[z][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_mem_bytes")}
+                for z in (0, 1, 2)}
+    print(f"\nbytes per rank, dp=2 x tsp=2 (max over ranks): {measured}")
+
+
+def test_api_collective_bytes_overlap_and_poisoned_weights(pools):
+    """The Python API at dp = 2 x tsp = 2: the non-owned part of every weight is NaN from the optimizer step until
+    its all-gather lands, and the losses still equal plain AdamW's bit for bit (dp = 2 sums in one order, AdamW is
+    elementwise); the bytes of the new collectives equal the formula; reduce-scatters leave during backward."""
+    plain = pools(4).run(api_run, 0)
+    zero = pools(4).run(api_run, 2, poison=True)
+    for rank in range(4):
+        assert zero[rank]["losses"] == plain[rank]["losses"]
+        assert all(math.isfinite(x) for x in zero[rank]["losses"])
+    dp = 2
+    result = zero[0]
+    # Each local tensor's dp chunks: ceil(rows/dp) rows each; received per rank: dp - 1 chunks of each.
+    chunks = [-(-shape[0] // dp) * math.prod(shape[1:]) for shape in result["shapes"]]
+    rs = (dp - 1) * sum(chunks) * 4  # float32 gradients
+    ag = (dp - 1) * sum(c * e for c, e in zip(chunks, result["dtypes"]))  # the parameters' dtype
+    assert result["dp_bytes"]["reduce_scatter"] == rs and result["dp_sent"]["reduce_scatter"] == rs
+    assert result["dp_bytes"]["all_gather"] == ag
+    # The same total as --zero 0's float32 all-reduce of every gradient, up to the padding rows.
+    all_reduce = sum(2 * (dp - 1) * math.prod(s) * 4 // dp for s in result["shapes"])
+    assert all_reduce <= rs + ag <= all_reduce * 1.01
+    # The analytic model: the same formula over whole tensors (its chunks are not cut to rows).
+    cfg = get_preset("tiny")
+    plain_sync = predict_comm("tsp", cfg, 4, 32, dp=2, tsp=2).grad_sync
+    zero_sync = predict_comm("tsp", cfg, 4, 32, dp=2, tsp=2, zero=2).grad_sync
+    assert abs(zero_sync - (rs + ag)) <= 0.01 * (rs + ag) and abs(zero_sync - plain_sync) <= 0.01 * plain_sync
+    assert result["buckets"] > 2 and result["issued_early"] > 0
+
+
+def test_memory_model_learns_zero():
+    cfg = get_preset("paper-7b")
+    degrees = dict(dp=128, tsp=8, dtype_bytes=2)
+    plain = predict_memory("tsp", cfg, 128, 4096, **degrees)
+    zero1 = predict_memory("tsp", cfg, 128, 4096, zero=1, **degrees)
+    zero2 = predict_memory("tsp", cfg, 128, 4096, zero=2, **degrees)
+    assert plain.params == zero1.params == zero2.params
+    assert zero1.optimizer == zero2.optimizer and abs(zero2.optimizer * 128 - plain.optimizer) <= 128 * 12
+    assert zero2.grads < plain.grads < zero1.grads  # ZeRO-1 keeps a float32 buffer of the local gradient
+    assert zero2.total < plain.total
+    at_dp1 = predict_memory("tsp", cfg, 1, 4096, tsp=8, dtype_bytes=2, zero=2)
+    assert at_dp1 == predict_memory("tsp", cfg, 1, 4096, tsp=8, dtype_bytes=2)  # nothing to shard over
+
+
+def test_plan_shows_model_state_with_and_without_zero(capsys):
+    from torchtsp.analysis.plan import main
+
+    assert main(["--gpus", "1024", "--batch-size", "128", "--seq-len", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "(zero 0)" in out.splitlines()[1]
+    row = next(line for line in out.splitlines() if line.startswith("DP128xTSP8 "))
+    with_zero, without = map(float, row.split()[1:3])
+    assert with_zero < without / 4
+    print(f"\n{out.splitlines()[1]}\n{row}")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pools, tmp_path_factory):
+    """6 steps at --zero 1, dp = 2 x tsp = 2, a checkpoint at step 3."""
+    tmp = tmp_path_factory.mktemp("zero_resume")
+    summary, _, _ = train(pools, 4, tmp, "full", zero=1, dp=2, tsp=2, steps=6, checkpoint_every=3)
+    return tmp, summary["losses"]
+
+
+@pytest.mark.parametrize("world, settings", [
+    (2, {"dp": 1, "tsp": 2}),  # dp 2 -> 1
+    (4, {"dp": 4, "tsp": 1, "zero": 2}),  # dp 2 -> 4, D 2 -> 1
+    (2, {"dp": 2, "tsp": 1, "zero": 1}),  # another D at the same dp
+    (4, {"dp": 2, "tsp": 2, "zero": 0}),  # --zero 0
+], ids=["dp1", "dp4-D1", "dp2-D1", "zero0"])
+def test_zero_checkpoint_resumes_under_another_layout(pools, tmp_path, uninterrupted, world, settings):
+    source, losses = uninterrupted
+    resumed = pools(world).run(run_training, TrainConfig(**{**BASE, "steps": 6, "out": str(tmp_path / "r"),
+                                                            "resume": str(source / "full/checkpoints/step_000003"),
+                                                            **settings}))[0]
+    assert resumed["last_step"] == 6 and len(resumed["losses"]) == 3
+    for a, b in zip(resumed["losses"], losses[3:], strict=True):
+        # float32 sums in another order under another layout (as test_train's resharding resumes): 1e-5 relative
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"zero": 3}, r"zero \(--zero\) must be 0, 1 or 2, got 3"),
+    ({"zero": -1}, r"zero \(--zero\) must be 0, 1 or 2, got -1"),
+    ({"zero": 1, "scheme": "torch_tp"}, r"scheme 'torch_tp' has no distributed optimizer over dp"),
+    ({"zero_bucket_mb": 0}, r"zero_bucket_mb .* must be > 0"),
+])
+def test_bad_zero_settings_are_one_clear_error(settings, match):
+    with pytest.raises(ValueError, match=match) as info:
+        TrainConfig(**settings)
+    assert "\n" not in str(info.value)
+
+
+def test_zero_is_a_no_op_without_dp_and_zero_2_is_the_default():
+    assert TrainConfig(zero=2).zero_level(1) == 0
+    assert TrainConfig().zero_level(4) == 2 and TrainConfig(zero=1).zero_level(4) == 1
+    assert TrainConfig(scheme="torch_tp").zero_level(4) == 0  # its default falls back to replicated state
+
+
+@pytest.mark.multirank  # it starts a process (the command line), not ranks; cheap, but not a unit test
+def test_cli_bad_zero_is_one_line_and_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torchtsp", "train", "--zero", "3", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["torchtsp: error: zero (--zero) must be 0, 1 or 2, got 3"]
+    assert not Path(tmp_path / "x").exists()
