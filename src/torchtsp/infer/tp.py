@@ -17,7 +17,7 @@ from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables,
 from ..parallel.base import ShardView
 from ..parallel.moe import moe_partial
 from .cache import KVCache
-from .engine import Engine, masked_lookup, select_last, vocab_logits
+from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
 class MegatronEngine(Engine):
@@ -40,7 +40,7 @@ class MegatronEngine(Engine):
                              self.device)
 
     def _sum(self, partial, label):
-        return self.comm.all_reduce(partial, label=label) if self.comm.size > 1 else partial
+        return sum_over_ranks(self.comm, partial, label)
 
     def _mlp(self, h, w):
         """This rank's partial MLP output: its FFN slice, or its slices of a sparse layer's experts."""
