@@ -122,8 +122,9 @@ def test_bad_layouts_are_value_errors():
     predict_memory("tsp", LLAMA3, 1, 4096, tsp=16)  # 8 KV heads, each copied on 2 ranks
     with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
         predict_memory("tsp", torchtsp.ModelConfig(dim=96, n_heads=12, n_kv_heads=3), 1, 4096, tsp=4)
-    with pytest.raises(ValueError, match="n_kv_heads=8 divisible by 16"):
-        predict_memory("tp", LLAMA3, 1, 4096, tp=16)  # TP does not copy KV heads
+    predict_memory("tp", LLAMA3, 1, 4096, tp=16)  # TP copies KV heads too
+    with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
+        predict_memory("tp", torchtsp.ModelConfig(dim=96, n_heads=12, n_kv_heads=3), 1, 4096, tp=4)
     with pytest.raises(ValueError, match="divisible by the DP degree"):
         predict_memory("dp", PAPER, 1, 4096, dp=8)
     with pytest.raises(ValueError, match="zigzag"):

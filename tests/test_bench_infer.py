@@ -10,7 +10,7 @@ def runner(pool):
 
 
 def test_every_scheme_side_by_side(pools):
-    rows = run_infer_bench(MODEL, 2, [32, 64], new_tokens=3, run=runner(pools(2)))
+    rows = run_infer_bench(MODEL, 2, [32, 64], new_tokens=3, repeats=2, run=runner(pools(2)))
     cells = [(n, s) for n in (32, 64) for s in ("tsp", "tp", "sp", "dp")]
     assert [(r["prompt_len"], r["scheme"]) for r in rows] == cells
     by = {(r["prompt_len"], r["scheme"]): r for r in rows}
@@ -25,6 +25,15 @@ def test_every_scheme_side_by_side(pools):
         assert by[n, "tsp"]["peak_bytes_per_rank"] < min(by[n, "sp"]["peak_bytes_per_rank"],
                                                          by[n, "dp"]["peak_bytes_per_rank"])
     assert by[64, "tsp"]["kv_bytes_per_rank"] > by[32, "tsp"]["kv_bytes_per_rank"]
+    # Timed interleaved: two runs per scheme, the median between their extremes, TSP's ratio to TP per run.
+    for r in rows:
+        low, high = r["tpot_range_s"]
+        assert len(r["tpot_runs_s"]) == len(r["ttft_runs_s"]) == 2 and low <= r["tpot_s"] <= high
+        assert min(r["tpot_runs_s"]) == low and max(r["tpot_runs_s"]) == high
+    for n in (32, 64):
+        ratio = by[n, "tsp"]["tpot_vs_tp"]
+        runs = [a / b for a, b in zip(by[n, "tsp"]["tpot_runs_s"], by[n, "tp"]["tpot_runs_s"])]
+        assert ratio["runs"] == runs and ratio["min"] <= ratio["median"] <= ratio["max"]
     table = format_infer_table(rows)
     assert table.count("\n") == len(rows) and "tsp" in table
 

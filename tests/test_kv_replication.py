@@ -144,8 +144,7 @@ def test_plan_spreads_llama3_8b_over_16_ranks():
     # Norm gradients are all-reduced over the 16 ranks, and the gradient of each KV-head copy over its pair of
     # ranks every layer, both in float32.
     assert comm.grad_sync == (2 * L + 1) * 2 * 15 * 4 * h // 16 + L * (2 * h * d * 4)
-    with pytest.raises(ValueError, match="n_kv_heads=8 divisible by 16"):
-        predict_memory("tp", cfg, 1, 4096, tp=16)  # TP does not copy KV heads
+    predict_memory("tp", cfg, 1, 4096, tp=16)  # TP copies KV heads too (tests/test_tp_kv_replication.py)
 
 
 # ---------------------------------------------------------------- inference

@@ -43,8 +43,9 @@ def test_validate_raises_the_layout_errors_a_run_would():
     tsp = get_scheme("tsp")
     tsp.validate(CFG, 2, 32, tsp.degrees(2))
     tsp.validate(CFG, 2, 32, tsp.degrees(4))  # 2 KV heads over 4 ranks: each copied on 2
-    with pytest.raises(ValueError, match="n_kv_heads=2 divisible by 4; .* tp cannot replicate KV heads"):
-        get_scheme("tp").validate(CFG, 2, 32, get_scheme("tp").degrees(4))
+    get_scheme("tp").validate(CFG, 2, 32, get_scheme("tp").degrees(4))  # TP copies KV heads too
+    with pytest.raises(ValueError, match="n_kv_heads=2 divisible by 4; .* torch_tp cannot replicate KV heads"):
+        get_scheme("torch_tp").validate(CFG, 2, 32, get_scheme("torch_tp").degrees(4))
     with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
         tsp.validate(CFG.replace(n_heads=12, n_kv_heads=3, dim=96), 2, 32, tsp.degrees(4))
     with pytest.raises(ValueError, match=r"divisible by 2\*D = 4 for zigzag"):

@@ -57,11 +57,12 @@ TRAFFIC = {
 # Bad input on 4 ranks: (id, scheme, mesh, options, model config changes, S, expected message).
 BAD = [
     ("heads", "tp", "tp", {}, dict(dim=48, n_heads=6, n_kv_heads=6), 16, r"n_heads=6 divisible by 4"),
-    ("kv_heads", "tp", "tp", SP, dict(n_heads=8, n_kv_heads=2), 16, r"n_kv_heads=2 divisible by 4"),
+    # Fewer KV heads than ranks are copied (tests/test_tp_kv_replication.py), unless T is not a multiple of them.
+    ("kv_heads", "tp", "tp", SP, dict(dim=48, n_heads=12, n_kv_heads=3), 16, r"n_kv_heads=3 divisible by 4, or 4 a"),
     ("ffn", "tp", "tp", {}, dict(ffn_dim=90), 16, r"ffn_dim=90 divisible by 4"),
     ("seq", "tp", "tp", SP, {}, 10, r"sequence length 10 must be divisible by the TP degree T=4"),
     ("mesh", "tp", "tp_sp", {}, {}, 16, r"scheme 'tp' does not use the mesh axis sp=2"),
-    ("tp_sp-kv_heads", "tp_sp", "tp_sp", {}, dict(n_heads=4, n_kv_heads=1), 16, r"n_kv_heads=1 divisible by 2"),
+    ("tp_sp-kv_heads", "tp_sp", "tp_sp", {}, dict(dim=48, n_heads=6, n_kv_heads=3), 16, r"n_kv_heads=3 divisible by 2"),
     ("tp_sp-seq", "tp_sp", "tp_sp", {}, {}, 6, r"sequence length 6 must be divisible by 2\*D = 4"),
 ]
 

@@ -168,7 +168,7 @@ class Scheme:
                                      f"ranks); choose such a degree")
                 continue
             if getattr(cfg, field) % ways:
-                hint = (f"; {self.name} cannot replicate KV heads, use tsp for n_kv_heads < {ways}"
+                hint = (f"; {self.name} cannot replicate KV heads, use tsp or tp for n_kv_heads < {ways}"
                         if field == "n_kv_heads" and cfg.n_kv_heads < ways else "")
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
                                  f"choose a degree that divides it{hint}")
@@ -219,13 +219,13 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
            axes=("tp",), weight_axes=("tp",), free_axis="tp",
            options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic",
-           inference="tp"),
+           kv_replication=True, inference="tp"),
     Scheme("sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
            axes=("sp",), token_axes=("sp",), free_axis="sp",
            options=("recompute",), memory_walk="reference", traffic="sp_step_traffic", inference="sp"),
     Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
            axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
-           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic",
+           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic", kv_replication=True,
            features=("rope_scaling", "qkv_bias", "qk_norm")),
     Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
            axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic",

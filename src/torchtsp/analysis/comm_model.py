@@ -68,6 +68,11 @@ def tsp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, 
     return weights * (world - 1) // world + kv_exchange_halves(world, seq_rank)[0] * kv_half
 
 
+def tp_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """KV heads TP's ``tp`` ranks hold together: n_kv, or T when n_kv < T (each KV head copied on T/n_kv ranks)."""
+    return max(cfg.n_kv_heads, tp)
+
+
 def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int) -> int:
     """Megatron TP: two all-reduces of the [B, S, h] activations, 4·B·S·h·(T-1)/T.
 
@@ -87,8 +92,9 @@ def tp_sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int
                                       seq_rank: int | None = None) -> int:
     """TP(T) x SP(Σ): the TP all-reduces on the B·S/Σ local tokens, plus the K/V all-gather over Σ of
     this rank's 1/T of the KV heads (``seq_rank``: this rank's sp rank on a point-to-point backend)."""
+    kv = 2 * batch * seq_len * tp_kv_heads(cfg, tp) * cfg.head_dim  # a copied KV head counted on each rank
     return (tp_layer_forward_recv_elements(cfg, batch, seq_len // sp, tp)
-            + kv_exchange_halves(sp, seq_rank)[0] * (_kv_elements(cfg, batch, seq_len) // tp // sp // 2))
+            + kv_exchange_halves(sp, seq_rank)[0] * (kv // tp // sp // 2))
 
 
 def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_len: int,
@@ -122,10 +128,10 @@ def _all_reduce(nbytes: int, world: int) -> int:
 def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[int]:
     """Element counts of the parameters one rank holds when the reference's matrices are split over
     ``tp`` ranks (one all-reduce each for replicated schemes; the whole model at tp = 1)."""
-    h, d = cfg.dim, cfg.head_dim
-    layer = [h, cfg.n_heads * d * h // tp, cfg.n_kv_heads * d * h // tp, cfg.n_kv_heads * d * h // tp,
+    h, d, n_kv = cfg.dim, cfg.head_dim, tp_kv_heads(cfg, tp)
+    layer = [h, cfg.n_heads * d * h // tp, n_kv * d * h // tp, n_kv * d * h // tp,
              h * cfg.n_heads * d // tp, h, cfg.ffn_dim * h // tp, cfg.ffn_dim * h // tp, h * cfg.ffn_dim // tp]
-    layer += [cfg.n_heads * d // tp, cfg.n_kv_heads * d // tp, cfg.n_kv_heads * d // tp] if cfg.qkv_bias else []
+    layer += [cfg.n_heads * d // tp, n_kv * d // tp, n_kv * d // tp] if cfg.qkv_bias else []
     layer += [d, d] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
     # A sparse layer: the router, each stacked expert weight cut along F, the shared expert and its gate.
     sparse = layer[:6] + layer[9:] + [cfg.n_experts * h] + [cfg.n_experts * cfg.moe_ffn_dim * h // tp] * 3
@@ -293,7 +299,7 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     act = tokens * h * e  # one [B, S/Σ, h] activation
     chunk = (T - 1) * act // T  # one all-gather or reduce-scatter of it
     rows = -(-cfg.vocab_size // T) * h
-    kv_width = cfg.n_kv_heads * cfg.head_dim
+    kv_width = tp_kv_heads(cfg, T) * cfg.head_dim
     # The dK/dV reduce-scatter over sp, per layer (the gather is part of the forward).
     kv_sp = kv_exchange_halves(sp, seq_rank)[1] * B * (seq_len // sp) * (kv_width // T) * 4  # in float32
     fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp, seq_rank) if sp > 1
@@ -311,6 +317,9 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     emb_fwd += (T - 1) * 3 * tokens * 4  # cross-entropy statistics (max, sum-exp, target), fp32
     if cfg.qk_norm:  # q/k norm weights act on this rank's heads only: their gradients are summed over tp
         grad_sync += L * 2 * _all_reduce(cfg.head_dim * e, T)
+    copies = T // min(cfg.n_kv_heads, T)
+    if copies > 1:  # each layer's wk, wv (bk, bv) copy gradients summed over the copies' ranks, in float32
+        grad_sync += L * _all_reduce(2 * (h + cfg.qkv_bias) * cfg.head_dim * 4, copies)
     local = _reference_tensors(cfg, T)
     loss = 2 * _all_reduce(4, sp)  # NLL sum and token count over sp (nothing for plain TP)
     if sp > 1:

@@ -68,7 +68,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _kv_heads_held(spec: Scheme, cfg: ModelConfig, ways: int) -> int:
     """KV heads the ``ways`` weight shards hold together: n_kv, or ``ways`` when the scheme copies each of
-    n_kv < ways KV heads onto ways/n_kv ranks (TSP)."""
+    n_kv < ways KV heads onto ways/n_kv ranks (TSP, TP and TP x SP)."""
     return max(cfg.n_kv_heads, ways) if spec.kv_replication else cfg.n_kv_heads
 
 
@@ -505,12 +505,12 @@ def _predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, 
     chunk = _round_up(min(prefill_chunk or prompt_len, prompt_len), step)
     S = _round_up(prompt_len, chunk)  # the padded prompt; the last chunk's queries see all S keys
     rows = _ceil_div(cfg.vocab_size, w)
+    held = _kv_heads_held(spec, cfg, w)  # KV heads the shards hold together (TSP, TP copy heads when n_kv < D)
     if tok > 1:  # the prompt 1/D per rank, then decoded tokens assigned to the ranks in turn
         capacity, cache_heads = S // tok + _ceil_div(max(new_tokens - 1, 0), tok), n_kv
-    else:  # every token, this rank's KV heads
-        capacity, cache_heads = S + max(new_tokens - 1, 0), n_kv // w
+    else:  # every token, this rank's KV heads (a copy of one when TP has fewer KV heads than ranks)
+        capacity, cache_heads = S + max(new_tokens - 1, 0), held // w
     kv_cache = L * 2 * e * B * cache_heads * capacity * d
-    held = _kv_heads_held(spec, cfg, w)  # KV heads the shards hold together (TSP copies heads when n_kv < D)
     rope = 2 * FP32 * d  # cos and sin per token
     which = infer_schedule(spec.name, cfg, B * chunk, schedule)
     if which == "activations":  # the chunk replicated; every head's q/k/v gathered; own keys only

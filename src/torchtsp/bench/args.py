@@ -63,7 +63,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated sequence lengths to sweep (default: {DEFAULT_SEQ_LENS})")
     add("--warmup", type=int, default=1, metavar="N",
         help="untimed steps before the memory step and the timed ones (default: 1; the first counts bytes)")
-    add("--steps", type=int, default=3, metavar="N", help="timed steps per cell; the median is reported (default: 3)")
+    add("--steps", type=int, default=3, metavar="N", help="timed steps per cell; the median is reported (--mode "
+        "infer: generate runs per scheme, interleaved; median and range; default: 3)")
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
         help="Megatron sequence parallelism for tp and torch_tp alike (default: off, plain TP)")
     add("--recompute", action="store_true",

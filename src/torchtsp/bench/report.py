@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..schemes import SCHEMES
+from .infer import ratio_text, tpot_text
 
 MiB = 2**20
 SCHEME_ORDER = tuple(SCHEMES)  # the registry's order
@@ -303,24 +304,26 @@ def infer_markdown(result: dict) -> str:
     meta = result["meta"]
     lines = ["# torchtsp bench --mode infer", "", _model_line(meta) + ".",
              f"generate: the prompt(s), then {meta.get('new_tokens', '?')} new tokens, greedy; schemes timed "
-             f"interleaved per prompt length. TTFT = prefill of the prompt to the first token, TPOT = mean time per "
-             f"output token after it (slowest rank); peak = live tensor bytes of the whole generate call, max over "
-             f"ranks, against the analytic model (``plan --mode infer``); KV = this rank's cache.", ""]
+             f"interleaved per prompt length (built side by side, then {meta.get('steps', '?')} generate runs each in "
+             f"alternating order). TTFT = prefill of the prompt to the first token, TPOT = mean time per output "
+             f"token after it (slowest rank), both the median over the runs, TPOT with its range; TPOT/TP = TSP's "
+             f"TPOT over TP's in the same run, median [range]; peak = live tensor bytes of the whole generate "
+             f"call, max over ranks, against the analytic model (``plan --mode infer``); KV = this rank's cache.", ""]
     if "max_context" in result:
         mc = result["max_context"]
         lines += [f"Longest prompt whose per-rank peak stays within {mc['budget_gib']:g} GiB:", "",
                   "| scheme | longest prompt |", "|---|---:|"]
         lines += [f"| {s} | {n if n is not None else 'none'} |" for s, n in mc["longest_prompt"].items()]
         return "\n".join(lines) + "\n"
-    lines += ["| prompt | scheme | TTFT ms | TPOT ms | peak MiB/rank | predicted MiB | error | KV MiB/rank "
-              "| schedule |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["| prompt | scheme | TTFT ms | TPOT ms [range] | TPOT/TP [range] | peak MiB/rank | predicted MiB | "
+              "error | KV MiB/rank | schedule |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(result["infer"], key=lambda r: (r["prompt_len"], _rank(r["scheme"]))):
         if "error" in r:
-            lines.append(f"| {r['prompt_len']} | {r['scheme']} | n/a: {r['error']} | | | | | | |")
+            lines.append(f"| {r['prompt_len']} | {r['scheme']} | n/a: {r['error']} | | | | | | | |")
             continue
         sched = "/".join(dict.fromkeys(r["schedule"].values()))
-        lines.append(f"| {r['prompt_len']} | {r['scheme']} | {r['ttft_s'] * 1e3:.0f} | {r['tpot_s'] * 1e3:.1f} | "
-                     f"{_mib(r['peak_bytes_per_rank'])} | {_mib(r.get('predicted_peak_bytes'))} | "
+        lines.append(f"| {r['prompt_len']} | {r['scheme']} | {r['ttft_s'] * 1e3:.0f} | {tpot_text(r)} | "
+                     f"{ratio_text(r)} | {_mib(r['peak_bytes_per_rank'])} | {_mib(r.get('predicted_peak_bytes'))} | "
                      f"{_pct(r.get('peak_error_pct'))} | {_mib(r['kv_bytes_per_rank'])} | {sched} |")
     return "\n".join(lines) + "\n"
 

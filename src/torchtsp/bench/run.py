@@ -349,8 +349,8 @@ def _max_seq(args, cfg: ModelConfig, runner: _Runner) -> dict:
 
 
 def _infer(args, cfg: ModelConfig, runner: _Runner) -> dict:
-    """--mode infer: every scheme that generate runs, interleaved per prompt length; or the longest prompt each
-    fits in --max-context-under GiB per rank."""
+    """--mode infer: every scheme that generate runs, timed interleaved per prompt length (--steps runs each); or
+    the longest prompt each fits in --max-context-under GiB per rank."""
     from .infer import INFER_SCHEMES, max_context_under, run_infer_bench
 
     schemes = [s for s in args.schemes if s in INFER_SCHEMES]
@@ -364,8 +364,8 @@ def _infer(args, cfg: ModelConfig, runner: _Runner) -> dict:
                                       batch=args.batch_size, progress=progress, timeout_s=args.timeout_s)
             return {"max_context": {"budget_gib": args.max_context_under, "longest_prompt": found}}
         rows = run_infer_bench(model, runner.world, args.prompt_lens, runner, schemes=schemes,
-                               new_tokens=args.new_tokens, batch=args.batch_size, progress=progress,
-                               timeout_s=args.timeout_s)
+                               new_tokens=args.new_tokens, batch=args.batch_size, repeats=args.steps,
+                               progress=progress, timeout_s=args.timeout_s)
         return {"infer": rows}
     finally:
         bar.close()

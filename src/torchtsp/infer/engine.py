@@ -13,6 +13,26 @@ import torch.nn.functional as F
 from ..distributed.comm import AxisComm
 from ..parallel.shards import vocab_slice_index
 
+# sum_over_ranks: partial sums up to this many bytes per rank are gathered and summed locally on a point-to-point
+# backend (a decode step's hidden states: B x h).
+SUM_BY_GATHER_MAX_BYTES = 64 * 1024
+
+
+def sum_over_ranks(comm: AxisComm, partial: torch.Tensor, label: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum over the axis of every rank's ``partial``, on every rank: what each engine's row-parallel outputs
+    and vocabulary-slice embedding need, TP's and TSP's alike.
+
+    A decode step's partials are a few kB and cost their latency, not their bytes. On a point-to-point backend
+    (gloo) an all-reduce is a ring of 2(D-1) dependent hops, an all-gather one direct exchange: small partials are
+    gathered (into ``out``, a [D, *shape] buffer, if given) and summed here in rank order, the same sum on every
+    rank. Larger ones, and collective backends (NCCL's small all-reduce is already one exchange), all-reduce.
+    """
+    if comm.size == 1:
+        return partial
+    if comm.point_to_point and partial.numel() * partial.element_size() <= SUM_BY_GATHER_MAX_BYTES:
+        return comm.all_gather(partial, label=label, out=out).sum(dim=0)
+    return comm.all_reduce(partial, label=label)
+
 
 def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
     """float32 logits [B, rows] of hidden states z [B, h] against a vocabulary slice; padding rows -inf."""

@@ -1,10 +1,11 @@
 """Megatron decode: every rank computes every token with its heads and FFN slice; the cache is head-sharded.
 
 Rank r holds KV heads [r·Hkv/T, (r+1)·Hkv/T) of every token, so its cache is 1/T of the single-device
-cache only while T <= n_kv_heads. Per layer the partial outputs of ``wo`` and ``w_down`` are all-reduced;
-the embedding is a vocabulary-slice lookup plus an all-reduce; the LM head gives this rank's vocabulary
-slice of the logits. With a one-rank comm and the full weights this is the single-device reference
-engine (reference.py).
+cache only while T <= n_kv_heads; past that each rank keeps its copy of one KV head (the one its query
+heads read, ``parallel/tp.py``), 1/n_kv of the single-device cache. Per layer the partial outputs of
+``wo`` and ``w_down`` are all-reduced; the embedding is a vocabulary-slice lookup plus an all-reduce; the
+LM head gives this rank's vocabulary slice of the logits. With a one-rank comm and the full weights this is
+the single-device reference engine (reference.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables,
 from ..parallel.base import ShardView
 from ..parallel.moe import moe_partial
 from .cache import KVCache
-from .engine import Engine, masked_lookup, select_last, vocab_logits
+from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
 class MegatronEngine(Engine):
@@ -34,11 +35,12 @@ class MegatronEngine(Engine):
 
     def start(self, batch, prompt_len, max_new_tokens):
         cfg = self.cfg
-        self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads // self.comm.size, prompt_len + max_new_tokens - 1,
-                             cfg.head_dim, self.dtype, self.device)
+        heads = max(cfg.n_kv_heads // self.comm.size, 1)  # a copy of one KV head when n_kv < T
+        self.cache = KVCache(cfg.n_layers, batch, heads, prompt_len + max_new_tokens - 1, cfg.head_dim, self.dtype,
+                             self.device)
 
     def _sum(self, partial, label):
-        return self.comm.all_reduce(partial, label=label) if self.comm.size > 1 else partial
+        return sum_over_ranks(self.comm, partial, label)
 
     def _mlp(self, h, w):
         """This rank's partial MLP output: its FFN slice, or its slices of a sparse layer's experts."""

@@ -41,7 +41,7 @@ from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..schemes import infer_schedule
 from .cache import KVCache, merge_partials
-from .engine import Engine, masked_lookup, select_last, vocab_logits
+from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
@@ -167,6 +167,70 @@ class TSPEngine(Engine):
             x = x + comm.all_reduce(y, label="infer.mlp")
         return rms_norm(x, self.view.norm, cfg.norm_eps)
 
+    def decode_activations(self, ids, pos, owner: int):
+        """One decode step with the weights in place: ids, pos [B, 1] replicated; rank ``owner`` stores the
+        token's K/V. Returns the final-norm hidden states [B, h] (replicated).
+
+        Per layer three exchanges, the fewest this placement allows (q of group j is made on rank j and read by
+        every rank's keys; the partials of group j meet ``wo``'s columns on rank j; every rank's FFN slice reads
+        the whole residual): one all-gather of every head group's q/k/v; one all-to-all that hands each head
+        group's partial attention (O_p, LSE_p) of every rank to its owner, who merges them exactly by
+        log-sum-exp; one sum of the ``wo`` partials; then the MLP's sum. The keys' mask is built once per step,
+        the exchange buffers once per generation; no host synchronisation (the owner is the host's step count).
+        """
+        cfg, comm, cache = self.cfg, self.comm, self.cache
+        B, D, p = ids.shape[0], comm.size, comm.rank
+        shards = self.view.shard_math
+        hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, cfg.head_dim
+        buffers = self._decode_buffers(B)
+        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, p)[0], "infer.embedding", out=buffers["sum"])
+        cos, sin = rope_tables(pos, cfg)
+        mine = slice(0, 1 if p == owner else 0)
+        slots = self._reserve(pos[:, mine], torch.ones_like(pos[:, mine], dtype=torch.bool),
+                              [int(r == owner) for r in range(D)])
+        _, _, k_pos, k_valid = cache.keys(0)
+        mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
+        for i, layer in enumerate(self.view.layers):
+            w = _attention_weights(self.view, layer, layer.attention)
+            q, k, v = project_qkv(rms_norm(x, layer.attention_norm, cfg.norm_eps), w, cfg, cos, sin)  # [B, 1, ·, d]
+            torch.cat([q, k, v], dim=2, out=buffers["qkv"])
+            qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]
+            # [D, B, hq + 2hkv, d] -> queries [B, Hq, 1, d] in global head order (group r's heads at r).
+            q_all = qkv[:, :, :hq].transpose(0, 1).reshape(B, D * hq, 1, d)
+            if p == owner:  # a KV head copied on several ranks is taken from the first of them
+                kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
+                cache.write(i, slots, *(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
+            k_own, v_own, _, _ = cache.keys(i)
+            out, lse = attend(q_all, k_own, v_own, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
+            partial = buffers["partial"]  # [D, B, hq, d + 1]: slice r holds head group r's (O_p, LSE_p)
+            partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
+            partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
+            parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
+            total = torch.logsumexp(parts[..., d], dim=0)  # group p's heads, over every rank's keys
+            weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
+            merged = (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)  # [B, hq, d]
+            y = F.linear(merged.to(x.dtype).reshape(B, 1, hq * d), w["wo"])
+            x = x + sum_over_ranks(comm, y, "infer.attention", out=buffers["sum"])
+            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
+            if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
+                y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, p * cfg.n_experts // D)
+            else:
+                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp))
+            x = x + sum_over_ranks(comm, y, "infer.mlp", out=buffers["sum"])
+        return rms_norm(x, self.view.norm, cfg.norm_eps)[:, 0]
+
+    def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:
+        """The exchange buffers of a decode step (made on the first step of a generation)."""
+        if getattr(self, "_buffers", None) is None or self._buffers["qkv"].shape[0] != batch:
+            D, d, shards = self.comm.size, self.cfg.head_dim, self.view.shard_math
+            heads = shards.q_heads + 2 * shards.kv_heads
+            make = lambda *shape, dtype=self.dtype: torch.empty(shape, dtype=dtype, device=self.device)
+            self._buffers = {"qkv": make(batch, 1, heads, d), "qkv_all": make(D, batch, 1, heads, d),
+                             "partial": make(D, batch, shards.q_heads, d + 1, dtype=torch.float32),
+                             "partial_all": make(D, batch, shards.q_heads, d + 1, dtype=torch.float32),
+                             "sum": make(D, batch, 1, self.cfg.dim)}
+        return self._buffers
+
     # -- phases --------------------------------------------------------------------------
 
     def prefill_chunk(self, ids, pos, valid, lengths):
@@ -190,12 +254,10 @@ class TSPEngine(Engine):
     def decode(self, ids, pos, step):
         D, p = self.comm.size, self.comm.rank
         owner = step % D  # decoded tokens go to the ranks in turn
-        counts = [int(r == owner) for r in range(D)]
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        valid = torch.ones_like(ids, dtype=torch.bool)
         if self.schedule["decode"] == "weights":
             mine = slice(0, 1) if p == owner else slice(0, 0)
-            z = self.weights_move(ids[:, mine], pos[:, mine], valid[:, mine], counts).sum(dim=1)
+            valid = torch.ones_like(ids[:, mine], dtype=torch.bool)
+            z = self.weights_move(ids[:, mine], pos[:, mine], valid, [int(r == owner) for r in range(D)]).sum(dim=1)
             return self.head(self.comm.all_reduce(z, label="infer.last_hidden"))
-        keep = torch.arange(1 if p == owner else 0, device=ids.device)
-        return self.head(self.activations_move(ids, pos, valid, keep, counts)[:, 0])
+        return self.head(self.decode_activations(ids, pos, owner))

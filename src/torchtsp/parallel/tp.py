@@ -9,7 +9,12 @@ Every rank holds 1/T of every weight matrix and computes on every token:
 * vocabulary-parallel embedding and LM head (V padded with zero rows to a multiple of T): the embedding
   looks up only in-range ids and sums over the axis; the LM head produces logits of the local vocabulary
   slice only, and the cross-entropy combines per-rank log-sum-exps and target logits (never [N, V]);
-* RMSNorm weights replicated and identical.
+* RMSNorm weights replicated and identical;
+* with fewer KV heads than ranks (n_kv_heads < T, T a multiple of n_kv_heads, as Megatron and vLLM do it),
+  rank r holds a copy of KV head r // (T/n_kv), the one all of its n_heads/T query heads read. Each copy's
+  gradient covers its own query heads only, so the copies' wk/wv (and bk/bv) gradients are summed over the
+  T/n_kv ranks sharing the head (one float32 all-reduce per layer in backward, ``kv_comm``); dX needs
+  nothing extra (each rank's partial already is its query heads' share).
 
 Communication sits in the autograd Functions below, each a conjugate pair (forward op / backward op):
 
@@ -61,10 +66,13 @@ from ..layers import (
 )
 from ..model import Transformer
 from ..weights import WeightSource
-from .base import ParallelTransformer, ShardView, replicated_grad, weight_source
+from .base import ParallelTransformer, ReplicatedGrad, ShardView, replicated_grad, weight_source
 from .moe import tp_moe
 from .params import layer_params
 from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
+
+# A layer's K/V projection parameters: copied on T/n_kv ranks when n_kv_heads < T.
+KV_PARAMS = ("wk", "wv", "bk", "bv")
 
 # ---------------------------------------------------------------- sequence sharding ([B, S/T, ...] <-> [B, S, ...])
 
@@ -245,14 +253,22 @@ class TPTransformer(ParallelTransformer):
         self.tp = AxisComm.from_mesh(mesh, "tp", timeout_s)
         self.sequence_parallel = bool(sequence_parallel)
         self.recompute = recompute
+        # Ranks holding copies of one KV head (n_kv < T; Layout checked T % n_kv == 0) sum their gradients.
+        self.kv_replicas = self.tp.size // min(model.cfg.n_kv_heads, self.tp.size)
+        self.kv_comm = self.tp.blocks(mesh, self.kv_replicas, "kv_replicas")
         self._shard(model, self.tp, weight_source(model, mesh, weights))
+
+    def _slices(self, attr: str) -> int:
+        """Distinct slices of a layer parameter over the tp ranks (fewer than T: copies of KV heads)."""
+        return self.tp.size // self.kv_replicas if attr in KV_PARAMS else self.tp.size
 
     def _shard(self, model: Transformer, tp: AxisComm, weights: WeightSource) -> None:
         """Materialise this rank's shards one reference tensor at a time."""
         cfg, T, p = model.cfg, tp.size, tp.rank
         self.embedding_shard = nn.Parameter(vocab_shard(weights, "tok_embeddings.weight", T, p))
+        slice_of = lambda attr: p * self._slices(attr) // T  # a KV-head copy: the head of this rank's queries
         self.layers = nn.ModuleList(
-            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, T, p)
+            TPLayer({attr: weights.get(f"layers.{i}.{ref}", dim, self._slices(attr), slice_of(attr))
                      for attr, (ref, dim) in layer_params(cfg, i).items()})
             for i in range(cfg.n_layers))
         self.norm = nn.Parameter(weights.get("norm.weight"))
@@ -297,9 +313,10 @@ class TPTransformer(ParallelTransformer):
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
         eps = cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
-        q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), w(layer.wk), w(layer.wv))
+        kv = [w(t) for t in self._kv_params(layer)]  # wk, wv (, bk, bv)
+        q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), *kv[:2])
         if cfg.qkv_bias:  # this rank's heads' biases; every rank sees every token, so no extra reduction
-            q, k, v = q + w(layer.bq), k + w(layer.bk), v + w(layer.bv)
+            q, k, v = q + w(layer.bq), k + kv[2], v + kv[3]
         # q/k norm: replicated weights applied to this rank's heads only, so their gradients are summed over tp.
         norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
         q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
@@ -312,6 +329,14 @@ class TPTransformer(ParallelTransformer):
             return x + tp_moe(h, layer, cfg, tp, stats)
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
         return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
+
+    def _kv_params(self, layer: TPLayer) -> list[torch.Tensor]:
+        """wk, wv (and bk, bv): with copied KV heads, their gradients summed over the copies in one float32
+        all-reduce (each copy's covers only its own rank's query heads)."""
+        params = [getattr(layer, name) for name in KV_PARAMS[:4 if self.cfg.qkv_bias else 2]]
+        if self.kv_replicas == 1:
+            return params
+        return list(ReplicatedGrad.apply(self.kv_comm, torch.float32, *params))
 
     def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
@@ -339,7 +364,9 @@ class TPTransformer(ParallelTransformer):
             return [("norm.weight", local, {})]
         prefix, _, attr = name.rpartition(".")  # layers.<i>.<attr>
         ref, dim = layer_params(self.cfg, int(prefix.split(".")[1]))[attr]
-        return [(f"{prefix}.{ref}", local, {} if dim is None else {"tp": dim})]
+        slices = self._slices(attr)  # a KV head copied on several ranks is one of n_kv slices, stored once
+        return [(f"{prefix}.{ref}", local,
+                 {} if dim is None else {"tp": dim if slices == self.tp.size else (dim, slices)})]
 
     def shard_view(self) -> ShardView:
         """This rank's slices under ``layer_params``' names (a sparse layer's expert slices instead of its MLP)."""
@@ -354,12 +381,13 @@ class TPTransformer(ParallelTransformer):
     def _full(self, pick) -> dict[str, torch.Tensor]:
         """Gather every rank's shards of ``pick(param)`` (data or grad) into reference-named tensors."""
         V = self.cfg.vocab_size
-        gather = lambda t, dim: pick(t) if dim is None else torch.cat(
-            self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0), dim=dim)
+        gather = lambda t, dim, every=1: pick(t) if dim is None else torch.cat(
+            self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0)[::every], dim=dim)
         out = {"tok_embeddings.weight": gather(self.embedding_shard, 0)[:V]}
         for i, layer in enumerate(self.layers):
             for attr, (ref, dim) in layer_params(self.cfg, i).items():
-                out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim)
+                # A copied KV head once, from the first rank of its group.
+                out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim, self.tp.size // self._slices(attr))
         out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
             out["output.weight"] = gather(self.output_shard, 0)[:V]

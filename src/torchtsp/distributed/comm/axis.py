@@ -170,7 +170,7 @@ class AxisComm:
     # (benchmarks/gloo_collectives.py measures it), and ranks sharing a host's cores pay for it in step time.
     # all_reduce keeps gloo's ring, the fastest there for large tensors. Each kind has its own tag; every rank issues
     # the same transfers in the same order, so sends and receives between two ranks pair up in order.
-    _P2P_TAGS = {"broadcast": 10, "all_gather": 11, "reduce_scatter": 12, "reduce": 13}
+    _P2P_TAGS = {"broadcast": 10, "all_gather": 11, "reduce_scatter": 12, "reduce": 13, "all_to_all": 14}
 
     def _exchange(self, op: str, sends, recvs) -> list:
         """Start the point-to-point transfers of one operation: isend each (tensor, peer), irecv each (tensor, peer)."""
@@ -205,12 +205,14 @@ class AxisComm:
             launch = lambda: self._exchange("broadcast", [], [(tensor, src)])
         return self._finish(self._issue("broadcast", label, sent, recv, launch, tensor), async_op)
 
-    def all_gather(self, tensor: torch.Tensor, async_op=False, label=None):
-        """[*shape] on each rank -> [D, *shape] on every rank, in axis-rank order."""
-        return self._finish(self._gather(tensor, label), async_op)
+    def all_gather(self, tensor: torch.Tensor, async_op=False, label=None, out: torch.Tensor | None = None):
+        """[*shape] on each rank -> [D, *shape] on every rank, in axis-rank order (into ``out``, a contiguous
+        [D, *shape] buffer of the same dtype, if given: a decode step reuses its buffers)."""
+        return self._finish(self._gather(tensor, label, out=out), async_op)
 
-    def _gather(self, tensor: torch.Tensor, label, finish=None) -> Pending:
-        out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    def _gather(self, tensor: torch.Tensor, label, finish=None, out: torch.Tensor | None = None) -> Pending:
+        if out is None:
+            out = torch.empty((self.size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
         n = (self.size - 1) * self._nbytes(tensor)
         if self.size == 1 or self._point_to_point:
             out[self.rank] = tensor
@@ -334,6 +336,26 @@ class AxisComm:
         launch = lambda: self._send_recv([(send, nxt)], [(recv, prv)], tag)
         return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)
 
+
+    def all_to_all(self, tensor: torch.Tensor, async_op=False, label=None, out: torch.Tensor | None = None):
+        """[D, *shape] on each rank, slice r for rank r -> [D, *shape], slice r from rank r (into ``out`` if given).
+
+        On gloo a direct exchange of point-to-point transfers, like the all-gather (one latency: gloo's own
+        all-to-all costs more at the few-kB sizes of a decode step)."""
+        if len(tensor) != self.size:
+            raise ValueError(f"all_to_all input needs {self.size} slices, got {len(tensor)}")
+        src = tensor.contiguous()
+        if out is None:
+            out = torch.empty_like(src)
+        n = (self.size - 1) * self._nbytes(src[0])
+        if self.size == 1 or self._point_to_point:
+            out[self.rank] = src[self.rank]
+            launch = lambda: self._exchange("all_to_all", [(src[peer], peer) for peer in self._peers()],
+                                            [(out[peer], peer) for peer in self._peers(receiving=True)])
+        else:
+            launch = lambda: [dist.all_to_all_single(out.view(self.size, -1), src.view(self.size, -1),
+                                                     group=self.group, async_op=True)]
+        return self._finish(self._issue("all_to_all", label, n, n, launch, out), async_op)
 
     def all_to_all_single(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
                           async_op=False, label=None):
