@@ -106,7 +106,7 @@ def servers(checkpoint, tmp_path_factory):
     folder, _ = checkpoint
     logs = tmp_path_factory.mktemp("logs")
     main = Server(folder, logs / "main.log", "--api-key", KEY, "--max-batch", "16", "--timeout-s", "60")
-    doomed = Server(folder, logs / "doomed.log", "--timeout-s", "20")
+    doomed = Server(folder, logs / "doomed.log", "--timeout-s", "20", "--max-batch", "1", "--max-queue", "1")
     try:
         main.wait_ready()
         doomed.wait_ready()
@@ -306,6 +306,26 @@ def test_disconnect_frees_the_slots_on_every_rank(server, client):
     assert m["torchtsp_running_sequences"] == 0
     assert m['torchtsp_kv_slots_used{rank="0"}'] == 0 and m['torchtsp_kv_slots_used{rank="1"}'] == 0
     assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_full_queue_is_429_and_the_server_stays_up(servers):
+    """One row and one place in the queue: of four requests sent at once (each runs for many steps), at most
+    one runs and one waits; the others are refused with 429."""
+    doomed = servers["doomed"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stop_token_ids": []}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=doomed.url, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+
+    answers = asyncio.run(burst())
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(refused) >= 2 and all(r.json()["error"]["code"] == "queue_full" for r in refused), \
+        [r.text for r in answers]
+    assert all(r.status_code in (200, 429) for r in answers)
+    assert httpx.get(doomed.url + "/health", timeout=10).status_code == 200
+    r = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
 # ---------------------------------------------------------------- faults

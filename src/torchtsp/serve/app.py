@@ -196,7 +196,7 @@ def build_app(state: ServerState) -> FastAPI:
         out: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
         tasks = [asyncio.ensure_future(run_choice(c, out, i, arrival)) for i, c in enumerate(choices)]
-        open_ = len(choices)
+        open_, checked = len(choices), time.monotonic()
         try:
             while open_:
                 get = asyncio.ensure_future(out.get())
@@ -206,13 +206,15 @@ def build_app(state: ServerState) -> FastAPI:
                     item = get.result()
                     open_ -= item[2] is not None
                     yield item
-                    continue
-                get.cancel()
-                for t in tasks:
-                    if t.done() and t.exception() is not None:
-                        raise t.exception()
-                if await request.is_disconnected():
-                    return
+                else:
+                    get.cancel()
+                    for t in tasks:
+                        if t.done() and t.exception() is not None:
+                            raise t.exception()
+                if time.monotonic() - checked > DISCONNECT_POLL_S:  # a client that left frees its rows
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
         finally:
             for t in tasks:
                 t.cancel()
