@@ -2,7 +2,7 @@
 
 For each scheme a server is started on local ranks (``--preset`` random weights, byte tokenizer), warmed up,
 then for each concurrency C the same REQUESTS streamed completions (greedy, exactly MAX_TOKENS new tokens:
-no stop id) run with at most C in flight. Reported per (scheme, C): median time to first token (request
+``ignore_eos``) run with at most C in flight. Reported per (scheme, C): median time to first token (request
 sent -> first streamed text), median time per output token after the first, and output tokens per second
 of the whole run (wall clock). The speedup column is output tok/s at C over output tok/s at C = 1.
 
@@ -65,7 +65,8 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> tuple[float, 
     first = last = None
     tokens = 0
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True})
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:

@@ -290,7 +290,7 @@ def test_tokenize_and_detokenize(server, checkpoint):
 
 def test_disconnect_frees_the_slots_on_every_rank(server, client):
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
-            "stop_token_ids": []}
+            "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
@@ -312,7 +312,7 @@ def test_full_queue_is_429_and_the_server_stays_up(servers):
     """One row and one place in the queue: of four requests sent at once (each runs for many steps), at most
     one runs and one waits; the others are refused with 429."""
     doomed = servers["doomed"]
-    body = {"prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stop_token_ids": []}
+    body = {"prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
 
     async def burst():
         async with httpx.AsyncClient(base_url=doomed.url, timeout=60) as c:
@@ -340,7 +340,7 @@ def test_killed_rank_turns_health_503_and_fails_in_flight_requests(servers):
     async def in_flight():
         async with openai.AsyncOpenAI(base_url=doomed.url + "/v1", api_key="none", max_retries=0, timeout=60) as ac:
             stream = await ac.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=120, stream=True,
-                                                 temperature=0, extra_body={"stop_token_ids": []})
+                                                 temperature=0, extra_body={"ignore_eos": True})
             got = []
             async for chunk in stream:
                 if not got:
@@ -369,7 +369,7 @@ def test_sigterm_under_load_exits_cleanly(server):
             async def one(i):
                 try:
                     r = await c.completions.create(model="tiny-llama", prompt=PROMPTS[i % 4], max_tokens=100,
-                                                   temperature=0, extra_body={"stop_token_ids": []})
+                                                   temperature=0, extra_body={"ignore_eos": True})
                     return r.choices[0].finish_reason
                 except openai.APIError as e:
                     return type(e).__name__

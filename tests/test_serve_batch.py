@@ -89,7 +89,7 @@ def test_parallel_engines_batch_rows_of_different_lengths(pools, scheme, schedul
 
 
 def test_plan_round_trip():
-    plan = StepPlan(7, [Admission(3, [5, 6, 7], 9, Sampling(0.7, 40, 0.95, 2**62 + 1), [2, 4]),
+    plan = StepPlan(7, [Admission(3, [5, 6, 7], 9, Sampling(0.7, 40, 0.95, 2**62 + 1), [2, 4], True),
                         Admission(4, [1], 1, Sampling())], cancel=[1, 2])
     again = decode(*encode(plan))
     assert again == plan
@@ -104,3 +104,37 @@ def test_text_stream_holds_back_stop_strings():
     assert "".join(deltas) + s.finish() == "the cat sat " and s.stopped
     s = TextStream(decode_ids, [], skip_ids={5})
     assert "".join(s.add(i) for i in range(6)) + s.finish() == "the cat sat on the"
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--scheme", "dp"], "serve runs the tsp, tp, sp schemes"),
+    (["--max-model-len", "100000"], "--max-model-len must be in"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--port", "0"], "--port must be in"),
+    (["--timeout-s", "nan"], "--timeout-s"),
+    (["--chat-template", "/nonexistent/template.jinja"], "--chat-template"),
+])
+def test_bad_serve_flags_are_one_line_before_any_rank(flags, words, capsys):
+    from torchtsp.cli import main
+
+    assert main(["serve", "--preset", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchtsp: error:") and words in err and err.count("\n") == 1, err
+
+
+def test_missing_serve_extra_is_one_line(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_fastapi(name, *args, **kwargs):
+        if name == "fastapi":
+            raise ImportError("No module named 'fastapi'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_fastapi)
+    from torchtsp.cli import main
+
+    assert main(["serve", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'torchtsp[serve]'" in err and "fastapi" in err and err.count("\n") == 1

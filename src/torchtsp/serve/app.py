@@ -58,6 +58,7 @@ class Choice:
     sampling: Sampling
     stop_strings: list[str]
     stop_token_ids: list[int]
+    ignore_eos: bool = False
     echo_text: str = ""
 
 
@@ -138,7 +139,8 @@ def build_app(state: ServerState) -> FastAPI:
         stop_ids = list(body.stop_token_ids or [])
         check_ids(stop_ids, "stop_token_ids")
         seed = secrets.randbelow(2**63) if seed is None else seed
-        return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids)
+        return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
+                      body.ignore_eos)
 
     def admit(choices: list[Choice]) -> None:
         check_engine()
@@ -150,8 +152,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def run_choice(c: Choice, out: asyncio.Queue, index: int, arrival: float) -> None:
         """Push (index, text delta, finish reason or None, completion tokens) until the choice ends."""
-        stream = client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids)
-        skip = set(c.stop_token_ids) | ({state.eos_token_id} if state.eos_token_id is not None else set())
+        stream = client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
+        skip = set(c.stop_token_ids) | ({state.eos_token_id} if state.eos_token_id is not None and not c.ignore_eos
+                                        else set())
         text = TextStream(state.tokenizer.decode if state.tokenizer is not None else _ids_text, c.stop_strings,
                           skip)
         tokens, first_at, ended = 0, None, False

@@ -189,7 +189,7 @@ class BatchRunner:
         for s, token in zip(seqs, self.choose(seqs, logits)):
             s.last, s.generated = token, s.generated + 1
             result.tokens.append((s.request_id, token))
-            if token == self.eos or token in s.request.stop_token_ids:
+            if (token == self.eos and not s.request.ignore_eos) or token in s.request.stop_token_ids:
                 s.finish = "stop"
             elif s.generated >= s.request.max_tokens:
                 s.finish = "length"

@@ -124,7 +124,8 @@ class EngineClient:
         with self._send_lock:
             self._conn.send(message)
 
-    def submit(self, prompt: list[int], max_tokens: int, sampling, stop_token_ids: list[int]) -> RequestStream:
+    def submit(self, prompt: list[int], max_tokens: int, sampling, stop_token_ids: list[int],
+               ignore_eos: bool = False) -> RequestStream:
         from .plan import Admission
 
         stream = RequestStream(next(self._ids), asyncio.get_running_loop())
@@ -135,7 +136,8 @@ class EngineClient:
             self._streams[stream.request_id] = stream
             self._waiting.add(stream.request_id)
         try:
-            self._send(("submit", Admission(stream.request_id, prompt, max_tokens, sampling, stop_token_ids)))
+            self._send(("submit", Admission(stream.request_id, prompt, max_tokens, sampling, stop_token_ids,
+                                           ignore_eos)))
         except OSError as e:
             self.fail(f"the engine's connection failed ({e})")
         return stream

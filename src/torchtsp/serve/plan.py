@@ -37,6 +37,7 @@ class Admission:
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # run to max_tokens even past the model's EOS (load tests)
 
 
 @dataclass
@@ -61,8 +62,8 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     for a in plan.admit:
         s = a.sampling
         payload += [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
-                    _float_bits(s.top_p if s.top_p is not None else -1.0), len(a.stop_token_ids), len(a.prompt),
-                    *a.stop_token_ids, *a.prompt]
+                    _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
+                    len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt]
     header = [MAGIC, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit), len(payload)]
     return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
 
@@ -75,13 +76,14 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     plan = StepPlan(step=step, stop=bool(stop), cancel=values[:cancels])
     at = cancels
     for _ in range(admissions):
-        rid, max_tokens, seed, temperature, top_k, top_p, n_stops, n_prompt = values[at:at + 8]
-        at += 8
+        rid, max_tokens, seed, temperature, top_k, top_p, ignore_eos, n_stops, n_prompt = values[at:at + 9]
+        at += 9
         stops, prompt = values[at:at + n_stops], values[at + n_stops:at + n_stops + n_prompt]
         at += n_stops + n_prompt
         top_p = _bits_float(top_p)
         plan.admit.append(Admission(rid, prompt, max_tokens, Sampling(_bits_float(temperature), top_k or None,
-                                                                       None if top_p < 0 else top_p, seed), stops))
+                                                                       None if top_p < 0 else top_p, seed), stops,
+                                   bool(ignore_eos)))
     return plan
 
 

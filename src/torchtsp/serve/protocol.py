@@ -57,6 +57,7 @@ class _Sampled(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens even past EOS
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field torchtsp does not implement (set to something other than its default)."""
