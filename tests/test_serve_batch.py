@@ -22,6 +22,7 @@ SAMPLING = [Sampling(), Sampling(0.8, 5, None, 11), Sampling(), Sampling(1.0, No
 MAX_TOKENS = [9, 6, 9, 9, 4]
 ARRIVALS = {0: [0], 2: [1, 2], 5: [3], 6: [4]}  # step -> requests arriving
 CANCEL_AT = {8: 2}  # step -> request cancelled (its tokens so far must still be a prefix of its alone run)
+CANCEL_IN_PREFILL = 3  # cancelled after its first prefill chunk (the prompt takes several)
 
 
 def _model():
@@ -42,12 +43,17 @@ def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4
                          schedule=schedule)
     out = {i: [] for i in range(len(PROMPTS))}
     waiting, done = [], {}
+    cancelled_in_prefill = False
     for step in range(100):
         waiting += ARRIVALS.get(step, [])
         admit = []
-        while waiting and len(runner.rows) + len(admit) < max_batch:
+        while waiting and runner.prefilling is None and len(runner.rows) + len(admit) < max_batch:
             admit.append(waiting.pop(0))
         cancel = [CANCEL_AT[step]] if step in CANCEL_AT and CANCEL_AT[step] not in done else []
+        group = runner.prefilling
+        if group is not None and group.done and CANCEL_IN_PREFILL in [s.request_id for s in group.seqs]:
+            cancel.append(CANCEL_IN_PREFILL)
+            cancelled_in_prefill = True
         result = runner.step(StepPlan(step, [Admission(i, PROMPTS[i], MAX_TOKENS[i], SAMPLING[i]) for i in admit],
                                       cancel))
         for i, t in result.tokens:
@@ -55,13 +61,14 @@ def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4
         done.update(result.finished)
         if len(done) == len(PROMPTS):
             break
+    assert cancelled_in_prefill
     return [out[i] for i in range(len(PROMPTS))], alone, done, runner.slots_used()
 
 
 def _check(served, alone, done):
     for i, (got, want) in enumerate(zip(served, alone)):
         if done[i] == "cancelled":
-            assert 0 < len(got) < len(want) and got == want[:len(got)], i
+            assert len(got) < len(want) and got == want[:len(got)], i
         else:
             assert got == want, i
             assert done[i] == "length"
@@ -71,7 +78,7 @@ def test_reference_engine_batches_rows_of_different_lengths():
     model = _model()
     served, alone, done, left = serve_script(model, model)
     _check(served, alone, done)
-    assert done[2] == "cancelled" and left == 0
+    assert done[2] == done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
 
 
 def _on_ranks(scheme, schedule):
@@ -85,7 +92,7 @@ def _on_ranks(scheme, schedule):
 def test_parallel_engines_batch_rows_of_different_lengths(pools, scheme, schedule):
     for served, alone, done, left in pools(2).run(_on_ranks, scheme, schedule):
         _check(served, alone, done)
-        assert left == 0
+        assert done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
 
 
 def test_plan_round_trip():

@@ -5,9 +5,11 @@ rows, the cache slots and the tokens chosen agree everywhere without more messag
 sequences occupy cache rows [0, n): a sequence that leaves hands its row to the last one (a local copy of
 that row's slots), so an engine always runs on one contiguous view of the cache (``KVCache.rows``).
 
-A step: sequences cancelled by the plan leave; the admitted ones are prefilled together in rows [n, n + k)
-(right padded to the longest, in chunks of at most ``prefill_chunk`` tokens) and get their first token;
-then every running sequence decodes one token; sequences that reached a stop id or ``max_tokens`` leave.
+A step: sequences cancelled by the plan leave; admitted ones become the prefill group, in the rows after the
+running ones (right padded to the longest prompt); the group runs one chunk of at most ``prefill_chunk``
+tokens per sequence (so a long prompt does not stall the others' decoding); when its last chunk is done
+its sequences get their first token and join the running rows; then every running sequence decodes one
+token; sequences that reached a stop id or ``max_tokens`` leave. One group prefills at a time.
 Rows hold sequences of different lengths: each row writes after its own last slot and attention reads
 positions and validity, never slot order (cache.py), so a sequence computes what it would alone.
 
@@ -52,6 +54,19 @@ class Sequence:
 
 
 @dataclass
+class PrefillGroup:
+    """Sequences being prefilled together in rows [first, first + k), one chunk per step."""
+
+    seqs: list[Sequence]
+    first: int
+    tokens: torch.Tensor  # [k, padded prompt]
+    lengths: torch.Tensor  # [k]
+    last: torch.Tensor  # [k, dim]: this rank's share of each last prompt token's hidden state so far
+    done: int = 0  # prompt positions prefilled
+    cancelled: set = field(default_factory=set)  # leave as soon as the prefill ends
+
+
+@dataclass
 class StepResult:
     tokens: list[tuple[int, int]] = field(default_factory=list)  # (request id, token), in order of choice
     finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "cancelled")
@@ -73,7 +88,8 @@ class BatchRunner:
                      self.token_multiple + 1)
         self.cache = engine.cache
         self.capacity = self.cache.capacity
-        self.rows: list[Sequence] = []
+        self.rows: list[Sequence] = []  # running (decoding) sequences, in rows [0, n)
+        self.prefilling: PrefillGroup | None = None
         self.decode_steps = 0  # decoded token t of the batch goes to rank t mod D (TSP, SP)
         device = engine.device
         self.device = device
@@ -82,16 +98,14 @@ class BatchRunner:
 
     # -- what the scheduler asks ------------------------------------------------------
 
-    def fits(self, prompt_lengths: list[int], max_tokens: list[int]) -> bool:
-        """Whether these requests, prefilled together, fit the free rows and each its row's slots."""
-        if len(self.rows) + len(prompt_lengths) > self.max_batch:
-            return False
-        padded = round_up(max(prompt_lengths), self.token_multiple)
-        return all(row_slots(self.token_multiple, padded, m) <= self.capacity for m in max_tokens)
-
     def slots_used(self) -> int:
-        """Cache slots this rank holds for the running sequences (real tokens and prompt padding)."""
-        return int(self.cache.row_fill[: len(self.rows)].sum())
+        """Cache slots this rank holds for its sequences (real tokens and prompt padding; free rows hold 0)."""
+        return int(self.cache.row_fill.sum())
+
+    def active_ids(self) -> set[int]:
+        """Requests with a row: running or being prefilled."""
+        group = self.prefilling.seqs if self.prefilling is not None else []
+        return {s.request_id for s in (*self.rows, *group)}
 
     # -- one step, on every rank --------------------------------------------------------
 
@@ -102,53 +116,82 @@ class BatchRunner:
             for seq in [s for s in self.rows if s.request_id in cancel]:
                 self._leave(seq)
                 result.finished.append((seq.request_id, "cancelled"))
+            if self.prefilling is not None:
+                self.prefilling.cancelled |= cancel
             if plan.admit:
-                self._prefill(plan.admit, result)
+                self._admit(plan.admit)
+            if self.prefilling is not None:
+                self._prefill_chunk(result)
             if self.rows:
                 self._decode(result)
         return result
 
+    def _move_row(self, src: int, dst: int) -> None:
+        """Row src's used slots to row dst (a local copy); row src is then free."""
+        if src == dst:
+            return
+        cache, n = self.cache, int(self.cache.row_fill[src])
+        for k in (*cache.k, *cache.v):
+            k[dst, :, :n] = k[src, :, :n]
+        cache.pos[dst] = cache.pos[src]
+        cache.valid[dst] = cache.valid[src]
+        cache.row_fill[dst] = cache.row_fill[src]
+        self._clear_row(src)
+
+    def _clear_row(self, row: int) -> None:
+        self.cache.valid[row] = False  # slots past a row's count must read as empty when the row is reused
+        self.cache.row_fill[row] = 0
+
     def _leave(self, seq: Sequence) -> None:
-        """Free the sequence's row; the last row moves into it (a local copy of its used slots)."""
-        cache, last = self.cache, len(self.rows) - 1
+        """Free a running sequence's row; the last running row moves into it."""
+        last = len(self.rows) - 1
         moved = self.rows[last]
         if seq.row != last:
-            n = int(cache.row_fill[last])
-            for k in (*cache.k, *cache.v):
-                k[seq.row, :, :n] = k[last, :, :n]
-            cache.pos[seq.row] = cache.pos[last]
-            cache.valid[seq.row] = cache.valid[last]
-            cache.row_fill[seq.row] = cache.row_fill[last]
+            self._move_row(last, seq.row)
             self.rows[seq.row], moved.row = moved, seq.row
-        cache.valid[last] = False
-        cache.row_fill[last] = 0
+        else:
+            self._clear_row(last)
         self.rows.pop()
 
-    def _prefill(self, admitted: list[Admission], result: StepResult) -> None:
-        engine, first = self.engine, len(self.rows)
-        if first + len(admitted) > self.max_batch:
+    def _admit(self, admitted: list[Admission]) -> None:
+        first = len(self.rows)
+        if self.prefilling is not None or first + len(admitted) > self.max_batch:
             raise RuntimeError(f"step plan admits {len(admitted)} sequences to {first} running of at most "
-                               f"{self.max_batch}; the scheduler and the ranks disagree")
-        new = [Sequence(a, first + i, sampler=self._sampler(a)) for i, a in enumerate(admitted)]
-        self.rows += new
+                               f"{self.max_batch} (or while a group prefills); the scheduler and the ranks disagree")
         prompts = [a.prompt for a in admitted]
-        longest = max(len(p) for p in prompts)
-        padded = round_up(longest, self.token_multiple)
+        padded = round_up(max(len(p) for p in prompts), self.token_multiple)
         tokens = torch.zeros(len(prompts), padded, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = torch.tensor(p, device=self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        chunk = min(self.prefill_chunk, padded)
-        engine.choose_schedule(self.schedule, len(prompts), chunk)
-        engine.attach_cache(self.cache.rows(first, first + len(prompts)))
-        last = torch.zeros(len(prompts), self.cfg.dim, dtype=engine.dtype, device=self.device)
-        for c0 in range(0, padded, chunk):  # the last chunk may be shorter (still a multiple of token_multiple)
-            c1 = min(c0 + chunk, padded)
-            pos = torch.arange(c0, c1, device=self.device).expand(len(prompts), c1 - c0)
-            last += engine.prefill_chunk(tokens[:, c0:c1], pos, pos < lengths.unsqueeze(1), lengths)
-        logits = engine.head(engine.finish_last(last))
-        result.admitted += [a.request_id for a in admitted]
-        self._take(new, logits, result)
+        self.prefilling = PrefillGroup(
+            [Sequence(a, first + i, sampler=self._sampler(a)) for i, a in enumerate(admitted)], first, tokens,
+            torch.tensor([len(p) for p in prompts], device=self.device),
+            torch.zeros(len(prompts), self.cfg.dim, dtype=self.engine.dtype, device=self.device))
+
+    def _prefill_chunk(self, result: StepResult) -> None:
+        """The group's next chunk (the last may be shorter: still a multiple of token_multiple); after the last
+        one, its first tokens, and the group joins the running rows."""
+        engine, g = self.engine, self.prefilling
+        k, padded = g.tokens.shape
+        c0, c1 = g.done, min(g.done + self.prefill_chunk, padded)
+        engine.choose_schedule(self.schedule, k, c1 - c0)
+        engine.attach_cache(self.cache.rows(g.first, g.first + k))
+        pos = torch.arange(c0, c1, device=self.device).expand(k, c1 - c0)
+        g.last += engine.prefill_chunk(g.tokens[:, c0:c1], pos, pos < g.lengths.unsqueeze(1), g.lengths)
+        g.done = c1
+        if c1 < padded:
+            return
+        logits = engine.head(engine.finish_last(g.last))
+        self.prefilling = None
+        for i, seq in enumerate(g.seqs):  # down to the rows right after the running ones
+            self._move_row(g.first + i, len(self.rows))
+            seq.row = len(self.rows)
+            self.rows.append(seq)
+        result.admitted += [s.request_id for s in g.seqs]
+        self._take(g.seqs, logits, result)
+        for seq in [s for s in g.seqs if s.request_id in g.cancelled and s.finish is None]:
+            self._leave(seq)
+            result.finished.append((seq.request_id, "cancelled"))
 
     def _decode(self, result: StepResult) -> None:
         engine, rows = self.engine, self.rows

@@ -58,7 +58,7 @@ class Scheduler:
         from .plan import StepPlan
 
         runner = self.runner
-        running = {s.request_id for s in runner.rows}
+        running = runner.active_ids()
         if self.stopping:
             return StepPlan(step, cancel=sorted(running), stop=True)
         cancel = sorted(running & self.cancelled)
@@ -68,7 +68,7 @@ class Scheduler:
         self.cancelled.clear()  # running ones leave in this plan; ids of finished requests are forgotten
         free = runner.max_batch - (len(running) - len(cancel))
         admit: list = []
-        while self.waiting and len(admit) < free:
+        while self.waiting and len(admit) < free and runner.prefilling is None:
             group = [*admit, self.waiting[0]]
             padded = round_up(max(len(a.prompt) for a in group), runner.token_multiple)
             if any(row_slots(runner.token_multiple, padded, a.max_tokens) > runner.capacity for a in group):
@@ -112,7 +112,7 @@ def run_serve_rank(job: ServeJob) -> dict:
     try:
         while True:
             if rank0:
-                scheduler.receive(0 if (runner.rows or scheduler.waiting) else IDLE_S)
+                scheduler.receive(0 if (runner.rows or runner.prefilling or scheduler.waiting) else IDLE_S)
                 plan = scheduler.plan(step)
             else:
                 plan = None
@@ -126,7 +126,7 @@ def run_serve_rank(job: ServeJob) -> dict:
                 conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
                                     "kv_slots_used": used, "running": len(runner.rows),
                                     "waiting": len(scheduler.waiting), "step_s": time.perf_counter() - t0}))
-            steps += bool(plan.admit) or bool(runner.rows) or bool(result.finished)
+            steps += bool(plan.admit) or bool(runner.rows) or runner.prefilling is not None or bool(result.finished)
             if plan.stop:
                 break
             step += 1
