@@ -70,3 +70,34 @@ def hf_batch(vocab: int, batch: int, seq_len: int, seed: int = 1):
     labels[0, :4] = IGNORE_INDEX
     labels[:, -1] = IGNORE_INDEX
     return tokens, labels
+
+
+def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0):
+    """A byte-level BPE tokenizer trained on a small corpus (``test_workflow.sentences``) and a random tiny
+    Hugging Face Llama of its vocabulary, saved together in ``folder``; returns the EOS id."""
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from test_workflow import sentences
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(sentences(300, seed), trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    eos = tok.token_to_id("</s>")
+    torch.manual_seed(seed)
+    hf_config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128, bos_token_id=tok.token_to_id("<s>"),
+                                         eos_token_id=eos, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
+    return eos

@@ -260,6 +260,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.server import cmd_serve as run
+
+    return run(args)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     try:
         from .convert import convert_checkpoint
@@ -297,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="generate text with TSP (or a baseline scheme), local ranks or torchrun")
     add_generate_arguments(generate)
     generate.set_defaults(func=cmd_generate)
+
+    from .serve.args import add_serve_arguments  # torch-free
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming) with "
+                           "continuous batching, local ranks or torchrun")
+    add_serve_arguments(serve, PRESETS, INFERENCE_SCHEDULES)
+    serve.set_defaults(func=cmd_serve)
 
     convert = sub.add_parser("convert", help="convert checkpoints between torchtsp and Hugging Face formats")
     convert.add_argument("src", help="checkpoint to read")

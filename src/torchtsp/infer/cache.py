@@ -6,6 +6,11 @@ filled in the order tokens arrive on this rank; attention never relies on slot o
 positions (causality) and the validity mask (prompt padding, slots of other sequences' lengths).
 That is what lets TSP and SP keep an arbitrary 1/D share of the tokens (the zigzag share of the
 prompt, then decoded tokens assigned to ranks in turn) while TP keeps its heads of every token.
+
+Each sequence (row) has its own count of used slots. ``generate`` moves every row in step, so the
+counts stay equal and a step's tokens go to one slot range of every row. A server (``torchtsp.serve``)
+runs rows that joined at different times: each row then writes after its own last slot, and
+``rows(a, b)`` is a view of some rows (sharing the storage) that an engine can run on alone.
 """
 
 from __future__ import annotations
@@ -24,30 +29,57 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.capacity, self.filled = capacity, 0
+        self.row_fill = torch.zeros(batch, dtype=torch.long)  # slots used by each row (host: read every step)
+        self.capacity = capacity
+
+    @property
+    def filled(self) -> int:
+        """Slots used by the fullest row: attention reads this many."""
+        return int(self.row_fill.max()) if len(self.row_fill) else 0
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """The rows [start, stop) as a cache of their own, sharing this one's storage (writes go through)."""
+        view = object.__new__(KVCache)
+        view.k, view.v = [t[start:stop] for t in self.k], [t[start:stop] for t in self.v]
+        view.pos, view.valid, view.row_fill = self.pos[start:stop], self.valid[start:stop], self.row_fill[start:stop]
+        view.capacity = self.capacity
+        return view
 
     @property
     def nbytes(self) -> int:
         """Bytes of K and V held (the preallocated storage, every layer)."""
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> slice:
-        """Claim slots for tokens at positions ``pos`` [B, T] (``valid`` [B, T]); returns the slot range.
+    def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> slice | torch.Tensor:
+        """Claim slots for tokens at positions ``pos`` [B, T] (``valid`` [B, T]); returns where they go: one
+        slot range when every row has used the same slots, else each row's slot indices [B, T].
 
         T may be 0 (this rank stores none of the step's tokens)."""
         T = pos.shape[1]
-        if self.filled + T > self.capacity:
-            raise ValueError(f"KV cache full: {self.filled} + {T} tokens exceed its {self.capacity} slots")
-        slots = slice(self.filled, self.filled + T)
-        self.pos[:, slots] = pos
-        self.valid[:, slots] = valid
-        self.filled += T
+        low, high = (int(self.row_fill.min()), self.filled) if len(self.row_fill) else (0, 0)
+        if high + T > self.capacity:
+            raise ValueError(f"KV cache full: {high} + {T} tokens exceed its {self.capacity} slots")
+        if low == high or T == 0:
+            slots = slice(high, high + T) if T else slice(0, 0)
+            self.pos[:, slots] = pos
+            self.valid[:, slots] = valid
+        else:  # rows of different lengths: each continues after its own last slot
+            slots = (self.row_fill.unsqueeze(1) + torch.arange(T)).to(self.pos.device)
+            self.pos.scatter_(1, slots, pos)
+            self.valid.scatter_(1, slots, valid)
+        self.row_fill += T
         return slots
 
-    def write(self, layer: int, slots: slice, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
+    def write(self, layer: int, slots: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              heads: slice = slice(None)):
         """Store k, v [B, h, T, d] of the given heads in the reserved slots."""
-        self.k[layer][:, heads, slots] = k
-        self.v[layer][:, heads, slots] = v
+        if isinstance(slots, slice):
+            self.k[layer][:, heads, slots] = k
+            self.v[layer][:, heads, slots] = v
+            return
+        index = slots[:, None, :, None].expand(k.shape)
+        self.k[layer][:, heads].scatter_(2, index, k)
+        self.v[layer][:, heads].scatter_(2, index, v)
 
     def keys(self, layer: int, heads: slice = slice(None)):
         """(K, V, positions, valid) of the filled slots (views)."""

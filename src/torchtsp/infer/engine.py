@@ -91,6 +91,11 @@ class Engine:
     def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
         raise NotImplementedError
 
+    def attach_cache(self, cache) -> None:
+        """Run the next steps on ``cache`` (a server's rows, ``KVCache.rows``; rows may differ in length).
+        Collective: every rank of the engine calls it with its own rows of the same sequences."""
+        self.cache = cache
+
     def prefill_chunk(self, ids, pos, valid, lengths) -> torch.Tensor:
         """Run one chunk of the prompts; return this rank's share of the last-real-token hidden states [B, h]."""
         raise NotImplementedError

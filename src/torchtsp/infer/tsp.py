@@ -84,6 +84,16 @@ class TSPEngine(Engine):
         capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
         self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
 
+    def attach_cache(self, cache):
+        super().attach_cache(cache)
+        # weights_move gathers max(fills) slots of every rank: the fullest rank's, which rows of different
+        # lengths make unknowable from here. One tiny all-gather, only when that schedule may run.
+        if "weights" in self.schedule.values() and self.comm.size > 1:
+            self.fills = self.comm.all_gather(torch.tensor([cache.filled], device=self.device),
+                                              label="infer.kv.fills").flatten().tolist()
+        else:
+            self.fills = [cache.filled] * self.comm.size
+
     # -- the two schedules ---------------------------------------------------------------
 
     def _reserve(self, pos, valid, counts):

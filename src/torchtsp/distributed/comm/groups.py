@@ -82,6 +82,19 @@ def pipeline_group(mesh: DeviceMesh, timeout_s: float = DEFAULT_TIMEOUT_S):
     return sibling_group(mesh, "pp", "pipeline", timeout_s)
 
 
+def cpu_world_group(timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A process group of every rank on the CPU (gloo), for host-side decisions such as a server's step plans:
+    the default group itself when it is gloo, else a gloo group made once (collective over every rank)."""
+    if world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    key = ((tuple(range(world_size())),), "cpu")
+    if key not in _SIBLING_GROUPS:
+        _SIBLING_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _SIBLING_GROUPS[key]
+
+
 def world_size() -> int:
     """Ranks in the job: the process group's, or the launcher's (torchrun) before the group exists."""
     return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))

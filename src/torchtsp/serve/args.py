@@ -1,0 +1,37 @@
+"""The flags of ``torchtsp serve`` (no heavy imports: ``torchtsp --help`` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
+    add = p.add_argument
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama checkpoint folder (with its tokenizer.json)")
+    source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders")
+    source.add_argument("--preset", choices=list(presets), help="random weights of a preset shape (default: tiny)")
+    add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
+    add("--scheme", default="tsp", help="parallel scheme: tsp, tp or sp (default: tsp)")
+    for axis in ("tsp", "tp", "sp"):
+        add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
+    add("--nproc", type=int, help="local ranks to spawn when not under torchrun (default: the degree, or 1)")
+    add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
+    add("--seed", type=int, default=0, help="init seed of --preset weights (default: 0)")
+    add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    add("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    add("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (default: the "
+        "TORCHTSP_API_KEY environment variable; none: no key)")
+    add("--served-model-name", metavar="NAME", help="the model's name in the API (default: the checkpoint "
+        "folder's or preset's name)")
+    add("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
+    add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256)")
+    add("--max-model-len", type=int, help="prompt + new tokens per request at most (default: the model's "
+        "max_seq_len); the KV cache holds --max-batch such sequences")
+    add("--chat-template", metavar="FILE", help="jinja2 chat template (default: tokenizer_config.json's)")
+    add("--prefill-chunk", type=int, default=512, help="prefill at most this many tokens per prompt at a time "
+        "(default: 512)")
+    add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "
+        "per phase by tokens in flight (default)")
+    add("--timeout-s", type=float, default=60.0, help="collective timeout in seconds: a hung rank fails the "
+        "server after this long (default: 60)")

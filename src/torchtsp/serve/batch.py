@@ -1,0 +1,241 @@
+"""The running batch on one rank: continuous batching over any inference engine's KV cache.
+
+Every rank holds the same ``BatchRunner`` state and applies the same step plans in the same order, so the
+rows, the cache slots and the tokens chosen agree everywhere without more messages. The running
+sequences occupy cache rows [0, n): a sequence that leaves hands its row to the last one (a local copy of
+that row's slots), so an engine always runs on one contiguous view of the cache (``KVCache.rows``).
+
+A step: sequences cancelled by the plan leave; admitted ones become the prefill group, in the rows after the
+running ones (right padded to the longest prompt); the group runs one chunk of at most ``prefill_chunk``
+tokens per sequence (so a long prompt does not stall the others' decoding); when its last chunk is done
+its sequences get their first token and join the running rows; then every running sequence decodes one
+token; sequences that reached a stop id or ``max_tokens`` leave. One group prefills at a time.
+Rows hold sequences of different lengths: each row writes after its own last slot and attention reads
+positions and validity, never slot order (cache.py), so a sequence computes what it would alone.
+
+Token choice is per sequence: greedy rows take the argmax; a sampling row draws its Gumbel noise from its
+own generator seeded by the request's seed (the draw ``generate`` makes for a one-prompt batch), so a
+request's tokens never depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..infer.sampling import TokenSelector, filter_logits
+from .plan import Admission, StepPlan
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def row_slots(token_multiple: int, padded_prompt: int, max_tokens: int) -> int:
+    """Cache slots one sequence needs on every rank: a sequence-sharded cache (TSP, SP: token_multiple = 2D)
+    holds 1/D of the padded prompt and every D-th decoded token; the others hold every token."""
+    ranks = token_multiple // 2 if token_multiple > 1 else 1
+    return padded_prompt // ranks + -(-(max_tokens - 1) // ranks)
+
+
+@dataclass
+class Sequence:
+    request: Admission
+    row: int
+    generated: int = 0  # tokens chosen so far
+    last: int = -1  # the last chosen token: the next decode's input
+    sampler: TokenSelector | None = None  # its noise generator (sampling only)
+    finish: str | None = None
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+
+@dataclass
+class PrefillGroup:
+    """Sequences being prefilled together in rows [first, first + k), one chunk per step."""
+
+    seqs: list[Sequence]
+    first: int
+    tokens: torch.Tensor  # [k, padded prompt]
+    lengths: torch.Tensor  # [k]
+    last: torch.Tensor  # [k, dim]: this rank's share of each last prompt token's hidden state so far
+    done: int = 0  # prompt positions prefilled
+    cancelled: set = field(default_factory=set)  # leave as soon as the prefill ends
+
+
+@dataclass
+class StepResult:
+    tokens: list[tuple[int, int]] = field(default_factory=list)  # (request id, token), in order of choice
+    finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "cancelled")
+    admitted: list[int] = field(default_factory=list)
+
+
+class BatchRunner:
+    """Continuous batching of up to ``max_batch`` sequences of at most ``max_model_len`` tokens each."""
+
+    def __init__(self, engine, max_batch: int, max_model_len: int, prefill_chunk: int = 512,
+                 schedule: str = "auto", eos_token_id: int | None = None):
+        self.engine, self.cfg, self.schedule = engine, engine.cfg, schedule
+        self.max_batch, self.max_model_len, self.eos = max_batch, max_model_len, eos_token_id
+        self.token_multiple = engine.token_multiple
+        self.prefill_chunk = round_up(max(1, prefill_chunk), self.token_multiple)
+        # Rows sized for the worst single sequence (row_slots with max_model_len), plus one padding block of
+        # slack for a prompt prefilled next to a longer one (the scheduler checks every admission against it).
+        engine.start(max_batch, round_up(max_model_len, self.token_multiple) + self.token_multiple,
+                     self.token_multiple + 1)
+        self.cache = engine.cache
+        self.capacity = self.cache.capacity
+        self.rows: list[Sequence] = []  # running (decoding) sequences, in rows [0, n)
+        self.prefilling: PrefillGroup | None = None
+        self.decode_steps = 0  # decoded token t of the batch goes to rank t mod D (TSP, SP)
+        device = engine.device
+        self.device = device
+        self.greedy = TokenSelector(engine.vocab_comm, self.cfg.vocab_size, engine.vocab_start, 1, slice(0, 1),
+                                    0.0, None, None, 0, device)
+
+    # -- what the scheduler asks ------------------------------------------------------
+
+    def slots_used(self) -> int:
+        """Cache slots this rank holds for its sequences (real tokens and prompt padding; free rows hold 0)."""
+        return int(self.cache.row_fill.sum())
+
+    def active_ids(self) -> set[int]:
+        """Requests with a row: running or being prefilled."""
+        group = self.prefilling.seqs if self.prefilling is not None else []
+        return {s.request_id for s in (*self.rows, *group)}
+
+    # -- one step, on every rank --------------------------------------------------------
+
+    def step(self, plan: StepPlan) -> StepResult:
+        result = StepResult()
+        cancel = set(plan.cancel)
+        with torch.inference_mode():
+            for seq in [s for s in self.rows if s.request_id in cancel]:
+                self._leave(seq)
+                result.finished.append((seq.request_id, "cancelled"))
+            if self.prefilling is not None:
+                self.prefilling.cancelled |= cancel
+            if plan.admit:
+                self._admit(plan.admit)
+            if self.prefilling is not None:
+                self._prefill_chunk(result)
+            if self.rows:
+                self._decode(result)
+        return result
+
+    def _move_row(self, src: int, dst: int) -> None:
+        """Row src's used slots to row dst (a local copy); row src is then free."""
+        if src == dst:
+            return
+        cache, n = self.cache, int(self.cache.row_fill[src])
+        for k in (*cache.k, *cache.v):
+            k[dst, :, :n] = k[src, :, :n]
+        cache.pos[dst] = cache.pos[src]
+        cache.valid[dst] = cache.valid[src]
+        cache.row_fill[dst] = cache.row_fill[src]
+        self._clear_row(src)
+
+    def _clear_row(self, row: int) -> None:
+        self.cache.valid[row] = False  # slots past a row's count must read as empty when the row is reused
+        self.cache.row_fill[row] = 0
+
+    def _leave(self, seq: Sequence) -> None:
+        """Free a running sequence's row; the last running row moves into it."""
+        last = len(self.rows) - 1
+        moved = self.rows[last]
+        if seq.row != last:
+            self._move_row(last, seq.row)
+            self.rows[seq.row], moved.row = moved, seq.row
+        else:
+            self._clear_row(last)
+        self.rows.pop()
+
+    def _admit(self, admitted: list[Admission]) -> None:
+        first = len(self.rows)
+        if self.prefilling is not None or first + len(admitted) > self.max_batch:
+            raise RuntimeError(f"step plan admits {len(admitted)} sequences to {first} running of at most "
+                               f"{self.max_batch} (or while a group prefills); the scheduler and the ranks disagree")
+        prompts = [a.prompt for a in admitted]
+        padded = round_up(max(len(p) for p in prompts), self.token_multiple)
+        tokens = torch.zeros(len(prompts), padded, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p, device=self.device)
+        self.prefilling = PrefillGroup(
+            [Sequence(a, first + i, sampler=self._sampler(a)) for i, a in enumerate(admitted)], first, tokens,
+            torch.tensor([len(p) for p in prompts], device=self.device),
+            torch.zeros(len(prompts), self.cfg.dim, dtype=self.engine.dtype, device=self.device))
+
+    def _prefill_chunk(self, result: StepResult) -> None:
+        """The group's next chunk (the last may be shorter: still a multiple of token_multiple); after the last
+        one, its first tokens, and the group joins the running rows."""
+        engine, g = self.engine, self.prefilling
+        k, padded = g.tokens.shape
+        c0, c1 = g.done, min(g.done + self.prefill_chunk, padded)
+        engine.choose_schedule(self.schedule, k, c1 - c0)
+        engine.attach_cache(self.cache.rows(g.first, g.first + k))
+        pos = torch.arange(c0, c1, device=self.device).expand(k, c1 - c0)
+        g.last += engine.prefill_chunk(g.tokens[:, c0:c1], pos, pos < g.lengths.unsqueeze(1), g.lengths)
+        g.done = c1
+        if c1 < padded:
+            return
+        logits = engine.head(engine.finish_last(g.last))
+        self.prefilling = None
+        for i, seq in enumerate(g.seqs):  # down to the rows right after the running ones
+            self._move_row(g.first + i, len(self.rows))
+            seq.row = len(self.rows)
+            self.rows.append(seq)
+        result.admitted += [s.request_id for s in g.seqs]
+        self._take(g.seqs, logits, result)
+        for seq in [s for s in g.seqs if s.request_id in g.cancelled and s.finish is None]:
+            self._leave(seq)
+            result.finished.append((seq.request_id, "cancelled"))
+
+    def _decode(self, result: StepResult) -> None:
+        engine, rows = self.engine, self.rows
+        ids = torch.tensor([s.last for s in rows], device=self.device)
+        pos = torch.tensor([len(s.request.prompt) + s.generated - 1 for s in rows], device=self.device)
+        engine.choose_schedule(self.schedule, len(rows), 1)
+        engine.attach_cache(self.cache.rows(0, len(rows)))
+        logits = engine.decode(ids, pos, self.decode_steps)
+        self.decode_steps += 1
+        self._take(list(rows), logits, result)
+
+    def _sampler(self, a: Admission) -> TokenSelector | None:
+        s = a.sampling
+        if s.temperature == 0:
+            return None
+        engine = self.engine
+        return TokenSelector(engine.vocab_comm, self.cfg.vocab_size, engine.vocab_start, 1, slice(0, 1),
+                             s.temperature, s.top_k, s.top_p, s.seed, self.device)
+
+    def choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Next token of each sequence from its rows of vocabulary-sliced logits [n, cols] (collective)."""
+        if all(s.sampler is None for s in seqs):
+            return self.greedy.argmax_over_slices(logits).tolist()
+        full = self.greedy.gather_full(logits)  # [n, V]: sampling rows need the whole distribution
+        ids = full.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        for i, s in enumerate(seqs):
+            if s.sampler is None:
+                continue
+            p = s.request.sampling
+            scores = full[i:i + 1] / p.temperature
+            if p.top_k is not None or p.top_p is not None:
+                scores = filter_logits(scores, p.top_k, p.top_p)
+            ids[i] = (scores + s.sampler.gumbel()).nan_to_num(nan=float("-inf")).argmax(dim=-1)[0]
+        return ids.tolist()
+
+    def _take(self, seqs: list[Sequence], logits: torch.Tensor, result: StepResult) -> None:
+        """Record each sequence's new token; sequences that end leave the batch."""
+        for s, token in zip(seqs, self.choose(seqs, logits)):
+            s.last, s.generated = token, s.generated + 1
+            result.tokens.append((s.request_id, token))
+            if (token == self.eos and not s.request.ignore_eos) or token in s.request.stop_token_ids:
+                s.finish = "stop"
+            elif s.generated >= s.request.max_tokens:
+                s.finish = "length"
+        for s in [s for s in seqs if s.finish is not None]:
+            self._leave(s)
+            result.finished.append((s.request_id, s.finish))

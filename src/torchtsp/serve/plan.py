@@ -1,0 +1,106 @@
+"""The step plan: what rank 0's scheduler tells every rank before each engine step, and how it travels.
+
+A plan is a few integers (requests that join, with their prompts, sampling values and seeds; requests that
+leave; whether to stop), so it travels as int64 tensors over the CPU control group, not as a pickle: a
+fixed-size header broadcast every step (the ranks stay in lockstep even when it says "nothing to do"),
+then, when the header says so, one payload tensor of the announced length. Floats travel as their
+IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process checked.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+HEADER = 6  # magic, step, stop, cancels, admissions, payload length
+MAGIC = 0x7E5A
+
+
+@dataclass
+class Sampling:
+    """Per request: temperature 0 is greedy; the seed drives its own noise, whatever else is in the batch."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+
+@dataclass
+class Admission:
+    """A request joining the batch: its prompt ids and how to end it."""
+
+    request_id: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # run to max_tokens even past the model's EOS (load tests)
+
+
+@dataclass
+class StepPlan:
+    step: int
+    admit: list[Admission] = field(default_factory=list)
+    cancel: list[int] = field(default_factory=list)
+    stop: bool = False
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_float(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(n)))[0]
+
+
+def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [HEADER], payload [n]) int64 tensors of a plan."""
+    payload = list(plan.cancel)
+    for a in plan.admit:
+        s = a.sampling
+        payload += [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
+                    _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
+                    len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt]
+    header = [MAGIC, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit), len(payload)]
+    return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
+
+
+def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
+    magic, step, stop, cancels, admissions, _ = header.tolist()
+    if magic != MAGIC:
+        raise RuntimeError(f"step plan header is corrupt (magic {magic:#x}); the ranks are out of step")
+    values = payload.tolist()
+    plan = StepPlan(step=step, stop=bool(stop), cancel=values[:cancels])
+    at = cancels
+    for _ in range(admissions):
+        rid, max_tokens, seed, temperature, top_k, top_p, ignore_eos, n_stops, n_prompt = values[at:at + 9]
+        at += 9
+        stops, prompt = values[at:at + n_stops], values[at + n_stops:at + n_stops + n_prompt]
+        at += n_stops + n_prompt
+        top_p = _bits_float(top_p)
+        plan.admit.append(Admission(rid, prompt, max_tokens, Sampling(_bits_float(temperature), top_k or None,
+                                                                       None if top_p < 0 else top_p, seed), stops,
+                                   bool(ignore_eos)))
+    return plan
+
+
+def exchange(comm, plan: StepPlan | None) -> StepPlan:
+    """Rank 0 passes its plan, every other rank None; every rank returns rank 0's plan. ``comm``: the world's
+    CPU control comm (an ``AxisComm``)."""
+    if comm.size == 1:
+        return plan
+    if comm.rank == 0:
+        header, payload = encode(plan)
+    else:
+        header, payload = torch.zeros(HEADER, dtype=torch.long), None
+    comm.broadcast(header, 0, label="serve.plan")
+    length = int(header[-1])
+    if length == 0:
+        return plan if comm.rank == 0 else decode(header, torch.zeros(0, dtype=torch.long))
+    if comm.rank != 0:
+        payload = torch.zeros(length, dtype=torch.long)
+    comm.broadcast(payload, 0, label="serve.plan")
+    return plan if comm.rank == 0 else decode(header, payload)

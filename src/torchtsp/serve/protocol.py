@@ -1,0 +1,192 @@
+"""The OpenAI-shaped request bodies, their checks, and the error body every failure returns.
+
+Requests are parsed strictly (JSON types as the API documents them: a string is not a number) and unknown
+fields are ignored, as OpenAI's API does; fields torchtsp does not implement yet are refused with a 400
+naming the field rather than silently ignored. Every check that can refuse a request runs here, in the
+HTTP process, so that a bad request never reaches the ranks' collectives.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Sampled(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    best_of: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens even past EOS
+
+    def refuse_unsupported(self) -> None:
+        """400 naming the first field torchtsp does not implement (set to something other than its default)."""
+        refused = [("n", self.n != 1, "n > 1 (several choices per prompt) is not supported; send n = 1"),
+                   ("best_of", self.best_of not in (None, 1), "best_of is not supported"),
+                   ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
+                   ("top_logprobs", self.top_logprobs not in (None, 0), "top_logprobs are not supported"),
+                   ("presence_penalty", self.presence_penalty not in (None, 0), "presence_penalty is not supported"),
+                   ("frequency_penalty", self.frequency_penalty not in (None, 0),
+                    "frequency_penalty is not supported"),
+                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported")]
+        for field, bad, message in refused:
+            if bad:
+                raise APIError(400, message, field, "unsupported_parameter")
+
+    def sampling_values(self) -> tuple[float, int | None, float | None, int | None]:
+        """(temperature, top_k, top_p, seed) checked; OpenAI's defaults (temperature 1, top_p 1)."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if not math.isfinite(temperature) or not 0 <= temperature <= 2:
+            raise APIError(400, f"temperature must be in [0, 2] (0 = greedy), got {temperature}", "temperature")
+        top_p = self.top_p
+        if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise APIError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+        top_k = self.top_k
+        if top_k is not None and top_k == -1:
+            top_k = None  # vLLM's spelling of "no top-k"
+        if top_k is not None and top_k < 1:
+            raise APIError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2^63 - 1], got {self.seed}", "seed")
+        return temperature, top_k, (None if top_p == 1 else top_p), self.seed
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        if len(stops) > 16:
+            raise APIError(400, f"at most 16 stop strings, got {len(stops)}", "stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampled):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for field in ("tools", "tool_choice", "functions"):
+            if getattr(self, field) not in (None, [], "none"):
+                raise APIError(400, f"{field} (tool calling) is not supported", field, "unsupported_parameter")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format other than text is not supported", "response_format",
+                           "unsupported_parameter")
+        if not self.messages:
+            raise APIError(400, "messages must be a non-empty list", "messages")
+
+    def message_dicts(self) -> list[dict]:
+        """Messages as the chat template sees them: content parts of type text joined into one string."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   f"messages.{i}.content")
+                content = "".join(part["text"] for part in content)
+            out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+        return out
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: bytes):
+    """The request body as ``model``; 400 in OpenAI's shape for malformed JSON or a wrong type."""
+    import json
+
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else None
+        if field == "prompt":
+            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                                "token-id lists", "prompt") from None
+        where = ".".join(str(part) for part in first["loc"] if not str(part).startswith(("list[", "str", "int")))
+        message = "missing" if first["type"] == "missing" else first["msg"]
+        raise APIError(400, f"{where or 'body'}: {message}", field) from None

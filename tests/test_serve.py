@@ -1,0 +1,386 @@
+"""``torchtsp serve`` end to end: the official ``openai`` client against 2-rank TSP servers (real processes,
+gloo on 127.0.0.1) on a random tiny Hugging Face Llama with a BPE tokenizer trained here.
+
+Two servers start once for the module (they load in parallel): ``server`` serves every request test and
+is stopped by SIGTERM under load at the end; ``doomed`` has a rank killed. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_hf_llama
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+transformers = pytest.importorskip("transformers")
+
+KEY = "test-key"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["the cat sat on", "a bird flew over the park and then", "the dog ran", "on a mat the"]
+START_S, STOP_S = 180, 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, folder: Path, log: Path, *extra):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        src = str(Path(__file__).resolve().parents[1] / "src")
+        env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "TORCHTSP_DEBUG": "0"}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchtsp", "serve", "--hf", str(folder), "--nproc", "2", "--tsp", "2",
+             "--port", str(self.port), "--served-model-name", "tiny-llama", "--max-model-len", "128", *extra],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"server not ready in {START_S}s: {self.log.read_text()[-3000:]}")
+
+    def descendants(self) -> list[int]:
+        """The server's processes (ranks, multiprocessing's resource tracker), from /proc."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    kids = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+                    found += map(int, kids)
+                    todo += map(int, kids)
+            except OSError:
+                pass
+        return found
+
+    def ranks(self) -> list[int]:
+        return [p for p in self.descendants() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    eos = tiny_hf_llama(folder, chat_template=TEMPLATE)
+    return folder, eos
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint, tmp_path_factory):
+    folder, _ = checkpoint
+    logs = tmp_path_factory.mktemp("logs")
+    main = Server(folder, logs / "main.log", "--api-key", KEY, "--max-batch", "16", "--timeout-s", "60")
+    doomed = Server(folder, logs / "doomed.log", "--timeout-s", "20", "--max-batch", "1", "--max-queue", "1")
+    try:
+        main.wait_ready()
+        doomed.wait_ready()
+        yield {"main": main, "doomed": doomed}
+    finally:
+        main.close()
+        doomed.close()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(checkpoint):
+    folder, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+
+    def run(text: str, max_tokens: int) -> str:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return run
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body if raw is None else None, content=raw, headers=headers, timeout=60)
+
+
+def _metrics(server) -> dict:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+# ---------------------------------------------------------------- correctness
+
+
+def test_greedy_completions_equal_hugging_face(client, hf_greedy):
+    for prompt in PROMPTS[:3]:
+        got = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == hf_greedy(prompt, 12), prompt
+        assert got.usage.completion_tokens >= 1 and got.choices[0].finish_reason in ("stop", "length")
+    batch = client.completions.create(model="tiny-llama", prompt=PROMPTS[:2], max_tokens=6, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [hf_greedy(p, 6) for p in PROMPTS[:2]]
+
+
+def test_stream_equals_non_streamed_with_one_usage_chunk(client):
+    for seed, temperature in ((None, 0.0), (7, 0.9)):
+        whole = client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=16,
+                                          temperature=temperature, seed=seed)
+        chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=16,
+                                                temperature=temperature, seed=seed, stream=True,
+                                                stream_options={"include_usage": True}))
+        usage = [c for c in chunks if c.usage is not None]
+        assert len(usage) == 1 and usage[0] is chunks[-1] and not usage[0].choices
+        assert usage[0].usage.model_dump() == whole.usage.model_dump()
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_chat_equals_completion_of_the_rendered_template(client, checkpoint):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "system", "content": "the park"}, {"role": "user", "content": "the cat sat"}]
+    rendered = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(TEMPLATE).render(
+        messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0)
+    plain = client.completions.create(model="tiny-llama", prompt=rendered, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+    streamed = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == plain.choices[0].text
+
+
+def test_stop_strings_and_echo(client):
+    base = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    stop = text[3:5]
+    assert stop, text
+    cut = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=16, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + text
+
+
+def test_sixteen_concurrent_requests_batch(server):
+    """Each of 16 requests (prompts of 2..17 words) returns what it returns alone, and together they take well
+    under the time of running them one by one: the batch is real."""
+    prompts = [" ".join((PROMPTS[i % 4] + " the mat").split()[: 2 + i]) for i in range(16)]
+
+    async def one(c, p):
+        r = await c.completions.create(model="tiny-llama", prompt=p, max_tokens=24, temperature=0)
+        return r.choices[0].text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300) as c:
+            await one(c, prompts[0])  # warm
+            t0 = time.perf_counter()
+            alone = [await one(c, p) for p in prompts]
+            sequential = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            together = await asyncio.gather(*(one(c, p) for p in prompts))
+            return alone, list(together), sequential, time.perf_counter() - t0
+
+    alone, together, sequential, concurrent = asyncio.run(run())
+    assert together == alone
+    # 16 sequences per decode step against 16 one-sequence steps: the tiny model's step is mostly fixed cost,
+    # so batching gives several times the throughput; half the time leaves room for a busy shared machine.
+    assert concurrent < 0.5 * sequential, (concurrent, sequential)
+
+
+# ---------------------------------------------------------------- errors, keys, disconnects
+
+
+BAD = [  # (body or raw bytes, status, param)
+    (b"{not json", 400, None),
+    ({"model": "tiny-llama", "prompt": "the", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": "the", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny-llama", "prompt": "the", "top_p": 1.5}, 400, "top_p"),
+    ({"model": "tiny-llama", "prompt": "the", "top_k": 0}, 400, "top_k"),
+    ({"model": "tiny-llama", "prompt": [1, 2, 100000]}, 400, "prompt"),
+    ({"model": "tiny-llama", "prompt": "the", "max_tokens": 1000}, 400, "max_tokens"),
+    ({"model": "tiny-llama", "prompt": "the", "n": 2}, 400, "n"),
+    ({"model": "tiny-llama", "prompt": "the", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny-llama", "prompt": ""}, 400, "prompt"),
+    ({"model": "other", "prompt": "the"}, 404, "model"),
+]
+
+
+def test_every_error_has_its_status_and_body_and_the_server_stays_up(server, client):
+    for body, status, param in BAD:
+        raw = body if isinstance(body, bytes) else None
+        r = _post(server, "/v1/completions", None if raw else body, raw=raw)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+        if "max_tokens" in str(body) and status == 400 and body.get("max_tokens") == 1000:
+            assert "128" in error["message"] and "1000" in error["message"]  # the lengths, in the message
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=1).choices[0].finish_reason
+    r = _post(server, "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}],
+                                                "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    with pytest.raises(openai.BadRequestError):  # unknown fields are ignored, refused ones are not
+        client.completions.create(model="tiny-llama", prompt="the", max_tokens=2, extra_body={"best_of": 3})
+    assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=2,
+                                     extra_body={"unknown_field": 1}).choices[0].text is not None
+
+
+def test_api_key(server):
+    assert _post(server, "/v1/completions", {"prompt": "the", "max_tokens": 1}, key=None).status_code == 401
+    r = _post(server, "/v1/completions", {"prompt": "the", "max_tokens": 1}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert models["data"][0]["id"] == "tiny-llama"
+
+
+def test_tokenize_and_detokenize(server, checkpoint):
+    ids = _post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"]
+    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == PROMPTS[0]
+    assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
+
+
+def test_disconnect_frees_the_slots_on_every_rank(server, client):
+    body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(lines), next(lines)
+        m = _metrics(server)
+        assert m['torchtsp_running_sequences'] == 1 and m['torchtsp_kv_slots_used{rank="1"}'] > 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m["torchtsp_running_sequences"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["torchtsp_running_sequences"] == 0
+    assert m['torchtsp_kv_slots_used{rank="0"}'] == 0 and m['torchtsp_kv_slots_used{rank="1"}'] == 0
+    assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_full_queue_is_429_and_the_server_stays_up(servers):
+    """One row and one place in the queue: while A runs (it has many tokens to go) B waits, and C is refused."""
+    doomed = servers["doomed"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as a:
+        next(line for line in a.iter_lines() if line.startswith("data: "))  # A runs
+        with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as b:
+            assert b.status_code == 200  # B waits for A's row
+            c = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1}, timeout=60)
+            assert c.status_code == 429 and c.json()["error"]["code"] == "queue_full", c.text
+            assert httpx.get(doomed.url + "/health", timeout=10).status_code == 200
+    r = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_killed_rank_turns_health_503_and_fails_in_flight_requests(servers):
+    doomed = servers["doomed"]
+    ranks = doomed.ranks()
+    assert len(ranks) == 2, ranks
+    c = openai.OpenAI(base_url=doomed.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    async def in_flight():
+        async with openai.AsyncOpenAI(base_url=doomed.url + "/v1", api_key="none", max_retries=0, timeout=60) as ac:
+            stream = await ac.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=120, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+            got = []
+            async for chunk in stream:
+                if not got:
+                    os.kill(ranks[1], signal.SIGKILL)
+                got.append(chunk)
+            return got
+
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):  # the error event mid-stream
+        asyncio.run(asyncio.wait_for(in_flight(), 60))
+    assert time.monotonic() - t0 < 30
+    assert httpx.get(doomed.url + "/health", timeout=10).status_code == 503
+    with pytest.raises(openai.InternalServerError):  # 503: the engine is gone
+        c.completions.create(model="tiny-llama", prompt="the", max_tokens=2)
+    doomed.proc.send_signal(signal.SIGTERM)
+    doomed.proc.wait(STOP_S)
+    assert not [p for p in ranks if _alive(p)]
+
+
+def test_sigterm_under_load_exits_cleanly(server):
+    family = server.descendants()
+    assert family
+
+    async def load():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            async def one(i):
+                try:
+                    r = await c.completions.create(model="tiny-llama", prompt=PROMPTS[i % 4], max_tokens=100,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+                    return r.choices[0].finish_reason
+                except openai.APIError as e:
+                    return type(e).__name__
+            tasks = [asyncio.ensure_future(one(i)) for i in range(8)]
+            await asyncio.sleep(1.0)
+            server.proc.send_signal(signal.SIGTERM)
+            return await asyncio.wait_for(asyncio.gather(*tasks), STOP_S)
+
+    t0 = time.monotonic()
+    outcomes = asyncio.run(load())
+    assert server.proc.wait(STOP_S) == 0
+    assert time.monotonic() - t0 < STOP_S
+    assert all(isinstance(o, str) for o in outcomes), outcomes  # every request answered or failed, none hung
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in family if _alive(p)]
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-2000:]
+    json.dumps(outcomes)

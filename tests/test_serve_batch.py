@@ -1,0 +1,147 @@
+"""The serving core without HTTP: continuous batching on every engine gives each request exactly what
+``generate`` gives it alone (rows joining and leaving at different steps, prompts of different lengths,
+greedy and seeded sampling side by side); the step plan's encoding; streamed text with stop strings."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torchtsp
+from torchtsp.config import ModelConfig
+from torchtsp.infer import generate, make_engine
+from torchtsp.serve.batch import BatchRunner
+from torchtsp.serve.plan import Admission, Sampling, StepPlan, decode, encode
+from torchtsp.serve.text import TextStream
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 23)), [7] * 7, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [42]]
+SAMPLING = [Sampling(), Sampling(0.8, 5, None, 11), Sampling(), Sampling(1.0, None, 0.9, 3), Sampling(0.7, None,
+                                                                                                         None, 5)]
+MAX_TOKENS = [9, 6, 9, 9, 4]
+ARRIVALS = {0: [0], 2: [1, 2], 5: [3], 6: [4]}  # step -> requests arriving
+CANCEL_AT = {8: 2}  # step -> request cancelled (its tokens so far must still be a prefix of its alone run)
+CANCEL_IN_PREFILL = 3  # cancelled after its first prefill chunk (the prompt takes several)
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    model = torchtsp.Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.1)
+    return model
+
+
+def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4):
+    """Run the arrivals through a BatchRunner (at most ``max_batch`` rows); returns (served, alone, slots left)."""
+    alone = [generate(reference, [p], m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                      seed=s.seed).new_tokens[0] for p, s, m in zip(PROMPTS, SAMPLING, MAX_TOKENS)]
+    runner = BatchRunner(make_engine(model), max_batch=max_batch, max_model_len=48, prefill_chunk=prefill_chunk,
+                         schedule=schedule)
+    out = {i: [] for i in range(len(PROMPTS))}
+    waiting, done = [], {}
+    cancelled_in_prefill = False
+    for step in range(100):
+        waiting += ARRIVALS.get(step, [])
+        admit = []
+        while waiting and runner.prefilling is None and len(runner.rows) + len(admit) < max_batch:
+            admit.append(waiting.pop(0))
+        cancel = [CANCEL_AT[step]] if step in CANCEL_AT and CANCEL_AT[step] not in done else []
+        group = runner.prefilling
+        if group is not None and group.done and CANCEL_IN_PREFILL in [s.request_id for s in group.seqs]:
+            cancel.append(CANCEL_IN_PREFILL)
+            cancelled_in_prefill = True
+        result = runner.step(StepPlan(step, [Admission(i, PROMPTS[i], MAX_TOKENS[i], SAMPLING[i]) for i in admit],
+                                      cancel))
+        for i, t in result.tokens:
+            out[i].append(t)
+        done.update(result.finished)
+        if len(done) == len(PROMPTS):
+            break
+    assert cancelled_in_prefill
+    return [out[i] for i in range(len(PROMPTS))], alone, done, runner.slots_used()
+
+
+def _check(served, alone, done):
+    for i, (got, want) in enumerate(zip(served, alone)):
+        if done[i] == "cancelled":
+            assert len(got) < len(want) and got == want[:len(got)], i
+        else:
+            assert got == want, i
+            assert done[i] == "length"
+
+
+def test_reference_engine_batches_rows_of_different_lengths():
+    model = _model()
+    served, alone, done, left = serve_script(model, model)
+    _check(served, alone, done)
+    assert done[2] == done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
+
+
+def _on_ranks(scheme, schedule):
+    reference = _model()
+    model = torchtsp.parallelize(copy.deepcopy(reference), torchtsp.init_mesh(**{scheme: 2}), scheme).eval()
+    return serve_script(model, reference, schedule=schedule, prefill_chunk=8)
+
+
+@pytest.mark.parametrize("scheme,schedule", [("tsp", "weights"), ("tsp", "activations"), ("tp", "auto"),
+                                             ("sp", "auto")])
+def test_parallel_engines_batch_rows_of_different_lengths(pools, scheme, schedule):
+    for served, alone, done, left in pools(2).run(_on_ranks, scheme, schedule):
+        _check(served, alone, done)
+        assert done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
+
+
+def test_plan_round_trip():
+    plan = StepPlan(7, [Admission(3, [5, 6, 7], 9, Sampling(0.7, 40, 0.95, 2**62 + 1), [2, 4], True),
+                        Admission(4, [1], 1, Sampling())], cancel=[1, 2])
+    again = decode(*encode(plan))
+    assert again == plan
+    assert decode(*encode(StepPlan(8, stop=True))) == StepPlan(8, stop=True)
+
+
+def test_text_stream_holds_back_stop_strings():
+    pieces = ["the", " cat", " sat", " on", " the", " mat"]
+    decode_ids = lambda ids: "".join(pieces[i] for i in ids)
+    s = TextStream(decode_ids, ["on th"], skip_ids=set())
+    deltas = [s.add(i) for i in range(6)]
+    assert "".join(deltas) + s.finish() == "the cat sat " and s.stopped
+    s = TextStream(decode_ids, [], skip_ids={5})
+    assert "".join(s.add(i) for i in range(6)) + s.finish() == "the cat sat on the"
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--scheme", "dp"], "serve runs the tsp, tp, sp schemes"),
+    (["--max-model-len", "100000"], "--max-model-len must be in"),
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--port", "0"], "--port must be in"),
+    (["--timeout-s", "nan"], "--timeout-s"),
+    (["--chat-template", "/nonexistent/template.jinja"], "--chat-template"),
+])
+def test_bad_serve_flags_are_one_line_before_any_rank(flags, words, capsys):
+    from torchtsp.cli import main
+
+    assert main(["serve", "--preset", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchtsp: error:") and words in err and err.count("\n") == 1, err
+
+
+def test_missing_serve_extra_is_one_line(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_fastapi(name, *args, **kwargs):
+        if name == "fastapi":
+            raise ImportError("No module named 'fastapi'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_fastapi)
+    from torchtsp.cli import main
+
+    assert main(["serve", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'torchtsp[serve]'" in err and "fastapi" in err and err.count("\n") == 1
