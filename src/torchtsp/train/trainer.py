@@ -207,20 +207,8 @@ class Trainer:
 
     def eval_loss(self) -> float:
         """Mean NLL over the eval batches, forward only on the parallel model (no weights gathered)."""
-        # Document ids stay on the host, where the kernels read which blocks each document keeps.
-        tokens, labels, document_ids = self.data.next_train_batch(self.device)
         self.weights_ready()
-        # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
-        # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
-        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1,
-                                document_ids=document_ids)
-        if self.zero:
-            self.zero.reduce_gradients()
-            norm = self.zero.clip_(self.cfg.grad_clip)
-        else:
-            if self.master:
-                self.master.grads_to_masters()
-            norm = self.clip_gradients()
+        return evaluate(self.model, self.data.eval_stream(self.device), self.cfg.grad_accum)
 
     # -- checkpoints --------------------------------------------------------
 
