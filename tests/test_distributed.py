@@ -26,6 +26,12 @@ def every_op_on_rank(world, point_to_point=None):
         out["reduce"] = comm.reduce(x.clone(), dst=0)
         out["all_reduce"] = comm.all_reduce(x.clone())
         out["ring_shift"] = comm.ring_shift(x)
+        # Slice s of rank r's input is 10r + s: rank r receives 10s + r from rank s, into a reused buffer.
+        slices = torch.stack([torch.full((n,), 10.0 * r + s) for s in range(world)])
+        buffer = torch.empty(world, n)
+        out["all_to_all"] = comm.all_to_all(slices, out=buffer)
+        out["all_to_all_in_buffer"] = out["all_to_all"].data_ptr() == buffer.data_ptr()
+        out["all_gather_into"] = comm.all_gather(x, out=torch.empty(world, n))
         pending = comm.all_reduce(torch.ones(n), async_op=True)
         comm.mark("compute")
         out["async"] = pending.wait()
@@ -45,11 +51,15 @@ def test_every_operation_moves_and_counts_the_right_bytes(pools, world, point_to
             assert torch.equal(out["reduce"], torch.full((6,), float(total)))
         assert torch.equal(out["all_reduce"], torch.full((6,), float(total)))
         assert torch.equal(out["ring_shift"], torch.full((6,), float((r - 1) % world)))
+        assert torch.equal(out["all_to_all"], (10.0 * torch.arange(world) + r)[:, None].expand(world, 6))
+        assert out["all_to_all_in_buffer"]
+        assert torch.equal(out["all_gather_into"], out["all_gather"])
         assert torch.equal(out["async"], torch.full((6,), float(world)))
         D = world
         assert recv["broadcast"] == (0 if r == D - 1 else nbytes * (D > 1))
         assert sent["broadcast"] == ((D - 1) * nbytes if r == D - 1 else 0)
-        assert recv["all_gather"] == sent["all_gather"] == (D - 1) * nbytes
+        assert recv["all_gather"] == sent["all_gather"] == 2 * (D - 1) * nbytes  # into a new and a given buffer
+        assert recv["all_to_all"] == sent["all_to_all"] == (D - 1) * nbytes
         assert recv["reduce_scatter"] == (D - 1) * nbytes
         assert recv["reduce"] == ((D - 1) * nbytes if r == 0 else 0)
         assert sent["reduce"] == (0 if r == 0 else nbytes)

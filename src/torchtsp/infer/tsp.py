@@ -20,8 +20,9 @@ sequence's last real token are then gathered, for the vocabulary-sharded LM head
 replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
 rank all heads' q/k/v of the step's tokens (each rank stores its share of K/V); every rank attends all
 heads' queries to its own cache and returns (O_p, LSE_p); the partials are merged exactly by
-log-sum-exp for the head-group owners (``merge_partials``); the ``wo`` and ``w_down``
-partial outputs are all-reduced. Embedding: vocabulary-slice lookup plus all-reduce.
+log-sum-exp for the head-group owners (a decode step: one all-to-all, ``decode_activations``; a prefill
+chunk: ``merge_partials``); the ``wo`` and ``w_down`` partial outputs are summed over the axis.
+Embedding: vocabulary-slice lookup plus the same sum.
 
 ``schedule="auto"`` picks per phase: weights move when the tokens in flight per step (B x tokens per
 sequence) reach ``tsp_tp_crossover_tokens(cfg)``, the paper's B·S >= P/(4h - 2h/g) at which moving the
@@ -66,6 +67,7 @@ class TSPEngine(Engine):
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
         self.schedule = {"prefill": "weights", "decode": "activations"}
+        self._buffers = None  # decode_activations' exchange buffers
 
     @property
     def token_multiple(self):
@@ -150,7 +152,7 @@ class TSPEngine(Engine):
         B, T = ids.shape
         shards = self.view.shard_math
         hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
-        x = comm.all_reduce(masked_lookup(ids, self.embedding, comm.rank)[0], label="infer.embedding")
+        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
         cos, sin = rope_tables(pos, cfg)
         slots = self._reserve(pos[:, keep], valid[:, keep], counts)
         for i, layer in enumerate(self.view.layers):
@@ -168,25 +170,26 @@ class TSPEngine(Engine):
             out, lse = attend(q_all, k_own, v_own, positions_mask(pos, k_pos, k_valid))
             mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
             y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
-            x = x + comm.all_reduce(y, label="infer.attention")
+            x = x + sum_over_ranks(comm, y, "infer.attention")
             h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
             if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
                 y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, comm.rank * cfg.n_experts // comm.size)
             else:
                 y = swiglu(h, *self.mlp_layout.unpack(layer.mlp))
-            x = x + comm.all_reduce(y, label="infer.mlp")
+            x = x + sum_over_ranks(comm, y, "infer.mlp")
         return rms_norm(x, self.view.norm, cfg.norm_eps)
 
     def decode_activations(self, ids, pos, owner: int):
         """One decode step with the weights in place: ids, pos [B, 1] replicated; rank ``owner`` stores the
         token's K/V. Returns the final-norm hidden states [B, h] (replicated).
 
-        Per layer three exchanges, the fewest this placement allows (q of group j is made on rank j and read by
-        every rank's keys; the partials of group j meet ``wo``'s columns on rank j; every rank's FFN slice reads
-        the whole residual): one all-gather of every head group's q/k/v; one all-to-all that hands each head
-        group's partial attention (O_p, LSE_p) of every rank to its owner, who merges them exactly by
-        log-sum-exp; one sum of the ``wo`` partials; then the MLP's sum. The keys' mask is built once per step,
-        the exchange buffers once per generation; no host synchronisation (the owner is the host's step count).
+        Per layer four exchanges, the fewest this placement allows (docs/design.md: q of group j is made on rank
+        j and read by every rank's keys; the partials of group j meet ``wo``'s columns on rank j; every rank's
+        FFN slice, and the next layer's projections, read the whole residual): one all-gather of every head
+        group's q/k/v; one all-to-all that hands each head group's partial attention (O_p, LSE_p) of every rank
+        to its owner, who merges them exactly by log-sum-exp; the sum of the ``wo`` partials; the MLP's sum
+        (``sum_over_ranks``). The keys' mask is built once per step, the exchange buffers once per generation;
+        no host synchronisation (the owner is the host's step count).
         """
         cfg, comm, cache = self.cfg, self.comm, self.cache
         B, D, p = ids.shape[0], comm.size, comm.rank
@@ -231,7 +234,7 @@ class TSPEngine(Engine):
 
     def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:
         """The exchange buffers of a decode step (made on the first step of a generation)."""
-        if getattr(self, "_buffers", None) is None or self._buffers["qkv"].shape[0] != batch:
+        if self._buffers is None or self._buffers["qkv"].shape[0] != batch:
             D, d, shards = self.comm.size, self.cfg.head_dim, self.view.shard_math
             heads = shards.q_heads + 2 * shards.kv_heads
             make = lambda *shape, dtype=self.dtype: torch.empty(shape, dtype=dtype, device=self.device)
