@@ -347,7 +347,8 @@ def test_killed_rank_turns_health_503_and_fails_in_flight_requests(servers):
     with pytest.raises(openai.APIError):  # the error event mid-stream
         asyncio.run(asyncio.wait_for(in_flight(), 60))
     assert time.monotonic() - t0 < 30
-    assert httpx.get(doomed.url + "/health", timeout=10).status_code == 503
+    health = httpx.get(doomed.url + "/health", timeout=10)
+    assert health.status_code == 503 and "rank 1 died" in health.json()["error"], health.text
     with pytest.raises(openai.InternalServerError):  # 503: the engine is gone
         c.completions.create(model="tiny-llama", prompt="the", max_tokens=2)
     doomed.proc.send_signal(signal.SIGTERM)
