@@ -70,10 +70,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="torchtsp", docs_url=None, redoc_url=None, openapi_url=None)
     client, metrics = state.client, state.metrics
+    routes: set[str] = set()  # the app's paths (metrics label unknown paths "other")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's shape, with what happened
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}"[:500]).body(), status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
@@ -82,16 +87,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.middleware("http")
     async def count_and_authorize(request: Request, call_next):
         path = request.url.path
-        known = {r.path for r in app.routes}
+        if not routes:
+            routes.update(r.path for r in app.routes)
+        label = path if path in routes else "other"
         if state.api_key is not None and path not in PUBLIC:
             given = request.headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                metrics.requests.labels(endpoint=path if path in known else "other", status="401").inc()
+                metrics.requests.labels(endpoint=label, status="401").inc()
                 return JSONResponse(APIError(401, "missing or wrong API key: send the header 'Authorization: "
                                                   "Bearer KEY'", None, "invalid_api_key").body(), status_code=401)
         response = await call_next(request)
-        metrics.requests.labels(endpoint=path if path in known else "other", status=str(response.status_code)).inc()
+        metrics.requests.labels(endpoint=label, status=str(response.status_code)).inc()
         return response
 
     # -- checks shared by the endpoints ------------------------------------------------
@@ -271,6 +278,9 @@ def build_app(state: ServerState) -> FastAPI:
                                                  "usage": _usage(prompt_tokens, sum(counts))}) + "\n\n"
             except APIError as e:  # mid-stream: an error event, then the end of the stream
                 yield "data: " + json.dumps(e.body()) + "\n\n"
+            except Exception as e:  # noqa: BLE001 - a bug mid-stream: an error event all the same
+                yield "data: " + json.dumps(APIError(500, f"internal error: {type(e).__name__}: {e}"[:500]).body()) \
+                    + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
