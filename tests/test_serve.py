@@ -309,7 +309,8 @@ def test_disconnect_frees_the_slots_on_every_rank(server, client):
 
 
 def test_full_queue_is_429_and_the_server_stays_up(servers):
-    """One row and one place in the queue: while A runs (it has many tokens to go) B waits, and C is refused."""
+    """One row and one place in the queue: while A runs (many tokens to go) B waits, and C is refused; a burst
+    of four cannot all pass the queue check before any counts as waiting."""
     doomed = servers["doomed"]
     body = {"prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as a:
@@ -319,6 +320,17 @@ def test_full_queue_is_429_and_the_server_stays_up(servers):
             c = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1}, timeout=60)
             assert c.status_code == 429 and c.json()["error"]["code"] == "queue_full", c.text
             assert httpx.get(doomed.url + "/health", timeout=10).status_code == 200
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=doomed.url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json={**body, "stream": False})
+                                          for _ in range(4)))
+
+    deadline = time.monotonic() + 20  # A and B leave at the next step boundaries
+    while _metrics(doomed)["torchtsp_running_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answers = [r.status_code for r in asyncio.run(burst())]
+    assert answers.count(200) <= 2 and set(answers) == {200, 429}, answers  # one row + one queue place
     r = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 

@@ -157,9 +157,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     # -- running one choice ------------------------------------------------------------
 
-    async def run_choice(c: Choice, out: asyncio.Queue, index: int, arrival: float) -> None:
+    async def run_choice(c: Choice, stream, out: asyncio.Queue, index: int, arrival: float) -> None:
         """Push (index, text delta, finish reason or None, completion tokens) until the choice ends."""
-        stream = client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
         skip = set(c.stop_token_ids) | ({state.eos_token_id} if state.eos_token_id is not None and not c.ignore_eos
                                         else set())
         text = TextStream(state.tokenizer.decode if state.tokenizer is not None else _ids_text, c.stop_strings,
@@ -184,6 +183,9 @@ def build_app(state: ServerState) -> FastAPI:
                     if value[0] == "cancelled":
                         raise APIError(503, "the request was stopped: the server is shutting down", None,
                                        "server_shutdown")
+                    if value[0] == "too_long":
+                        raise APIError(400, "the prompt and max_tokens do not fit a KV cache row; lower "
+                                            "max_tokens", "max_tokens", "context_length_exceeded")
                     await out.put((index, text.finish(), value[0], tokens))
                     return
                 elif kind == "error":
@@ -201,11 +203,12 @@ def build_app(state: ServerState) -> FastAPI:
             metrics.generation_tokens.inc(tokens)
             metrics.prompt_tokens.inc(len(c.prompt))
 
-    async def events(choices: list[Choice], request: Request):
+    async def events(choices: list[Choice], streams: list, request: Request):
         """(index, delta, finish, tokens) of every choice as they come; the choices run concurrently."""
         out: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
-        tasks = [asyncio.ensure_future(run_choice(c, out, i, arrival)) for i, c in enumerate(choices)]
+        tasks = [asyncio.ensure_future(run_choice(c, s, out, i, arrival))
+                 for i, (c, s) in enumerate(zip(choices, streams))]
         open_, checked = len(choices), time.monotonic()
         try:
             while open_:
@@ -230,13 +233,17 @@ def build_app(state: ServerState) -> FastAPI:
                 t.cancel()
 
     async def respond(choices: list[Choice], body, request: Request, chat: bool):
+        # Submitted before the first await, in the same turn of the event loop as admit()'s queue check: a
+        # burst of requests cannot all pass the check before any of them counts as waiting.
+        streams = [client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
+                   for c in choices]
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         prompt_tokens = sum(len(c.prompt) for c in choices)
         if not body.stream:
             texts = [c.echo_text for c in choices]
             finish, counts = [None] * len(choices), [0] * len(choices)
-            async for i, delta, reason, tokens in events(choices, request):
+            async for i, delta, reason, tokens in events(choices, streams, request):
                 texts[i] += delta
                 counts[i] = tokens
                 finish[i] = reason or finish[i]
@@ -268,7 +275,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield chunk(i, "", None, role=True)
                     elif c.echo_text:
                         yield chunk(i, c.echo_text, None)
-                async for i, delta, reason, tokens in events(choices, request):
+                async for i, delta, reason, tokens in events(choices, streams, request):
                     counts[i] = tokens
                     if delta or reason:
                         yield chunk(i, delta, reason)
