@@ -70,10 +70,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="torchtsp", docs_url=None, redoc_url=None, openapi_url=None)
     client, metrics = state.client, state.metrics
+    routes: set[str] = set()  # the app's paths (metrics label unknown paths "other")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):  # a bug: still OpenAI's shape, with what happened
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}"[:500]).body(), status_code=500)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, wrong methods
@@ -82,16 +87,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.middleware("http")
     async def count_and_authorize(request: Request, call_next):
         path = request.url.path
-        known = {r.path for r in app.routes}
+        if not routes:
+            routes.update(r.path for r in app.routes)
+        label = path if path in routes else "other"
         if state.api_key is not None and path not in PUBLIC:
             given = request.headers.get("authorization", "")
             token = given[7:] if given[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-                metrics.requests.labels(endpoint=path if path in known else "other", status="401").inc()
+                metrics.requests.labels(endpoint=label, status="401").inc()
                 return JSONResponse(APIError(401, "missing or wrong API key: send the header 'Authorization: "
                                                   "Bearer KEY'", None, "invalid_api_key").body(), status_code=401)
         response = await call_next(request)
-        metrics.requests.labels(endpoint=path if path in known else "other", status=str(response.status_code)).inc()
+        metrics.requests.labels(endpoint=label, status=str(response.status_code)).inc()
         return response
 
     # -- checks shared by the endpoints ------------------------------------------------
@@ -150,9 +157,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     # -- running one choice ------------------------------------------------------------
 
-    async def run_choice(c: Choice, out: asyncio.Queue, index: int, arrival: float) -> None:
+    async def run_choice(c: Choice, stream, out: asyncio.Queue, index: int, arrival: float) -> None:
         """Push (index, text delta, finish reason or None, completion tokens) until the choice ends."""
-        stream = client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
         skip = set(c.stop_token_ids) | ({state.eos_token_id} if state.eos_token_id is not None and not c.ignore_eos
                                         else set())
         text = TextStream(state.tokenizer.decode if state.tokenizer is not None else _ids_text, c.stop_strings,
@@ -177,6 +183,9 @@ def build_app(state: ServerState) -> FastAPI:
                     if value[0] == "cancelled":
                         raise APIError(503, "the request was stopped: the server is shutting down", None,
                                        "server_shutdown")
+                    if value[0] == "too_long":
+                        raise APIError(400, "the prompt and max_tokens do not fit a KV cache row; lower "
+                                            "max_tokens", "max_tokens", "context_length_exceeded")
                     await out.put((index, text.finish(), value[0], tokens))
                     return
                 elif kind == "error":
@@ -194,11 +203,12 @@ def build_app(state: ServerState) -> FastAPI:
             metrics.generation_tokens.inc(tokens)
             metrics.prompt_tokens.inc(len(c.prompt))
 
-    async def events(choices: list[Choice], request: Request):
+    async def events(choices: list[Choice], streams: list, request: Request):
         """(index, delta, finish, tokens) of every choice as they come; the choices run concurrently."""
         out: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
-        tasks = [asyncio.ensure_future(run_choice(c, out, i, arrival)) for i, c in enumerate(choices)]
+        tasks = [asyncio.ensure_future(run_choice(c, s, out, i, arrival))
+                 for i, (c, s) in enumerate(zip(choices, streams))]
         open_, checked = len(choices), time.monotonic()
         try:
             while open_:
@@ -223,13 +233,17 @@ def build_app(state: ServerState) -> FastAPI:
                 t.cancel()
 
     async def respond(choices: list[Choice], body, request: Request, chat: bool):
+        # Submitted before the first await, in the same turn of the event loop as admit()'s queue check: a
+        # burst of requests cannot all pass the check before any of them counts as waiting.
+        streams = [client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
+                   for c in choices]
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         prompt_tokens = sum(len(c.prompt) for c in choices)
         if not body.stream:
             texts = [c.echo_text for c in choices]
             finish, counts = [None] * len(choices), [0] * len(choices)
-            async for i, delta, reason, tokens in events(choices, request):
+            async for i, delta, reason, tokens in events(choices, streams, request):
                 texts[i] += delta
                 counts[i] = tokens
                 finish[i] = reason or finish[i]
@@ -261,7 +275,7 @@ def build_app(state: ServerState) -> FastAPI:
                         yield chunk(i, "", None, role=True)
                     elif c.echo_text:
                         yield chunk(i, c.echo_text, None)
-                async for i, delta, reason, tokens in events(choices, request):
+                async for i, delta, reason, tokens in events(choices, streams, request):
                     counts[i] = tokens
                     if delta or reason:
                         yield chunk(i, delta, reason)
@@ -271,6 +285,9 @@ def build_app(state: ServerState) -> FastAPI:
                                                  "usage": _usage(prompt_tokens, sum(counts))}) + "\n\n"
             except APIError as e:  # mid-stream: an error event, then the end of the stream
                 yield "data: " + json.dumps(e.body()) + "\n\n"
+            except Exception as e:  # noqa: BLE001 - a bug mid-stream: an error event all the same
+                yield "data: " + json.dumps(APIError(500, f"internal error: {type(e).__name__}: {e}"[:500]).body()) \
+                    + "\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -16,6 +16,8 @@ import threading
 import time
 from multiprocessing.connection import Listener
 
+FAILURE_REPORT_S = 3.0  # how long a lost connection to rank 0 waits for the pool's account of the failure
+
 
 class RequestStream:
     """Events of one engine request: ("admitted",), ("token", id), ("finished", reason), ("error", message)."""
@@ -93,6 +95,10 @@ class EngineClient:
                 elif kind == "step":
                     self._dispatch(body)
         except (EOFError, OSError) as e:
+            # Rank 0 went away: the launcher's pool names which rank failed and why, a moment later.
+            deadline = time.monotonic() + FAILURE_REPORT_S
+            while self.state == "ready" and time.monotonic() < deadline:
+                time.sleep(0.05)
             if self.state != "stopped":
                 self.fail(self.error or f"the engine's connection closed ({type(e).__name__})")
             with self._lock:

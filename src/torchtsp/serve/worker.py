@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 IDLE_S = 0.05  # an idle engine still steps (an empty plan) this often: a heartbeat for /health
-PREFILL_TOKENS_PER_STEP = 4096  # admissions prefilled in one step, padded tokens (a single longer prompt still runs)
+PREFILL_GROUP_TOKENS = 4096  # padded prompt tokens of one prefill group at most (a longer prompt still runs alone)
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Scheduler:
         self.waiting: collections.deque = collections.deque()
         self.cancelled: set[int] = set()
         self.stopping = False
-        self.dropped: list[int] = []  # cancelled while waiting: never reached a rank
+        self.dropped: list[tuple[int, str]] = []  # (request id, reason): left the queue without reaching a rank
 
     def receive(self, timeout: float) -> None:
         while self.conn.poll(timeout):
@@ -64,7 +64,7 @@ class Scheduler:
         cancel = sorted(running & self.cancelled)
         for a in [a for a in self.waiting if a.request_id in self.cancelled]:
             self.waiting.remove(a)
-            self.dropped.append(a.request_id)
+            self.dropped.append((a.request_id, "cancelled"))
         self.cancelled.clear()  # running ones leave in this plan; ids of finished requests are forgotten
         free = runner.max_batch - (len(running) - len(cancel))
         admit: list = []
@@ -72,8 +72,11 @@ class Scheduler:
             group = [*admit, self.waiting[0]]
             padded = round_up(max(len(a.prompt) for a in group), runner.token_multiple)
             if any(row_slots(runner.token_multiple, padded, a.max_tokens) > runner.capacity for a in group):
-                break  # prefilled next to a longer prompt it would not fit its row: it waits for the next step
-            if admit and padded * len(group) > PREFILL_TOKENS_PER_STEP:
+                if not admit:  # not even alone (the HTTP checks make this impossible; never block the queue)
+                    self.dropped.append((self.waiting.popleft().request_id, "too_long"))
+                    continue
+                break  # prefilled next to a longer prompt it would not fit its row: it waits for the next group
+            if admit and padded * len(group) > PREFILL_GROUP_TOKENS:
                 break
             admit.append(self.waiting.popleft())
         return StepPlan(step, admit=admit, cancel=cancel)
@@ -121,7 +124,7 @@ def run_serve_rank(job: ServeJob) -> dict:
             result = runner.step(plan)
             used = control.all_gather(torch.tensor([runner.slots_used()]), label="serve.slots").flatten().tolist()
             if rank0:
-                finished = result.finished + [(rid, "cancelled") for rid in scheduler.dropped]
+                finished = result.finished + scheduler.dropped
                 scheduler.dropped = []
                 conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
                                     "kv_slots_used": used, "running": len(runner.rows),
