@@ -132,28 +132,39 @@ class ZeroOptimizer:
             if master_weights:
                 slot.param.data = slot.param.data.to(torch.bfloat16)
         self.master_weights = master_weights
-        self.buckets = self._make_buckets(int(bucket_mb * 2**20))
-        # One AdamW per bucket: a bucket's weights can be sent while the next bucket's are updated.
-        refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
-        self.optimizers = [build_adamw(((refs[s.name], s.master) for s in b.slots), lr, weight_decay)
-                           for b in self.buckets]
+        self._refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
+        self._lr, self._weight_decay, self._bucket_bytes = lr, weight_decay, int(bucket_mb * 2**20)
+        self._layout(list(reversed(self.slots)))  # backward produces the last layers' gradients first
+        # The first backward pass records the order gradients really arrive in (TSP's replicated norms, summed
+        # in one node, come last); the buckets are then rebuilt in that order (``_end_of_pass``).
+        self._arrivals: list[int] | None = [] if self.overlap else None
         self._gathers: list[tuple[_Bucket, Pending]] = []
         self._issued = 0  # buckets issued in this backward pass (they go out in bucket order)
         self._in_pass = False
-        if level == 1:
-            for bucket in self.buckets:
-                bucket.buffer = torch.zeros(dp, bucket.width, device=bucket.slots[0].param.device)
         if self.overlap:
             for slot in self.slots:
                 slot.param.register_post_accumulate_grad_hook(self._grad_ready(slot))
 
     # -- layout -----------------------------------------------------------------------
 
-    def _make_buckets(self, bucket_bytes: int) -> list[_Bucket]:
-        """Buckets of about ``bucket_bytes`` (float32, all dp rows), parameters in reverse order: backward
-        produces the last layers' gradients first."""
+    def _layout(self, order: list[_Slot]) -> None:
+        """Buckets of about ``bucket_bytes`` (float32, all dp rows) of the parameters in ``order``, and one AdamW
+        per bucket (a bucket's weights can be sent while the next bucket's are updated); moments already made
+        (a loaded checkpoint) move with their chunks."""
+        states = {m: st for opt in getattr(self, "optimizers", ()) for m, st in opt.state.items()}
+        self.buckets = self._make_buckets(order, self._bucket_bytes)
+        self.optimizers = [build_adamw(((self._refs[s.name], s.master) for s in b.slots), self._lr,
+                                       self._weight_decay) for b in self.buckets]
+        for slot in self.slots:
+            if slot.master in states:
+                self._state(slot).update(states[slot.master])
+        if self.level == 1:
+            for bucket in self.buckets:
+                bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=bucket.slots[0].param.device)
+
+    def _make_buckets(self, order: list[_Slot], bucket_bytes: int) -> list[_Bucket]:
         buckets, current, width = [], [], 0
-        for slot in reversed(self.slots):
+        for slot in order:
             if current and (width + slot.chunk) * self.dp.size * 4 > bucket_bytes:
                 buckets.append(_Bucket(current, width))
                 current, width = [], 0
@@ -196,6 +207,8 @@ class ZeroOptimizer:
                 self._in_pass = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._take(slot)
+            if self._arrivals is not None:
+                self._arrivals.append(self.slots.index(slot))
             bucket = self.buckets[slot.bucket]
             if bucket.arrived == len(bucket.slots):
                 self._issue_ready()
@@ -253,6 +266,19 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             self._finish(bucket)
         self._issued, self._in_pass = 0, False
+        if self._arrivals is not None:
+            self._follow_arrivals()
+
+    def _follow_arrivals(self) -> None:
+        """After the first backward pass: rebuild the buckets in the order its gradients arrived, dp rank 0's
+        order on every rank (buckets go out in bucket order, which every rank must share)."""
+        seen = list(dict.fromkeys(self._arrivals))
+        order = seen + [i for i in range(len(self.slots)) if i not in seen]
+        self._arrivals = None
+        agreed = torch.tensor(order, dtype=torch.int64, device=self.slots[0].param.device)
+        agreed = self.dp.broadcast(agreed, src=0, label="zero.order").tolist()
+        if agreed != [self.slots.index(s) for b in self.buckets for s in b.slots]:
+            self._layout([self.slots[i] for i in agreed])
 
     def reduce_gradients(self) -> None:
         """After the step's backward: without hooks (a pipeline), reduce ``.grad`` of every parameter now; with
