@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from test_reliability import train_with_a_poisoned_step
 from torchtsp.analysis import predict_comm, predict_memory
 from torchtsp.analysis.memory_model import _largest_param
 from torchtsp.config import get_preset
@@ -172,6 +173,21 @@ def test_plan_shows_model_state_with_and_without_zero(capsys):
     with_zero, without = map(float, row.split()[1:3])
     assert with_zero < without / 4
     print(f"\n{out.splitlines()[1]}\n{row}")
+
+
+def test_a_non_finite_step_is_skipped_as_under_zero0(pools, tmp_path):
+    """A NaN loss at step 2 reaches the reduce-scatter and the global norm: the step is skipped, no weight moves
+    (no gather is left pending), and the run continues exactly as --zero 0's."""
+    runs = {}
+    for level in (0, 2):
+        cfg = TrainConfig(**{**BASE, "steps": 4, "dp": 2, "tsp": 1, "skip_nonfinite": 1, "zero": level,
+                             "out": str(tmp_path / f"zero{level}")})
+        runs[level] = pools(2).run(train_with_a_poisoned_step, cfg, 1)[0]["losses"]
+    assert math.isnan(runs[2][1]) and math.isnan(runs[0][1])
+    for a, b in zip(runs[2], runs[0], strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-5, (runs[2], runs[0])
+    _, weights = load_full_state_dict(tmp_path / "zero2")
+    assert all(w.isfinite().all() for w in weights.values())
 
 
 # ---------------------------------------------------------------- checkpoints
