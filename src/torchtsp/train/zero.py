@@ -49,10 +49,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.comm import AxisComm, Pending
+from ..parallel.pipeline import PipelineTSP
 from .optim import build_adamw
 
 LEVELS = (0, 1, 2)
 DEFAULT_BUCKET_MB = 32.0
+MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
 IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
 
 
@@ -69,8 +71,7 @@ class _Slot:
     offset: int = 0  # where the parameter's chunks start in its bucket's rows
     grad: torch.Tensor | None = None  # the owned chunk of the summed gradient, in the parameter's dtype
     master: torch.nn.Parameter | None = None  # what AdamW updates: the owned chunk in float32
-    # (mesh axes the elements are sharded over, weight of each owned element or None for all ones)
-    norm_terms: list = field(default_factory=list)
+    norm_terms: list = field(default_factory=list)  # how the owned elements enter the norm (``_norm_terms``)
 
     @property
     def numel(self) -> int:
@@ -109,8 +110,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
         self.model, self.level, self.comms = model, level, model.comms()
         self.dp: AxisComm = self.comms["dp"]
-        self.pipeline = hasattr(model, "stages")
-        self.overlap = (not self.pipeline) if overlap is None else overlap
+        self.overlap = not isinstance(model, PipelineTSP) if overlap is None else overlap
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
         self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
         self.grad_peak = 0
@@ -151,9 +151,11 @@ class ZeroOptimizer:
         """Buckets of about ``bucket_bytes`` (float32, all dp rows) of the parameters in ``order``, and one AdamW
         per bucket (a bucket's weights can be sent while the next bucket's are updated); moments already made
         (a loaded checkpoint) move with their chunks."""
-        states = {m: st for opt in getattr(self, "optimizers", ()) for m, st in opt.state.items()}
+        old = getattr(self, "optimizers", [])
+        states = {m: st for opt in old for m, st in opt.state.items()}
+        lr = old[0].param_groups[0]["lr"] if old else self._lr  # a learning rate already set is kept
         self.buckets = self._make_buckets(order, self._bucket_bytes)
-        self.optimizers = [build_adamw(((self._refs[s.name], s.master) for s in b.slots), self._lr,
+        self.optimizers = [build_adamw(((self._refs[s.name], s.master) for s in b.slots), lr,
                                        self._weight_decay) for b in self.buckets]
         for slot in self.slots:
             if slot.master in states:
@@ -176,8 +178,10 @@ class ZeroOptimizer:
         return buckets
 
     def _norm_terms(self, slot: _Slot) -> list:
-        """How the owned elements enter the global norm: per set of sharded mesh axes, each element's weight
-        (1: counted as it is; chunks/size: a slice several ranks hold; 0: padding no reference tensor has)."""
+        """How the owned elements enter the global norm: (mesh axes they are sharded over, start, end, weight,
+        per-element weights or None), the weight 1 for an element counted as it is, chunks/size for a slice
+        several ranks hold, 0 for padding no reference tensor has. Packed shards lay their pieces out one after
+        another, so a few runs of [start, end) cover them; a layout with more runs keeps per-element weights."""
         weight, group = torch.zeros(slot.param.shape), torch.full(slot.param.shape, -1, dtype=torch.int16)
         keys: list[tuple] = []
         # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
@@ -193,11 +197,16 @@ class ZeroOptimizer:
             w.fill_(factor)
             g.fill_(keys.index(key))
         owned_w, owned_g = weight.view(-1)[slot.lo:slot.hi], group.view(-1)[slot.lo:slot.hi]
-        terms = []
-        for i, key in enumerate(keys):
-            w = torch.where(owned_g == i, owned_w, 0.0)
-            terms.append((key, None if bool((w == 1).all()) else w.to(torch.bfloat16)))  # 0, 1, 2^-k: exact
-        return terms
+        if owned_w.numel() == 0:
+            return []
+        edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
+        bounds = [0, *edges.tolist(), owned_w.numel()]
+        if len(bounds) <= MAX_NORM_RUNS:
+            return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
+                    if owned_g[a] >= 0 and owned_w[a] != 0]
+        device = slot.param.device
+        return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
+                for i, key in enumerate(keys)]
 
     # -- gradients ----------------------------------------------------------------------
 
@@ -222,8 +231,10 @@ class ZeroOptimizer:
         slot.param.grad = None
         if bucket.buffer is None:  # ZeRO-2: allocated per pass, zero where chunks are padded
             bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=slot.param.device)
-        if grad is not None:
-            rows = bucket.buffer[:, slot.offset:slot.offset + slot.chunk]
+        rows = bucket.buffer[:, slot.offset:slot.offset + slot.chunk]
+        if grad is None:  # no gradient this pass: zeros (a kept ZeRO-1 buffer holds the last pass's)
+            rows.zero_()
+        else:
             full, rest = slot.chunks_of(grad.detach().reshape(-1), self.dp.size)
             rows[:len(full)].copy_(full)
             if rest is not None:
@@ -323,9 +334,10 @@ class ZeroOptimizer:
         squares: dict[tuple, torch.Tensor] = {}
         for slot in self.slots:
             g = slot.master.grad
-            for key, weight in slot.norm_terms:
-                sq = g.pow(2) if weight is None else g.pow(2) * weight.float()
-                squares[key] = squares.get(key, 0.0) + sq.sum()
+            for key, start, end, factor, weights in slot.norm_terms:
+                part = g[start:end].pow(2)
+                sq = part.sum() * factor if weights is None else (part * weights).sum()
+                squares[key] = squares.get(key, 0.0) + sq
         total = torch.zeros((), device=self.slots[0].param.device)
         for axes in sorted(squares):
             sq = torch.as_tensor(squares[axes], dtype=torch.float32, device=total.device)
