@@ -281,15 +281,14 @@ class ZeroOptimizer:
             self._follow_arrivals()
 
     def _follow_arrivals(self) -> None:
-        """After the first backward pass: rebuild the buckets in the order its gradients arrived, dp rank 0's
-        order on every rank (buckets go out in bucket order, which every rank must share)."""
+        """After the first backward pass: rebuild the buckets in the order its gradients arrived. Every rank runs
+        the same graph, so every rank sees the same order (what ``--zero 0``'s all-reduce per gradient, issued
+        from the same hooks, relies on too)."""
         seen = list(dict.fromkeys(self._arrivals))
         order = seen + [i for i in range(len(self.slots)) if i not in seen]
         self._arrivals = None
-        agreed = torch.tensor(order, dtype=torch.int64, device=self.slots[0].param.device)
-        agreed = self.dp.broadcast(agreed, src=0, label="zero.order").tolist()
-        if agreed != [self.slots.index(s) for b in self.buckets for s in b.slots]:
-            self._layout([self.slots[i] for i in agreed])
+        if order != [self.slots.index(s) for b in self.buckets for s in b.slots]:
+            self._layout([self.slots[i] for i in order])
 
     def reduce_gradients(self) -> None:
         """After the step's backward: without hooks (a pipeline), reduce ``.grad`` of every parameter now; with
