@@ -87,10 +87,13 @@ def _batch(cfg):
     return tokens, torch.randint(0, cfg.vocab_size, (B, S), device="cuda")
 
 
-def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=None, moe=False, rank=0, **features):
-    """One forward + backward of ``scheme`` as rank ``rank``; the step's bytes beside ``predict_comm``."""
+def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=None, moe=False, rank=0, packed=False,
+                  **features):
+    """One forward + backward of ``scheme`` as rank ``rank``; the step's bytes beside ``predict_comm``. ``packed``:
+    rows of documents (their ids read on the host before the step, as the trainer does)."""
     import torchtsp
     from torchtsp.analysis import predict_comm
+    from torchtsp.layers import Documents
 
     check = Check()
     cfg = torchtsp.ModelConfig(**{**(MOE if moe else DENSE), **features})
@@ -103,9 +106,13 @@ def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=Non
         tokens, labels = _batch(cfg)
         shard_t, shard_l = model.shard_batch(tokens), model.shard_batch(labels)
         check.tensor("token shard", shard_t, dtype=torch.long)
+        # Documents of 5, 1, 13 and 13 tokens in row 0 (across chunk and rank edges), 20 and 12 in row 1.
+        lengths = [[5, 1, 13, 13], [20, 12]]
+        documents = model.shard_documents(Documents.from_ids(torch.stack(
+            [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]))) if packed else None
         fake.reset()
         with torchtsp.distributed.comm.Traffic(model.comms()) as traffic:
-            loss = model.loss_on_shard(shard_t, shard_l)
+            loss = model.loss_on_shard(shard_t, shard_l, documents)
             loss.backward()
         check.tensor("loss", loss, (), torch.float32)
         n_grads = check.grads(model, dtype)
@@ -120,13 +127,14 @@ def training_step(scheme: str, degrees: dict, dtype=torch.float32, recompute=Non
             "bytes": traffic.recv, "predicted": expected}
 
 
-def tsp_attention(dtype_name: str, recompute: bool):
-    """TSP at D = 4 on ranks 0 and 3, GQA; bf16 must run flash, fp32 the memory-efficient kernel, both ways."""
+def tsp_attention(dtype_name: str, recompute: bool, packed: bool = False):
+    """TSP at D = 4 on ranks 0 and 3, GQA; bf16 must run flash, fp32 the memory-efficient kernel, both ways;
+    ``packed``: with a document mask (the fused kernels on each document's blocks)."""
     dtype = getattr(torch, dtype_name)
     kernel = "flash" if dtype == torch.bfloat16 else "efficient"
     out = {"problems": [], "ops": {}}
     for rank in RANKS:
-        r = training_step("tsp", {"tsp": WORLD}, dtype, recompute=recompute, rank=rank)
+        r = training_step("tsp", {"tsp": WORLD}, dtype, recompute=recompute, rank=rank, packed=packed)
         out["problems"] += [f"rank {rank}: {p}" for p in r["problems"]]
         ops = r["ops"]
         fwd = sum(n for op, n in ops.items() if f"_scaled_dot_product_{kernel}_attention.default" in op)
@@ -390,6 +398,7 @@ def spy_flags():
 CASES = {
     **{f"tsp_{d}_{'recompute' if r else 'save'}": (tsp_attention, (d, r))
        for d in ("bfloat16", "float32") for r in (False, True)},
+    "tsp_bfloat16_documents": (tsp_attention, ("bfloat16", False, True)),
     "tsp_float32_rocm": (tsp_rocm, ()),
     "tsp_features": (tsp_features, ()),
     "pairing_tsp_bfloat16_save": (pairing, ("tsp", "bfloat16", False)),

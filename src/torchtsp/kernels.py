@@ -3,7 +3,8 @@
 ``fused_attention`` runs a fused kernel that returns the LSE and never builds a score matrix of all queries
 against all keys: PyTorch's flash kernel on the CPU, the fused SDPA kernels on CUDA (flash for bf16/fp16,
 memory-efficient for fp32), and a portable block-wise kernel on any other device. GQA never expands K/V.
-``masked_attention`` handles per-token positions and validity (a KV cache), block by block in float32.
+``masked_attention`` handles per-token positions and validity (a KV cache), block by block in float32;
+``document_attention`` runs the fused kernel on the blocks of packed documents only.
 Callers reach both through ``torchtsp.layers.attend``; hand-written backward passes call
 ``fused_attention_backward`` with the merged output and LSE.
 """
@@ -176,3 +177,49 @@ def masked_attention(q, k, v, q_pos, k_pos, k_valid):
     out = out / torch.where(seen_any, run_sum, 1.0).unsqueeze(-1)
     lse = torch.where(seen_any, torch.where(torch.isfinite(run_max), run_max, 0.0) + run_sum.log(), float("-inf"))
     return out.view(B, Hq, T, d), lse.view(B, Hq, T)
+
+
+# Packed documents: each (row, document) block is one call of the fused kernel above, causal on a document's
+# diagonal and unmasked where its keys all precede its queries; blocks outside every document are never computed
+# and no mask tensor is built. (A varlen kernel would take all documents in one call; on the CPU there is none.)
+
+
+def document_attention(q, k, v, blocks):
+    """(out, lse float32) of q [B, Hq, Lq, d] against k, v [B, Hkv, Lk, d] on the ``blocks`` of each row
+    (``Documents.blocks``: (query slice, key slice, causal)); queries outside every block get out = 0 and
+    lse = -inf. Differentiable by autograd through the fused kernel."""
+    B, _, Lq, _ = q.shape
+    outs, lses = [], []
+    for b, row in enumerate(blocks):
+        pieces, piece_lses, at = [], [], 0
+        for qs, ks, causal in row + [(slice(Lq, Lq), None, False)]:
+            if qs.start > at:  # queries that see no key in this part
+                pieces.append(q.new_zeros(1, q.shape[1], qs.start - at, q.shape[-1]))
+                piece_lses.append(torch.full((1, q.shape[1], qs.start - at), float("-inf"), dtype=torch.float32,
+                                             device=q.device))
+            if ks is not None:
+                o, lse = fused_attention(q[b:b + 1, :, qs], k[b:b + 1, :, ks], v[b:b + 1, :, ks], causal)
+                pieces.append(o)
+                piece_lses.append(lse)
+            at = qs.stop
+        outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+        lses.append(piece_lses[0] if len(piece_lses) == 1 else torch.cat(piece_lses, dim=2))
+    if B == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def document_attention_backward(dout, q, k, v, out, lse, blocks, dk, dv, accumulate: bool):
+    """dq of ``document_attention`` from the (merged) output and LSE; dK/dV added to (with ``accumulate``) or
+    written into ``dk``, ``dv`` (zero where no query of this part sees the key)."""
+    dq = torch.zeros_like(q)
+    if not accumulate:
+        dk.zero_()
+        dv.zero_()
+    for b, row in enumerate(blocks):
+        for qs, ks, causal in row:
+            r = slice(b, b + 1)
+            dq[r, :, qs] = fused_attention_backward(dout[r, :, qs], q[r, :, qs], k[r, :, ks], v[r, :, ks],
+                                                    out[r, :, qs], lse[r, :, qs], causal, dk[r, :, ks],
+                                                    dv[r, :, ks], accumulate=True)
+    return dq

@@ -138,19 +138,118 @@ def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
 
 
 @dataclass(frozen=True)
+class Documents:
+    """Packed rows: each row [0, S) is cut into documents (contiguous runs of equal ``document_ids``).
+
+    A token attends only to the earlier tokens of its own document, and its RoPE position counts from 0 at the
+    document's first token. ``runs`` holds each row's documents as (start, end) host ints, so kernels pick the
+    blocks the mask keeps without reading the device; ``positions`` [B, S] holds every token's position in its
+    document, on the ids' device.
+    """
+
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    positions: torch.Tensor
+
+    @classmethod
+    def from_ids(cls, document_ids: torch.Tensor, shape: tuple[int, int] | None = None) -> Documents:
+        """From ``document_ids`` [B, S] (integers; a new run of equal ids starts a new document). Reads the ids
+        on the host once: give the host batch to avoid a device synchronisation."""
+        if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 2:
+            raise ValueError("document_ids must be a [batch, seq] integer tensor")
+        if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+            raise ValueError(f"document_ids must hold integers, got {document_ids.dtype}")
+        if shape is not None and tuple(document_ids.shape) != tuple(shape):
+            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} must equal tokens shape {tuple(shape)}")
+        ids = document_ids.detach().cpu()
+        B, S = ids.shape
+        starts = torch.ones(B, S, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        index = torch.arange(S).expand(B, S)
+        first = torch.where(starts, index, 0).cummax(dim=1).values  # each token's document start
+        runs = []
+        for row in starts.tolist():
+            begin = [i for i, new in enumerate(row) if new]
+            runs.append(tuple(zip(begin, begin[1:] + [S])))
+        return cls(tuple(runs), (index - first).to(document_ids.device))
+
+    @classmethod
+    def from_positions(cls, positions: torch.Tensor) -> Documents:
+        """Back from ``positions`` (a document starts where its position is 0)."""
+        return cls.from_ids((positions == 0).cumsum(dim=1))
+
+    def rows(self, start: int, stop: int) -> Documents:
+        """The documents of batch rows [start, stop) (a data-parallel replica's or a micro-batch's rows)."""
+        return Documents(self.runs[start:stop], self.positions[start:stop])
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions within their documents [B, L] of the tokens at global indices ``positions`` [L], on the
+        device of ``positions`` (the ids may stay on the host, where they were read)."""
+        return self.positions.to(positions.device)[:, positions]
+
+    def mask(self, q_start: int = 0, k_start: int = 0) -> Mask:
+        """The mask of queries whose first is global token ``q_start`` against keys from global ``k_start``."""
+        return Mask(documents=self, q_start=q_start, k_start=k_start)
+
+    def blocks(self, q_start: int, q_len: int, k_start: int, k_len: int):
+        """What attention computes for queries [q_start, +q_len) against keys [k_start, +k_len), per row: a list
+        of (local query slice, local key slice, causal) for each document that has both queries and keys here.
+        Every key of a block precedes its queries (causal False) or the block is a document's diagonal; nothing
+        outside a document is ever computed."""
+        q_end, k_end = q_start + q_len, k_start + k_len
+        out = []
+        for runs in self.runs:
+            row = []
+            for u, v in runs:
+                a, b = max(u, q_start), min(v, q_end)
+                ka, kb = max(u, k_start), min(v, k_end, b)  # keys after the last query are never seen
+                if a >= b or ka >= kb:
+                    continue
+                if not (kb <= a or (ka, kb) == (a, b)):
+                    raise ValueError(f"keys [{k_start}, {k_end}) neither precede nor equal queries "
+                                     f"[{q_start}, {q_end}): attention parts must be diagonal or earlier blocks")
+                row.append((slice(a - q_start, b - q_start), slice(ka - k_start, kb - k_start), kb > a))
+            out.append(row)
+        return out
+
+
+def as_documents(document_ids, shape: tuple[int, int]) -> Documents | None:
+    """``document_ids`` as the API takes them ([B, S] ids, already built ``Documents``, or None: plain causal)."""
+    if document_ids is None or isinstance(document_ids, Documents):
+        if document_ids is not None and (len(document_ids.runs), document_ids.positions.shape[1]) != tuple(shape):
+            raise ValueError(f"documents of a {tuple(document_ids.positions.shape)} batch given for tokens "
+                             f"of shape {tuple(shape)}")
+        return document_ids
+    return Documents.from_ids(document_ids, shape)
+
+
+def rope_positions(positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    """The RoPE positions of the tokens at global indices ``positions`` [L]: themselves ([L], every row alike)
+    or, in packed rows, their positions within their documents ([B, L])."""
+    return positions if documents is None else documents.at(positions)
+
+
+@dataclass(frozen=True)
 class Mask:
     """Which keys a query sees: ``causal`` (query i sees keys j <= i of one sequence laid out in order), or
     everything (``causal=False``); with ``q_pos`` [B, Lq], ``k_pos`` [B, Lk] and ``k_valid`` [B, Lk], a query
-    sees the valid keys at positions <= its own (a KV cache: slots in any order, padding)."""
+    sees the valid keys at positions <= its own (a KV cache: slots in any order, padding); with ``documents``,
+    the query at global index i sees keys j of its own document with j <= i, the queries and keys given being
+    the global tokens from ``q_start`` and ``k_start`` on (packed rows)."""
 
     causal: bool = True
     q_pos: torch.Tensor | None = None
     k_pos: torch.Tensor | None = None
     k_valid: torch.Tensor | None = None
+    documents: Documents | None = None
+    q_start: int = 0
+    k_start: int = 0
 
     @property
     def positional(self) -> bool:
         return self.k_pos is not None
+
+    def blocks(self, q: torch.Tensor, k: torch.Tensor):
+        return self.documents.blocks(self.q_start, q.shape[-2], self.k_start, k.shape[-2])
 
 
 CAUSAL, FULL = Mask(causal=True), Mask(causal=False)
@@ -164,10 +263,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = CAUSA
     """The one entry point to attention: (out [B, Hq, Lq, d], lse [B, Hq, Lq] float32) of queries q against
     keys and values k, v [B, Hkv, Lk, d] (head-major views, any strides; Hkv divides Hq: GQA without expanding
     K/V). Plain causal or full masks run a fused kernel (differentiable by autograd; hand-written backward
-    passes call ``attend_backward``); a positional mask runs the block-wise kernel in float32 (no autograd:
-    inference), where a query that sees no key gets out = 0 and lse = -inf."""
+    passes call ``attend_backward``); a document mask runs it on each document's blocks only (a query that
+    sees no key here gets out = 0 and lse = -inf); a positional mask runs the block-wise kernel in float32
+    (no autograd: inference), where a query that sees no key gets out = 0 and lse = -inf."""
     if mask.positional:
         return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid)
+    if mask.documents is not None:
+        return kernels.document_attention(q, k, v, mask.blocks(q, k))
     return kernels.fused_attention(q, k, v, mask.causal)
 
 
@@ -176,6 +278,8 @@ def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: boo
     ``accumulate``, added to them."""
     if mask.positional:
         raise NotImplementedError("positional masks are for inference: attend_backward takes causal or full")
+    if mask.documents is not None:
+        return kernels.document_attention_backward(dout, q, k, v, out, lse, mask.blocks(q, k), dk, dv, accumulate)
     return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
 
 

@@ -19,7 +19,9 @@ from .layers import (
     CAUSAL,
     IGNORE_INDEX,
     LossTerms,
+    Mask,
     RouterStats,
+    as_documents,
     attend,
     gated,
     gated_shared_expert,
@@ -28,6 +30,7 @@ from .layers import (
     moe_layer,
     qkv_heads,
     rms_norm,
+    rope_positions,
     rope_tables,
 )
 
@@ -99,12 +102,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask: Mask = CAUSAL):
         B, S, _ = x.shape
         # Module calls, not F.linear on the weights, so that hooks on the linears (e.g. DTensor TP) run.
         norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else ()
         q, k, v = qkv_heads(self.wq(x), self.wk(x), self.wv(x), self.cfg, cos, sin, *norms)
-        out, _ = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), CAUSAL)
+        out, _ = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -162,9 +165,9 @@ class Block(nn.Module):
         self.moe = cfg.is_moe_layer(index)
         self.feed_forward = MoEFeedForward(cfg) if self.moe else FeedForward(cfg)
 
-    def forward(self, x, cos, sin, stats: RouterStats | None = None):
+    def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL):
         """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss)."""
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         h = self.ffn_norm(x)
         return x + (self.feed_forward(h, stats) if self.moe else self.feed_forward(h))
 
@@ -202,44 +205,49 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def hidden_states(self, tokens: torch.Tensor, stats: RouterStats | None = None,
-                      recompute: bool = False) -> torch.Tensor:
+                      recompute: bool = False, document_ids=None) -> torch.Tensor:
         """Final-norm hidden states [B, S, dim]; sparse layers add their router statistics to ``stats``.
-        ``recompute``: keep each layer's input only and run its forward again in backward."""
+        ``recompute``: keep each layer's input only and run its forward again in backward. ``document_ids``
+        ([B, S], or ``Documents``): packed rows, each token attending within its document only."""
         S = tokens.shape[1]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
-        positions = torch.arange(S, device=tokens.device)
-        cos, sin = rope_tables(positions, self.cfg)
+        documents = as_documents(document_ids, tokens.shape)
+        mask = CAUSAL if documents is None else documents.mask()
+        cos, sin = rope_tables(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = checkpoint(layer, x, cos, sin, stats, use_reentrant=False) if recompute else layer(x, cos, sin, stats)
+            x = (checkpoint(layer, x, cos, sin, stats, mask, use_reentrant=False) if recompute
+                 else layer(x, cos, sin, stats, mask))
         return self.norm(x)
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, recompute: bool = False) -> LossTerms:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, recompute: bool = False,
+                   document_ids=None) -> LossTerms:
         """The summed cross-entropy of the targets, their number and (MoE) this forward's router statistics."""
         stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        logits = F.linear(self.hidden_states(tokens, stats, recompute), self.output_weight)
+        logits = F.linear(self.hidden_states(tokens, stats, recompute, document_ids), self.output_weight)
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
         return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype), stats)
 
-    def forward(self, tokens: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
-        return F.linear(self.hidden_states(tokens, stats), self.output_weight)
+    def forward(self, tokens: torch.Tensor, stats: RouterStats | None = None, document_ids=None) -> torch.Tensor:
+        return F.linear(self.hidden_states(tokens, stats, document_ids=document_ids), self.output_weight)
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None) -> torch.Tensor:
         """Mean cross-entropy; ``labels[b, t]`` is the (already shifted) target of position t, -100 ignored.
+        ``document_ids`` [B, S]: packed rows of documents (see ``hidden_states``); None: one sequence per row.
 
         A mixture-of-experts model adds ``router_aux_loss_coef`` x the load-balancing loss over every token
         (ignored targets included), as Hugging Face's ``outputs.loss`` with ``output_router_logits=True``.
         """
-        return self.loss_and_router(tokens, labels)[0]
+        return self.loss_and_router(tokens, labels, document_ids)[0]
 
-    def loss_and_router(self, tokens: torch.Tensor, labels: torch.Tensor):
+    def loss_and_router(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None):
         """``loss`` and this forward's router statistics (closed, detached; None for a dense model)."""
         if labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
         stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        logits = self(tokens, stats)
+        logits = self(tokens, stats, document_ids)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         if stats is None:
             return loss, None

@@ -69,6 +69,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--recompute", action="store_true",
         help="every scheme keeps each layer's input only and re-runs its forward in backward (default: off: "
              "every scheme saves its activations); a scheme without recompute (torch_tp) is reported n/a")
+    add("--documents", type=int, metavar="L",
+        help="--mode train, instead of the sweep: rows packed with documents of mean length L (seeded), each "
+             "scheme's step timed with and without the document mask, interleaved, with both per-rank peaks")
     add("--mode", choices=["train", "infer"], default="train",
         help="train: steps (forward + backward + AdamW) over --seq-lens; infer: generate over --prompt-lens, "
              "measuring time to first token, time per output token, per-rank peak and KV-cache bytes "

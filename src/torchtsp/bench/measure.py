@@ -28,6 +28,7 @@ from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
 from ..distributed.mesh import init_mesh, mesh_device
+from ..layers import Documents
 from ..memory import measure_peak
 from ..model import Transformer
 from ..parallel import parallelize
@@ -52,6 +53,11 @@ class CellSpec:
     mode: str = "sweep"  # "sweep": count, measure, time; "memory": measure the peak only
     seed: int = 0
     timeout_s: float = 600.0
+    documents: int = 0  # packed rows of documents of this mean length (0: one sequence per row)
+
+    @property
+    def label(self) -> str:
+        return self.scheme + (f" documents={self.documents}" if self.documents else "")
 
     @property
     def counted(self) -> bool:
@@ -62,6 +68,19 @@ class CellSpec:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the bench's own timing; library code never synchronizes
+
+
+def packed_document_ids(batch: int, seq_len: int, mean_len: int, seed: int) -> torch.Tensor:
+    """[batch, seq_len] document ids of rows packed with documents of exponentially distributed lengths (mean
+    ``mean_len``, at least 1 token), seeded; the last document of a row is cut at the row's end."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < seq_len:
+            lengths.append(max(1, round(float(torch.empty(1).exponential_(1 / mean_len, generator=g)))))
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seq_len])
+    return torch.stack(rows)
 
 
 def _add_by_op(a: dict, b: dict) -> dict:
@@ -85,12 +104,14 @@ class _Built:
         self.tokens = torch.randint(0, spec.cfg.vocab_size, shape, generator=g).to(self.device)
         self.labels = torch.randint(0, spec.cfg.vocab_size, shape, generator=g).to(self.device)
         self.model.shard_batch(self.tokens)  # indivisible sequence or batch: a ValueError here, before any collective
+        self.documents = (Documents.from_ids(packed_document_ids(*shape, spec.documents, spec.seed))
+                          if spec.documents else None)
         self.params = dict(self.model.named_parameters())
         refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in self.params.items()}
         self.optimizer = build_adamw(((refs[n], p) for n, p in self.params.items()), LR, WEIGHT_DECAY)
 
     def step(self) -> torch.Tensor:
-        loss = self.model.loss(self.tokens, self.labels)
+        loss = self.model.loss(self.tokens, self.labels, self.documents)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -130,7 +151,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
     times: list[float] = []
     if spec.mode == "sweep":
         with Traffic(comms) as forward:
-            loss = model.loss(built.tokens, built.labels)
+            loss = model.loss(built.tokens, built.labels, built.documents)
         with Traffic(comms) as rest:
             loss.backward()
             optimizer.step()
@@ -195,10 +216,11 @@ def longest_on_rank(specs: list[CellSpec], budget_bytes: int) -> list[dict]:
     return results
 
 
-def paired_on_rank(specs: list[CellSpec]) -> dict:
-    """Time several schemes' steps interleaved (A B, B A, A B, ...) on the same ranks and batch, so that a
-    background load that comes and goes hits them alike; returns per scheme the step times (slowest rank
-    per step) and their median. Each scheme gets ``spec.warmup`` untimed steps first. All specs share one mesh.
+def paired_on_rank(specs: list[CellSpec], peaks: bool = False) -> dict:
+    """Time several cells' steps interleaved (A B, B A, A B, ...) on the same ranks and batch, so that a
+    background load that comes and goes hits them alike; returns per cell (``spec.label``) the step times
+    (slowest rank per step) and their median, and with ``peaks`` the live-tensor peak of one step (largest over
+    ranks). Each cell gets ``spec.warmup`` untimed steps first. All specs share one mesh.
     """
     mesh = init_mesh(**specs[0].degrees, timeout_s=specs[0].timeout_s)
     built = [_build(spec, mesh) for spec in specs]
@@ -207,6 +229,7 @@ def paired_on_rank(specs: list[CellSpec]) -> dict:
     for b, spec in zip(built, specs):
         for _ in range(spec.warmup):
             b.step()
+    peak = [measure_peak(b.step, b.model, b.optimizer)[1] if peaks else 0 for b in built]
     steps = specs[0].steps
     times = [[0.0] * steps for _ in specs]
     for i in range(steps):
@@ -215,9 +238,11 @@ def paired_on_rank(specs: list[CellSpec]) -> dict:
             times[k][i] = built[k].timed_step()[0]
     device = built[0].device
     rows = AxisComm.world(specs[0].timeout_s).all_gather(
-        torch.tensor([t for per in times for t in per], dtype=torch.float64, device=device)).cpu().tolist()
+        torch.tensor([t for per in times for t in per] + peak, dtype=torch.float64, device=device)).cpu().tolist()
     out = {"error": None}
     for k, spec in enumerate(specs):
         per_step = [max(r[k * steps + i] for r in rows) for i in range(steps)]
-        out[spec.scheme] = {"step_times_s": per_step, "median_step_s": statistics.median(per_step)}
+        out[spec.label] = {"step_times_s": per_step, "median_step_s": statistics.median(per_step)}
+        if peaks:
+            out[spec.label]["peak_bytes"] = int(max(r[len(specs) * steps + k] for r in rows))
     return out

@@ -111,6 +111,12 @@ def _check_args(args) -> None:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    if getattr(args, "documents", None) is not None:
+        if args.documents < 1:
+            raise ValueError(f"--documents must be at least 1 (a mean document length), got {args.documents}")
+        if args.mode != "train" or args.max_seq_under is not None or getattr(args, "pp", None) is not None:
+            raise ValueError("--documents times training steps: use it with --mode train, without --max-seq-under "
+                             "or --pp")
     if args.max_seq_under is not None and args.max_seq_start > args.max_seq_cap:
         raise ValueError(f"--max-seq-start {args.max_seq_start} exceeds --max-seq-cap {args.max_seq_cap}")
 
@@ -245,6 +251,37 @@ def _sweep(args, cfg: ModelConfig, runner: _Runner) -> dict:
     return {"cells": cells, "tp_vs_torch_tp": tp_vs_torch_tp(cells, paired)}
 
 
+def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
+    """--documents L: per scheme and sequence length, steps on packed rows with and without the document mask,
+    timed interleaved on the same ranks and batch, and each one's per-rank peak."""
+    import dataclasses
+
+    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, *args.seq_lens))
+    recompute = getattr(args, "recompute", False)
+    rows = []
+    bar = tqdm(total=len(args.schemes) * len(args.seq_lens), desc=f"bench documents={args.documents}", unit="cell",
+               dynamic_ncols=True, file=sys.stderr, disable=runner.rank != 0)
+    for scheme in args.schemes:
+        for S in args.seq_lens:
+            bar.set_postfix_str(f"{scheme} S={S}")
+            plain = CellSpec(scheme, scheme_degrees(scheme, runner.world), cfg, args.batch_size, S, args.warmup,
+                             args.steps, scheme_options(scheme, args.sequence_parallel, recompute), "sweep",
+                             args.seed, args.timeout_s)
+            masked = dataclasses.replace(plain, documents=args.documents)
+            why = layout_error(plain)
+            result = {"error": why} if why else runner(paired_on_rank, [plain, masked], True)
+            row = {"scheme": scheme, "mesh": mesh_label(plain.degrees), "seq_len": S, "batch": args.batch_size,
+                   "mean_document_len": args.documents, "status": f"n/a: {result['error']}" if result["error"]
+                   else "ok"}
+            if not result["error"]:
+                a, b = result[plain.label], result[masked.label]
+                row.update(unmasked=a, masked=b, speedup=a["median_step_s"] / b["median_step_s"])
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    return {"documents": rows}
+
+
 def tp_vs_torch_tp(cells: list[dict], paired: dict[int, dict]) -> dict | None:
     """Our tp's median step time over torch_tp's per sequence length: from the interleaved timing
     (``paired``, the figure to quote) and from the two schemes' own cells (timed minutes apart)."""
@@ -356,6 +393,8 @@ def run_bench(args) -> int:
             result = _infer(args, cfg, runner)
         elif args.max_seq_under is not None:
             result = _max_seq(args, cfg, runner)
+        elif args.documents is not None:
+            result = _documents(args, cfg, runner)
         else:
             result = _sweep(args, cfg, runner)
     finally:
@@ -368,6 +407,8 @@ def run_bench(args) -> int:
         files = report.write_infer(result, out, plots=args.plots)
     elif args.max_seq_under is not None:
         files = report.write_max_seq(result, out, plots=args.plots)
+    elif args.documents is not None:
+        files = report.write_documents(result, out)
     else:
         files = report.write_sweep(result, out, plots=args.plots)
     if args.json:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import CAUSAL, FULL, attend, attend_backward
+from ..layers import CAUSAL, FULL, Documents, attend, attend_backward
 from . import zigzag
 
 
@@ -39,6 +39,28 @@ def _key_blocks(rank: int, world: int):
         else:  # later than the early chunk: the late one sees both of its chunks
             blocks.append(((1,), r, 0, 2, False))
     return blocks
+
+
+def _document_blocks(rank: int, world: int, chunk_len: int, documents: Documents):
+    """The attention parts of rank ``rank``'s queries in packed rows: one per (query chunk, key chunk) pair whose
+    documents meet (key chunk not after the query chunk), with its document mask; parts that no document
+    spans are skipped whole."""
+    blocks = []
+    for c, query_chunk in enumerate(zigzag.chunk_ids(rank, world)):
+        for r in range(world):
+            for h, key_chunk in enumerate(zigzag.chunk_ids(r, world)):
+                q0, k0 = query_chunk * chunk_len, key_chunk * chunk_len
+                if key_chunk <= query_chunk and any(documents.blocks(q0, chunk_len, k0, chunk_len)):
+                    blocks.append(((c,), r, h, h + 1, documents.mask(q0, k0)))
+    return blocks
+
+
+def _parts(rank: int, world: int, chunk_len: int, documents: Documents | None):
+    """(query chunks, source rank, first half, end half, mask) of every attention part of these queries."""
+    if documents is not None:
+        return _document_blocks(rank, world, chunk_len, documents)
+    return [(chunks, r, first, end, CAUSAL if causal else FULL)
+            for chunks, r, first, end, causal in _key_blocks(rank, world)]
 
 
 def _row_slice(chunks, chunk_len: int) -> slice:
@@ -72,8 +94,10 @@ class _Sum:
             self.acc.add_(part)
         else:
             lse = torch.logaddexp(self.lse, part_lse)
-            self.acc.mul_(torch.exp(self.lse - lse).unsqueeze(-1))
-            self.acc.addcmul_(part, torch.exp(part_lse - lse).unsqueeze(-1))
+            # Queries that saw no key yet in either (packed documents) have lse -inf: weigh both by 0, not NaN.
+            shift = torch.where(torch.isfinite(lse), lse, 0.0)
+            self.acc.mul_(torch.exp(self.lse - shift).unsqueeze(-1))
+            self.acc.addcmul_(part, torch.exp(part_lse - shift).unsqueeze(-1))
             self.lse.copy_(lse)
         self.count += 1
 
@@ -82,23 +106,24 @@ class _Sum:
             self.dst.copy_(self.acc)
 
 
-def zigzag_attention_forward(q, kv, rank: int, world: int):
+def zigzag_attention_forward(q, kv, rank: int, world: int, documents: Documents | None = None):
     """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against every rank's keys and values
     ``kv``: D tensors [2, B, S/D, Hkv, d] (token-major, rank by rank: the all-gather's output, never reordered;
-    those of ranks before ``rank`` may hold their first chunk only, the one these queries see).
+    those of ranks before ``rank`` may hold their first chunk only, the one these queries see). ``documents``:
+    packed rows (every rank knows the whole rows' documents, so no mask travels).
 
     Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
     [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
     """
     chunk_len = q.shape[-2] // 2
     if world == 1:  # the local tokens are the sequence, in order: one causal call
-        return attend(q, *_halves(kv, 0, 0, 2, chunk_len), CAUSAL)
+        return attend(q, *_halves(kv, 0, 0, 2, chunk_len), CAUSAL if documents is None else documents.mask())
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     merged = [_Sum(out[..., _row_slice((c,), chunk_len), :], lse[..., _row_slice((c,), chunk_len)]) for c in (0, 1)]
-    for chunks, r, first, end, causal in _key_blocks(rank, world):
+    for chunks, r, first, end, mask in _parts(rank, world, chunk_len, documents):
         part_out, part_lse = attend(q[..., _row_slice(chunks, chunk_len), :], *_halves(kv, r, first, end, chunk_len),
-                                    CAUSAL if causal else FULL)
+                                    mask)
         for i, c in enumerate(chunks):
             rows = _row_slice((i,), chunk_len)
             merged[c].add(part_out[..., rows, :], part_lse[..., rows])
@@ -107,7 +132,7 @@ def zigzag_attention_forward(q, kv, rank: int, world: int):
     return out, lse
 
 
-def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
+def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, documents: Documents | None = None):
     """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
     dkv, float32, holds the gradient of every rank's keys and values from these queries (summed
     over the g query heads of each KV head): the input of the reduce-scatter that sums it over ranks at the
@@ -121,13 +146,13 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
     chunk_len = q.shape[-2] // 2
     if world == 1:
         halves = (0, 0, 2, chunk_len)
-        dq = attend_backward(dout, q, *_halves(kv, *halves), out, lse, CAUSAL, *_halves(dkv, *halves),
-                             accumulate=False)
+        dq = attend_backward(dout, q, *_halves(kv, *halves), out, lse, CAUSAL if documents is None else
+                             documents.mask(), *_halves(dkv, *halves), accumulate=False)
         return dq, dkv
     dq = torch.empty_like(q)
     summed = [_Sum(dq[..., _row_slice((c,), chunk_len), :]) for c in (0, 1)]
     written = set()  # (rank, half) of dkv already holding a gradient: later parts add to it
-    for chunks, r, first, end, causal in _key_blocks(rank, world):
+    for chunks, r, first, end, mask in _parts(rank, world, chunk_len, documents):
         rows = _row_slice(chunks, chunk_len)
         keys = (r, first, end, chunk_len)
         seen = [(r, h) in written for h in range(first, end)]
@@ -135,7 +160,7 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int):
             raise AssertionError(f"key part {(r, first, end)} of rank {rank} overlaps earlier parts only partly")
         written.update((r, h) for h in range(first, end))
         part_dq = attend_backward(dout[..., rows, :], q[..., rows, :], *_halves(kv, *keys), out[..., rows, :],
-                                  lse[..., rows], CAUSAL if causal else FULL, *_halves(dkv, *keys),
+                                  lse[..., rows], mask, *_halves(dkv, *keys),
                                   accumulate=any(seen))
         for i, c in enumerate(chunks):
             summed[c].add(part_dq[..., _row_slice((i,), chunk_len), :])
@@ -175,22 +200,23 @@ class ZigzagAttention(torch.autograd.Function):
     backward reduce-scatters their gradients to their owners."""
 
     @staticmethod
-    def forward(ctx, q, kv, comm):
+    def forward(ctx, q, kv, comm, documents=None):
         gathered = gather_kv(comm, kv)
-        out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size)
+        out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size, documents)
         ctx.save_for_backward(q, out, lse, *gathered)
-        ctx.comm = comm
+        ctx.comm, ctx.documents = comm, documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *gathered = ctx.saved_tensors
         comm = ctx.comm
-        dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size)
+        dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size, ctx.documents)
         dkv = comm.reduce_scatter(dkv, label="kv.grad", prefix=first_chunk(gathered[comm.rank]))
-        return dq, dkv.to(gathered[0].dtype), None
+        return dq, dkv.to(gathered[0].dtype), None, None
 
 
-def zigzag_causal_attention(q, kv, comm) -> torch.Tensor:
-    """q: [B, Hq, S/D, d] local zigzag queries; kv: [2, B, S/D, Hkv, d] local keys and values, token-major."""
-    return ZigzagAttention.apply(q, kv, comm)
+def zigzag_causal_attention(q, kv, comm, documents: Documents | None = None) -> torch.Tensor:
+    """q: [B, Hq, S/D, d] local zigzag queries; kv: [2, B, S/D, Hkv, d] local keys and values, token-major;
+    ``documents``: packed rows, each query attending within its document only."""
+    return ZigzagAttention.apply(q, kv, comm, documents)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..layers import IGNORE_INDEX, LossTerms, RouterStats, load_balancing_loss
+from ..layers import IGNORE_INDEX, Documents, LossTerms, RouterStats, as_documents, load_balancing_loss
 from ..model import reference_shapes
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
@@ -168,24 +168,32 @@ class ParallelTransformer(nn.Module):
         """This rank's share of a global [B, S] batch (tokens or labels)."""
         raise NotImplementedError
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+    def shard_documents(self, documents: Documents | None) -> Documents | None:
+        """The packed documents of this rank's rows of a global batch (``shard_batch``'s rows; the whole
+        sequence, which every rank of a sequence axis knows)."""
+        return documents
+
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents: Documents | None = None) -> LossTerms:
         """(summed cross-entropy, number of targets) over every token of the scheme's ranks, from this rank's
         share of tokens and labels, identical on those ranks (data parallelism sums both over replicas), and a
-        mixture of experts' router statistics of this rank's tokens."""
+        mixture of experts' router statistics of this rank's tokens. ``documents``: ``shard_documents`` of the
+        batch's ``Documents`` (packed rows), or None."""
         raise NotImplementedError
 
-    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor,
+                          documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first two of ``loss_terms``."""
-        terms = self.loss_terms(tokens, labels)
+        terms = self.loss_terms(tokens, labels, documents)
         return terms.nll_sum, terms.count
 
-    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy from this rank's share of tokens and labels.
+    def loss_on_shard(self, tokens: torch.Tensor, labels: torch.Tensor,
+                      documents: Documents | None = None) -> torch.Tensor:
+        """Global mean cross-entropy from this rank's share of tokens and labels (and ``shard_documents``).
 
         A batch without any target is 0 with zero gradients (not 0/0 = NaN, which would poison a
         data-parallel gradient sum).
         """
-        terms = self.loss_terms(tokens, labels)
+        terms = self.loss_terms(tokens, labels, documents)
         loss = terms.nll_sum / terms.count.clamp_min(1)
         if self.cfg.moe:
             loss = loss + self.cfg.router_aux_loss_coef * self.aux_loss(terms.router)
@@ -232,10 +240,13 @@ class ParallelTransformer(nn.Module):
         """
         return [(name, local, {})]
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank)."""
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None) -> torch.Tensor:
+        """Global mean cross-entropy of the GLOBAL batch (the same [B, S] tokens and labels on every rank).
+        ``document_ids`` [B, S] (or ``Documents``): packed rows, each token attending within its document,
+        positions counting from 0 at each document's start; None: one sequence per row."""
         self.check_inputs(tokens, labels)
-        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels))
+        documents = as_documents(document_ids, tokens.shape)
+        return self.loss_on_shard(self.shard_batch(tokens), self.shard_batch(labels), self.shard_documents(documents))
 
     def check_inputs(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Refuse a global batch the model cannot take: shapes, length and the layout's divisibility always (no
@@ -263,10 +274,10 @@ class ParallelTransformer(nn.Module):
             raise ValueError(f"labels must lie in [0, {self.cfg.vocab_size}) or be the ignore index {IGNORE_INDEX}, "
                              f"got {labels[bad][0].item()}")
 
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``loss(tokens, labels)`` and its backward (gradients accumulate into ``.grad``); returns the loss,
-        detached. A pipeline (``parallel/pipeline.py``) runs both in one schedule, so trainers call this."""
-        loss = self.loss(tokens, labels)
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None) -> torch.Tensor:
+        """``loss(tokens, labels, document_ids)`` and its backward (gradients accumulate into ``.grad``); returns
+        the loss, detached. A pipeline (``parallel/pipeline.py``) runs both in one schedule, so trainers call this."""
+        loss = self.loss(tokens, labels, document_ids)
         loss.backward()
         return loss.detach()
 

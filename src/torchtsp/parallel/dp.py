@@ -35,8 +35,8 @@ class Replica(ParallelTransformer):
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens
 
-    def loss_terms(self, tokens, labels):
-        return self.module.loss_terms(tokens, labels, recompute=self.recompute)
+    def loss_terms(self, tokens, labels, documents=None):
+        return self.module.loss_terms(tokens, labels, recompute=self.recompute, document_ids=documents)
 
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
@@ -86,8 +86,15 @@ class DataParallel(ParallelTransformer):
             raise ValueError(f"batch size {tokens.shape[0]} must be divisible by the DP degree {self.dp.size}")
         return self.module.shard_batch(tokens.chunk(self.dp.size, dim=0)[self.dp.rank])
 
-    def loss_terms(self, tokens, labels):
-        nll_sum, count, router = self.module.loss_terms(tokens, labels)
+    def shard_documents(self, documents):
+        """This replica's rows' documents, then the inner scheme's share of them."""
+        if documents is None:
+            return None
+        rows = len(documents.runs) // self.dp.size
+        return self.module.shard_documents(documents.rows(self.dp.rank * rows, (self.dp.rank + 1) * rows))
+
+    def loss_terms(self, tokens, labels, documents=None):
+        nll_sum, count, router = self.module.loss_terms(tokens, labels, documents)
         count = self.dp.all_reduce(count.clone(), label="loss")
         return LossTerms(SumOverAxis.apply(nll_sum, self.dp), count, router)
 

@@ -36,7 +36,7 @@ from ..distributed import comm as comm_lib
 from ..distributed import zigzag
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
-from ..layers import IGNORE_INDEX
+from ..layers import IGNORE_INDEX, Documents, as_documents
 from ..layout import Layout
 from ..model import Transformer
 from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
@@ -89,10 +89,13 @@ class TSPStage(nn.Module):
             self.tsp.norm = None
             self.tsp.output_shard = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_positions``: this microbatch's ``Documents.positions`` (packed rows), the schedule's
+        keyword argument, which it splits into microbatches like the tokens."""
         if self.first:
             x = self.tsp.embed(x)
-        return self.tsp.hidden_states(x)
+        documents = None if document_positions is None else Documents.from_positions(document_positions)
+        return self.tsp.hidden_states(x, documents=documents)
 
     def nll_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.tsp.head_nll_sum_and_count(x, labels)[0]
@@ -111,8 +114,8 @@ class _Unhooked(nn.Module):
         super().__init__()
         self.stage = stage
 
-    def __call__(self, *args):
-        return self.stage.forward(*args)
+    def __call__(self, *args, **kwargs):
+        return self.stage.forward(*args, **kwargs)
 
 
 class CountedStage(PipelineStage):
@@ -218,37 +221,46 @@ class PipelineTSP(ParallelTransformer):
         rows = tokens.chunk(self.dp.size, dim=0)[self.dp.rank]
         return zigzag.shard(rows, self.tsp_size, self.stages[0].tsp.comm.rank, dim=1)
 
-    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None,
+                         target_count: torch.Tensor | None = None) -> torch.Tensor:
         """One pipelined forward and backward of the global batch: gradients accumulate into ``.grad`` (summed
-        over microbatches and replicas); returns the global mean loss (detached, the same on every rank)."""
+        over microbatches and replicas); returns the global mean loss (detached, the same on every rank).
+        ``document_ids``: packed rows, as ``ParallelTransformer.loss`` takes them. ``target_count``: divide the
+        summed NLL by this instead of the batch's own target count (the batch is a part of a larger one)."""
         self.check_inputs(tokens, labels)
+        documents = as_documents(document_ids, tokens.shape)
+        # Every stage of every rank gets its microbatch's document positions (a keyword of the schedule).
+        extra = {} if documents is None else {
+            "document_positions": documents.positions.chunk(self.dp.size, dim=0)[self.dp.rank]}
         B = tokens.shape[0]
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
-        self._count = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(self.device)
+        self._count = (target_count if target_count is not None else
+                       (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)).to(self.device)
+        # Gradients of earlier batches (accumulation) are already summed over replicas: set aside, added back.
+        summing = self.dp.size > 1 and self.grad_sum_over_dp
+        earlier = {p: p.grad for p in self.parameters() if p.grad is not None} if summing else {}
+        for p in earlier:
+            p.grad = None
         args = (self.shard_batch(tokens),) if self.has_first else ()
         target = self.shard_batch(labels) if self.has_last else None
         losses: list = []
-        self._schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        self._schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
+                            **extra)
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
         total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if self.grad_sum_over_dp:
-            self.sum_grads_over_dp()
+        if summing:
+            for p in self.parameters():
+                if p.grad is not None:  # summed in float32, like DataParallel
+                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
+                if p in earlier:
+                    p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
         return total
 
-    def sum_grads_over_dp(self) -> None:
-        """Sum every ``.grad`` over the replicas, in float32 like DataParallel. Gradient accumulation sums once,
-        after its last micro-batch (a sum per micro-batch would count the earlier micro-batches dp times)."""
-        if self.dp.size == 1:
-            return
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
-
-    def loss(self, tokens, labels):
+    def loss(self, tokens, labels, document_ids=None):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
-    def loss_terms(self, tokens, labels):
+    def loss_terms(self, tokens, labels, documents=None):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
 
     # -- names ----------------------------------------------------------------

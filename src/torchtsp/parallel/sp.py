@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import IGNORE_INDEX, LossTerms, RouterStats, project_qkv, rms_norm, rope_tables, swiglu
+from ..layers import IGNORE_INDEX, LossTerms, RouterStats, project_qkv, rms_norm, rope_positions, rope_tables, swiglu
 from ..model import Transformer
 from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
@@ -48,20 +48,21 @@ class SPTransformer(ReplicatedTransformer):
         """This rank's zigzag shard [B, S/Σ] of a global [B, S] batch (ValueError unless 2Σ divides S)."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def rope(self, local_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of this rank's local tokens at their global zigzag positions."""
+    def rope(self, local_len: int, device=None, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this rank's local tokens at their global zigzag positions (within their documents)."""
         comm = self.comm
         positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
-        return rope_tables(positions, self.cfg)
+        return rope_tables(rope_positions(positions, documents), self.cfg)
 
-    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None) -> torch.Tensor:
+    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None,
+                      documents=None) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
         cfg, comm = self.cfg, self.comm
         h = rms_norm(x, w["attention_norm.weight"], cfg.norm_eps)
         q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, cfg, cos, sin)
         kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
-        out = zigzag_causal_attention(q.transpose(1, 2), kv, comm)  # KV heads unexpanded
+        out = zigzag_causal_attention(q.transpose(1, 2), kv, comm, documents)  # KV heads unexpanded
         x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
         h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
@@ -70,19 +71,19 @@ class SPTransformer(ReplicatedTransformer):
         return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                           w["feed_forward.w_down.weight"])
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
         cfg = self.cfg
         w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
-        cos, sin = self.rope(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rope(tokens.shape[1], device=tokens.device, documents=documents)
         stats = RouterStats(cfg.n_experts) if cfg.moe else None
         x = F.embedding(tokens, w["tok_embeddings.weight"])
         for i in range(cfg.n_layers):
             prefix = f"layers.{i}."
             layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
             # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
-            x = (checkpoint(self.layer_forward, x, layer, cos, sin, stats, use_reentrant=False) if self.recompute
-                 else self.layer_forward(x, layer, cos, sin, stats))
+            x = (checkpoint(self.layer_forward, x, layer, cos, sin, stats, documents, use_reentrant=False)
+                 if self.recompute else self.layer_forward(x, layer, cos, sin, stats, documents))
         z = rms_norm(x, w["norm.weight"], cfg.norm_eps)
         head = w["tok_embeddings.weight"] if cfg.tie_embeddings else w["output.weight"]
         logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]

@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import IGNORE_INDEX, LossTerms, rope_tables
+from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, rope_positions, rope_tables
 from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
@@ -100,11 +100,11 @@ class TorchTPTransformer(ParallelTransformer):
         sp = sequence_parallel
         resid = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
         layer_plan = {
-            # Attention.forward(x, cos, sin) and the MLP take x as one replicated DTensor (all-gathered over
+            # Attention.forward(x, cos, sin, mask) and the MLP take x as one replicated DTensor (all-gathered over
             # the sequence with SP), so the q/k/v (gate/up) input gradients are summed as one partial DTensor
             # and reduced ONCE in backward (reduce-scatter with SP, all-reduce without), as in Megatron.
-            "attention": PrepareModuleInput(input_layouts=(resid, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(input_layouts=(resid, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -170,14 +170,15 @@ class TorchTPTransformer(ParallelTransformer):
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_tables(positions, cfg)
+        cos, sin = rope_tables(rope_positions(positions, documents), cfg)
+        mask = CAUSAL if documents is None else documents.mask()
         x = m.tok_embeddings(tokens)  # [B, S, h], or [B, S/T, h] local sequence shard with SP
         for layer in m.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, None, mask)
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
         # Every rank holds every token: the local count is the global one.
         return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype))

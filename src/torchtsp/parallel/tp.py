@@ -47,7 +47,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, RouterStats, attend, gated, qkv_heads, rms_norm, rope_tables
+from ..layers import (
+    CAUSAL,
+    IGNORE_INDEX,
+    LossTerms,
+    RouterStats,
+    attend,
+    gated,
+    qkv_heads,
+    rms_norm,
+    rope_positions,
+    rope_tables,
+)
 from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, ShardView, replicated_grad, weight_source
@@ -262,9 +273,9 @@ class TPTransformer(ParallelTransformer):
         """Global positions of the sequence the attention sees (the whole sequence, also with SP)."""
         return torch.arange(tokens.shape[1], device=tokens.device)
 
-    def _attend(self, q, k, v):
+    def _attend(self, q, k, v, documents=None):
         """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
-        return attend(q, k, v, CAUSAL)[0]
+        return attend(q, k, v, CAUSAL if documents is None else documents.mask())[0]
 
     def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
         # Every rank holds every token and the same NLL: the local sum and count are the global ones.
@@ -279,9 +290,10 @@ class TPTransformer(ParallelTransformer):
         """The global batch, unchanged: every TP rank computes on every token."""
         return tokens
 
-    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None) -> torch.Tensor:
+    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None,
+              documents=None) -> torch.Tensor:
         """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
-        its router statistics to ``stats``."""
+        its router statistics to ``stats``; ``documents``: packed rows."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
         eps = cfg.norm_eps
         h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
@@ -292,7 +304,8 @@ class TPTransformer(ParallelTransformer):
         norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
         q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
         B, S = q.shape[:2]
-        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(B, S, -1)
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        out = out.transpose(1, 2).reshape(B, S, -1)
         x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
         h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
         if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
@@ -300,16 +313,16 @@ class TPTransformer(ParallelTransformer):
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
         return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         stats = RouterStats(cfg.n_experts) if cfg.moe else None
-        cos, sin = rope_tables(self._positions(tokens), cfg)
+        cos, sin = rope_tables(rope_positions(self._positions(tokens), documents), cfg)
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
         for layer in self.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, cos, sin, stats, use_reentrant=False) if self.recompute
-                 else self.block(layer, x, cos, sin, stats))
+            x = (checkpoint(self.block, layer, x, cos, sin, stats, documents, use_reentrant=False) if self.recompute
+                 else self.block(layer, x, cos, sin, stats, documents))
         z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]

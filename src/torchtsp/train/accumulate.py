@@ -13,69 +13,61 @@ from __future__ import annotations
 
 import torch
 
+from ..layers import as_documents
 from ..memory import next_pass
 from ..model import IGNORE_INDEX
 
 
-def _micro(tokens: torch.Tensor, labels: torch.Tensor, n: int):
-    return list(zip(tokens.chunk(n, dim=0), labels.chunk(n, dim=0)))
+def _micro(tokens: torch.Tensor, labels: torch.Tensor, document_ids, n: int):
+    """(tokens, labels, document ids or None) of each of ``n`` micro-batches (rows split evenly)."""
+    ids = [None] * n if document_ids is None else document_ids.chunk(n, dim=0)
+    return list(zip(tokens.chunk(n, dim=0), labels.chunk(n, dim=0), ids))
 
 
-def _loss_terms(model, tokens, labels):
+def _loss_terms(model, tokens, labels, document_ids):
     model.check_inputs(tokens, labels)
-    return model.loss_terms(model.shard_batch(tokens), model.shard_batch(labels))
+    documents = model.shard_documents(as_documents(document_ids, tokens.shape))
+    return model.loss_terms(model.shard_batch(tokens), model.shard_batch(labels), documents)
 
 
 @torch.no_grad()
 def _router_totals(model, micro) -> tuple[torch.Tensor, torch.Tensor]:
     """(assignments per expert, rows) over the whole batch, every rank's tokens, from a forward-only pass."""
     counts = rows = 0
-    for tokens, labels in micro:
+    for batch in micro:
         next_pass()
-        c, _, r = model.sum_router_stats(_loss_terms(model, tokens, labels).router.close())
+        c, _, r = model.sum_router_stats(_loss_terms(model, *batch).router.close())
         counts, rows = counts + c, rows + r
     return counts, rows
 
 
-def _pipeline_forward_backward(model, micro) -> torch.Tensor:
-    """A pipeline runs forward and backward in one schedule and returns its batch's mean loss: micro-batches
-    of equal target counts (packed samples have no ignored labels) weigh 1/N each."""
-    counts = {int((labels != IGNORE_INDEX).sum()) for _, labels in micro}
-    if len(counts) != 1:
-        raise ValueError("--grad-accum with --pp needs micro-batches with equal numbers of targets")
+def _pipeline_forward_backward(model, micro, total) -> torch.Tensor:
+    """A pipeline runs forward and backward in one schedule; each micro-batch's loss is divided by the target
+    count of the whole batch, so micro-batches of any target counts (document masks ignore some) add up."""
     loss = 0
-    summing, model.grad_sum_over_dp = model.grad_sum_over_dp, False  # once, after the last micro-batch
-    try:
-        for tokens, labels in micro:
-            next_pass()
-            loss = loss + model.forward_backward(tokens, labels)
-    finally:
-        model.grad_sum_over_dp = summing
-    if summing:
-        model.sum_grads_over_dp()
-    loss = loss / len(micro)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(len(micro))
+    for tokens, labels, ids in micro:
+        next_pass()
+        loss = loss + model.forward_backward(tokens, labels, ids, target_count=total)
     return loss
 
 
 def forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, grad_accum: int,
-                     pipeline: bool = False) -> torch.Tensor:
-    """The global batch's loss (detached, the same on every rank); gradients accumulate into ``.grad``."""
+                     pipeline: bool = False, document_ids=None) -> torch.Tensor:
+    """The global batch's loss (detached, the same on every rank); gradients accumulate into ``.grad``.
+    ``document_ids``: packed rows (``ParallelTransformer.loss``)."""
     if grad_accum == 1:
-        return model.forward_backward(tokens, labels)
-    micro = _micro(tokens, labels, grad_accum)
-    if pipeline:
-        return _pipeline_forward_backward(model, micro)
-    cfg = model.cfg
+        return model.forward_backward(tokens, labels, document_ids)
+    micro = _micro(tokens, labels, document_ids, grad_accum)
     total = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(tokens.device)
+    if pipeline:
+        return _pipeline_forward_backward(model, micro, total)
+    cfg = model.cfg
     if cfg.moe:
         counts, rows = _router_totals(model, micro)
     loss_total, aux_total = torch.zeros((), device=tokens.device), torch.zeros((), device=tokens.device)
-    for m_tokens, m_labels in micro:
+    for batch in micro:
         next_pass()
-        terms = _loss_terms(model, m_tokens, m_labels)
+        terms = _loss_terms(model, *batch)
         loss = terms.nll_sum / total
         if cfg.moe:  # this micro-batch's share of the whole batch's load-balancing loss
             aux = model.aux_loss(terms.router, totals=(counts, rows))
@@ -90,13 +82,14 @@ def forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, grad_acc
 
 @torch.no_grad()
 def evaluate(model, batches, grad_accum: int) -> float:
-    """Mean NLL over every target of ``batches`` (each [B, seq_len + 1]), forward only, a micro-batch at a time."""
+    """Mean NLL over every target of ``batches`` ((tokens, labels, document ids or None) each), forward only,
+    a micro-batch at a time."""
     nll = count = 0.0
     for batch in batches:
-        tokens, labels = batch[:, :-1], batch[:, 1:]
-        for m_tokens, m_labels in _micro(tokens, labels, grad_accum):
+        for m_tokens, m_labels, m_ids in _micro(*batch, grad_accum):
             next_pass()
             model.check_inputs(m_tokens, m_labels)
-            s, c = model.nll_sum_and_count(model.shard_batch(m_tokens), model.shard_batch(m_labels))
+            documents = model.shard_documents(as_documents(m_ids, m_tokens.shape))
+            s, c = model.nll_sum_and_count(model.shard_batch(m_tokens), model.shard_batch(m_labels), documents)
             nll, count = nll + s.item(), count + c.item()
     return nll / max(count, 1.0)

@@ -51,6 +51,7 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every N steps (0: only at the end, when eval_data is given)
     eval_batches: int | None = None  # batches per evaluation (default: the whole eval set, capped)
     grad_accum: int = 1  # micro-batches per optimizer step; the global batch is split into them
+    document_mask: bool = False  # attend within documents of packed samples (a document ends after its EOS)
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars under out/tensorboard
     profile_steps: str | None = None  # "A:B": a torch.profiler trace of steps A..B per rank under out/profile
     out: str | None = None  # default: the --resume run folder, else runs/latest

@@ -7,9 +7,12 @@ checked against it and the model's vocabulary before any rank starts (``TrainDat
 
 from __future__ import annotations
 
-from ..data.samples import BatchStream, PackedSamples
+import torch
+
+from ..data.samples import BatchStream, PackedSamples, inputs_and_labels
 from ..data.sources import TokenSource, builtin_corpus, check_source, open_source, parse_blend
 from ..data.tokenizers import ByteTokenizer, Tokenizer, hf_folder_tokenizer, load_tokenizer, model_eos_id
+from ..layers import IGNORE_INDEX
 
 EVAL_BATCH_CAP = 50  # default --eval-batches: the whole eval set, but at most this many batches
 
@@ -33,11 +36,27 @@ def open_datasets(spec: str | None, tokenizer: Tokenizer) -> list[tuple[float, T
     return [(weight, open_source(path, tokenizer)) for weight, path in parse_blend(spec)]
 
 
+def packed_inputs(batch: torch.Tensor, eos_id: int | None):
+    """(tokens, labels, document ids or None) of [B, seq_len + 1] packed samples. With ``eos_id`` (a document
+    mask) a document ends after its EOS, and that EOS predicts nothing (not the next document's first token)."""
+    tokens, labels = inputs_and_labels(batch)
+    if eos_id is None:
+        return tokens, labels, None
+    ends = tokens == eos_id
+    return tokens, labels.masked_fill(ends, IGNORE_INDEX), ends.cumsum(dim=1) - ends.long()
+
+
 class TrainData:
     """The tokenizer, the training batch stream and the evaluation set of a run (``cfg``: a TrainConfig)."""
 
     def __init__(self, cfg, vocab_size: int, check: bool = True):
         self.tokenizer, self.notice = model_tokenizer(cfg.tokenizer, cfg.init_from_hf)
+        self.mask_eos = None  # the EOS id that ends documents under a document mask
+        if cfg.document_mask:
+            self.mask_eos = self.tokenizer.eos_id
+            if self.mask_eos is None:
+                raise ValueError("--document-mask needs the tokenizer's EOS id, and this tokenizer names none: "
+                                 "give --tokenizer DIR with an eos_token, or train without --document-mask")
         self.batch_size, self.seq_len = cfg.batch_size, cfg.seq_len
         self.train = self._stream(cfg.data, "--data", vocab_size, check, cfg.seed, shuffle=True)
         self.eval, self.eval_batches = None, 0
@@ -57,9 +76,16 @@ class TrainData:
         return BatchStream([(w, PackedSamples(s, self.seq_len)) for w, s in datasets], self.batch_size, seed,
                            shuffle=shuffle)
 
-    def eval_stream(self):
-        """The evaluation batches, from the first sample of the eval set in order, every time."""
+    def next_train_batch(self, device) -> tuple:
+        """The next training batch: (tokens, labels) on ``device`` and the document ids (host) or None."""
+        tokens, labels, ids = packed_inputs(self.train.next_batch(), self.mask_eos)
+        return tokens.to(device), labels.to(device), ids
+
+    def eval_stream(self, device):
+        """The evaluation batches as ``next_train_batch`` gives them, from the first sample of the eval set in
+        order, every time."""
         stream = BatchStream([(w, d) for w, d in zip(self.eval.weights, self.eval.datasets)], self.batch_size,
                              shuffle=False)
         for _ in range(self.eval_batches):
-            yield stream.next_batch()
+            tokens, labels, ids = packed_inputs(stream.next_batch(), self.mask_eos)
+            yield tokens.to(device), labels.to(device), ids

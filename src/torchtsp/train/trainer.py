@@ -141,12 +141,13 @@ class Trainer:
     # -- one step -----------------------------------------------------------
 
     def train_step(self, step: int) -> tuple[float, float]:
-        batch = self.data.train.next_batch().to(self.device)
-        tokens, labels = batch[:, :-1], batch[:, 1:]
+        # Document ids stay on the host, where the kernels read which blocks each document keeps.
+        tokens, labels, document_ids = self.data.next_train_batch(self.device)
         self.weights_ready()
         # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
         # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
-        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1)
+        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1,
+                                document_ids=document_ids)
         if self.zero:
             self.zero.reduce_gradients()
             norm = self.zero.clip_(self.cfg.grad_clip)
@@ -207,7 +208,7 @@ class Trainer:
     def eval_loss(self) -> float:
         """Mean NLL over the eval batches, forward only on the parallel model (no weights gathered)."""
         self.weights_ready()
-        return evaluate(self.model, self.data.eval_stream(), self.cfg.grad_accum)
+        return evaluate(self.model, self.data.eval_stream(self.device), self.cfg.grad_accum)
 
     # -- checkpoints --------------------------------------------------------
 

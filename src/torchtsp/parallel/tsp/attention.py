@@ -59,12 +59,13 @@ class TSPAttention(torch.autograd.Function):
     forward backward runs again next).
 
     Heads stay token-major ([B, S/D, H, d], as the projections produce them) from projection to output
-    projection: the attention kernel reads strided heads, so no head transpose is ever copied.
+    projection: the attention kernel reads strided heads, so no head transpose is ever copied. ``documents``:
+    packed rows (``Documents``), each query attending within its own document (cos/sin then per row).
     """
 
     @staticmethod
     def forward(ctx, x, shard, cos, sin, shard_math: TSPShardMath, prefetch=None, layer: int = 0, q_norm=None,
-                k_norm=None, prefetch_backward=None):
+                k_norm=None, prefetch_backward=None, documents=None):
         comm, D = shard_math.comm, shard_math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
@@ -82,7 +83,7 @@ class TSPAttention(torch.autograd.Function):
             if saving:
                 ahead.start_until(j + 1)
             kv, k_raw, gathering = ahead.take()
-            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D)
+            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D, documents)
             out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
             y = add_mm(y, out.reshape(B * n, -1), w.wo.t())
             w = gathering = None  # the gathered K/V go with their finisher
@@ -92,6 +93,7 @@ class TSPAttention(torch.autograd.Function):
             weights.release(j)
         ctx.save_for_backward(x, shard, cos, sin, q_norm, k_norm, *(t for group in groups for t in group))
         ctx.shard_math, ctx.prefetch, ctx.layer, ctx.prefetch_backward = shard_math, prefetch, layer, prefetch_backward
+        ctx.documents = documents
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
@@ -145,7 +147,8 @@ class AttentionBackward:
         w = sm.attention(self.weights.get(j))
         dout = (self.dy2 @ w.wo).view(B, n, -1, sm.cfg.head_dim)  # before waiting for the K/V
         dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), self.qs[j].transpose(1, 2), self.gathers.pop(j)(),
-                                            self.outs[j].transpose(1, 2), self.lses[j], comm.rank, D)
+                                            self.outs[j].transpose(1, 2), self.lses[j], comm.rank, D,
+                                            self.ctx.documents)
         dout = None
         # dK/dV of own tokens, summed over every rank's queries.
         scattering = comm.reduce_scatter(dkv, async_op=True, label=(BACKWARD, j), prefix=first_chunk(self.kvs[j]))
@@ -208,4 +211,4 @@ class AttentionBackward:
             dq_norm, dk_norm = self.dnorms[0].to(self.q_norm.dtype), self.dnorms[1].to(self.k_norm.dtype)
         x = self.x
         return (self.dx.view(x.shape).to(x.dtype), self.dshard.to(self.shard.dtype), None, None, None, None, None,
-                dq_norm, dk_norm, None)
+                dq_norm, dk_norm, None, None)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ...layers import LossTerms, RouterStats, rms_norm, rope_tables
+from ...layers import Documents, LossTerms, RouterStats, rms_norm, rope_positions, rope_tables
 from ...model import Transformer, reference_shapes
 from ...weights import WeightSource
 from ..base import (
@@ -117,10 +117,11 @@ class TSPTransformer(ParallelTransformer):
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents: Documents | None = None) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
         stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        return LossTerms(*self.head_nll_sum_and_count(self.hidden_states(self.embed(tokens), stats), labels), stats)
+        x = self.hidden_states(self.embed(tokens), stats, documents)
+        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
 
@@ -128,13 +129,14 @@ class TSPTransformer(ParallelTransformer):
         """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
         return TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math)
 
-    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None) -> torch.Tensor:
+    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None,
+                      documents: Documents | None = None) -> torch.Tensor:
         """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions); sparse layers add their
-        router statistics to ``stats``."""
+        router statistics to ``stats``; ``documents``: the packed documents of these rows (whole rows)."""
         cfg, comm = self.cfg, self.comm
         seq_len = x.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
-        cos, sin = rope_tables(positions, cfg)
+        cos, sin = rope_tables(rope_positions(positions, documents), cfg)
         # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
         # layer's (during its MLP backward).
         prefetch = ShardPrefetch(comm.weights)
@@ -145,7 +147,8 @@ class TSPTransformer(ParallelTransformer):
         norm_names = ["attention_norm", "ffn_norm"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
         summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
         norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
-        block = functools.partial(self._block, cos=cos, sin=sin, norms=norms, prefetch=prefetch, stats=stats)
+        block = functools.partial(self._block, cos=cos, sin=sin, norms=norms, prefetch=prefetch, stats=stats,
+                                  documents=documents)
         for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
             x = (checkpoint(block, x, i, use_reentrant=False,
@@ -153,7 +156,7 @@ class TSPTransformer(ParallelTransformer):
                  if self.recompute else block(x, i))
         return x
 
-    def _block(self, x, i: int, cos, sin, norms, prefetch: ShardPrefetch, stats):
+    def _block(self, x, i: int, cos, sin, norms, prefetch: ShardPrefetch, stats, documents=None):
         """Layer i on local tokens x, with its cross-layer prefetches."""
         cfg, layers, shard_math = self.cfg, self.layers, self.shard_math
         layer, norm, eps = layers[i], norms[i], cfg.norm_eps
@@ -162,7 +165,8 @@ class TSPTransformer(ParallelTransformer):
         # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
         rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
                  if self.recompute and i > 0 else None)
-        x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, shard_math, prefetch, i, *qk_norms, rerun)
+        x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, shard_math, prefetch, i, *qk_norms, rerun,
+                                   documents)
         h = rms_norm(x, norm["ffn_norm"], eps)
         ahead = None
         if not prefetch.rerunning and i + 1 < len(layers):
