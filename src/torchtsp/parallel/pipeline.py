@@ -149,6 +149,7 @@ class PipelineTSP(ParallelTransformer):
 
     scheme = "tsp"
     grad_sum_over_dp = True  # as DataParallel's: off under a distributed optimizer (train/zero.py)
+    grad_reducer = None  # that optimizer's reduction of the gradients of one schedule, called as it ends
 
     def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
                  recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
@@ -255,6 +256,8 @@ class PipelineTSP(ParallelTransformer):
                     p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
                 if p in earlier:
                     p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
+        elif self.grad_reducer is not None:
+            self.grad_reducer()
         return total
 
     def loss(self, tokens, labels, document_ids=None):

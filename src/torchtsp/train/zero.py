@@ -15,8 +15,8 @@ A step:
    backward pass (an autograd callback) the remaining transfers are waited for and each owned chunk of the sum
    is added, in the parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own:
    with ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
-   A pipeline's schedule runs many backward passes per step: its gradients stay in ``.grad`` until
-   ``reduce_gradients`` reduces them once, after the schedule.
+   A pipeline's schedule runs a backward pass per microbatch: its gradients stay in ``.grad`` until the
+   schedule ends, and are reduced then (``PipelineTSP.grad_reducer``).
 2. ZeRO-1 keeps every bucket's buffer from step to step (the full local gradient, in float32, stays allocated);
    ZeRO-2 allocates a bucket's buffer when its first gradient arrives and frees it once its reduce-scatter is
    done, with at most ``IN_FLIGHT`` buckets in flight: gradients outside the owned chunks live only that long.
@@ -116,6 +116,10 @@ class ZeroOptimizer:
         self.grad_peak = 0
         self.issued_early = 0  # reduce-scatters issued while backward had gradients left to compute (a count)
         model.grad_sum_over_dp = False  # the model's own dp all-reduce gives way to the reduce-scatter
+        if isinstance(model, PipelineTSP) and overlap is not True:
+            # Reduce each batch a pipeline schedule ran, as the schedule ends (a micro-batch of accumulation is
+            # reduced on its own, as --zero 0 sums it): not each of the schedule's backward passes.
+            model.grad_reducer = self._reduce_now
         dp, r = self.dp.size, self.dp.rank
         self.slots: list[_Slot] = []
         for name, p in model.named_parameters():
@@ -291,12 +295,18 @@ class ZeroOptimizer:
             self._layout([self.slots[i] for i in order])
 
     def reduce_gradients(self) -> None:
-        """After the step's backward: without hooks (a pipeline), reduce ``.grad`` of every parameter now; with
-        them, nothing is left to do (each pass was reduced as it ended)."""
+        """After the step's backward: with hooks, nothing is left to do (each pass was reduced as it ended); a
+        pipeline reduced each of its batches as its schedule ended (``grad_reducer``); else reduce ``.grad`` of
+        every parameter now."""
         if self.overlap:
             if self._in_pass:  # a backward that ran outside autograd's engine callbacks (never in practice)
                 self._end_of_pass()
             return
+        if getattr(self.model, "grad_reducer", None) != self._reduce_now:
+            self._reduce_now()
+
+    def _reduce_now(self) -> None:
+        """Reduce-scatter the ``.grad`` every parameter holds now, bucket by bucket."""
         for bucket in self.buckets:  # one bucket's float32 buffer at a time under ZeRO-2
             for slot in bucket.slots:
                 self._take(slot)
