@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_reliability import train_with_a_poisoned_step
 from torchtsp.analysis import predict_comm, predict_memory
 from torchtsp.analysis.memory_model import _largest_param
 from torchtsp.config import get_preset
 from torchtsp.train.checkpoint import load_full_state_dict
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.trainer import run_training
-from zero_cases import api_run
+from zero_cases import api_run, train_with_a_poisoned_step
 
 BASE = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "steps": 5, "sample_tokens": 0, "lr": 3e-3,
         "weight_decay": 0.1, "zero_bucket_mb": 0.05}  # small buckets: several reduce-scatters per backward
