@@ -10,13 +10,14 @@ A step:
 
 1. Backward. As autograd finishes a parameter's gradient (a post-accumulate hook), it is copied in float32 into its
    bucket: a [dp, width] buffer whose row r holds chunk r of each of the bucket's parameters, side by side; the
-   parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once (buckets are
-   issued in one fixed order on every rank), so the reductions overlap the rest of backward. At the end of the
+   parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once, so the
+   reductions overlap the rest of backward. Buckets go out in bucket order; after the first backward pass they
+   are rebuilt in the order its gradients arrived (the same on every rank: the same graph). At the end of the
    backward pass (an autograd callback) the remaining transfers are waited for and each owned chunk of the sum
    is added, in the parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own:
    with ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
    A pipeline's schedule runs a backward pass per microbatch: its gradients stay in ``.grad`` until the
-   schedule ends, and are reduced then (``PipelineTSP.grad_reducer``).
+   schedule ends, and are reduced then (``PipelineTSP.grad_reducer``), again as ``--zero 0`` sums them.
 2. ZeRO-1 keeps every bucket's buffer from step to step (the full local gradient, in float32, stays allocated);
    ZeRO-2 allocates a bucket's buffer when its first gradient arrives and frees it once its reduce-scatter is
    done, with at most ``IN_FLIGHT`` buckets in flight: gradients outside the owned chunks live only that long.
@@ -52,7 +53,6 @@ from ..distributed.comm import AxisComm, Pending
 from ..parallel.pipeline import PipelineTSP
 from .optim import build_adamw
 
-LEVELS = (0, 1, 2)
 DEFAULT_BUCKET_MB = 32.0
 MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
 IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
