@@ -273,6 +273,52 @@ def collectives():
     return {"problems": check.problems}
 
 
+def zero_step():
+    """The distributed optimizer (--zero 2, bf16 with fp32 masters) at dp = 2 x tsp = 2 on fake CUDA: its
+    reduce-scatters and all-gathers take NCCL's collectives, counted as the formula says; everything it keeps
+    lives on the GPU; no host read but the norm's ``.item()``."""
+    import torchtsp
+    from torchtsp.distributed.comm import Traffic
+    from torchtsp.train.zero import ZeroOptimizer
+
+    check = Check()
+    cfg = _config()
+    fake_cuda.init_world(0, WORLD)
+    mesh = torchtsp.init_mesh(dp=2, tsp=2, device_type="cuda")
+    shell, weights = _models(cfg, torch.float32)
+    with fake_cuda.FakeCuda() as fake:
+        model = torchtsp.parallelize(shell, mesh, "tsp", weights=weights)
+        zero = ZeroOptimizer(model, 2, 1e-3, 0.1, master_weights=True, bucket_mb=0.01)
+        tokens, labels = _batch(cfg)
+        for _ in range(2):  # the first backward also rebuilds the buckets in its gradients' order
+            fake.reset()
+            with Traffic(model.comms()) as traffic:
+                zero.wait_for_weights()
+                loss = model.forward_backward(tokens, labels)
+                zero.reduce_gradients()
+                zero.clip_(1.0)
+                zero.step()
+                zero.wait_for_weights()
+            zero.zero_grad()
+        check.tensor("loss", loss, (), torch.float32)
+        for slot in zero.slots:
+            check.tensor(f"parameter {slot.name}", slot.param, dtype=torch.bfloat16)
+            check.tensor(f"master of {slot.name}", slot.master, (slot.hi - slot.lo,), torch.float32)
+            for key, value in zero._state(slot).items():
+                if key != "step":
+                    check.tensor(f"{key} of {slot.name}", value, (slot.hi - slot.lo,), torch.float32)
+        check.that(not model.comms()["dp"].point_to_point, "dp took the point-to-point path on a fake NCCL group")
+        check.that(fake.count("c10d._reduce_scatter_base_") >= 2, f"no NCCL reduce-scatter: {dict(fake.ops)}")
+        check.that(fake.count("c10d._allgather_base_") >= 2, f"no NCCL all-gather: {dict(fake.ops)}")
+        reads = [line for line in fake.host_reads if "train/zero.py" in line]
+        check.that(len(reads) <= 1, f"host reads of the optimizer: {reads}")
+    chunks = sum(-(-p.shape[0] // 2) * p[0].numel() for p in model.parameters())
+    recv = traffic.stats["dp"].bytes_recv
+    check.that(recv.get("reduce_scatter") == chunks * 4, f"reduce-scatter {recv}, expected {chunks * 4}")
+    check.that(recv.get("all_gather") == chunks * 2, f"all-gather {recv}, expected {chunks * 2}")
+    return {"problems": check.problems}
+
+
 def pipeline_pair():
     """pp = 2 stages of TSP (tsp = 2) as rank 0 (stage 0) and rank 3 (stage 1). The schedule's warm-up vote
     reads its result to the host; every stage gives its shapes (static mode), so a real run reads 1 there."""
@@ -361,6 +407,7 @@ CASES = {
     **{f"{s}_step": (scheme_step, (s,)) for s in ("tp", "sp", "tp_sp")},
     "moe_reads": (moe_reads, ()),
     "collectives": (collectives, ()),
+    "zero_step": (zero_step, ()),
     "pipeline_pair": (pipeline_pair, ()),
     "spy_flags": (spy_flags, ()),
     "generate_tsp": (generation, ("tsp",)),

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtsp.analysis import predict_comm, predict_memory
 from torchtsp.analysis.memory_model import _largest_param
@@ -16,7 +17,7 @@ from torchtsp.config import get_preset
 from torchtsp.train.checkpoint import load_full_state_dict
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.trainer import run_training
-from zero_cases import api_run
+from zero_cases import api_run, train_with_a_poisoned_step
 
 BASE = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "steps": 5, "sample_tokens": 0, "lr": 3e-3,
         "weight_decay": 0.1, "zero_bucket_mb": 0.05}  # small buckets: several reduce-scatters per backward
@@ -174,6 +175,21 @@ def test_plan_shows_model_state_with_and_without_zero(capsys):
     print(f"\n{out.splitlines()[1]}\n{row}")
 
 
+def test_a_non_finite_step_is_skipped_as_under_zero0(pools, tmp_path):
+    """A NaN loss at step 2 reaches the reduce-scatter and the global norm: the step is skipped, no weight moves
+    (no gather is left pending), and the run continues exactly as --zero 0's."""
+    runs = {}
+    for level in (0, 2):
+        cfg = TrainConfig(**{**BASE, "steps": 4, "dp": 2, "tsp": 1, "skip_nonfinite": 1, "zero": level,
+                             "out": str(tmp_path / f"zero{level}")})
+        runs[level] = pools(2).run(train_with_a_poisoned_step, cfg, 1)[0]["losses"]
+    assert math.isnan(runs[2][1]) and math.isnan(runs[0][1])
+    for a, b in zip(runs[2], runs[0], strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-5, (runs[2], runs[0])
+    _, weights = load_full_state_dict(tmp_path / "zero2")
+    assert all(w.isfinite().all() for w in weights.values())
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -230,3 +246,56 @@ def test_cli_bad_zero_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["torchtsp: error: zero (--zero) must be 0, 1 or 2, got 3"]
     assert not Path(tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- the norm's bookkeeping, one process
+
+
+class _StubAxis:
+    """A model axis of size 2 whose sums are this rank's alone: enough to compare two norm computations."""
+
+    size = 2
+
+    def all_reduce(self, tensor, label=None):
+        return tensor
+
+
+class _Packed(torch.nn.Module):
+    """Parameters split into reference pieces the way schemes split them: a packed flat buffer (a sharded piece,
+    a KV-head copy both ranks of the axis hold, weight 1/2; a replicated piece; padding rows), and a [40, 4]
+    tensor cut along dim 1 into a sharded and a replicated half (80 runs, more than are listed: per-element
+    weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flat = torch.nn.Parameter(torch.randn(23))
+        self.wide = torch.nn.Parameter(torch.randn(40, 4))
+        self.grad_sum_over_dp = True
+
+    def comms(self):
+        from torchtsp.distributed.comm import AxisComm
+
+        return {"dp": AxisComm(None, "dp"), "tsp": _StubAxis()}
+
+    def reference_parts(self, name, local):
+        if name == "flat":
+            return [("a", local[:8], {"tsp": 0}), ("b", local[8:14], {"tsp": (0, 1)}), ("c", local[14:20], {})]
+        return [("d", local[:, :2], {"tsp": 1}), ("e", local[:, 2:], {})]
+
+
+def test_norm_weights_match_global_grad_norm():
+    from torchtsp.train.optim import global_grad_norm
+    from torchtsp.train.zero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = _Packed()
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    zero = ZeroOptimizer(model, 2, 1e-3, 0.0, overlap=False)
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    zero.reduce_gradients()
+    pieces = [(piece, dims) for name in grads for _, piece, dims in model.reference_parts(name, grads[name])]
+    expected = global_grad_norm(pieces, model.comms())
+    assert torch.allclose(zero.grad_norm(), expected, rtol=1e-6)  # float32 sums grouped differently
+    assert [t[4] is None for t in zero.slots[0].norm_terms] == [True, True, True]  # runs: a, b (weight 1/2), c
+    assert all(t[4] is not None for t in zero.slots[1].norm_terms)

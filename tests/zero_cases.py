@@ -46,3 +46,19 @@ def api_run(level: int, steps: int = 3, poison: bool = False, bucket_mb: float =
                                                                               model.parameters()],
             "issued_early": opt.issued_early if level else None,
             "buckets": len(opt.buckets) if level else None}
+
+
+def train_with_a_poisoned_step(cfg, poisoned: int) -> dict:
+    """A trainer whose loss is NaN at step ``poisoned`` (0-based) only: a transient fault."""
+    from torchtsp.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    loss, step_fn, current = trainer.model.loss, trainer.train_step, {}
+    trainer.model.loss = lambda *args: loss(*args) * (float("nan") if current["step"] == poisoned else 1.0)
+
+    def train_step(step):
+        current["step"] = step
+        return step_fn(step)
+
+    trainer.train_step = train_step
+    return trainer.run()

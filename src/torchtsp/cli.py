@@ -131,11 +131,13 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--resume", metavar="PATH", help="continue from a run folder's latest checkpoint or a checkpoint folder")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
     add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
+    add("--zero", type=int, metavar="{0,1,2}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
+        "masters 1/dp, 2 also the gradients (default: 2 when dp > 1; 0: replicated)")
+    add("--zero-bucket-mb", type=float, metavar="MB", help="float32 gradient bucket of one reduce-scatter with "
+        "--zero, all dp rows together (default: 32)")
     add("--document-mask", action=argparse.BooleanOptionalAction,
         help="packed samples: attend within documents only, positions restart at each (a document ends after "
              "its EOS, whose target is ignored); default off")
-    add("--zero", type=int, metavar="{0,1,2}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
-        "masters 1/dp, 2 also the gradients (default: 2 when dp > 1; 0: replicated)")
     add("--seed", type=int, help="seed for init and data order (default: 0)")
     add("--sample-tokens", type=int, help="greedy tokens generated after training (default: 64; 0: none)")
     add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")

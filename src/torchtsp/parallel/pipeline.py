@@ -149,6 +149,7 @@ class PipelineTSP(ParallelTransformer):
 
     scheme = "tsp"
     grad_sum_over_dp = True  # as DataParallel's: off under a distributed optimizer (train/zero.py)
+    grad_reducer = None  # that optimizer's reduction of the gradients of one schedule, called as it ends
 
     def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
                  recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
@@ -236,6 +237,11 @@ class PipelineTSP(ParallelTransformer):
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
         self._count = (target_count if target_count is not None else
                        (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)).to(self.device)
+        # Gradients of earlier batches (accumulation) are already summed over replicas: set aside, added back.
+        summing = self.dp.size > 1 and self.grad_sum_over_dp
+        earlier = {p: p.grad for p in self.parameters() if p.grad is not None} if summing else {}
+        for p in earlier:
+            p.grad = None
         args = (self.shard_batch(tokens),) if self.has_first else ()
         target = self.shard_batch(labels) if self.has_last else None
         losses: list = []
@@ -244,18 +250,15 @@ class PipelineTSP(ParallelTransformer):
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
         total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if self.grad_sum_over_dp:
-            self.sum_grads_over_dp()
+        if summing:
+            for p in self.parameters():
+                if p.grad is not None:  # summed in float32, like DataParallel
+                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
+                if p in earlier:
+                    p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
+        elif self.grad_reducer is not None:
+            self.grad_reducer()
         return total
-
-    def sum_grads_over_dp(self) -> None:
-        """Sum every ``.grad`` over the replicas, in float32 like DataParallel. Gradient accumulation sums once,
-        after its last micro-batch (a sum per micro-batch would count the earlier micro-batches dp times)."""
-        if self.dp.size == 1:
-            return
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
 
     def loss(self, tokens, labels, document_ids=None):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")

@@ -45,15 +45,9 @@ def _pipeline_forward_backward(model, micro, total) -> torch.Tensor:
     """A pipeline runs forward and backward in one schedule; each micro-batch's loss is divided by the target
     count of the whole batch, so micro-batches of any target counts (document masks ignore some) add up."""
     loss = 0
-    summing, model.grad_sum_over_dp = model.grad_sum_over_dp, False  # once, after the last micro-batch
-    try:
-        for tokens, labels, ids in micro:
-            next_pass()
-            loss = loss + model.forward_backward(tokens, labels, ids, target_count=total)
-    finally:
-        model.grad_sum_over_dp = summing
-    if summing:
-        model.sum_grads_over_dp()
+    for tokens, labels, ids in micro:
+        next_pass()
+        loss = loss + model.forward_backward(tokens, labels, ids, target_count=total)
     return loss
 
 

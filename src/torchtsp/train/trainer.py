@@ -237,6 +237,7 @@ class Trainer:
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
                 "mesh": self.mesh_degrees, "train": self.cfg.to_dict(), "data_position": state[DATA_POSITION],
                 "tokenizer": self.data.tokenizer.fingerprint}
+        self._gathered = None  # the full moments gathered for this save
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
@@ -254,6 +255,7 @@ class Trainer:
             named, gathered = self._gathered
             checkpoint.restore_optimizer_steps(gathered, state)
             self.zero.load_gathered(named, gathered)
+            self._gathered = None
         else:
             checkpoint.restore_optimizer_steps(self.optimizer, state)
         if self.master:

@@ -10,13 +10,14 @@ A step:
 
 1. Backward. As autograd finishes a parameter's gradient (a post-accumulate hook), it is copied in float32 into its
    bucket: a [dp, width] buffer whose row r holds chunk r of each of the bucket's parameters, side by side; the
-   parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once (buckets are
-   issued in one fixed order on every rank), so the reductions overlap the rest of backward. At the end of the
+   parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once, so the
+   reductions overlap the rest of backward. Buckets go out in bucket order; after the first backward pass they
+   are rebuilt in the order its gradients arrived (the same on every rank: the same graph). At the end of the
    backward pass (an autograd callback) the remaining transfers are waited for and each owned chunk of the sum
    is added, in the parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own:
    with ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
-   A pipeline's schedule runs many backward passes per step: its gradients stay in ``.grad`` until
-   ``reduce_gradients`` reduces them once, after the schedule.
+   A pipeline's schedule runs a backward pass per microbatch: its gradients stay in ``.grad`` until the
+   schedule ends, and are reduced then (``PipelineTSP.grad_reducer``), again as ``--zero 0`` sums them.
 2. ZeRO-1 keeps every bucket's buffer from step to step (the full local gradient, in float32, stays allocated);
    ZeRO-2 allocates a bucket's buffer when its first gradient arrives and frees it once its reduce-scatter is
    done, with at most ``IN_FLIGHT`` buckets in flight: gradients outside the owned chunks live only that long.
@@ -49,10 +50,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.comm import AxisComm, Pending
+from ..parallel.pipeline import PipelineTSP
 from .optim import build_adamw
 
-LEVELS = (0, 1, 2)
 DEFAULT_BUCKET_MB = 32.0
+MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
 IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
 
 
@@ -69,8 +71,7 @@ class _Slot:
     offset: int = 0  # where the parameter's chunks start in its bucket's rows
     grad: torch.Tensor | None = None  # the owned chunk of the summed gradient, in the parameter's dtype
     master: torch.nn.Parameter | None = None  # what AdamW updates: the owned chunk in float32
-    # (mesh axes the elements are sharded over, weight of each owned element or None for all ones)
-    norm_terms: list = field(default_factory=list)
+    norm_terms: list = field(default_factory=list)  # how the owned elements enter the norm (``_norm_terms``)
 
     @property
     def numel(self) -> int:
@@ -109,13 +110,16 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
         self.model, self.level, self.comms = model, level, model.comms()
         self.dp: AxisComm = self.comms["dp"]
-        self.pipeline = hasattr(model, "stages")
-        self.overlap = (not self.pipeline) if overlap is None else overlap
+        self.overlap = not isinstance(model, PipelineTSP) if overlap is None else overlap
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
         self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
         self.grad_peak = 0
         self.issued_early = 0  # reduce-scatters issued while backward had gradients left to compute (a count)
         model.grad_sum_over_dp = False  # the model's own dp all-reduce gives way to the reduce-scatter
+        if isinstance(model, PipelineTSP) and overlap is not True:
+            # Reduce each batch a pipeline schedule ran, as the schedule ends (a micro-batch of accumulation is
+            # reduced on its own, as --zero 0 sums it): not each of the schedule's backward passes.
+            model.grad_reducer = self._reduce_now
         dp, r = self.dp.size, self.dp.rank
         self.slots: list[_Slot] = []
         for name, p in model.named_parameters():
@@ -132,28 +136,41 @@ class ZeroOptimizer:
             if master_weights:
                 slot.param.data = slot.param.data.to(torch.bfloat16)
         self.master_weights = master_weights
-        self.buckets = self._make_buckets(int(bucket_mb * 2**20))
-        # One AdamW per bucket: a bucket's weights can be sent while the next bucket's are updated.
-        refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
-        self.optimizers = [build_adamw(((refs[s.name], s.master) for s in b.slots), lr, weight_decay)
-                           for b in self.buckets]
+        self._refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
+        self._lr, self._weight_decay, self._bucket_bytes = lr, weight_decay, int(bucket_mb * 2**20)
+        self._layout(list(reversed(self.slots)))  # backward produces the last layers' gradients first
+        # The first backward pass records the order gradients really arrive in (TSP's replicated norms, summed
+        # in one node, come last); the buckets are then rebuilt in that order (``_end_of_pass``).
+        self._arrivals: list[int] | None = [] if self.overlap else None
         self._gathers: list[tuple[_Bucket, Pending]] = []
         self._issued = 0  # buckets issued in this backward pass (they go out in bucket order)
         self._in_pass = False
-        if level == 1:
-            for bucket in self.buckets:
-                bucket.buffer = torch.zeros(dp, bucket.width, device=bucket.slots[0].param.device)
         if self.overlap:
             for slot in self.slots:
                 slot.param.register_post_accumulate_grad_hook(self._grad_ready(slot))
 
     # -- layout -----------------------------------------------------------------------
 
-    def _make_buckets(self, bucket_bytes: int) -> list[_Bucket]:
-        """Buckets of about ``bucket_bytes`` (float32, all dp rows), parameters in reverse order: backward
-        produces the last layers' gradients first."""
+    def _layout(self, order: list[_Slot]) -> None:
+        """Buckets of about ``bucket_bytes`` (float32, all dp rows) of the parameters in ``order``, and one AdamW
+        per bucket (a bucket's weights can be sent while the next bucket's are updated); moments already made
+        (a loaded checkpoint) move with their chunks."""
+        old = getattr(self, "optimizers", [])
+        states = {m: st for opt in old for m, st in opt.state.items()}
+        lr = old[0].param_groups[0]["lr"] if old else self._lr  # a learning rate already set is kept
+        self.buckets = self._make_buckets(order, self._bucket_bytes)
+        self.optimizers = [build_adamw(((self._refs[s.name], s.master) for s in b.slots), lr,
+                                       self._weight_decay) for b in self.buckets]
+        for slot in self.slots:
+            if slot.master in states:
+                self._state(slot).update(states[slot.master])
+        if self.level == 1:
+            for bucket in self.buckets:
+                bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=bucket.slots[0].param.device)
+
+    def _make_buckets(self, order: list[_Slot], bucket_bytes: int) -> list[_Bucket]:
         buckets, current, width = [], [], 0
-        for slot in reversed(self.slots):
+        for slot in order:
             if current and (width + slot.chunk) * self.dp.size * 4 > bucket_bytes:
                 buckets.append(_Bucket(current, width))
                 current, width = [], 0
@@ -165,8 +182,10 @@ class ZeroOptimizer:
         return buckets
 
     def _norm_terms(self, slot: _Slot) -> list:
-        """How the owned elements enter the global norm: per set of sharded mesh axes, each element's weight
-        (1: counted as it is; chunks/size: a slice several ranks hold; 0: padding no reference tensor has)."""
+        """How the owned elements enter the global norm: (mesh axes they are sharded over, start, end, weight,
+        per-element weights or None), the weight 1 for an element counted as it is, chunks/size for a slice
+        several ranks hold, 0 for padding no reference tensor has. Packed shards lay their pieces out one after
+        another, so a few runs of [start, end) cover them; a layout with more runs keeps per-element weights."""
         weight, group = torch.zeros(slot.param.shape), torch.full(slot.param.shape, -1, dtype=torch.int16)
         keys: list[tuple] = []
         # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
@@ -182,11 +201,16 @@ class ZeroOptimizer:
             w.fill_(factor)
             g.fill_(keys.index(key))
         owned_w, owned_g = weight.view(-1)[slot.lo:slot.hi], group.view(-1)[slot.lo:slot.hi]
-        terms = []
-        for i, key in enumerate(keys):
-            w = torch.where(owned_g == i, owned_w, 0.0)
-            terms.append((key, None if bool((w == 1).all()) else w.to(torch.bfloat16)))  # 0, 1, 2^-k: exact
-        return terms
+        if owned_w.numel() == 0:
+            return []
+        edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
+        bounds = [0, *edges.tolist(), owned_w.numel()]
+        if len(bounds) <= MAX_NORM_RUNS:
+            return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
+                    if owned_g[a] >= 0 and owned_w[a] != 0]
+        device = slot.param.device
+        return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
+                for i, key in enumerate(keys)]
 
     # -- gradients ----------------------------------------------------------------------
 
@@ -196,6 +220,8 @@ class ZeroOptimizer:
                 self._in_pass = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
             self._take(slot)
+            if self._arrivals is not None:
+                self._arrivals.append(self.slots.index(slot))
             bucket = self.buckets[slot.bucket]
             if bucket.arrived == len(bucket.slots):
                 self._issue_ready()
@@ -209,8 +235,10 @@ class ZeroOptimizer:
         slot.param.grad = None
         if bucket.buffer is None:  # ZeRO-2: allocated per pass, zero where chunks are padded
             bucket.buffer = torch.zeros(self.dp.size, bucket.width, device=slot.param.device)
-        if grad is not None:
-            rows = bucket.buffer[:, slot.offset:slot.offset + slot.chunk]
+        rows = bucket.buffer[:, slot.offset:slot.offset + slot.chunk]
+        if grad is None:  # no gradient this pass: zeros (a kept ZeRO-1 buffer holds the last pass's)
+            rows.zero_()
+        else:
             full, rest = slot.chunks_of(grad.detach().reshape(-1), self.dp.size)
             rows[:len(full)].copy_(full)
             if rest is not None:
@@ -253,14 +281,32 @@ class ZeroOptimizer:
         for bucket in self.buckets:
             self._finish(bucket)
         self._issued, self._in_pass = 0, False
+        if self._arrivals is not None:
+            self._follow_arrivals()
+
+    def _follow_arrivals(self) -> None:
+        """After the first backward pass: rebuild the buckets in the order its gradients arrived. Every rank runs
+        the same graph, so every rank sees the same order (what ``--zero 0``'s all-reduce per gradient, issued
+        from the same hooks, relies on too)."""
+        seen = list(dict.fromkeys(self._arrivals))
+        order = seen + [i for i in range(len(self.slots)) if i not in seen]
+        self._arrivals = None
+        if order != [self.slots.index(s) for b in self.buckets for s in b.slots]:
+            self._layout([self.slots[i] for i in order])
 
     def reduce_gradients(self) -> None:
-        """After the step's backward: without hooks (a pipeline), reduce ``.grad`` of every parameter now; with
-        them, nothing is left to do (each pass was reduced as it ended)."""
+        """After the step's backward: with hooks, nothing is left to do (each pass was reduced as it ended); a
+        pipeline reduced each of its batches as its schedule ended (``grad_reducer``); else reduce ``.grad`` of
+        every parameter now."""
         if self.overlap:
             if self._in_pass:  # a backward that ran outside autograd's engine callbacks (never in practice)
                 self._end_of_pass()
             return
+        if getattr(self.model, "grad_reducer", None) != self._reduce_now:
+            self._reduce_now()
+
+    def _reduce_now(self) -> None:
+        """Reduce-scatter the ``.grad`` every parameter holds now, bucket by bucket."""
         for bucket in self.buckets:  # one bucket's float32 buffer at a time under ZeRO-2
             for slot in bucket.slots:
                 self._take(slot)
@@ -297,9 +343,10 @@ class ZeroOptimizer:
         squares: dict[tuple, torch.Tensor] = {}
         for slot in self.slots:
             g = slot.master.grad
-            for key, weight in slot.norm_terms:
-                sq = g.pow(2) if weight is None else g.pow(2) * weight.float()
-                squares[key] = squares.get(key, 0.0) + sq.sum()
+            for key, start, end, factor, weights in slot.norm_terms:
+                part = g[start:end].pow(2)
+                sq = part.sum() * factor if weights is None else (part * weights).sum()
+                squares[key] = squares.get(key, 0.0) + sq
         total = torch.zeros((), device=self.slots[0].param.device)
         for axes in sorted(squares):
             sq = torch.as_tensor(squares[axes], dtype=torch.float32, device=total.device)
