@@ -231,7 +231,7 @@ def train_with_a_poisoned_step(cfg, poisoned):
     """A trainer whose loss is NaN at step ``poisoned`` (0-based) only: a transient fault."""
     trainer = Trainer(cfg)
     loss, step_fn, current = trainer.model.loss, trainer.train_step, {}
-    trainer.model.loss = lambda t, y: loss(t, y) * (float("nan") if current["step"] == poisoned else 1.0)
+    trainer.model.loss = lambda t, y, *ids: loss(t, y, *ids) * (float("nan") if current["step"] == poisoned else 1.0)
 
     def train_step(step):
         current["step"] = step
