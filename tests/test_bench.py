@@ -140,3 +140,18 @@ def test_flags_and_report_do_not_import_torch():
     code = ("import sys, argparse; import torchtsp.bench.args as a, torchtsp.bench.report; "
             "a.add_bench_arguments(argparse.ArgumentParser()); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": "src"})
+
+
+def test_zero_cells_move_the_bytes_the_model_predicts(tmp_path):
+    """--zero 2 on the dp scheme: the reduce-scatter and all-gather bytes counted equal predict_comm's exactly."""
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert run_bench(parse([*TINY, "--schemes", "dp", "--seq-lens", "32", "--steps", "1", "--zero", "2",
+                                "--out", str(tmp_path), "--json", "--no-plots"])) == 0
+    (cell,) = json.loads(stdout.getvalue())["cells"]
+    ops = cell["step_bytes_by_op_rank0"]["dp"]
+    assert ops["reduce_scatter"] > 0 and ops["all_gather"] > 0 and "all_reduce" in ops  # only the loss sums
+    assert cell["step_bytes_match"], (cell["step_bytes_per_rank"], cell["predicted_step_bytes_per_rank"])

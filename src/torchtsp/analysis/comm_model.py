@@ -125,21 +125,37 @@ def _all_reduce(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
-def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[int]:
-    """Element counts of the parameters one rank holds when the reference's matrices are split over
-    ``tp`` ranks (one all-reduce each for replicated schemes; the whole model at tp = 1)."""
+Shape = tuple[int, int]  # (rows, elements per row) of a parameter one rank holds; 1-D tensors are (n, 1)
+
+
+def _numel(shape: Shape) -> int:
+    return shape[0] * shape[1]
+
+
+def _dp_chunk(shape: Shape, dp: int) -> int:
+    """Elements of one dp rank's chunk of a tensor under the distributed optimizer (train/zero.py): whole
+    rows, ceil(rows / dp) of them (the last chunks padded)."""
+    return -(-shape[0] // dp) * shape[1]
+
+
+def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[Shape]:
+    """Shapes of the parameters one rank holds when the reference's matrices are split over ``tp`` ranks (one
+    all-reduce each for replicated schemes; the whole model at tp = 1); stacked experts [E, F/tp, h] and
+    [E, h, F/tp] are E rows."""
     h, d, n_kv = cfg.dim, cfg.head_dim, tp_kv_heads(cfg, tp)
-    layer = [h, cfg.n_heads * d * h // tp, n_kv * d * h // tp, n_kv * d * h // tp,
-             h * cfg.n_heads * d // tp, h, cfg.ffn_dim * h // tp, cfg.ffn_dim * h // tp, h * cfg.ffn_dim // tp]
-    layer += [cfg.n_heads * d // tp, n_kv * d // tp, n_kv * d // tp] if cfg.qkv_bias else []
-    layer += [d, d] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
+    q, kv, f = cfg.n_heads * d // tp, n_kv * d // tp, cfg.ffn_dim // tp
+    layer = [(h, 1), (q, h), (kv, h), (kv, h), (h, q), (h, 1), (f, h), (f, h), (h, f)]
+    layer += [(q, 1), (kv, 1), (kv, 1)] if cfg.qkv_bias else []
+    layer += [(d, 1), (d, 1)] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
     # A sparse layer: the router, each stacked expert weight cut along F, the shared expert and its gate.
-    sparse = layer[:6] + layer[9:] + [cfg.n_experts * h] + [cfg.n_experts * cfg.moe_ffn_dim * h // tp] * 3
-    sparse += [cfg.shared_expert_ffn_dim * h // tp] * 3 + [h] if cfg.shared_expert_ffn_dim else []
-    vocab = -(-cfg.vocab_size // tp) * h if tp > 1 else cfg.vocab_size * h
+    experts = (cfg.n_experts, cfg.moe_ffn_dim * h // tp)
+    sparse = layer[:6] + layer[9:] + [(cfg.n_experts, h)] + [experts] * 3
+    shared = cfg.shared_expert_ffn_dim // tp
+    sparse += [(shared, h), (shared, h), (h, shared), (1, h)] if cfg.shared_expert_ffn_dim else []
+    vocab = (-(-cfg.vocab_size // tp) if tp > 1 else cfg.vocab_size, h)
     head = [] if cfg.tie_embeddings else [vocab]
     layers = [t for i in range(cfg.n_layers) for t in (sparse if cfg.is_moe_layer(i) else layer)]
-    return [vocab] + layers + [h] + head
+    return [vocab] + layers + [(h, 1)] + head
 
 
 @dataclass(frozen=True)
@@ -175,8 +191,8 @@ class CommBreakdown:
 class SchemeTraffic:
     """One replica's bytes per rank for one training step, as a scheme's formula gives them (the dp sums
     and the recompute and inference variants are added by ``predict_comm``). ``loss``: the all-reduces of
-    the NLL sum and token count. ``local_tensors``: element counts of the parameters one rank holds, each
-    summed over dp replicas by its own all-reduce."""
+    the NLL sum and token count. ``local_tensors``: shapes (rows, elements per row) of the parameters one rank
+    holds, each summed over dp replicas by its own all-reduce (or cut into dp chunks of whole rows)."""
 
     layer_forward: int
     layer_backward: int
@@ -184,7 +200,7 @@ class SchemeTraffic:
     embed_head_backward: int
     loss: int
     grad_sync: int
-    local_tensors: list[int]
+    local_tensors: list[Shape]
     # A mixture of experts' sparse layers (their dense layers are layer_forward / layer_backward); the expert
     # all-to-alls are data-dependent: these are their expected bytes under uniform routing (``moe_all_to_all``).
     sparse_forward: int = 0
@@ -256,15 +272,18 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
         # Replicated router (and shared gate): their gradients are all-reduced like the norms'.
         router_sync = _all_reduce(cfg.n_experts * h * e, D) + (_all_reduce(h * e, D) if p_sh else 0)
         grad_sync += _sparse_layers(cfg) * router_sync
-        experts = [cfg.n_experts // D * cfg.moe_ffn_dim * h] * 3
-        sparse += [cfg.n_experts * h] + experts + ([p_sh // D, h] if p_sh else [])
-    layers = [t for i in range(L) for t in (sparse if cfg.is_moe_layer(i) else dense)]
+        experts = [(cfg.n_experts // D, cfg.moe_ffn_dim * h)] * 3
+        sparse += [(cfg.n_experts, h)] + experts + ([p_sh // D, (1, h)] if p_sh else [])
+    # Packed shards and norms are flat: n elements are n rows of one.
+    layers = [t if isinstance(t, tuple) else (t, 1) for i in range(L)
+              for t in (sparse if cfg.is_moe_layer(i) else dense)]
     return SchemeTraffic(
         layer_forward=fwd, layer_backward=bwd,
         embed_head_forward=2 * (D - 1) * rows * e,  # embedding and head rings
         embed_head_backward=(D - 1) * rows * e + 2 * travel * rows * g,  # head ring again; two gradients travel
         loss=2 * _all_reduce(4, D) + _aux_stats(cfg, D), grad_sync=grad_sync,
-        local_tensors=[rows] + layers + [h] + head, sparse_forward=sparse_fwd, sparse_backward=sparse_bwd,
+        local_tensors=[(rows // h, h)] + layers + [(h, 1)] + [(r // h, h) for r in head],
+        sparse_forward=sparse_fwd, sparse_backward=sparse_bwd,
         routed_forward=routed_fwd, routed_backward=routed_bwd,
         # The re-run MLP moves nothing: backward's ring projects each passing shard again (TSPFeedForward).
         recompute_forward=fwd - (D - 1) * p_mlp // D * e)
@@ -286,7 +305,7 @@ def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     return SchemeTraffic(
         layer_forward=fwd, layer_backward=bwd, embed_head_forward=0, embed_head_backward=0,
         loss=2 * _all_reduce(4, sp) + _aux_stats(cfg, sp),
-        grad_sync=sum(_all_reduce(n * e, sp) for n in _reference_tensors(cfg)),
+        grad_sync=sum(_all_reduce(_numel(t) * e, sp) for t in _reference_tensors(cfg)),
         local_tensors=_reference_tensors(cfg), sparse_forward=fwd, sparse_backward=bwd)
 
 
@@ -324,7 +343,8 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     loss = 2 * _all_reduce(4, sp)  # NLL sum and token count over sp (nothing for plain TP)
     if sp > 1:
         # Every use of a weight is wrapped in an all-reduce over sp: a tied vocabulary shard twice.
-        grad_sync += sum(_all_reduce(n * e, sp) for n in local + ([rows] if cfg.tie_embeddings else []))
+        tied = [(rows // h, h)] if cfg.tie_embeddings else []
+        grad_sync += sum(_all_reduce(_numel(t) * e, sp) for t in local + tied)
     # A sparse layer (parallel/moe.py, tp_moe): one all-reduce of the summed partial outputs, like the dense MLP's;
     # backward adds the partial gradients of the top-k weights [n, k] (and of the shared gate, [n, 1]).
     sparse_bwd = bwd + _all_reduce(tokens * cfg.moe_top_k * e, T)
@@ -359,8 +379,7 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     pass it to count that rank's.
 
     ``zero`` 1 or 2 (``train/zero.py``, dp > 1): each local tensor's gradient is reduce-scattered over dp in fp32
-    and the updated weights all-gathered in the model dtype, (dp - 1)/dp of the tensor each (its dp chunks
-    counted whole here; the code pads chunks to whole rows, a few rows more).
+    and the updated weights all-gathered in the model dtype, dp - 1 chunks of ceil(rows/dp) whole rows each.
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     get_scheme(scheme).validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
@@ -382,9 +401,9 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
         # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
         emb_fwd += t.loss + 2 * _all_reduce(4, dp) + _aux_stats(cfg, dp)
         if zero and dp > 1:
-            grad_sync += sum((dp - 1) * -(-n // dp) * (4 + dtype_bytes) for n in t.local_tensors)
+            grad_sync += sum((dp - 1) * _dp_chunk(shape, dp) * (4 + dtype_bytes) for shape in t.local_tensors)
         else:
-            grad_sync += sum(_all_reduce(n * 4, dp) for n in t.local_tensors)
+            grad_sync += sum(_all_reduce(_numel(shape) * 4, dp) for shape in t.local_tensors)
     sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
     total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
     layer_fwd = fwd

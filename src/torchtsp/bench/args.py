@@ -70,6 +70,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--recompute", action="store_true",
         help="every scheme keeps each layer's input only and re-runs its forward in backward (default: off: "
              "every scheme saves its activations); a scheme without recompute (torch_tp) is reported n/a")
+    add("--zero", type=int, choices=[0, 1, 2], default=0,
+        help="the distributed optimizer over dp (as train --zero; it changes only meshes with dp > 1, here the dp "
+             "scheme): 1 shards AdamW state, 2 also gradients (default: 0, replicated AdamW, like the committed runs)")
     add("--documents", type=int, metavar="L",
         help="--mode train, instead of the sweep: rows packed with documents of mean length L (seeded), each "
              "scheme's step timed with and without the document mask, interleaved, with both per-rank peaks")

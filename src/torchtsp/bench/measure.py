@@ -34,6 +34,7 @@ from ..model import Transformer
 from ..parallel import parallelize
 from ..schemes import get_scheme
 from ..train.optim import build_adamw
+from ..train.zero import ZeroOptimizer
 
 LR, WEIGHT_DECAY = 1e-4, 0.1  # the values do not matter: the bench measures, it does not train
 
@@ -54,6 +55,7 @@ class CellSpec:
     seed: int = 0
     timeout_s: float = 600.0
     documents: int = 0  # packed rows of documents of this mean length (0: one sequence per row)
+    zero: int = 0  # the distributed optimizer's level over dp (train/zero.py; effective when dp > 1)
 
     @property
     def label(self) -> str:
@@ -107,14 +109,32 @@ class _Built:
         self.documents = (Documents.from_ids(packed_document_ids(*shape, spec.documents, spec.seed))
                           if spec.documents else None)
         self.params = dict(self.model.named_parameters())
-        refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in self.params.items()}
-        self.optimizer = build_adamw(((refs[n], p) for n, p in self.params.items()), LR, WEIGHT_DECAY)
+        dp = self.model.comms().get("dp")
+        self.zero = (ZeroOptimizer(self.model, spec.zero, LR, WEIGHT_DECAY)
+                     if spec.zero and dp is not None and dp.size > 1 else None)
+        if self.zero:
+            self.optimizer, self.tracked = self.zero, (self.model, *self.zero.optimizers)
+        else:
+            refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in self.params.items()}
+            self.optimizer = build_adamw(((refs[n], p) for n, p in self.params.items()), LR, WEIGHT_DECAY)
+            self.tracked = (self.model, self.optimizer)
+
+    def update(self) -> None:
+        """AdamW after a backward; with ZeRO the gradients' reduce-scatter, the owned chunks' update and the
+        weights' all-gather, waited for (so a step's bytes and time include it)."""
+        if self.zero:
+            self.zero.reduce_gradients()
+            self.zero.step()
+            self.zero.zero_grad()
+            self.zero.wait_for_weights()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> torch.Tensor:
         loss = self.model.loss(self.tokens, self.labels, self.documents)
         loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.update()
         return loss.detach()
 
     def timed_step(self) -> tuple[float, float]:
@@ -144,7 +164,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
     built = _build(spec, mesh)
     if isinstance(built, str):
         return {"error": built}
-    model, optimizer, step = built.model, built.optimizer, built.step
+    model, step = built.model, built.step
     comms = model.comms()
     fwd_by_op = step_by_op = {}
     fwd_bytes = step_bytes = fwd_routed = step_routed = -1
@@ -154,8 +174,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
             loss = model.loss(built.tokens, built.labels, built.documents)
         with Traffic(comms) as rest:
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            built.update()
         fwd_bytes, step_bytes = forward.recv, forward.recv + rest.recv
         fwd_by_op, step_by_op = forward.by_op, _add_by_op(forward.by_op, rest.by_op)
         # A mixture of experts' all-to-alls move what routing sends: kept apart from the deterministic bytes.
@@ -163,12 +182,13 @@ def _cell(spec: CellSpec, mesh) -> dict:
                                    for by_op in (fwd_by_op, step_by_op))
         for _ in range(spec.warmup - 1):
             step()
+    elif built.zero:  # optimizer state: one whole step (its gradients go through the reduce-scatter)
+        step()
     else:  # optimizer state without a forward/backward: one AdamW step on zero gradients
         for p in built.params.values():
             p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    loss, peak = measure_peak(step, model, optimizer)
+        built.update()
+    loss, peak = measure_peak(step, *built.tracked)
     waited = 0.0
     if spec.mode == "sweep":
         timed = [built.timed_step() for _ in range(spec.steps)]
@@ -229,7 +249,7 @@ def paired_on_rank(specs: list[CellSpec], peaks: bool = False) -> dict:
     for b, spec in zip(built, specs):
         for _ in range(spec.warmup):
             b.step()
-    peak = [measure_peak(b.step, b.model, b.optimizer)[1] if peaks else 0 for b in built]
+    peak = [measure_peak(b.step, *b.tracked)[1] if peaks else 0 for b in built]
     steps = specs[0].steps
     times = [[0.0] * steps for _ in specs]
     for i in range(steps):

@@ -86,9 +86,9 @@ def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None) -> d
     flags = {k: True for k in ("sequence_parallel", "recompute") if spec.options.get(k)}
     mem = predict_memory(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags,
                          pruned_kv=seq_rank is not None,
-                         dtype_bytes=4, optimizer="adamw", foreach=foreach)
+                         dtype_bytes=4, optimizer="adamw", foreach=foreach, zero=spec.zero)
     traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4,
-                           seq_rank=seq_rank)
+                           seq_rank=seq_rank, zero=spec.zero)
     return {"memory": mem.to_dict(), "comm": traffic.to_dict(), "peak_bytes": mem.total,
             "forward_bytes": traffic.forward, "step_bytes": traffic.total,
             "routed_forward_bytes": traffic.routed_forward, "routed_step_bytes": traffic.routed}
@@ -214,6 +214,7 @@ def _meta(args, cfg: ModelConfig, runner: _Runner, elapsed_s: float) -> dict:
             "device": runner.device if runner.device == "cpu" else torch.cuda.get_device_name(),
             "backend": "nccl" if runner.device == "cuda" else "gloo", "dtype": "float32",
             "sequence_parallel": args.sequence_parallel, "recompute": getattr(args, "recompute", False),
+            "zero": getattr(args, "zero", 0),
             "warmup": args.warmup, "steps": args.steps,
             "threads_per_rank": 1 if not runner.torchrun else torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
@@ -226,7 +227,7 @@ def _sweep(args, cfg: ModelConfig, runner: _Runner) -> dict:
     recompute = getattr(args, "recompute", False)
     by_scheme = {s: [CellSpec(s, scheme_degrees(s, runner.world), cfg, args.batch_size, S, args.warmup, args.steps,
                               scheme_options(s, args.sequence_parallel, recompute), "sweep", args.seed,
-                              args.timeout_s) for S in args.seq_lens] for s in args.schemes}
+                              args.timeout_s, zero=args.zero) for S in args.seq_lens] for s in args.schemes}
     # Our tp against PyTorch's own TP: besides each cell's timing, the two are timed interleaved per S.
     pairs = list(args.seq_lens) if {"tp", "torch_tp"} <= set(args.schemes) else []
     cells, paired = [], {}
@@ -266,7 +267,7 @@ def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
             bar.set_postfix_str(f"{scheme} S={S}")
             plain = CellSpec(scheme, scheme_degrees(scheme, runner.world), cfg, args.batch_size, S, args.warmup,
                              args.steps, scheme_options(scheme, args.sequence_parallel, recompute), "sweep",
-                             args.seed, args.timeout_s)
+                             args.seed, args.timeout_s, zero=args.zero)
             masked = dataclasses.replace(plain, documents=args.documents)
             why = layout_error(plain)
             result = {"error": why} if why else runner(paired_on_rank, [plain, masked], True)
@@ -323,7 +324,7 @@ def _max_seq(args, cfg: ModelConfig, runner: _Runner) -> dict:
         degrees = scheme_degrees(scheme, runner.world)
         specs = [CellSpec(scheme, degrees, cfg, args.batch_size, S, 0, 0,
                           scheme_options(scheme, args.sequence_parallel, recompute), "memory", args.seed,
-                          args.timeout_s) for S in lengths]
+                          args.timeout_s, zero=args.zero) for S in lengths]
         # Every length the layout allows, up to the first it refuses (which stops the search with its reason).
         first_bad = next((i for i, spec in enumerate(specs) if layout_error(spec)), len(specs))
         results = runner(longest_on_rank, specs[:first_bad], budget) if first_bad else []
