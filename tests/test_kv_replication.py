@@ -189,9 +189,10 @@ def test_generate_equals_the_reference_and_the_cache_is_a_dth(pools, name):
 # ---------------------------------------------------------------- checkpoints
 
 
-def test_checkpoint_written_at_d4_resumes_at_d2(pools, tmp_path):
-    """Training at D = 4 (2 KV heads, copied on pairs of ranks) matches single-device training; its checkpoint
-    stores each KV head once, and a run resumed from it at D = 2 (no copies) continues within round-off."""
+def train_with_kv_copies_then_resume_at_two(pools, tmp_path, scheme: str) -> None:
+    """``scheme`` (tsp or tp) at 4 ranks with 2 KV heads, copied on pairs of ranks, trains like one device through
+    clipping and AdamW (the global gradient norm counts each copy once); its checkpoint stores each KV head once,
+    and a run resumed from it at 2 ranks (no copies) continues within round-off."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from torchtsp.hf import save_hf_checkpoint
@@ -203,24 +204,30 @@ def test_checkpoint_written_at_d4_resumes_at_d2(pools, tmp_path):
                                max_seq_len=64, qkv_bias=True)
     torch.manual_seed(0)
     save_hf_checkpoint(tmp_path / "init", torchtsp.Transformer(cfg).state_dict(), cfg)
-    settings = dict(init_from_hf=str(tmp_path / "init"), batch_size=4, seq_len=32, steps=4, sample_tokens=0)
-    first = pools(4).run(run_training, TrainConfig(out=str(tmp_path / "d4"), tsp=4, checkpoint_every=2,
-                                                   **settings))[0]
+    settings = dict(init_from_hf=str(tmp_path / "init"), batch_size=4, seq_len=32, steps=4, sample_tokens=0,
+                    scheme=scheme)
+    first = pools(4).run(run_training, TrainConfig(out=str(tmp_path / "at4"), checkpoint_every=2,
+                                                   **{scheme: 4}, **settings))[0]
     single = train_single(cfg, 4, 4, 32, lr=TrainConfig.lr, seed=0, prompt=None)
-    # float32 round-off of reordered sums (and a gradient norm assembled from shards), over 4 AdamW steps.
+    # float32 round-off of reordered sums (and a gradient norm assembled from shards), over 4 AdamW steps; a
+    # copy counted twice in the norm, or not summed, moves the losses by far more.
     assert all(abs(a - b) <= 1e-4 * b for a, b in zip(first["losses"], single)), (first["losses"], single)
 
-    step2 = tmp_path / "d4" / "checkpoints" / "step_000002"
+    step2 = tmp_path / "at4" / "checkpoints" / "step_000002"
     chunks = FileSystemReader(str(step2)).read_metadata().state_dict_metadata
     for key in ("model/layers.0.attention.wk.weight", "optim/exp_avg/layers.1.attention.wv.bias"):
         assert len(chunks[key].chunks) == cfg.n_kv_heads, key  # one stored slice per KV head, no copies
     assert len(chunks["model/layers.0.attention.wq.weight"].chunks) == 4
 
-    resumed = pools(2).run(run_training, TrainConfig(out=str(tmp_path / "d2"), tsp=2, resume=str(step2),
+    resumed = pools(2).run(run_training, TrainConfig(out=str(tmp_path / "at2"), resume=str(step2), **{scheme: 2},
                                                      **settings))[0]
-    # Another D sums in another order: float32 round-off over two steps.
+    # Another degree sums in another order: float32 round-off over two steps.
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resumed["losses"], first["losses"][2:])), \
         (resumed["losses"], first["losses"])
+
+
+def test_checkpoint_written_at_d4_resumes_at_d2(pools, tmp_path):
+    train_with_kv_copies_then_resume_at_two(pools, tmp_path, "tsp")
 
 
 def peak_on_rank(cfg, seq_len):

@@ -16,7 +16,7 @@ import torch
 
 import torchtsp
 from helpers import batch, compare_with_reference
-from test_kv_replication import CASES, reference
+from test_kv_replication import CASES, reference, train_with_kv_copies_then_resume_at_two
 
 B, S = 2, 16
 
@@ -131,39 +131,7 @@ def test_memory_and_traffic_models_count_the_copies():
 
 
 def test_training_with_copies_matches_one_device_and_its_checkpoint_resumes_at_t2(pools, tmp_path):
-    """TP at T = 4 with 2 KV heads (copied on pairs of ranks) trains like one device through clipping and AdamW
-    (the global gradient norm counts each copy once); its checkpoint stores each KV head once and a run resumed
-    from it at T = 2 (no copies) continues within round-off."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from torchtsp.hf import save_hf_checkpoint
-    from torchtsp.train.config import TrainConfig
-    from torchtsp.train.single import train_single
-    from torchtsp.train.trainer import run_training
-
-    cfg = torchtsp.ModelConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=96, vocab_size=257,
-                               max_seq_len=64, qkv_bias=True)
-    torch.manual_seed(0)
-    save_hf_checkpoint(tmp_path / "init", torchtsp.Transformer(cfg).state_dict(), cfg)
-    settings = dict(init_from_hf=str(tmp_path / "init"), batch_size=4, seq_len=32, steps=4, sample_tokens=0,
-                    scheme="tp")
-    first = pools(4).run(run_training, TrainConfig(out=str(tmp_path / "t4"), tp=4, checkpoint_every=2,
-                                                   **settings))[0]
-    single = train_single(cfg, 4, 4, 32, lr=TrainConfig.lr, seed=0, prompt=None)
-    # float32 round-off of reordered sums (and a gradient norm assembled from shards), over 4 AdamW steps; a
-    # copy counted twice in the norm, or not summed, moves the losses by far more.
-    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(first["losses"], single)), (first["losses"], single)
-
-    step2 = tmp_path / "t4" / "checkpoints" / "step_000002"
-    chunks = FileSystemReader(str(step2)).read_metadata().state_dict_metadata
-    for key in ("model/layers.0.attention.wk.weight", "optim/exp_avg/layers.1.attention.wv.bias"):
-        assert len(chunks[key].chunks) == cfg.n_kv_heads, key  # one stored slice per KV head, no copies
-    assert len(chunks["model/layers.0.attention.wq.weight"].chunks) == 4
-
-    resumed = pools(2).run(run_training, TrainConfig(out=str(tmp_path / "t2"), tp=2, resume=str(step2),
-                                                     **settings))[0]
-    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(resumed["losses"], first["losses"][2:])), \
-        (resumed["losses"], first["losses"])
+    train_with_kv_copies_then_resume_at_two(pools, tmp_path, "tp")
 
 
 def peak_on_rank(cfg, seq_len):
