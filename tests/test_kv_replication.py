@@ -230,24 +230,30 @@ def test_checkpoint_written_at_d4_resumes_at_d2(pools, tmp_path):
     train_with_kv_copies_then_resume_at_two(pools, tmp_path, "tsp")
 
 
-def peak_on_rank(cfg, seq_len):
+def peak_on_rank(cfg, seq_len, scheme="tsp"):
     from torchtsp.memory import measure_peak
 
     torch.manual_seed(0)
-    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tsp=4), "tsp")
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(**{scheme: 4}), scheme)
     tokens, labels = batch(cfg, 1, seq_len)
     return measure_peak(lambda: model.loss(tokens, labels).backward(), model)[1]
+
+
+def measured_and_predicted_peak(pools, scheme, **options):
+    """One forward + backward at 4 ranks, 1 KV head (copied on every rank), bias and q/k norm, S = 1024: the
+    measured peak (largest over ranks) and the memory model's."""
+    from torchtsp.analysis import predict_memory
+
+    cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=1, ffn_dim=192, vocab_size=257, n_layers=2,
+                               max_seq_len=1024, qkv_bias=True, qk_norm=True)
+    measured = max(pools(4).run(peak_on_rank, cfg, 1024, scheme))
+    return measured, predict_memory(scheme, cfg, 1, 1024, **{scheme: 4}, optimizer=None, **options).total
 
 
 def test_predicted_peak_memory_with_kv_copies_and_features_within_15_percent(pools):
     """The memory model's walk with copied KV heads, biases and the q/k norm's saved projections, against the
     measured peak of one forward + backward (the same 15% as the calibrated cases in tests/test_analysis.py)."""
-    from torchtsp.analysis import predict_memory
-
-    cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=1, ffn_dim=192, vocab_size=257, n_layers=2,
-                               max_seq_len=1024, qkv_bias=True, qk_norm=True)
-    measured = max(pools(4).run(peak_on_rank, cfg, 1024))
-    predicted = predict_memory("tsp", cfg, 1, 1024, tsp=4, optimizer=None, pruned_kv=True).total  # gloo
+    measured, predicted = measured_and_predicted_peak(pools, "tsp", pruned_kv=True)  # gloo prunes the K/V
     print(f"\nTSP D=4, 1 KV head (copied on 4 ranks), bias + q/k norm, S=1024: measured {measured / 2**20:.2f} MiB, "
           f"predicted {predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
     assert abs(predicted - measured) <= 0.15 * measured

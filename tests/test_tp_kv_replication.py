@@ -16,7 +16,7 @@ import torch
 
 import torchtsp
 from helpers import batch, compare_with_reference
-from test_kv_replication import CASES, reference, train_with_kv_copies_then_resume_at_two
+from test_kv_replication import CASES, measured_and_predicted_peak, reference, train_with_kv_copies_then_resume_at_two
 
 B, S = 2, 16
 
@@ -134,22 +134,8 @@ def test_training_with_copies_matches_one_device_and_its_checkpoint_resumes_at_t
     train_with_kv_copies_then_resume_at_two(pools, tmp_path, "tp")
 
 
-def peak_on_rank(cfg, seq_len):
-    from torchtsp.memory import measure_peak
-
-    torch.manual_seed(0)
-    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tp=4), "tp")
-    tokens, labels = batch(cfg, 1, seq_len)
-    return measure_peak(lambda: model.loss(tokens, labels).backward(), model)[1]
-
-
 def test_predicted_peak_memory_with_kv_copies_within_15_percent(pools):
     """The memory model's reference walk with TP's copied KV heads (weights, K/V activations and their gradients
     of one head per rank), against one measured forward + backward; the bound of tests/test_analysis.py."""
-    from torchtsp.analysis import predict_memory
-
-    cfg = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=1, ffn_dim=192, vocab_size=257, n_layers=2,
-                               max_seq_len=1024, qkv_bias=True, qk_norm=True)
-    measured = max(pools(4).run(peak_on_rank, cfg, 1024))
-    predicted = predict_memory("tp", cfg, 1, 1024, tp=4, optimizer=None).total
+    measured, predicted = measured_and_predicted_peak(pools, "tp")
     assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
