@@ -43,14 +43,14 @@ def reference(cfg) -> torchtsp.Transformer:
 # ---------------------------------------------------------------- exactness
 
 
-def exactness_on_rank(cases, degrees):
+def exactness_on_rank(cases, degrees, scheme="tsp", options=None):
     mesh = torchtsp.init_mesh(**degrees)
     out = {}
     for name in cases:
         for recompute in (False, True):
             ref = reference(CASES[name])
             tokens, labels = batch(ref.cfg, B, S)
-            model = torchtsp.parallelize(copy.deepcopy(ref), mesh, "tsp", recompute=recompute)
+            model = torchtsp.parallelize(copy.deepcopy(ref), mesh, scheme, recompute=recompute, **(options or {}))
             loss = model.loss(tokens, labels)
             loss.backward()
             ref_loss = ref.loss(tokens, labels)
@@ -59,12 +59,8 @@ def exactness_on_rank(cases, degrees):
     return out
 
 
-@pytest.mark.parametrize("degrees,cases", [({"tsp": 4}, ["kv2", "kv1_bias_norm"]), ({"tsp": 2}, ["kv1_bias_norm"]),
-                                           ({"dp": 2, "tsp": 2}, ["kv1_bias_norm"])],
-                         ids=["D4", "D2", "DP2xD2"])
-def test_loss_and_every_gradient_match_reference(pools, degrees, cases):
-    world = degrees.get("dp", 1) * degrees["tsp"]
-    for rank, results in enumerate(pools(world).run(exactness_on_rank, cases, degrees)):
+def check_exactness(per_rank) -> None:
+    for rank, results in enumerate(per_rank):
         for (name, recompute), r in results.items():
             assert r["names"], "full_grads() must name exactly the reference parameters"
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), (rank, name, r["loss"], r["ref_loss"])
@@ -74,6 +70,14 @@ def test_loss_and_every_gradient_match_reference(pools, degrees, cases):
             # reference itself is 3e-5 from a float64 one), so 1e-4; a copy's gradient not summed over its
             # group is off by O(1).
             assert r["grad_err"][worst] <= 1e-4, (rank, name, recompute, worst, r["grad_err"][worst])
+
+
+@pytest.mark.parametrize("degrees,cases", [({"tsp": 4}, ["kv2", "kv1_bias_norm"]), ({"tsp": 2}, ["kv1_bias_norm"]),
+                                           ({"dp": 2, "tsp": 2}, ["kv1_bias_norm"])],
+                         ids=["D4", "D2", "DP2xD2"])
+def test_loss_and_every_gradient_match_reference(pools, degrees, cases):
+    world = degrees.get("dp", 1) * degrees["tsp"]
+    check_exactness(pools(world).run(exactness_on_rank, cases, degrees))
 
 
 # ---------------------------------------------------------------- building, loading, traffic
