@@ -80,6 +80,18 @@ def test_loss_and_every_gradient_match_reference(pools, degrees, cases):
     check_exactness(pools(world).run(exactness_on_rank, cases, degrees))
 
 
+def check_step_logits(ref, prompts, tokens, logits, where) -> None:
+    """Each decode step's logits equal the reference's on the whole generated sequence so far (float32 round-off
+    of another summation order: 1e-4 relative)."""
+    with torch.no_grad():
+        for row, seq in enumerate(tokens):
+            full = ref(torch.tensor([seq[:-1]]))[0]
+            for step, step_logits in enumerate(logits):
+                want = full[len(prompts[row]) - 1 + step]
+                err = (step_logits[row] - want).abs().max() / want.abs().max()
+                assert err <= 1e-4, (where, row, step, err)
+
+
 # ---------------------------------------------------------------- building, loading, traffic
 
 
@@ -180,13 +192,7 @@ def test_generate_equals_the_reference_and_the_cache_is_a_dth(pools, name):
     for rank, result in enumerate(pools(4).run(generate_on_rank, name, prompts)):
         for schedule, (tokens, logits, kv_bytes) in result.items():
             assert tokens == expected, (rank, schedule, tokens, expected)
-            with torch.no_grad():
-                for row, seq in enumerate(tokens):
-                    full = ref(torch.tensor([seq[:-1]]))[0]
-                    for step, step_logits in enumerate(logits):
-                        want = full[len(prompts[row]) - 1 + step]
-                        err = (step_logits[row] - want).abs().max() / want.abs().max()
-                        assert err <= 1e-4, (rank, schedule, row, step, err)
+            check_step_logits(ref, prompts, tokens, logits, (rank, schedule))
             assert kv_bytes * 4 == single_cache, (rank, schedule, kv_bytes, single_cache)
 
 

@@ -10,13 +10,13 @@ copies.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import torchtsp
 from helpers import batch
 from test_kv_replication import (
     CASES,
     check_exactness,
+    check_step_logits,
     exactness_on_rank,
     measured_and_predicted_peak,
     reference,
@@ -83,13 +83,7 @@ def test_generate_equals_the_reference_and_the_cache_holds_one_head(pools, name)
     predicted = predict_memory("tp", cfg, len(prompts), 8, tp=4, mode="infer", new_tokens=5).kv_cache
     for rank, (tokens, logits, kv_bytes) in enumerate(pools(4).run(generate_on_rank, name, prompts)):
         assert tokens == expected, (rank, tokens, expected)
-        with torch.no_grad():
-            for row, seq in enumerate(tokens):
-                full = ref(torch.tensor([seq[:-1]]))[0]
-                for step, step_logits in enumerate(logits):
-                    want = full[len(prompts[row]) - 1 + step]
-                    err = (step_logits[row] - want).abs().max() / want.abs().max()
-                    assert err <= 1e-4, (rank, row, step, err)
+        check_step_logits(ref, prompts, tokens, logits, rank)
         assert kv_bytes * cfg.n_kv_heads == single_cache, (rank, kv_bytes, single_cache)
         assert kv_bytes == predicted, (kv_bytes, predicted)
 
