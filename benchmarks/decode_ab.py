@@ -7,6 +7,10 @@ A load that comes and goes on a shared host hits both alike. The steps are cut i
 per block the ratio of the two medians is one "run", and the table gives the median and range of those ratios
 and of each scheme's TPOT.
 
+Also per scheme: the collectives one decode step issues on a rank (embedding, every layer, the token choice), and
+the CPU time a rank's process uses per step (its gloo threads included): where the ranks share the host's cores,
+that CPU time, not the bytes, sets the step.
+
     PYTHONPATH=src python benchmarks/decode_ab.py --batch 4 --prompt 2048 --steps 40 --runs 5
     PYTHONPATH=src python benchmarks/decode_ab.py --batch 4 --prompt 2048 --kv-heads 2
 """
@@ -53,18 +57,21 @@ def on_rank(schemes, cfg_fields, batch, prompt, steps):
     world = comm_module.world_size()
     built = {s: _engine(s, cfg, world, batch, prompt, steps) for s in schemes}
     ids = {s: built[s][1] for s in schemes}
-    times = {s: [] for s in schemes}
+    times, cpu, calls = ({s: [] for s in schemes} for _ in range(3))
     with torch.inference_mode():
         for t in range(steps):
             for s in schemes if t % 2 == 0 else reversed(schemes):
                 engine, _, lengths, select = built[s]
                 comm_module.barrier()
-                start = time.perf_counter()
-                ids[s] = select(engine.decode(ids[s], lengths + t, t))
+                start, start_cpu = time.perf_counter(), time.process_time()
+                with engine.comm.counting() as stats:
+                    ids[s] = select(engine.decode(ids[s], lengths + t, t))
+                cpu[s].append(time.process_time() - start_cpu)
                 comm_module.barrier()
                 times[s].append(time.perf_counter() - start)
-    return {"times": times, "kv_bytes": {s: built[s][0].kv_cache_bytes for s in schemes},
-            "tokens": {s: ids[s].tolist() for s in schemes}}
+                calls[s].append(sum(stats.calls.values()))
+    return {"times": times, "cpu": cpu, "collectives": {s: max(calls[s]) for s in schemes},
+            "kv_bytes": {s: built[s][0].kv_cache_bytes for s in schemes}, "tokens": {s: ids[s].tolist() for s in schemes}}
 
 
 def summarise(result, runs):
@@ -95,7 +102,9 @@ def main():
     with WorkerPool(args.ranks, timeout_s=1200) as pool:
         per_rank = pool.run(on_rank, schemes, cfg, args.batch, args.prompt, args.steps)
     times = {s: [max(r["times"][s][t] for r in per_rank) for t in range(args.steps)] for s in schemes}
+    cpu_ms = {s: [1e3 * statistics.median(r["cpu"][s]) for r in per_rank] for s in schemes}  # per rank
     result = {**vars(args), "schemes": schemes, "times": times, "kv_bytes": per_rank[0]["kv_bytes"],
+              "cpu_ms_per_step": cpu_ms, "collectives_per_step": per_rank[0]["collectives"],
               "same_tokens": per_rank[0]["tokens"][schemes[0]] == per_rank[0]["tokens"][schemes[-1]]}
     result["summary"] = summarise(result, args.runs)
     s = result["summary"]
@@ -103,7 +112,8 @@ def main():
     for name in schemes:
         t = s["tpot_ms"][name]
         print(f"  {name}: TPOT {t['median']:.2f} ms [{t['min']:.2f}-{t['max']:.2f}] over {args.runs} blocks, "
-              f"KV {result['kv_bytes'][name] / 2**20:.3f} MiB/rank")
+              f"KV {result['kv_bytes'][name] / 2**20:.3f} MiB/rank, {result['collectives_per_step'][name]} "
+              f"collectives/step, CPU/step per rank {', '.join(f'{c:.1f}' for c in cpu_ms[name])} ms")
     r = s["ratio"]
     print(f"  {schemes[0]}/{schemes[1]} TPOT: median {r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]; "
           f"same greedy tokens: {result['same_tokens']}")
