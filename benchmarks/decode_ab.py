@@ -71,7 +71,8 @@ def on_rank(schemes, cfg_fields, batch, prompt, steps):
                 times[s].append(time.perf_counter() - start)
                 calls[s].append(sum(stats.calls.values()))
     return {"times": times, "cpu": cpu, "collectives": {s: max(calls[s]) for s in schemes},
-            "kv_bytes": {s: built[s][0].kv_cache_bytes for s in schemes}, "tokens": {s: ids[s].tolist() for s in schemes}}
+            "kv_bytes": {s: built[s][0].kv_cache_bytes for s in schemes},
+            "tokens": {s: ids[s].tolist() for s in schemes}}
 
 
 def summarise(result, runs):
