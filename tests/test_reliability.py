@@ -141,6 +141,41 @@ def test_ctrl_c_during_start_up_is_an_interruption_not_a_dead_rank(tmp_path):
     assert wait_until_gone(proc.pid) == []
 
 
+def test_a_signal_while_ranks_start_reaches_the_launchers_handler():
+    # The ranks are started with the stop signals blocked (they inherit it): one that arrives meanwhile must wait
+    # for the launcher's handler, not vanish as an ignored signal would (the race the Ctrl-C test above hit).
+    from torchtsp.distributed.launch import stop_signals_held
+
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with stop_signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # another thread of this process may take it at once; the handler runs in this one
+        for _ in range(100):  # the handler runs at the next bytecode boundary
+            if received:
+                break
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+
+
+def stop_signal_state():
+    status = Path("/proc/self/status").read_text()
+    mask = lambda field: int(status.split(f"{field}:")[1].split()[0], 16)  # noqa: E731
+    return {int(sig): (bool(mask("SigBlk") >> (sig - 1) & 1), signal.getsignal(sig) == signal.SIG_IGN)
+            for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
+def test_ranks_run_with_the_stop_signals_ignored_not_blocked(pools):
+    # Until a trainer installs its handler a rank ignores them (the launcher sends again until the ranks stop);
+    # a rank that kept them blocked would never see the trainer's handler run.
+    for state in pools(2).run(stop_signal_state):
+        assert state == {int(signal.SIGINT): (False, True), int(signal.SIGTERM): (False, True)}, state
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_stopping_torchrun_leaves_no_rank_behind(tmp_path, sig):

@@ -72,19 +72,19 @@ def _launch(cfg, nproc: int) -> dict:
         elif time.monotonic() - stop["at"] > 1.0:
             raise Interrupted(signum)
 
-    def forward():
+    def forward(pool):
         # Ranks ignore signals until their trainer listens: sending again until they stop loses none.
         if stop:
             pool.signal_ranks(stop["signum"])
 
-    with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            summary = pool.run(run_training, cfg, True, timeout_s=float("inf"), on_wait=forward)[0]
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return summary
+    # Listening before the ranks start: a signal while they start up is one to pass on, not one to lose.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
+            return pool.run(run_training, cfg, True, timeout_s=float("inf"), on_wait=lambda: forward(pool))[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@ names the rank that failed first (a rank that died before the survivors that los
 to it); the other ranks are killed rather than left waiting in a collective.
 
 The ranks belong to the process that started them: a rank whose parent has gone exits within a
-second, and ranks start with SIGINT and SIGTERM ignored, so that a Ctrl-C during start-up leaves
-the decision to the launcher (see ``signal_ranks``) instead of killing some ranks half-way.
+second, and ranks start with SIGINT and SIGTERM held off (blocked from the start, ignored once running,
+``stop_signals_held``), so that a Ctrl-C during start-up leaves the decision to the launcher (see
+``signal_ranks``) instead of killing some ranks half-way.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def rank_backend(nprocs: int, device_type: str | None) -> tuple[str, str]:
 
 
 def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
+    if set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, []):  # started under ``stop_signals_held``
+        for sig in STOP_SIGNALS:  # until a trainer listens, the launcher decides (it sends again until we stop)
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     watch_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs))
@@ -95,10 +100,26 @@ def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
     comm.destroy_process_group()
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGINT and SIGTERM blocked in this thread inside the block. Ranks started here inherit the block (across
+    exec), so a Ctrl-C during their start-up cannot kill them; ``_worker`` then ignores the signals until a trainer
+    listens. Blocking, not ignoring, here: a signal that arrives meanwhile stays pending and reaches this process's
+    handler (another thread takes it at once, or this one after the block); an ignored one would be lost."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 @contextlib.contextmanager
 def stop_signals_handled(handler):
     """SIGINT and SIGTERM go to ``handler`` (or ``signal.SIG_IGN``) inside the block; the old handlers after it."""
-    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -166,8 +187,7 @@ class WorkerPool:
             for r in range(self.nprocs)
         ]
         in_main_thread = threading.current_thread() is threading.main_thread()
-        # Children inherit ignored signals across exec (Python keeps SIGINT ignored if it starts so).
-        with stop_signals_handled(signal.SIG_IGN) if in_main_thread else contextlib.nullcontext():
+        with stop_signals_held() if in_main_thread else contextlib.nullcontext():
             for p in self._procs:
                 p.start()
 
