@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils import _pytree as pytree
 
+import torchtsp
+
 CUDA = torch.device("cuda", 0)
 META = torch.device("meta")
 aten = torch.ops.aten
@@ -274,12 +276,18 @@ CONTRACTS = {
 # The ops tests/test_tsp_step.py's SyncSpy flags: each one a host-device sync on CUDA.
 from test_tsp_step import INDEXING_OPS, SYNC_OPS  # noqa: E402
 
+_LIBRARY_ROOT = os.path.dirname(os.path.realpath(torchtsp.__file__)) + os.sep
+
 
 def _library_line() -> str:
-    """The innermost torchtsp frame of the current stack, "file:line (function)" ('' if none)."""
+    """The innermost torchtsp frame of the current stack, "file:line (function)" ('' if none).
+
+    Library code is what lies under the imported package's own folder (``torchtsp.__file__``), never a path that
+    merely contains "torchtsp": a clone named torchtsp holds the tests too, and a venv under it holds torch."""
     for frame in reversed(traceback.extract_stack()):
-        if f"{os.sep}torchtsp{os.sep}" in frame.filename:
-            return f"{frame.filename.split(os.sep + 'torchtsp' + os.sep)[-1]}:{frame.lineno} ({frame.name})"
+        path = os.path.realpath(frame.filename)
+        if path.startswith(_LIBRARY_ROOT):
+            return f"{path[len(_LIBRARY_ROOT):]}:{frame.lineno} ({frame.name})"
     return ""
 
 

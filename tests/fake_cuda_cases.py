@@ -11,12 +11,14 @@ and that the step issued no host-syncing op.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
 import torch
 
 import fake_cuda
+import torchtsp
 
 WORLD = 4
 # GQA (8 query heads, 4 KV heads), two layers; S = 32 gives each rank two zigzag chunks of 4 tokens.
@@ -425,7 +427,9 @@ def main(names) -> dict:
             results[name] = fn(*args)
         except Exception as e:  # a case that cannot run is a finding: report it with where it stopped
             tb = traceback.extract_tb(e.__traceback__)
-            where = [f"{f.filename.split('/src/')[-1]}:{f.lineno}" for f in tb if "torchtsp" in f.filename][-3:]
+            root = os.path.dirname(os.path.realpath(torchtsp.__file__)) + os.sep
+            where = [f"{os.path.realpath(f.filename)[len(root):]}:{f.lineno}" for f in tb
+                     if os.path.realpath(f.filename).startswith(root)][-3:]
             if "-v" in sys.argv:
                 traceback.print_exc()
             if "-v" in sys.argv:
