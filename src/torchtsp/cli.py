@@ -128,7 +128,10 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
     add("--checkpoint-every", type=int, help="save every N steps (default: only at the end)")
     add("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints (default: all)")
-    add("--resume", metavar="PATH", help="continue from a run folder's latest checkpoint or a checkpoint folder")
+    add("--resume", metavar="PATH", help="continue from a run folder's latest checkpoint or a checkpoint folder, "
+        "with every setting the run was trained with (flags given override them, and are reported)")
+    add("--reset-data", action="store_true", default=None, help="with --resume: read the data from its start (for "
+        "a run continued on other data; without it, a dataset other than the run's is refused)")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
     add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
     add("--zero", type=int, metavar="{0,1,2}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "

@@ -13,6 +13,11 @@ checkpoint makes a resumed run read exactly what the uninterrupted one would, wh
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -102,15 +107,42 @@ class BatchStream:
         return torch.from_numpy(np.stack([self.datasets[d].sample(i) for d, _, i in rows]).astype(np.int64))
 
     def position(self) -> dict:
-        return {"drawn": list(self.drawn), "datasets": [d.source.name for d in self.datasets]}
+        return {"drawn": list(self.drawn), "datasets": [d.source.name for d in self.datasets],
+                "fingerprints": self.fingerprints}
 
-    def set_position(self, position: dict) -> None:
+    @functools.cached_property
+    def fingerprints(self) -> list[str]:
+        return [source_fingerprint(d.source) for d in self.datasets]
+
+    def set_position(self, position: dict, reset: bool = False) -> None:
+        """Continue where ``position`` stopped, on the same datasets; ``reset``: start these datasets afresh
+        (a position means nothing on other data: applied to it, it would silently skip or repeat samples)."""
+        if reset:
+            self.drawn = [0] * len(self.datasets)
+            return
         drawn = list(position["drawn"])
-        if len(drawn) != len(self.datasets):
-            raise ValueError(f"the checkpoint's data position is for {len(drawn)} dataset(s) "
-                             f"({', '.join(position.get('datasets', []))}), but --data names {len(self.datasets)}; "
-                             f"resume with the same --data")
+        saved = position.get("fingerprints")  # checkpoints written before fingerprints carry only the names
+        if len(drawn) != len(self.datasets) or (saved is not None and saved != self.fingerprints):
+            raise ValueError(f"the checkpoint's data position is for the dataset(s) "
+                             f"{', '.join(position.get('datasets', [])) or '?'}, but this run reads "
+                             f"{', '.join(d.source.name for d in self.datasets)} (another dataset, or the same "
+                             f"path with other contents); resume with the run's own --data, or pass --reset-data "
+                             f"to read the new data from its start")
         self.drawn = [int(x) for x in drawn]
+
+
+def source_fingerprint(source) -> str:
+    """Which data a position counts samples of: a file's resolved path and size (and its sidecar's content);
+    for ids tokenized in memory (text, the built-in corpus) the ids themselves."""
+    digest = hashlib.sha256()
+    path = getattr(source.tokens, "path", None)
+    if path is not None:
+        stat = Path(path).stat()
+        digest.update(f"{Path(path).resolve()}|{stat.st_size}|{source.tokens.offset}".encode())
+        digest.update(json.dumps(source.sidecar, sort_keys=True, default=str).encode())
+    else:
+        digest.update(np.ascontiguousarray(source.tokens).tobytes())
+    return f"{source.kind}:{digest.hexdigest()[:16]}"
 
 
 def inputs_and_labels(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -313,6 +313,15 @@ def read_meta(checkpoint: Path) -> dict:
     return meta
 
 
+def check_tokenizer_matches(meta: dict, tokenizer, checkpoint: Path) -> None:
+    """The run reads text through the tokenizer the checkpoint was trained with (ids mean the same tokens)."""
+    saved = meta.get("tokenizer")
+    if saved is not None and saved != tokenizer.fingerprint:
+        raise ValueError(f"checkpoint {checkpoint} was trained with another tokenizer (fingerprint {saved[:12]}) "
+                         f"than this run's {tokenizer.name} ({tokenizer.fingerprint[:12]}); resume with the run's "
+                         f"own --tokenizer (a bare --resume restores it)")
+
+
 def check_model_matches(meta: dict, cfg: ModelConfig, checkpoint: Path) -> None:
     saved = meta.get("model", {})
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}" for k, v in cfg.to_dict().items()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only the final checkpoint
     keep_last: int | None = None  # keep only the newest N checkpoints (default: all)
     resume: str | None = None  # a run folder (its latest checkpoint) or a checkpoint folder
+    reset_data: bool = False  # a resumed run reads its (other) data from the start instead of the saved position
     dtype: str = "float32"  # or bfloat16: bf16 compute, fp32 master weights and optimizer state
     # Distributed optimizer over dp (train/zero.py): 0 replicates AdamW state on every replica; 1 shards it (and
     # the fp32 masters) 1/dp; 2 also frees gradients outside the owned chunk. None: ZERO_DEFAULT where the
@@ -118,6 +121,8 @@ class TrainConfig:
             from .metrics import parse_step_range
 
             parse_step_range(self.profile_steps)
+        if self.reset_data and not self.resume:
+            raise ValueError(f"{_name('reset_data')} applies to a resumed run; give --resume RUN")
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
             self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
         _check_run_folder(self.out)
@@ -218,8 +223,39 @@ def load_toml(path: str) -> dict:
     return values
 
 
+# Settings a resumed run never takes from the run it continues: where it writes and how it starts.
+NOT_RESTORED = ("resume", "out", "overwrite", "reset_data")
+# The mesh is restored whole or not at all: a run resumed under another scheme or degree names its own, and a
+# saved degree of the old scheme's axis must not leak into it.
+MESH_SETTINGS = ("scheme", "dp", "tsp", "tp", "sp", "pp", "microbatches", "schedule", "nproc", "zero",
+                 "zero_bucket_mb")
+
+
 def build_config(file: str | None = None, **flags) -> TrainConfig:
-    """Defaults < TOML file < flags given (None means 'not given')."""
-    values = load_toml(file) if file else {}
-    values.update({k: v for k, v in flags.items() if v is not None})
+    """Defaults < the resumed run's saved settings < TOML file < flags given (None means 'not given')."""
+    given = load_toml(file) if file else {}
+    given.update({k: v for k, v in flags.items() if v is not None})
+    values = saved_settings(given["resume"], given) if given.get("resume") else {}
+    values.update(given)
     return TrainConfig(**values)
+
+
+def saved_settings(resume: str, given: dict) -> dict:
+    """The settings ``resume``'s run was trained with, less those ``given`` replaces (reported on stderr), so
+    that ``--resume RUN`` alone continues that very run: its ranks, data, evaluation, masking, schedule."""
+    from .checkpoint import read_meta, resolve
+
+    saved = read_meta(resolve(resume)).get("train") or {}
+    saved = {k: v for k, v in saved.items() if k in FIELDS and k not in NOT_RESTORED}
+    if any(k in given for k in MESH_SETTINGS):
+        saved = {k: v for k, v in saved.items() if k not in MESH_SETTINGS}
+    changed = [f"{_flag(k)} {given[k]!r} (saved {saved[k]!r})" for k in sorted(given)
+               if k in saved and given[k] != saved[k]]
+    if changed and os.environ.get("RANK", "0") == "0":
+        print(f"torchtsp: resuming {resume} with its saved settings, except: {'; '.join(changed)}",
+              file=sys.stderr)
+    return saved
+
+
+def _flag(field: str) -> str:
+    return f"--{field.replace('_', '-')}"

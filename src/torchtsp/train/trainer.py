@@ -244,6 +244,7 @@ class Trainer:
         ckpt = checkpoint.resolve(path)
         meta = checkpoint.read_meta(ckpt)
         checkpoint.check_model_matches(meta, self.model_cfg, ckpt)
+        checkpoint.check_tokenizer_matches(meta, self.data.tokenizer, ckpt)
         checkpoint.verify(ckpt, meta, AxisComm.world(self.cfg.timeout_s), self.device)
         state = self.state(0)
         if "data_position" not in meta:
@@ -261,7 +262,8 @@ class Trainer:
         if self.master:
             self.master.masters_to_params()
         self.start_step = state["train/step"]
-        self.data.train.set_position(state.get(DATA_POSITION) or {"drawn": [self.start_step * self.cfg.batch_size]})
+        self.data.train.set_position(state.get(DATA_POSITION) or {"drawn": [self.start_step * self.cfg.batch_size]},
+                                     reset=self.cfg.reset_data)
 
     # -- the run folder -----------------------------------------------------
 
