@@ -9,19 +9,20 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Pinned torch first: a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0 numpy
-	$(PY) -m pip install --quiet -e ".[dev]"
+	@echo "make: installing torch (CPU wheel), then torchtsp with its test dependencies into $(VENV) (a few minutes: pip names each package as it goes)"
+	$(PY) -m pip install --progress-bar off torch==2.13.0 numpy
+	$(PY) -m pip install --progress-bar off -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo --overwrite
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest --durations=15
 
-# The inner loop: single-process unit tests only (no multi-rank runs), in well under a minute.
+# The inner loop: single-process unit tests only (no multi-rank runs); README gives the measured time.
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -q -m "not multirank" --durations=5
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not multirank" --durations=5
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
