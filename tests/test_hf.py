@@ -478,3 +478,24 @@ def test_convert_refuses_to_overwrite(tmp_path, hf_dir):
     cfg, sd = load_hf_checkpoint(dst)
     cfg0, sd0 = load_hf_checkpoint(hf_dir)
     assert cfg == cfg0 and all(torch.equal(sd[k], sd0[k]) for k in sd0)
+
+
+def test_an_exported_model_names_its_special_tokens_for_transformers(tmp_path):
+    """config.json's bos/eos/pad ids and generation_config.json, as save_pretrained writes them: transformers'
+    generate reads its EOS from there."""
+    import json
+
+    from transformers import GenerationConfig
+
+    from helpers import tiny_hf_llama
+
+    eos = tiny_hf_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "</s>"}))
+    convert_checkpoint(tmp_path / "hf", tmp_path / "tsp")
+    convert_checkpoint(tmp_path / "tsp", tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    bos = json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"]
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (bos, eos, eos)
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (bos, eos, eos)

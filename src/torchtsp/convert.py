@@ -6,6 +6,7 @@ neither imports the other.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from .hf import (
     require_dir,
     write_weights,
 )
+
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def _is_training_checkpoint(path: Path) -> bool:
@@ -90,4 +93,26 @@ def convert_checkpoint(
     tokenizer = run_tokenizer_folder(src) if kind == "train" else src
     if tokenizer is not None:
         copy_tokenizer_files(tokenizer, dst)
+    if target == "hf":
+        write_special_token_ids(dst, byte_tokenizer=kind == "train" and tokenizer is None)
     return target
+
+
+def write_special_token_ids(folder: Path, byte_tokenizer: bool = False) -> None:
+    """The tokenizer's BOS / EOS / PAD ids in ``config.json`` and a ``generation_config.json``, as
+    ``save_pretrained`` writes them: without them transformers' ``generate`` never stops at the EOS and servers
+    that read the model folder find no stop token. ``byte_tokenizer``: a training run that read bytes."""
+    from .data.tokenizers import ByteTokenizer, hf_folder_tokenizer
+
+    tokenizer = ByteTokenizer() if byte_tokenizer else hf_folder_tokenizer(folder)
+    if tokenizer is None:
+        return  # no tokenizer travels with the weights: nothing to name
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+           "pad_token_id": getattr(tokenizer, "pad_id", None)}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    config_path = folder / HF_CONFIG_NAME
+    config = json.loads(config_path.read_text())
+    config.update(ids)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"_from_model_config": True, **ids}
+    (folder / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")

@@ -92,6 +92,7 @@ class HFTokenizer:
         config = _read_config(folder / TOKENIZER_CONFIG_FILE)
         self.chat_template = config.get("chat_template")
         self.bos_id = self._token_id(config.get("bos_token"))
+        self.pad_id = self._token_id(config.get("pad_token"))
         named_eos = self._token_id(config.get("eos_token"))
         self.eos_id = named_eos if named_eos is not None else eos_id
         self.name = str(path)
