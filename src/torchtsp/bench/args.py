@@ -76,10 +76,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--documents", type=int, metavar="L",
         help="--mode train, instead of the sweep: rows packed with documents of mean length L (seeded), each "
              "scheme's step timed with and without the document mask, interleaved, with both per-rank peaks")
-    add("--mode", choices=["train", "infer"], default="train",
+    add("--mode", choices=["train", "infer", "serve"], default="train",
         help="train: steps (forward + backward + AdamW) over --seq-lens; infer: generate over --prompt-lens, "
              "measuring time to first token, time per output token, per-rank peak and KV-cache bytes "
-             "(schemes tsp, tp, sp, dp)")
+             "(schemes tsp, tp, sp, dp); serve: a load test of `torchtsp serve` per scheme (vllm bench serve's "
+             "figures: TTFT, TPOT, ITL, E2EL, throughput, goodput)")
+    add_serve_bench_arguments(parser)
     add("--prompt-lens", type=_int_list, default=_int_list("256,512,1024,2048"), metavar="LIST",
         help="--mode infer: comma-separated prompt lengths (default: 256,512,1024,2048)")
     add("--new-tokens", type=int, default=32, metavar="N", help="--mode infer: tokens generated (default: 32)")
@@ -106,3 +108,34 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b", help="with --pp: schedule (default: 1f1b)")
     add("--timeout-s", type=_positive_float, default=600.0, metavar="S",
         help="limit for one (scheme, sequence length) cell on all ranks, and for each collective (default: 600)")
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(math.isnan(v) or v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive rates (requests/s) or inf, got {text!r}")
+    return values
+
+
+def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mode serve``'s flags, named as ``vllm bench serve`` names them."""
+    add = parser.add_argument
+    add("--hf", metavar="DIR", help="--mode serve: a Hugging Face checkpoint folder to serve (default: --preset, "
+        "else the tiny preset)")
+    add("--input-len", type=int, default=128, metavar="N", help="--mode serve: prompt tokens per request, seeded "
+        "random ids (default: 128)")
+    add("--output-len", type=int, default=32, metavar="N", help="--mode serve: tokens generated per request, "
+        "past any EOS (default: 32)")
+    add("--num-prompts", type=int, default=32, metavar="N", help="--mode serve: requests per scheme and rate "
+        "(default: 32)")
+    add("--dataset", metavar="JSONL", help="--mode serve: prompts instead of random ids, one "
+        "{\"prompt\": text or ids, \"output_len\"?: N} per line")
+    add("--request-rates", type=_rate_list, default=[math.inf], metavar="LIST", help="--mode serve: Poisson "
+        "arrival rates in requests/s, comma-separated; inf sends every request at once (default: inf)")
+    add("--max-concurrency", type=int, metavar="N", help="--mode serve: requests in flight at most (default: all; "
+        "the server's --max-batch is this, or 16)")
+    add("--goodput", nargs="+", metavar="NAME:MS", help="--mode serve: SLOs for goodput, e.g. ttft:500 tpot:50 "
+        "(milliseconds; names ttft, tpot, e2el)")

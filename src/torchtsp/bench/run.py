@@ -378,6 +378,10 @@ def run_bench(args) -> int:
     ValueError for bad flags (or --nproc that contradicts the torchrun world); layouts a scheme cannot split
     become "n/a: reason" cells instead of failing the run.
     """
+    if args.mode == "serve":  # a client of `torchtsp serve` processes: no ranks of its own
+        from .serve import run_serve_bench
+
+        return run_serve_bench(args)
     _check_args(args)
     cfg = _model_config(args)
     runner = _Runner(args)
