@@ -1,7 +1,8 @@
 """``torchtsp bench --mode serve``: a load benchmark in ``vllm bench serve``'s conventions, against our server.
 
 For each scheme of ``--schemes``, one after another on the same ranks: start ``torchtsp serve`` on the model
-(``--hf DIR`` or ``--preset``), wait for ``/health``, send the requests, stop the server. The requests are
+(``--hf DIR`` or ``--preset``), wait for ``/health``, send one untimed warm-up request, then the requests of
+each rate, and stop the server. The requests are
 seeded random token-id prompts of ``--input-len`` (or the prompts of a ``--dataset`` jsonl), each asking for
 ``--output-len`` tokens with ``ignore_eos`` so that every scheme generates the same number; they arrive as a
 Poisson process of ``--request-rate`` per second (``inf``: all at once), optionally capped at
@@ -284,6 +285,7 @@ def run_serve_bench(args) -> int:
                         for rate in args.request_rates)
             continue
         try:
+            asyncio.run(_send_all(server.url, "bench", prompts[:1], math.inf, 1, args.seed))  # warm-up, untimed
             for rate in args.request_rates:
                 print(f"bench serve: {scheme} at {_rate(rate)} requests/s, {len(prompts)} requests", file=sys.stderr)
                 results, duration = asyncio.run(_send_all(server.url, "bench", prompts, rate,
