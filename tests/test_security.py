@@ -245,9 +245,8 @@ def test_a_tokenizer_file_linked_outside_is_neither_exported_nor_read(hf_pair, t
     with pytest.raises(ValueError, match="outside"):
         copy_tokenizer_files(model, tmp_path / "copy")
     assert not (tmp_path / "copy").exists()
-    if name != "special_tokens_map.json":  # the files a tokenizer reads
-        with pytest.raises(ValueError, match="outside"):
-            HFTokenizer(model)
+    with pytest.raises(ValueError, match="outside"):  # refused when named, before a run would copy it
+        HFTokenizer(model)
 
 
 def test_a_run_whose_tokenizer_leads_outside_is_refused(tmp_path):
@@ -555,6 +554,7 @@ def test_bench_timeout_is_checked_before_any_rank_starts(monkeypatch, capsys, va
     (["--dim", "0"], "--dim must be at least 1, got 0"),
     (["--n-layers", "-2"], "--n-layers must be at least 1, got -2"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--out", ""], "--out is an empty path"),
 ])
 def test_bench_integer_flags_are_never_replaced_by_their_default(monkeypatch, capsys, flags, match):
     """``--microbatches 0`` used to run with the default (``0 or pp``) where train and plan refuse it."""

@@ -113,6 +113,8 @@ def _check_args(args) -> None:
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if not str(getattr(args, "out", "-")).strip():  # Path("") is the current folder, never what was meant
+        raise ValueError("--out is an empty path; give the folder for the results (an unset variable?)")
     if getattr(args, "microbatches", None) is not None and getattr(args, "pp", None) is None:
         raise ValueError("--microbatches applies to pipeline stages; give --pp N (N >= 2) or drop it")
     if getattr(args, "documents", None) is not None:

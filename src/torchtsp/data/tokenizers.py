@@ -107,7 +107,9 @@ class HFTokenizer:
         self.path, self.folder = path, folder
         self.fingerprint = file_fingerprint(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        config = _read_config(tokenizer_file(folder, TOKENIZER_CONFIG_FILE))
+        # Every file a copy of this tokenizer would take is checked now, so a crafted folder is refused when it
+        # is named (before any rank starts), not when a run or convert copies it.
+        config = _read_config(tokenizer_files(folder).get(TOKENIZER_CONFIG_FILE))
         self.chat_template = config.get("chat_template")
         self.bos_id = self._token_id(config.get("bos_token"))
         named_eos = self._token_id(config.get("eos_token"))
