@@ -332,3 +332,156 @@ def test_text_for_a_model_with_its_own_tokenizer_is_read_with_it(bpe_dir, tmp_pa
     tok = HFTokenizer(bpe_dir)
     assert data.train.datasets[0].source.tokens.tolist() == tok.encode("the cat sat on the mat") + [tok.eos_id]
     assert isinstance(TrainData(TrainConfig(seq_len=4), 257).tokenizer, ByteTokenizer)  # a preset: bytes
+
+
+# ------------------------------------------------------------------ hostile files (issue 38's probes, by class)
+
+
+def write_raw_index(prefix, code, lengths, pointers, docs, bin_bytes):
+    """A .bin/.idx pair laid out by the MMIDIDX v1 spec from the arrays given as they are (no checks: a crafted
+    file), the counts in the header taken from the arrays."""
+    with open(f"{prefix}.bin", "wb") as f:
+        f.write(bin_bytes)
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(lengths), len(docs)))
+        f.write(np.asarray(lengths, np.int32).tobytes() + np.asarray(pointers, np.int64).tobytes())
+        f.write(np.asarray(docs, np.int64).tobytes())
+    return str(prefix)
+
+
+@pytest.mark.parametrize("lengths,pointers,docs,match", [
+    ([3, -2, 3], [0, 6, 2], [0, 1, 2, 3], r"d.idx is damaged or crafted: sequence 1 has a negative length \(-2\)"),
+    ([3, 3, 3], [0, 6, -4], [0, 1, 2, 3], r"d.idx is damaged or crafted: sequence 2 starts at a negative byte"),
+    ([3, 3, 3], [0, 6, 2**62], [0, 1, 2, 3], r"d.bin is truncated: 18 bytes, its index needs .* \(sequence 2\)"),
+    ([3, 3, 3], [0, 6, 12], [1, 2, 3], r"document index runs from 1 to 3, not from 0 to the sequence count 3"),
+    ([3, 3, 3], [0, 6, 12], [0, 1, 2], r"document index runs from 0 to 2, not from 0 to the sequence count 3"),
+    ([3, 3, 3], [0, 6, 12], [0, 2, 1, 3], r"document index falls from 2 to 1 \(entry 2\)"),
+    ([3, 3, 3], [0, 6, 12], [], r"document index is empty"),
+])
+def test_an_inconsistent_index_is_one_line_naming_file_and_problem(tmp_path, lengths, pointers, docs, match):
+    prefix = write_raw_index(tmp_path / "d", 8, lengths, pointers, docs, np.arange(9, dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError, match=match) as e:
+        open_source(prefix, ByteTokenizer())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("code,name", [(6, "float64"), (7, "float32")])
+def test_a_float_dataset_is_refused_naming_file_and_dtype(tmp_path, code, name):
+    values = np.array([1.0, np.nan, 3.0, 4.0] * 10, MEGATRON_DTYPES[code])
+    prefix = write_raw_index(tmp_path / "f", code, [40], [0], [0, 1], values.tobytes())
+    with pytest.raises(ValueError, match=rf"f.idx: dtype {name} \(Megatron code {code}\) holds no token ids"):
+        open_source(prefix, ByteTokenizer())
+
+
+def _prepared(tmp_path, sidecar_change):
+    write_megatron(tmp_path / "p", [[1, 2, 3, 256]] * 20, 8)
+    sidecar = {"format": "megatron-mmidx-v1", "tokenizer": {"fingerprint": "byte", "vocab_size": 257, "eos_id": 256,
+                                                             "bos_id": None, "path": "byte"},
+               "dtype": "uint16", "documents": 20, "tokens": 80, "max_id": 256, "eos_appended": True,
+               "text_key": "text", "inputs": ["x.jsonl"]}
+    sidecar_change(sidecar)
+    (tmp_path / "p.json").write_text(json.dumps(sidecar))
+    return str(tmp_path / "p")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: s.update(tokenizer="byte"), r"field 'tokenizer' must be an object, got \"byte\""),
+    (lambda s: s["tokenizer"].update(fingerprint=5), r"field 'tokenizer.fingerprint' must be a string, got 5"),
+    (lambda s: s["tokenizer"].update(path=["x"]), r"field 'tokenizer.path' must be a string or null"),
+    (lambda s: s.update(max_id="256"), r"field 'max_id' must be a token id"),
+    (lambda s: s.update(max_id=-1), r"field 'max_id' must be a token id"),
+    (lambda s: s.update(tokens=True), r"field 'tokens' must be a count"),
+    (lambda s: s.update(inputs="x.jsonl"), r"field 'inputs' must be a list of strings"),
+    (lambda s: s.clear() or s.update(tokens=1e3), r"field 'tokens' must be a count"),
+    (lambda s: s.update(tokens=81), r"p.json describes another dataset \(tokens 81, but .*p holds 80\)"),
+    (lambda s: s.update(dtype="int32"), r"p.json describes another dataset \(dtype int32"),
+])
+def test_a_malformed_sidecar_is_one_line_naming_file_and_field(tmp_path, change, match):
+    prefix = _prepared(tmp_path, change)
+    with pytest.raises(ValueError, match=match) as e:
+        check_source(open_source(prefix, ByteTokenizer()), 257, ByteTokenizer(), 8, "--data")
+    message = str(e.value)
+    assert "\n" not in message and "p.json" in message and ("delete" in message or "prepare" in message)
+    (tmp_path / "p.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="p.json must hold a JSON object"):
+        open_source(prefix, ByteTokenizer())
+
+
+def test_a_sidecar_that_understates_max_id_never_lets_a_wrong_id_through(tmp_path, monkeypatch):
+    """The ids are 0..299 (int32, as a 300-id tokenizer's data), the sidecar claims max_id 3: a small dataset is
+    scanned before launch; a large one (here: every dataset counts as large) is stopped at its first sample."""
+    from torchtsp.data import sources
+
+    ids = np.arange(300 * 4) % 300
+    write_megatron(tmp_path / "p", [ids[i:i + 100].tolist() for i in range(0, ids.size, 100)], 4)
+    (tmp_path / "p.json").write_text(json.dumps({"tokens": int(ids.size), "max_id": 3, "dtype": "int32"}))
+    source = open_source(str(tmp_path / "p"), ByteTokenizer())
+    with pytest.raises(ValueError, match="holds token id 299, outside the model's vocabulary of 257"):
+        check_source(source, 257, ByteTokenizer(), 8, "--data")
+    monkeypatch.setattr(sources, "SCAN_BYTES", 0)
+    check_source(open_source(str(tmp_path / "p"), ByteTokenizer()), 257, ByteTokenizer(), 8, "--data")
+    samples = PackedSamples(source, 8, vocab_size=257)
+    assert samples.sample(0).tolist() == list(range(9))
+    with pytest.raises(ValueError, match=r"p holds token id 26\d \(at token 26\d\), outside the model's vocab"):
+        BatchStream([(1.0, samples)], len(samples), shuffle=False).next_batch()
+
+
+@pytest.mark.parametrize("spec", ["", "   "])
+def test_an_empty_path_is_never_the_current_folder(tmp_path, monkeypatch, spec):
+    from torchtsp.data.documents import input_files
+    from torchtsp.data.tokenizers import load_tokenizer
+    from torchtsp.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)  # Path("") would be this folder: its text must never be read
+    (tmp_path / "private.txt").write_text("a text that must not be trained on")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    text = tmp_path / "private.txt"
+    for call in (lambda: parse_blend(spec), lambda: open_source(spec, ByteTokenizer()),
+                 lambda: input_files([spec]), lambda: load_tokenizer(spec), lambda: HFTokenizer(spec),
+                 lambda: prepare([spec], "byte", str(tmp_path / "o"), progress=False),
+                 lambda: prepare([text], "byte", spec, progress=False),
+                 lambda: prepare([text], spec, str(tmp_path / "o"), progress=False)):
+        with pytest.raises(ValueError, match="empty"):
+            call()
+    for field in ("data", "eval_data", "tokenizer", "init_from_hf", "resume", "out"):
+        with pytest.raises(ValueError, match=f"{field} .* is an empty path"):
+            TrainConfig(**{field: spec})
+    with pytest.raises(ValueError, match="--eval-data is empty"):
+        parse_blend(" ", "--eval-data")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["private.txt", "tokenizer.json"]
+
+
+@pytest.mark.parametrize("content,where", [
+    (b'{"text": "fine"}\n{"text": "caf\xff"}\n', r"bad.jsonl:2: byte 0xff at byte offset 30 is not UTF-8"),
+    (b'{"text": "fine"}\n\n{"text": "\xe9t\xe9"}\n', r"bad.jsonl:3: byte 0xe9 at byte offset 28 is not UTF-8"),
+    (b'{"text": "fine"}\n{"text": "\\ud800"}\n', r"bad.jsonl:2: the text holds '\\ud800' \(a lone surrogate\)"),
+    (b'{"text": "fine"}\n' + b"[" * 100_000 + b"\n", r"bad.jsonl:2: not a JSON object \(nested too deeply"),
+])
+def test_bad_bytes_in_jsonl_name_file_line_and_offset(bpe_dir, tmp_path, content, where):
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    for read in (lambda: open_source(str(tmp_path / "bad.jsonl"), ByteTokenizer()),
+                 lambda: prepare([tmp_path / "bad.jsonl"], str(bpe_dir), str(tmp_path / "out"), progress=False)):
+        with pytest.raises(ValueError, match=where) as e:
+            read()
+        assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_bad_bytes_in_text_and_parquet_name_file_and_place(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "notes.md").write_bytes("line one\nligne deux: é\n".encode() + b"trois: \xe9t\xe9\n")
+    with pytest.raises(ValueError, match=r"notes.md:3: byte 0xe9 at byte offset 31 is not UTF-8 \(invalid cont"):
+        open_source(str(tmp_path / "notes.md"), ByteTokenizer())
+    pq.write_table(pa.table({"text": pa.array([b"ok", b"\xff"], pa.binary())}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b.parquet: row 0 of column 'text' holds bytes, not text"):
+        open_source(str(tmp_path / "b.parquet"), ByteTokenizer())
+    offsets = pa.py_buffer(np.array([0, 2, 5], np.int32).tobytes())  # "ok", then 3 bytes that are not UTF-8
+    bad = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok" + b"a\xffb")])
+    pq.write_table(pa.table({"text": bad}), tmp_path / "u.parquet")
+    with pytest.raises(ValueError, match=r"u.parquet: row 1: byte 0xff at byte offset 1 is not UTF-8"):
+        open_source(str(tmp_path / "u.parquet"), ByteTokenizer())
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n.parquet: row 0 of column 'text' holds int, not text"):
+        open_source(str(tmp_path / "n.parquet"), ByteTokenizer())

@@ -214,6 +214,81 @@ def test_a_hub_cache_snapshot_links_into_its_blobs_and_loads(hf_pair, tmp_path):
     assert len(sd) == len(torchtsp.Transformer(TINY).state_dict())
 
 
+def write_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer.json written with the tokenizers library, and its config naming the EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w39"}))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["special_tokens_map.json", "tokenizer_config.json", "tokenizer.json"])
+def test_a_tokenizer_file_linked_outside_is_neither_exported_nor_read(hf_pair, tmp_path, capsys, name):
+    from torchtsp.data.tokenizers import HFTokenizer, copy_tokenizer_files
+
+    _, model = hf_pair
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"api_key": "s3cr3t"}')
+    write_tokenizer(model)
+    if name == "tokenizer.json":  # a real tokenizer elsewhere: reading it would still leave the folder
+        secret = write_tokenizer(tmp_path / "elsewhere") / name
+    (model / name).unlink(missing_ok=True)
+    (model / name).symlink_to(secret)
+    assert main(["convert", str(model), str(tmp_path / "out")]) == 2
+    line = one_line_error(capsys)
+    assert f"{name} is a link to {secret}, outside" in line and "in place of the link" in line
+    assert not (tmp_path / "out").exists()  # refused before any file was written
+    with pytest.raises(ValueError, match="outside"):
+        copy_tokenizer_files(model, tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    with pytest.raises(ValueError, match="outside"):  # refused when named, before a run would copy it
+        HFTokenizer(model)
+
+
+def test_a_run_whose_tokenizer_leads_outside_is_refused(tmp_path):
+    from torchtsp.data.tokenizers import HFTokenizer, run_tokenizer_folder
+
+    elsewhere = write_tokenizer(tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_1").mkdir(parents=True)
+    (run / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+    for path in (run, run / "checkpoints" / "step_1"):
+        with pytest.raises(ValueError, match=r"tokenizer.json leads to .*, outside the run"):
+            run_tokenizer_folder(path)
+    (run / "tokenizer").unlink()
+    write_tokenizer(run / "tokenizer")
+    assert HFTokenizer(run_tokenizer_folder(run)).eos_id == 39
+
+
+def test_a_hub_snapshot_tokenizer_is_read_and_exported_as_plain_files(tmp_path):
+    """The hub cache's own links (snapshots/<rev>/x -> ../../blobs/<hash>) stay allowed; the copies are files,
+    and a link already at the destination is replaced, never written through."""
+    from torchtsp.data.tokenizers import HFTokenizer, copy_tokenizer_files
+
+    source = write_tokenizer(tmp_path / "source")
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (repo / "blobs" / name).write_bytes((source / name).read_bytes())
+        (snapshot / name).symlink_to(Path("../..") / "blobs" / name)
+    assert HFTokenizer(snapshot).eos_id == 39
+    victim = tmp_path / "victim"
+    victim.write_text("not to be overwritten")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "tokenizer.json").symlink_to(victim)  # a copy must replace a link, not write through it
+    assert copy_tokenizer_files(snapshot, tmp_path / "out") == ["tokenizer.json", "tokenizer_config.json"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        copy = tmp_path / "out" / name
+        assert not copy.is_symlink() and copy.read_bytes() == (source / name).read_bytes()
+    assert victim.read_text() == "not to be overwritten"
+
+
 def test_manifest_files_outside_the_checkpoint_are_not_hashed(tmp_path):
     folder = tmp_path / "run" / "checkpoints" / "step_000001"
     folder.mkdir(parents=True)
@@ -468,3 +543,23 @@ def test_bench_timeout_is_checked_before_any_rank_starts(monkeypatch, capsys, va
         main(["bench", "--timeout-s", value])
     assert info.value.code == 2
     assert "--timeout-s: expected a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--pp", "2", "--microbatches", "0"], "--microbatches must be at least 1, got 0"),
+    (["--pp", "2", "--microbatches", "-3"], "--microbatches must be at least 1, got -3"),
+    (["--microbatches", "2"], "--microbatches applies to pipeline stages"),
+    (["--pp", "0"], "--pp must be at least 2, got 0"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    (["--dim", "0"], "--dim must be at least 1, got 0"),
+    (["--n-layers", "-2"], "--n-layers must be at least 1, got -2"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--out", ""], "--out is an empty path"),
+])
+def test_bench_integer_flags_are_never_replaced_by_their_default(monkeypatch, capsys, flags, match):
+    """``--microbatches 0`` used to run with the default (``0 or pp``) where train and plan refuse it."""
+    import torchtsp.bench.run as run
+
+    monkeypatch.setattr(run, "WorkerPool", lambda *a, **k: pytest.fail("ranks started"))
+    assert main(["bench", "--nproc", "4", *flags]) == 2
+    assert match in one_line_error(capsys)

@@ -179,6 +179,49 @@ def test_refusals_are_one_line_before_any_rank(tmp_path, bpe_dataset):
     assert not (tmp_path / "run").exists()  # no rank ever started
 
 
+def test_hostile_data_is_one_line_before_any_rank(tmp_path, monkeypatch, capsys):
+    """Issue 38's data probes through the command line, run in a folder full of text: an empty path is never
+    that folder, and a damaged file is named with the place of the damage."""
+    import struct
+
+    from torchtsp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "private.txt").write_text("text of the current folder that must not be trained on\n" * 100)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xff"}\n')
+
+    def megatron(name, code, values, lengths):  # MMIDIDX v1, written here from the spec
+        (tmp_path / f"{name}.bin").write_bytes(values.tobytes())
+        (tmp_path / f"{name}.idx").write_bytes(
+            b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(lengths), len(lengths) + 1)
+            + np.asarray(lengths, np.int32).tobytes() + np.array([0, 2 * lengths[0]], np.int64).tobytes()
+            + np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    megatron("floats", 6, np.full(400, np.nan), [200, 200])
+    megatron("negative", 8, np.arange(400, dtype=np.uint16), [200, -5])
+    megatron("sidecar", 8, np.arange(400, dtype=np.uint16) % 200, [200, 200])
+    (tmp_path / "sidecar.json").write_text('{"tokenizer": "byte"}')
+    base = ["train", "--nproc", "1", "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--sample-tokens", "0",
+            "--out", str(tmp_path / "run")]
+    cases = [
+        (base + ["--data", ""], "data (--data) is an empty path"),
+        (base + ["--data", "  "], "data (--data) is an empty path"),
+        (base + ["--eval-data", ""], "eval_data (--eval-data) is an empty path"),
+        (base + ["--tokenizer", ""], "tokenizer (--tokenizer) is an empty path"),
+        (base + ["--init-from-hf", ""], "init_from_hf (--init-from-hf) is an empty path"),
+        (base + ["--data", "bad.jsonl"], "bad.jsonl:2: byte 0xff at byte offset 30 is not UTF-8"),
+        (base + ["--data", "floats"], "floats.idx: dtype float64 (Megatron code 6) holds no token ids"),
+        (base + ["--data", "negative"], "negative.idx is damaged or crafted: sequence 1 has a negative length (-5)"),
+        (base + ["--data", "sidecar"], "sidecar.json: field 'tokenizer' must be an object"),
+        (["prepare-data", "", "--tokenizer", "byte", "--out", "ds"], "an input is an empty path"),
+    ]
+    for argv, match in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and match in lines[0], (argv, err)
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("ds*"))  # no rank ever started
+
+
 def test_prepare_data_command_line(tmp_path, bpe_dataset):
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{"txt": "y"}\n')
     line = one_error_line(cli("prepare-data", tmp_path / "bad.jsonl", "--tokenizer", bpe_dataset, "--out",

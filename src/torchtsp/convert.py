@@ -71,8 +71,17 @@ def convert_checkpoint(
     """
     if to not in (None, "hf", "torchtsp"):
         raise ValueError(f"unknown target format to={to!r}; choose 'hf' or 'torchtsp'")
+    if not str(src).strip() or not str(dst).strip():  # Path("") is the current folder: an unset variable
+        raise ValueError("convert needs a source and a destination folder; one is an empty path")
     src, dst = Path(src), Path(dst)
     kind, weights = open_weights(src)
+    # The model's tokenizer travels with it: a Hugging Face folder's own files, or the one a training run kept.
+    # Its files are checked (no link out of its folder) before anything is written.
+    from .data.tokenizers import copy_tokenizer_files, run_tokenizer_folder, tokenizer_files
+
+    tokenizer = run_tokenizer_folder(src) if kind == "train" else src
+    if tokenizer is not None:
+        tokenizer_files(tokenizer)
     target = to or ("torchtsp" if kind == "hf" else "hf")
     if dst.exists():
         if not dst.is_dir():
@@ -87,10 +96,6 @@ def convert_checkpoint(
                 (dst / name).unlink()
     write_weights(dst, weights, target, max_shard_bytes or DEFAULT_SHARD_BYTES,
                   dtype=getattr(weights, "stored_dtype", None))
-    # The model's tokenizer travels with it: a Hugging Face folder's own files, or the one a training run kept.
-    from .data.tokenizers import copy_tokenizer_files, run_tokenizer_folder
-
-    tokenizer = run_tokenizer_folder(src) if kind == "train" else src
     if tokenizer is not None:
         copy_tokenizer_files(tokenizer, dst)
     if target == "hf":

@@ -95,7 +95,9 @@ def run_pipeline_bench(args, cfg, runner) -> int:
     if pp < 2 or world % pp:
         raise ValueError(f"--pp {pp} must be at least 2 and divide the {world} ranks (--nproc)")
     tsp = world // pp
-    microbatches = args.microbatches or pp
+    microbatches = pp if args.microbatches is None else args.microbatches  # 0 is refused, never read as unset
+    if microbatches < 1:
+        raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
     plans = {S: predict_pipeline(cfg, args.batch_size, S, pp=pp, tsp=tsp, microbatches=microbatches,
                                  schedule=args.schedule, dtype_bytes=4, foreach=runner.device == "cuda")
              for S in args.seq_lens}  # every bad split refused here, before any rank starts

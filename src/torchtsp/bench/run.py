@@ -103,14 +103,20 @@ def _model_config(args) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
+# Every integer flag's least value: none is silently replaced by a default (a 0 read as "not given").
+_AT_LEAST = {"batch_size": 1, "steps": 1, "warmup": 1, "max_seq_start": 1, "max_seq_cap": 1, "nproc": 1,
+             "new_tokens": 1, "pp": 2, "microbatches": 1, "seed": 0, **dict.fromkeys(MODEL_FLAGS, 1)}
+
+
 def _check_args(args) -> None:
-    for name in ("batch_size", "steps", "warmup", "max_seq_start", "max_seq_cap"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.nproc is not None and args.nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+    for name, low in _AT_LEAST.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if not str(getattr(args, "out", "-")).strip():  # Path("") is the current folder, never what was meant
+        raise ValueError("--out is an empty path; give the folder for the results (an unset variable?)")
+    if getattr(args, "microbatches", None) is not None and getattr(args, "pp", None) is None:
+        raise ValueError("--microbatches applies to pipeline stages; give --pp N (N >= 2) or drop it")
     if getattr(args, "documents", None) is not None:
         if args.documents < 1:
             raise ValueError(f"--documents must be at least 1 (a mean document length), got {args.documents}")

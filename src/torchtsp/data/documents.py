@@ -28,6 +28,8 @@ def input_files(paths) -> list[Path]:
     """The document files named by ``paths`` (files, or folders searched recursively), in a fixed order."""
     files = []
     for raw in paths:
+        if not str(raw).strip():  # Path("") is the current folder: an unset variable must not read all of it
+            raise ValueError("an input is an empty path; give a .jsonl, .parquet or text file, or a folder")
         root = Path(raw).expanduser()
         if root.is_file():
             files.append(root)
@@ -42,21 +44,46 @@ def input_files(paths) -> list[Path]:
     return files
 
 
+def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> ValueError:
+    """The error for ``e``, raised decoding bytes that start at byte ``offset`` of their file."""
+    return ValueError(f"{where}: byte {e.object[e.start]:#04x} at byte offset {offset + e.start} is not UTF-8 "
+                      f"({e.reason}); convert the file to UTF-8 or remove it")
+
+
+def _encodable(text: str, where: str) -> str:
+    """``text`` unless it holds a lone surrogate (a JSON ``\\ud800`` escape), which no tokenizer can encode."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: the text holds {text[e.start]!r} (a lone surrogate), which is not valid "
+                             f"Unicode text; fix or remove the record") from None
+    return text
+
+
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, so a bad byte is named by line and offset rather than by the codec
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(f"{path}:{number}", e, offset) from None
+            start, offset = offset, offset + len(raw)
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{number}: not a JSON object ({e.args[0][:80]})") from None
+            except (ValueError, RecursionError) as e:
+                cause = e.args[0][:80] if isinstance(e, ValueError) else "nested too deeply"
+                raise ValueError(f"{path}:{number}: not a JSON object ({cause}; the line starts at byte offset "
+                                 f"{start})") from None
             text = record.get(text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 what = "has no" if not isinstance(record, dict) or text_key not in record else "has a non-string"
                 raise ValueError(f"{path}:{number}: the record {what} {text_key!r} field; choose the field with "
                                  f"--text-key")
-            yield text
+            yield _encodable(text, f"{path}:{number}")
 
 
 def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
@@ -71,17 +98,49 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
     if text_key not in source.schema_arrow.names:
         raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(source.schema_arrow.names)}); "
                          f"choose it with --text-key")
-    for batch in source.iter_batches(columns=[text_key], batch_size=1024):
-        for text in batch.column(0).to_pylist():
+    row = 0
+    batches = source.iter_batches(columns=[text_key], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid for a damaged file
+            raise ValueError(f"{path}: rows from {row} on are unreadable ({str(e)[:120]}); the file is damaged") \
+                from None
+        if batch is None:
+            return
+        texts = _column_values(batch.column(0), f"{path}: row", row)
+        for i, text in enumerate(texts, row):
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{path}: row {i} of column {text_key!r} holds {type(text).__name__}, not text; "
+                                 f"choose a text column with --text-key")
             if text is not None:
-                yield text
+                yield _encodable(text, f"{path}: row {i}")
+        row += len(texts)
+
+
+def _column_values(column, where: str, first_row: int) -> list:
+    """A parquet column's values; a string that is not UTF-8 is named by its row and byte."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError as e:
+                raise _not_utf8(f"{where} {first_row + i}", e, 0) from None
+        raise
 
 
 def _text_document(path: Path) -> Iterator[str]:
     data = path.read_bytes()
     # A NUL byte is a reliable sign of a binary file that only looks like text by name.
     if data and b"\0" not in data[:8192]:
-        yield data.decode("utf-8", errors="replace")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # named by line and offset, not replaced: nothing silently altered
+            line = data.count(b"\n", 0, e.start) + 1
+            raise _not_utf8(f"{path}:{line}", e, 0) from None
+        yield text
 
 
 def iter_documents(paths, text_key: str = "text") -> Iterator[str]:

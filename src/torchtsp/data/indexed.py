@@ -127,12 +127,40 @@ class IndexedDataset:
         self.document_indices = np.memmap(self.idx_path, np.int64, "r", _HEADER.size + 12 * N, (M,)) if M \
             else np.zeros(0, np.int64)
         self.n_documents = max(M - 1, 0)
+        self._check_index(self.bin_path.stat().st_size)
         self.n_tokens = int(self.lengths.sum(dtype=np.int64)) if N else 0
-        end = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if N else 0
-        bin_size = self.bin_path.stat().st_size
-        if bin_size < end:
-            raise ValueError(f"{self.bin_path} is truncated: {bin_size} bytes, its index needs {end}; prepare the "
-                             f"dataset again")
+
+    def _check_index(self, bin_size: int) -> None:
+        """Refuse an index whose arrays contradict each other or the .bin, before any of it is used: lengths are
+        counts, pointers lie inside the .bin, and the document index runs monotonically from 0 to N."""
+        N, item = self.n_sequences, self.dtype.itemsize
+        where = f"{self.idx_path} is damaged or crafted"
+        if N and int(self.lengths.min()) < 0:
+            first = int(np.argmax(np.asarray(self.lengths) < 0))
+            raise ValueError(f"{where}: sequence {first} has a negative length ({int(self.lengths[first])}); "
+                             f"prepare the dataset again")
+        if N and int(self.pointers.min()) < 0:
+            first = int(np.argmax(np.asarray(self.pointers) < 0))
+            raise ValueError(f"{where}: sequence {first} starts at a negative byte offset; prepare the dataset again")
+        # Compared as room left after the start, so a crafted pointer near 2^63 cannot overflow the sum.
+        beyond = np.asarray(self.pointers) > bin_size
+        beyond |= np.asarray(self.lengths, np.int64) * item > bin_size - np.minimum(self.pointers, bin_size)
+        if N and beyond.any():
+            first = int(np.argmax(beyond))
+            end = int(self.pointers[first]) + int(self.lengths[first]) * item
+            raise ValueError(f"{self.bin_path} is truncated: {bin_size} bytes, its index needs {end} (sequence "
+                             f"{first}); prepare the dataset again")
+        docs = np.asarray(self.document_indices)
+        falls = np.flatnonzero(np.diff(docs) < 0)
+        if not len(docs):
+            problem = "its document index is empty (it always holds at least the entry 0)"
+        elif docs[0] != 0 or docs[-1] != N:
+            problem = f"its document index runs from {docs[0]} to {docs[-1]}, not from 0 to the sequence count {N}"
+        elif len(falls):
+            problem = f"its document index falls from {docs[falls[0]]} to {docs[falls[0] + 1]} (entry {falls[0] + 1})"
+        else:
+            return
+        raise ValueError(f"{where}: {problem}; prepare the dataset again")
 
     def contiguous(self) -> bool:
         """True when the sequences lie back to back from byte 0 in index order (as every writer lays them)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .documents import iter_documents
+from .documents import input_files, iter_documents
 from .indexed import IndexedWriter, dataset_paths, token_dtype
 from .sources import SIDECAR_SUFFIX
 from .tokenizers import ByteTokenizer, load_tokenizer
@@ -69,6 +69,9 @@ def prepare(inputs, tokenizer_spec: str, out: str, text_key: str = "text", appen
     """Tokenize ``inputs`` into the dataset ``out``; returns the sidecar written (with throughput)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if not str(out).strip():  # would write .bin/.idx/.json into the current folder
+        raise ValueError("--out is an empty path; give the dataset's PREFIX (an unset variable?)")
+    input_files(inputs)  # a missing or empty-path input is refused before the tokenizer loads
     tokenizer = load_tokenizer(tokenizer_spec)
     if append_eos and tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.name} names no EOS token (eos_token in tokenizer_config.json); add it, or "

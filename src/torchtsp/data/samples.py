@@ -27,8 +27,10 @@ from .sources import TokenSource
 class PackedSamples:
     """The ``seq_len + 1``-id samples of one token stream."""
 
-    def __init__(self, source: TokenSource, seq_len: int):
-        self.source, self.seq_len = source, seq_len
+    def __init__(self, source: TokenSource, seq_len: int, vocab_size: int | None = None):
+        """``vocab_size``: every sample read is checked to hold ids in [0, vocab_size) (the check before launch
+        may rest on a sidecar's claim for a large dataset; an embedding lookup must never see a wrong id)."""
+        self.source, self.seq_len, self.vocab_size = source, seq_len, vocab_size
         self.n_samples = (len(source.tokens) - 1) // seq_len
         if self.n_samples < 1:
             raise ValueError(f"{source.name} has {len(source.tokens)} tokens; a sample needs seq_len + 1 = "
@@ -39,7 +41,13 @@ class PackedSamples:
 
     def sample(self, i: int) -> np.ndarray:
         start = i * self.seq_len
-        return np.asarray(self.source.tokens[start:start + self.seq_len + 1])
+        ids = np.asarray(self.source.tokens[start:start + self.seq_len + 1])
+        if self.vocab_size is not None and ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+            bad = int(ids.max()) if ids.max() >= self.vocab_size else int(ids.min())
+            raise ValueError(f"{self.source.name} holds token id {bad} (at token {start + int(np.argmax(ids == bad))})"
+                             f", outside the model's vocabulary of {self.vocab_size}; it was tokenized for another "
+                             f"model, or its sidecar's max_id is wrong")
+        return ids
 
 
 class EpochOrder:

@@ -12,6 +12,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..paths import hub_blobs
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 BYTE_FINGERPRINT = "byte"  # the byte tokenizer has no file: its name stands for its fingerprint
@@ -54,8 +56,22 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_config(path: Path) -> dict:
+def tokenizer_file(folder: str | Path, name: str) -> Path | None:
+    """``folder / name`` when it is a file, None when absent. A link that leads outside ``folder`` is refused,
+    for reading as for copying: a crafted folder must not make torchtsp read or export a file elsewhere (a
+    Hugging Face hub snapshot's links into its own cache's ``blobs`` are the one exception, as for weights)."""
+    path = Path(folder) / name
     if not path.is_file():
+        return None
+    target, roots = path.resolve(), [Path(folder).resolve(), hub_blobs(folder)]
+    if not any(root is not None and target.is_relative_to(root) for root in roots):
+        raise ValueError(f"{path} is a link to {target}, outside {folder}; torchtsp reads and copies a tokenizer's "
+                         f"files only from inside its folder: put the file itself there in place of the link")
+    return path
+
+
+def _read_config(path: Path | None) -> dict:
+    if path is None or not path.is_file():
         return {}
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -71,10 +87,12 @@ class HFTokenizer:
 
     def __init__(self, folder: str | Path, eos_id: int | None = None):
         """``eos_id``: the model's own EOS (config.json), used when tokenizer_config.json names none."""
+        if not str(folder).strip():  # Path("") is the current folder: an unset variable must not pick it
+            raise ValueError("the tokenizer is an empty path; give the folder holding the model's tokenizer.json")
         folder = Path(folder)
         path = folder / TOKENIZER_FILE if folder.is_dir() else folder
         folder = path.parent
-        if not path.is_file():
+        if tokenizer_file(folder, path.name) is None:
             raise FileNotFoundError(f"{path} does not exist; give a folder holding the model's {TOKENIZER_FILE}")
         try:
             from tokenizers import Tokenizer
@@ -89,7 +107,9 @@ class HFTokenizer:
         self.path, self.folder = path, folder
         self.fingerprint = file_fingerprint(path)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        config = _read_config(folder / TOKENIZER_CONFIG_FILE)
+        # Every file a copy of this tokenizer would take is checked now, so a crafted folder is refused when it
+        # is named (before any rank starts), not when a run or convert copies it.
+        config = _read_config(tokenizer_files(folder).get(TOKENIZER_CONFIG_FILE))
         self.chat_template = config.get("chat_template")
         self.bos_id = self._token_id(config.get("bos_token"))
         self.pad_id = self._token_id(config.get("pad_token"))
@@ -122,6 +142,9 @@ def load_tokenizer(spec: str | Path, eos_id: int | None = None) -> Tokenizer:
     """``"byte"``: the byte tokenizer; else a folder holding tokenizer.json (or the file itself)."""
     if str(spec) == "byte":
         return ByteTokenizer()
+    if not str(spec).strip():
+        raise ValueError("--tokenizer is an empty path; give the folder holding the model's tokenizer.json, or "
+                         "'byte' (an unset variable?)")
     return HFTokenizer(spec, eos_id=eos_id)
 
 
@@ -147,24 +170,35 @@ TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.js
 RUN_TOKENIZER_DIR = "tokenizer"  # a training run keeps a copy of its model's tokenizer here
 
 
+def tokenizer_files(src: str | Path) -> dict[str, Path]:
+    """A tokenizer folder's files (those present) by name, every one checked by ``tokenizer_file``."""
+    files = {name: tokenizer_file(src, name) for name in TOKENIZER_FILES}
+    return {name: path for name, path in files.items() if path is not None}
+
+
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy a tokenizer's files (those present) from folder ``src`` into folder ``dst``; returns their names."""
+    """Copy a tokenizer's files (those present) from folder ``src`` into folder ``dst``; returns their names.
+    Every file is checked before any is copied, and the copies are plain files (never links)."""
     import shutil
 
-    src, dst = Path(src), Path(dst)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            dst.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / name, dst / name)
-            copied.append(name)
-    return copied
+    files, dst = tokenizer_files(src), Path(dst)
+    for name, path in files.items():
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / name).unlink(missing_ok=True)  # a link already at dst must not be written through
+        shutil.copyfile(path, dst / name)
+    return list(files)
 
 
 def run_tokenizer_folder(checkpoint: str | Path) -> Path | None:
-    """The tokenizer a training run kept (``RUN/tokenizer``), given the run folder or one of its checkpoints."""
+    """The tokenizer a training run kept (``RUN/tokenizer``), given the run folder or one of its checkpoints.
+    The run wrote it as plain files, so a link out of the run folder is refused (a crafted run)."""
     p = Path(checkpoint)
     for run in (p, p.parent.parent if p.parent.name == "checkpoints" else None):
-        if run is not None and (run / RUN_TOKENIZER_DIR / TOKENIZER_FILE).is_file():
-            return run / RUN_TOKENIZER_DIR
+        kept = None if run is None else run / RUN_TOKENIZER_DIR
+        if kept is not None and (kept / TOKENIZER_FILE).is_file():
+            target = (kept / TOKENIZER_FILE).resolve()
+            if not target.is_relative_to(run.resolve()):
+                raise ValueError(f"{kept / TOKENIZER_FILE} leads to {target}, outside the run {run}; a run keeps "
+                                 f"its tokenizer as plain files: the run is damaged or crafted")
+            return kept
     return None

@@ -174,7 +174,12 @@ def _checked_type(name: str, value, hint):
     if not ok:
         what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
         raise ValueError(f"{_name(name)} must be {what}, got {value!r} ({type(value).__name__})")
+    if name in _PATH_FIELDS and not value.strip():  # Path("") is the current folder, never what was meant
+        raise ValueError(f"{_name(name)} is an empty path; give one or leave the setting out (an unset variable?)")
     return value
+
+
+_PATH_FIELDS = frozenset({"init_from_hf", "data", "tokenizer", "eval_data", "out", "resume"})
 
 
 def _check_run_folder(out: str) -> None:

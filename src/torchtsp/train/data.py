@@ -19,7 +19,7 @@ EVAL_BATCH_CAP = 50  # default --eval-batches: the whole eval set, but at most t
 
 def model_tokenizer(tokenizer: str | None, init_from_hf: str | None) -> tuple[Tokenizer, str | None]:
     """(the model's tokenizer, a notice for the user or None)."""
-    if tokenizer:
+    if tokenizer is not None:  # an empty one is refused, not taken for "the default tokenizer"
         return load_tokenizer(tokenizer, eos_id=model_eos_id(init_from_hf) if init_from_hf else None), None
     if init_from_hf:
         own = hf_folder_tokenizer(init_from_hf)
@@ -30,10 +30,10 @@ def model_tokenizer(tokenizer: str | None, init_from_hf: str | None) -> tuple[To
     return ByteTokenizer(), None
 
 
-def open_datasets(spec: str | None, tokenizer: Tokenizer) -> list[tuple[float, TokenSource]]:
+def open_datasets(spec: str | None, tokenizer: Tokenizer, flag: str = "--data") -> list[tuple[float, TokenSource]]:
     if spec is None:
         return [(1.0, TokenSource("the Python standard library", builtin_corpus(tokenizer), "builtin"))]
-    return [(weight, open_source(path, tokenizer)) for weight, path in parse_blend(spec)]
+    return [(weight, open_source(path, tokenizer, flag=flag)) for weight, path in parse_blend(spec, flag)]
 
 
 def packed_inputs(batch: torch.Tensor, eos_id: int | None):
@@ -60,7 +60,7 @@ class TrainData:
         self.batch_size, self.seq_len = cfg.batch_size, cfg.seq_len
         self.train = self._stream(cfg.data, "--data", vocab_size, check, cfg.seed, shuffle=True)
         self.eval, self.eval_batches = None, 0
-        if cfg.eval_data:
+        if cfg.eval_data is not None:  # an empty one is refused, not taken for "no evaluation"
             self.eval = self._stream(cfg.eval_data, "--eval-data", vocab_size, check, cfg.seed, shuffle=False)
             available = self.eval.n_samples // cfg.batch_size
             if available < 1:
@@ -69,12 +69,12 @@ class TrainData:
             self.eval_batches = min(cfg.eval_batches or EVAL_BATCH_CAP, available)
 
     def _stream(self, spec, flag, vocab_size, check, seed, shuffle) -> BatchStream:
-        datasets = open_datasets(spec, self.tokenizer)
+        datasets = open_datasets(spec, self.tokenizer, flag)
         if check:
             for _, source in datasets:
                 check_source(source, vocab_size, self.tokenizer, self.seq_len, flag)
-        return BatchStream([(w, PackedSamples(s, self.seq_len)) for w, s in datasets], self.batch_size, seed,
-                           shuffle=shuffle)
+        return BatchStream([(w, PackedSamples(s, self.seq_len, vocab_size)) for w, s in datasets], self.batch_size,
+                           seed, shuffle=shuffle)
 
     def next_train_batch(self, device) -> tuple:
         """The next training batch: (tokens, labels) on ``device`` and the document ids (host) or None."""
