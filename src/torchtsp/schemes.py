@@ -205,7 +205,8 @@ class Scheme:
                                      f"ranks); choose such a degree")
                 continue
             if getattr(cfg, field) % ways:
-                hint = (f"; {self.name} cannot replicate KV heads, use tsp or tp for n_kv_heads < {ways}"
+                able = ", ".join(s.name for s in SCHEMES.values() if s.kv_replication)
+                hint = (f"; {self.name} cannot replicate KV heads, use one of {able} for n_kv_heads < {ways}"
                         if field == "n_kv_heads" and cfg.n_kv_heads < ways else "")
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
                                  f"choose a degree that divides it{hint}")

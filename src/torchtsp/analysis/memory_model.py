@@ -330,8 +330,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     sparse = _sparse(cfg, s, D, tsp=True) if cfg.moe else None
     mlps = [n * s.norm + A + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
-    layer_in = A
-    saved_layers = sum(layer_in if recompute else att + m for m in mlps)
+    saved_layers = sum(A if recompute else att + m for m in mlps)
     acts = saved_layers + final + s.rope_tables
 
     events = [
@@ -366,7 +365,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
                    + attn_bufs * attn_w + attn_partials * FP32 * attn_elems,
                    freed=att - n * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
-                   freed=n * s.norm + (layer_in if recompute else 0)),
+                   freed=n * s.norm + (A if recompute else 0)),
         ]
     # The embedding's gradient travels the ring (float32): a contribution, the accumulator and its receive buffer.
     events.append(_Event("embedding backward", (1 + flight) * s.v * h * FP32,
