@@ -203,6 +203,14 @@ def test_a_new_scheme_is_one_module_and_one_registry_entry(tmp_path, monkeypatch
     assert main(["train", "--scheme", "toy", "--nproc", "1", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
                  "--out", str(out)]) == 0
     assert "loss" in capsys.readouterr().out
+    # generate: the engine the entry names, in this process; greedy tokens those of tp (the same split at T = 1)
+    tokens = {}
+    for scheme in ("toy", "tp"):
+        assert main(["generate", "--scheme", scheme, "--nproc", "1", "--prompt-ids", "1,2,3;4,5",
+                     "--max-new-tokens", "3", "--json"]) == 0
+        tokens[scheme] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    assert tokens["toy"] == tokens["tp"] and len(tokens["toy"][0]) == 6
+    assert "toy" in SCHEMES.servable()
 
 
 # Registry fields that once held a scheme's name as a key into other code (``spec.memory_walk == "tsp"``).
