@@ -14,7 +14,7 @@ from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
 from .layout import Layout
 from .runenv import launched_by_torchrun
-from .schemes import INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
+from .schemes import AXES, INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -94,7 +94,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--preset", choices=list(PRESETS), help="model shape (default: tiny)")
     add("--init-from-hf", metavar="DIR", help="start from a Hugging Face Llama checkpoint")
     add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
-    for axis in ("dp", "tsp", "tp", "sp"):
+    for axis in AXES:  # the registry's mesh axes
         add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")
     add("--pp", type=int, help="pipeline stages (outermost mesh axis; tsp only): contiguous layer ranges, the "
         "embedding in the first, the head and loss in the last (default: 1)")
@@ -164,7 +164,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="sampling seed (and the init seed of --preset); default 0")
     add("--stop-token-ids", metavar="IDS", help='ids that end a sequence, e.g. "2,13" (besides the model\'s EOS)')
     add("--scheme", choices=inference_schemes(), default="tsp", help="parallel scheme (default: tsp)")
-    for axis in ("tsp", "tp", "sp", "dp"):
+    for axis in AXES:  # the registry's mesh axes
         add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
     add("--nproc", type=int, help="local CPU ranks to spawn when not under torchrun (default: the degree, or 1)")
     add("--schedule", choices=INFERENCE_SCHEDULES, default="auto",
@@ -199,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_request(cfg, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.prefill_chunk)
     stop_token_ids = parse_ids(args.stop_token_ids, "--stop-token-ids")
     _check_generate_flags(args, cfg, stop_token_ids)
-    flags = {axis: getattr(args, axis) for axis in ("dp", "tsp", "tp", "sp")}
+    flags = {axis: getattr(args, axis) for axis in AXES}
     if launched_by_torchrun():
         from .distributed import comm
 

@@ -1,21 +1,24 @@
-"""The scheme registry: what torchtsp knows about each parallel scheme, in one place, without torch.
+"""The scheme registry: everything torchtsp knows about each parallel scheme, in one object per scheme.
 
-Every part of torchtsp that depends on the scheme (``parallelize``, the trainer, ``bench``, ``plan``,
-the memory and traffic models) reads it from here: the mesh axes a scheme uses, how its degrees come
-from flags or the world size, which layouts it can split (``validate``, raised before any rank
-communicates), and the names of its memory and traffic formulas in ``torchtsp.analysis``. Adding a
-scheme means one file under ``parallel/``, one entry below and its formulas (docs/design.md,
-"Adding a scheme").
+Every part of torchtsp that depends on the scheme (``parallelize``, ``generate``, the trainer, ``serve``,
+``bench``, ``plan``, the memory, traffic and step-time models, the command line's choices) reads it from its
+``Scheme`` entry here: the mesh axes a scheme uses, how its degrees come from flags or the world size, which
+layouts it can split (``validate``, raised before any rank communicates), and where its code lives (its model
+class, inference engine, traffic formula, memory walk and step-cost model) as import paths resolved on first
+use. Nothing else names a scheme: adding one means one file under ``parallel/`` and one entry below
+(docs/design.md, "Adding a scheme").
 
 Data parallelism is not a model axis of any scheme: it is applied over every scheme by
 ``parallel/dp.py`` on the ``dp`` mesh axis. The ``dp`` scheme is that wrapper over a model axis of
 size 1 (the whole model on each rank).
 
-This module imports no torch, so ``torchtsp --help`` and ``torchtsp plan`` start instantly.
+This module imports no torch (the import paths are resolved only when used), so ``torchtsp --help`` and
+``torchtsp plan`` start instantly.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -35,6 +38,16 @@ def _prod(values) -> int:
     return math.prod(values)
 
 
+def resolve(path: str):
+    """The object an import path ``"package.module:attribute"`` names, imported now (on first use)."""
+    module, _, attribute = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"the registry's import path {path!r} does not load ({e}); fix the scheme's entry "
+                         f"in torchtsp.schemes") from e
+
+
 @dataclass(frozen=True)
 class Scheme:
     """One parallel scheme.
@@ -44,34 +57,58 @@ class Scheme:
     ``token_axes``: axes whose ranks each hold 1/degree of every sequence (zigzag layout).
     ``free_axis``: the axis that takes the ranks the flags leave over (``None``: a square T x Σ split).
     ``options``: keyword options ``parallelize`` accepts besides ``timeout_s``.
-    ``memory_walk``: the memory model's walk for it (``analysis.memory_model``); ``traffic``: the name of
-    its per-step traffic formula in ``analysis.comm_model``. ``None`` for both: not modelled (its traffic
-    is not counted by our comm layer). ``features``: the ``MODEL_FEATURES`` it implements; a model with
-    another is refused, never run without it. ``kv_replication``: fewer KV heads than the weight degree are
-    held as copies by groups of consecutive ranks (the degree must then be a multiple of n_kv_heads).
+    ``features``: the ``MODEL_FEATURES`` it implements; a model with another is refused, never run without it.
+    ``kv_replication``: fewer KV heads than the weight degree are held as copies by groups of consecutive ranks
+    (the degree must then be a multiple of n_kv_heads).
     ``pipeline``: whether it runs as the stages of a pipeline (``parallel/pipeline.py``, the ``pp`` axis).
-    ``inference``: the name of its inference engine in ``torchtsp.infer`` (None: ``generate`` does not run it);
     ``weight_schedules``: TSP's two inference schedules (weights move / activations move), chosen per phase by
     ``infer_schedule``. ``zero``: its parameters can be sharded over dp by the distributed optimizer
-    (``train/zero.py``; plain tensors, not DTensors).
+    (``train/zero.py``; plain tensors, not DTensors). ``rows_over_dp``: its inference engine runs over the dp
+    axis, each replica decoding its own rows of the batch (``serve``'s continuous batching does not run it yet).
+
+    Where its code lives, as ``"module:attribute"`` import paths resolved on first use (``load``), so that
+    reading the registry imports no torch:
+    ``model``: its ``ParallelTransformer`` class (what ``parallelize`` builds).
+    ``inference``: its inference engine class in ``torchtsp.infer`` (None: ``generate`` does not run it).
+    ``traffic``: its per-step traffic formula (``analysis.comm_model``), ``memory_walk``: its memory model
+    (``analysis.memory_model``); None for both: not modelled (its traffic is not counted by our comm layer).
+    ``step_cost``: which of its step's communication the GEMMs hide (``analysis.hardware``; None: not priced).
+    ``color``, ``marker``: how ``bench``'s plots draw it. ``bench_peer``: an outside implementation of the same
+    layout that ``bench`` times interleaved beside it (its step-time ratio to it). ``decode_baseline``: the scheme
+    whose time per output token ``bench --infer`` reports it against, run by run.
     """
 
     name: str
     label: str
     description: str
     axes: tuple[str, ...]
+    model: str
     weight_axes: tuple[str, ...] = ()
     token_axes: tuple[str, ...] = ()
     free_axis: str | None = None
     options: tuple[str, ...] = ()
-    memory_walk: str | None = None
-    traffic: str | None = None
     features: tuple[str, ...] = MODEL_FEATURES
     kv_replication: bool = False
     pipeline: bool = False
-    inference: str | None = None
     weight_schedules: bool = False
     zero: bool = True
+    rows_over_dp: bool = False
+    inference: str | None = None
+    traffic: str | None = None
+    memory_walk: str | None = None
+    step_cost: str | None = None
+    color: str = "#000000"
+    marker: str = "o"
+    bench_peer: str | None = None
+    decode_baseline: str | None = None
+
+    def load(self, part: str):
+        """The object the import path in field ``part`` names (``model``, ``inference``, ``traffic``,
+        ``memory_walk``, ``step_cost``), imported now. ValueError when the scheme has none."""
+        path = getattr(self, part)
+        if path is None:
+            raise ValueError(f"scheme {self.name!r} has no {part.replace('_', ' ')} (its registry entry names none)")
+        return resolve(path)
 
     # -- degrees --------------------------------------------------------------------------
 
@@ -144,7 +181,7 @@ class Scheme:
                              f"{', '.join(sizes) or 'none'}; build it with torchtsp.init_mesh")
         if sizes.get(PIPELINE_AXIS, 1) > 1 and not self.pipeline:
             raise ValueError(f"scheme {self.name!r} does not run as pipeline stages (pp={sizes[PIPELINE_AXIS]}); "
-                             f"use one of: {', '.join(s.name for s in SCHEMES.values() if s.pipeline)}, or drop --pp")
+                             f"use one of: {', '.join(SCHEMES.pipelined())}, or drop --pp")
         ignored = {a: n for a, n in sizes.items() if n > 1 and a not in ("dp", PIPELINE_AXIS) and a not in self.axes}
         if ignored:
             shown = ", ".join(f"{a}={n}" for a, n in ignored.items())
@@ -168,7 +205,8 @@ class Scheme:
                                      f"ranks); choose such a degree")
                 continue
             if getattr(cfg, field) % ways:
-                hint = (f"; {self.name} cannot replicate KV heads, use tsp or tp for n_kv_heads < {ways}"
+                able = ", ".join(s.name for s in SCHEMES.values() if s.kv_replication)
+                hint = (f"; {self.name} cannot replicate KV heads, use one of {able} for n_kv_heads < {ways}"
                         if field == "n_kv_heads" and cfg.n_kv_heads < ways else "")
                 raise ValueError(f"{self.label} over {axes} needs {field}={getattr(cfg, field)} divisible by {ways}; "
                                  f"choose a degree that divides it{hint}")
@@ -211,29 +249,66 @@ class Scheme:
             raise ValueError("mixture-of-experts models run under tp without Megatron-SP; drop sequence_parallel")
 
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    Scheme("tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
-           axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp",
-           options=("recompute",), memory_walk="tsp", traffic="tsp_step_traffic", kv_replication=True,
-           pipeline=True, inference="tsp", weight_schedules=True),
-    Scheme("tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
-           axes=("tp",), weight_axes=("tp",), free_axis="tp",
-           options=("sequence_parallel", "recompute"), memory_walk="reference", traffic="tp_step_traffic",
-           kv_replication=True, inference="tp"),
-    Scheme("sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
-           axes=("sp",), token_axes=("sp",), free_axis="sp",
-           options=("recompute",), memory_walk="reference", traffic="sp_step_traffic", inference="sp"),
-    Scheme("tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
-           axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None,
-           options=("recompute",), memory_walk="reference", traffic="tp_step_traffic", kv_replication=True,
-           features=("rope_scaling", "qkv_bias", "qk_norm")),
-    Scheme("dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
-           axes=(), free_axis="dp", options=("recompute",), memory_walk="reference", traffic="dp_step_traffic",
-           inference="dp"),
-    Scheme("torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
-           axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=(),
-           zero=False),
-)}
+class Registry(dict):
+    """The registered schemes by name, in the order tables and plots show them."""
+
+    def add(self, scheme: Scheme) -> Scheme:
+        """Register ``scheme`` (a new name only)."""
+        if scheme.name in self:
+            raise ValueError(f"a scheme named {scheme.name!r} is already registered; choose another name")
+        self[scheme.name] = scheme
+        return scheme
+
+    def with_inference(self) -> tuple[str, ...]:
+        """The schemes ``generate`` runs (those that name an inference engine)."""
+        return tuple(s.name for s in self.values() if s.inference)
+
+    def servable(self) -> tuple[str, ...]:
+        """The schemes ``serve`` runs: an inference engine whose batch is one, not rows split over replicas."""
+        return tuple(s.name for s in self.values() if s.inference and not s.rows_over_dp)
+
+    def pipelined(self) -> tuple[str, ...]:
+        """The schemes that run as pipeline stages."""
+        return tuple(s.name for s in self.values() if s.pipeline)
+
+
+_COMM, _MEMORY, _HW = "torchtsp.analysis.comm_model", "torchtsp.analysis.memory_model", "torchtsp.analysis.hardware"
+SCHEMES = Registry()
+SCHEMES.add(Scheme(
+    "tsp", "TSP", "this project: weights and tokens both 1/D on one axis",
+    axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp", options=("recompute",),
+    kv_replication=True, pipeline=True, weight_schedules=True, model="torchtsp.parallel.tsp:TSPTransformer",
+    inference="torchtsp.infer.tsp:TSPEngine", traffic=f"{_COMM}:tsp_step_traffic",
+    memory_walk=f"{_MEMORY}:TSP_WALK", step_cost=f"{_HW}:overlapped_exposed_s", color="#d62728", marker="o",
+    decode_baseline="tp"))
+SCHEMES.add(Scheme(
+    "tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
+    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel", "recompute"),
+    kv_replication=True, model="torchtsp.parallel.tp:TPTransformer", inference="torchtsp.infer.tp:MegatronEngine",
+    traffic=f"{_COMM}:tp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:tp_exposed_s",
+    color="#1f77b4", marker="s", bench_peer="torch_tp"))
+SCHEMES.add(Scheme(
+    "sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
+    axes=("sp",), token_axes=("sp",), free_axis="sp", options=("recompute",),
+    model="torchtsp.parallel.sp:SPTransformer", inference="torchtsp.infer.sp:SPEngine",
+    traffic=f"{_COMM}:sp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:serial_exposed_s",
+    color="#2ca02c", marker="^"))
+SCHEMES.add(Scheme(
+    "tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
+    axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None, options=("recompute",),
+    kv_replication=True, features=("rope_scaling", "qkv_bias", "qk_norm"),
+    model="torchtsp.parallel.tp_sp:TPSPTransformer",
+    traffic=f"{_COMM}:tp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:serial_exposed_s",
+    color="#9467bd", marker="D"))
+SCHEMES.add(Scheme(
+    "dp", "DP", "data parallelism: the whole model on every rank, batch rows split",
+    axes=(), free_axis="dp", options=("recompute",), rows_over_dp=True, model="torchtsp.parallel.dp:Replica",
+    inference="torchtsp.infer.dp:DPEngine", traffic=f"{_COMM}:dp_step_traffic",
+    memory_walk=f"{_MEMORY}:REFERENCE_WALK", color="#8c564b", marker="v"))
+SCHEMES.add(Scheme(
+    "torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
+    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=(), zero=False,
+    model="torchtsp.parallel.torch_tp:TorchTPTransformer", color="#7f7f7f", marker="x"))
 
 
 def stage_layer_ranges(n_layers: int, stages: int) -> list[range]:
@@ -262,7 +337,7 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
         return microbatches
     if not scheme.pipeline:
         raise ValueError(f"scheme {scheme.name!r} does not run as pipeline stages; use one of: "
-                         f"{', '.join(s.name for s in SCHEMES.values() if s.pipeline)}, or drop --pp")
+                         f"{', '.join(SCHEMES.pipelined())}, or drop --pp")
     stages = pp * stages_per_rank(schedule)
     if microbatches < pp:
         raise ValueError(f"--microbatches {microbatches} is fewer than the {pp} pipeline stages: a stage would idle "
@@ -294,7 +369,7 @@ def stages_per_rank(schedule: str) -> int:
 
 def inference_schemes() -> tuple[str, ...]:
     """The schemes ``generate`` runs (those that name an inference engine)."""
-    return tuple(s.name for s in SCHEMES.values() if s.inference)
+    return SCHEMES.with_inference()
 
 
 INFERENCE_SCHEDULES = ("auto", "weights", "activations")

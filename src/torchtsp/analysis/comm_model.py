@@ -358,7 +358,7 @@ def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees
     spec = get_scheme(scheme)
     if spec.traffic is None:
         raise ValueError(f"no communication model for scheme {scheme!r} (its collectives are not counted)")
-    return globals()[spec.traffic](cfg, B, seq_len, degrees, e, sequence_parallel, seq_rank)
+    return spec.load("traffic")(cfg, B, seq_len, degrees, e, sequence_parallel, seq_rank)
 
 
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig, get_preset
-from ..schemes import get_scheme
+from ..schemes import AXES, SCHEMES, get_scheme
 from .comm_model import layer_weight_elements, predict_comm
+from .validation import axis_splits
 
 TERA, GIGA = 1e12, 1e9
 
@@ -60,9 +62,10 @@ HARDWARE = {
     "a100": Hardware("a100", 312 * TERA, 2.039e12, 80 * GIGA, 300 * GIGA, 25 * GIGA),
 }
 
-# The paper's cluster throughput (1,024 MI300X, paper-7b, 128K tokens, D = 8), tokens/s.
+# The paper's cluster throughput (1,024 MI300X, paper-7b, 128K tokens, D = 8), tokens/s, by the scheme measured
+# (data the paper reports, not a list of schemes: TSP and its TP x SP baseline).
 PAPER_CLUSTER = {"setting": dict(hardware="mi300x", preset="paper-7b", gpus=1024, group=8, seq_len=131072),
-                 "tsp": 173e6, "tp_sp": 66.3e6}
+                 "tokens_per_s": {"tsp": 173e6, "tp_sp": 66.3e6}}
 
 
 def get_hardware(name: str) -> Hardware:
@@ -124,6 +127,48 @@ class StepTime:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """One replica's step, in seconds at the link's bandwidth or the GEMMs' rate, for a scheme's step-cost model."""
+
+    layers: int
+    recompute: bool
+    gemm_forward_s: float  # one layer's forward GEMMs
+    head_gemm_s: float  # the head's GEMMs over the whole step
+    layer_forward_s: float  # one layer's forward traffic
+    layer_backward_s: float  # one layer's backward traffic (with the re-run under recompute)
+    head_s: float  # the embedding and head traffic, forward and backward
+    sync_s: float  # the gradient sums over the scheme's own axes
+
+
+# Step-cost models: the exposed communication of a step under each scheme's overlap (the registry's ``step_cost``).
+
+def overlapped_exposed_s(p: StepParts) -> float:
+    """TSP: each layer's traffic behind that layer's GEMMs (forward: 1x, backward: 2x, plus the re-run), the
+    vocabulary ring behind the head GEMMs; the gradient sums exposed."""
+    bwd_gemm_s = (2 + int(p.recompute)) * p.gemm_forward_s
+    exposed = p.layers * (max(0.0, p.layer_forward_s - p.gemm_forward_s) + max(0.0, p.layer_backward_s - bwd_gemm_s))
+    return exposed + max(0.0, p.head_s - p.head_gemm_s) + p.sync_s
+
+
+def tp_exposed_s(p: StepParts) -> float:
+    """TP: the forward all-reduces (and their re-run) exposed; the backward's input-gradient all-reduces hidden
+    behind the weight-gradient GEMMs."""
+    rerun = int(p.recompute) * p.layer_forward_s
+    hidden_bwd = p.layer_backward_s - rerun
+    return p.layers * (p.layer_forward_s + rerun + max(0.0, hidden_bwd - p.gemm_forward_s)) + p.head_s + p.sync_s
+
+
+def serial_exposed_s(p: StepParts) -> float:
+    """SP, TP x SP: every byte waited for (the K/V all-gather before attention, the sums in backward hooks)."""
+    return p.layers * (p.layer_forward_s + p.layer_backward_s) + p.head_s + p.sync_s
+
+
+def priced_schemes() -> tuple[str, ...]:
+    """The schemes with a step-cost model over a replica of their own axes."""
+    return tuple(s.name for s in SCHEMES.values() if s.step_cost and s.axes)
+
+
 def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degrees: dict, seq_len: int,
                  batch: int | None = None, mfu: float = 0.4, dtype_bytes: int = 2, recompute: bool = False,
                  sequence_parallel: bool = False) -> StepTime:
@@ -131,9 +176,11 @@ def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degr
     gpus / group replicas. ``batch``: sequences per step over the cluster (default one per replica)."""
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
-    group = 1
-    for axis in ("tsp", "tp", "sp"):
-        group *= degrees.get(axis, 1)
+    spec = get_scheme(scheme)
+    if spec.step_cost is None:
+        raise ValueError(f"no step-time model for scheme {scheme!r}; choose one of: {', '.join(priced_schemes())}")
+    axes = {a: degrees.get(a, 1) for a in AXES if a != "dp"}  # an axis the scheme does not use: refused below
+    group = math.prod(axes.values())
     if gpus % group:
         raise ValueError(f"{gpus} GPUs do not divide into replicas of {group}")
     if group > hw.gpus_per_node:
@@ -144,7 +191,6 @@ def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degr
     if batch % dp:
         raise ValueError(f"batch {batch} does not split over {dp} replicas")
     per_replica = batch // dp
-    axes = {a: degrees.get(a, 1) for a in ("tsp", "tp", "sp")}
     comm = predict_comm(scheme, cfg, per_replica, seq_len, dtype_bytes=dtype_bytes, recompute=recompute,
                         sequence_parallel=sequence_parallel, **axes)
     with_dp = predict_comm(scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, recompute=recompute,
@@ -154,31 +200,19 @@ def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degr
     rate = hw.bf16_flops * mfu * group  # one replica's FLOP/s
     f = forward_flops(cfg, per_replica, seq_len)
     mult = step_multiplier(recompute)
-    gemm_fwd_s = f.layer_gemm / rate
-    compute_s = mult * f.forward / rate
     link = hw.intra_node_bytes_per_s
-    L = cfg.n_layers
-    layer_fwd_c, layer_bwd_c = comm.layer_forward / link, comm.layer_backward / link
-    head_c = (comm.embed_head_forward + comm.embed_head_backward) / link
-    sync_c = comm.grad_sync / link
-    head_gemm_s = mult * f.head / rate
-    if scheme == "tsp":
-        # Each layer's traffic behind that layer's GEMMs (forward: 1x, backward: 2x, plus the re-run).
-        bwd_gemm_s = (2 + int(recompute)) * gemm_fwd_s
-        exposed = L * (max(0.0, layer_fwd_c - gemm_fwd_s) + max(0.0, layer_bwd_c - bwd_gemm_s))
-        exposed += max(0.0, head_c - head_gemm_s) + sync_c
-    elif scheme == "tp":
-        rerun = int(recompute) * comm.layer_forward / link
-        hidden_bwd = layer_bwd_c - rerun  # the input-gradient all-reduces, behind the weight-gradient GEMMs
-        exposed = L * (layer_fwd_c + rerun + max(0.0, hidden_bwd - gemm_fwd_s)) + head_c + sync_c
-    else:
-        exposed = L * (layer_fwd_c + layer_bwd_c) + head_c + sync_c
+    parts = StepParts(layers=cfg.n_layers, recompute=recompute, gemm_forward_s=f.layer_gemm / rate,
+                      head_gemm_s=mult * f.head / rate, layer_forward_s=comm.layer_forward / link,
+                      layer_backward_s=comm.layer_backward / link,
+                      head_s=(comm.embed_head_forward + comm.embed_head_backward) / link, sync_s=comm.grad_sync / link)
+    compute_s = mult * f.forward / rate
+    exposed = spec.load("step_cost")(parts)
     dp_s = dp_bytes / hw.inter_node_bytes_per_s if dp > 1 else 0.0
     exposed += dp_s
     step_s = compute_s + exposed
     tokens = batch * seq_len
     model_flops = mult * forward_flops(cfg, batch, seq_len).forward
-    return StepTime(layout=get_scheme(scheme).label_for({**axes, "dp": dp}, sequence_parallel), scheme=scheme,
+    return StepTime(layout=spec.label_for({**axes, "dp": dp}, sequence_parallel), scheme=scheme,
                     group=group, dp=dp, compute_s=compute_s, comm_s=comm.total / link + dp_s, exposed_s=exposed,
                     step_s=step_s, tokens_per_s=tokens / step_s,
                     mfu_effective=model_flops / (gpus * hw.bf16_flops * step_s))
@@ -194,11 +228,14 @@ def ceiling_tokens_per_s(cfg: ModelConfig, hw: Hardware, gpus: int, seq_len: int
 
 
 def group_layouts(group: int) -> list[tuple[str, dict, bool]]:
-    """(scheme, degrees, Megatron-SP) of one replica of ``group`` GPUs: TSP, TP (with and without
-    Megatron-SP), SP, and each TP x SP factorization."""
-    out = [("tsp", {"tsp": group}, False), ("tp", {"tp": group}, False), ("tp", {"tp": group}, True),
-           ("sp", {"sp": group}, False)]
-    out += [("tp_sp", {"tp": t, "sp": group // t}, False) for t in range(2, group) if group % t == 0]
+    """(scheme, degrees, Megatron-SP) of one replica of ``group`` GPUs: every scheme with a step-cost model, on
+    each split of the group over its axes (every axis at least 2 when it has several), with and without
+    Megatron-SP where it takes that option."""
+    out = []
+    for name in priced_schemes():
+        spec = SCHEMES[name]
+        seqpar = (False, True) if "sequence_parallel" in spec.options else (False,)
+        out += [(name, degrees, sp) for degrees in reversed(list(axis_splits(group, spec.axes))) for sp in seqpar]
     return out
 
 
@@ -219,8 +256,9 @@ def hardware_report(cfg: ModelConfig, hw: Hardware, *, gpus: int, group: int, se
 
 def paper_cluster_comparison(report: dict, cfg: ModelConfig, seq_len: int) -> dict:
     """The paper's 1,024-GPU figures beside ours and the ceilings (only meaningful in the paper's setting)."""
+    paper = PAPER_CLUSTER["tokens_per_s"]
     best = {s: max((r for r in report["rows"] if r.scheme == s), key=lambda r: r.tokens_per_s, default=None)
-            for s in ("tsp", "tp_sp", "tp")}
+            for s in paper}
     train, fwd = report["ceiling_train"], report["ceiling_forward"]
     per_token = forward_flops(cfg, 1, seq_len)
     attention_share = cfg.n_layers * per_token.attention / per_token.forward
@@ -231,14 +269,15 @@ def paper_cluster_comparison(report: dict, cfg: ModelConfig, seq_len: int) -> di
                 "training step without attention FLOPs": train / (1 - attention_share),
                 f"training step without attention FLOPs, x{group}": train / (1 - attention_share) * group,
                 "forward only": fwd, f"forward only, x{group}": fwd * group}
-    tp_seqpar = next((r for r in report["rows"] if r.scheme == "tp" and "seqpar" in r.layout), None)
-    return {"paper_tsp": PAPER_CLUSTER["tsp"], "paper_tp_sp": PAPER_CLUSTER["tp_sp"],
+    # The best layout with Megatron-SP (TP8 with sequence parallelism in the paper's setting).
+    tp_seqpar = max((r for r in report["rows"] if "+seqpar" in r.layout), key=lambda r: r.tokens_per_s, default=None)
+    return {"paper_tsp": paper["tsp"], "paper_tp_sp": paper["tp_sp"],
             "ours_tsp": best["tsp"] and best["tsp"].tokens_per_s,
             "ours_tp_sp": best["tp_sp"] and best["tp_sp"].tokens_per_s,
             "ours_tp_sp_layout": best["tp_sp"] and best["tp_sp"].layout,
             "ceiling_train": train, "ceiling_forward": fwd,
-            "paper_tsp_over_train_ceiling": PAPER_CLUSTER["tsp"] / train,
-            "paper_tsp_over_forward_ceiling": PAPER_CLUSTER["tsp"] / fwd,
+            "paper_tsp_over_train_ceiling": paper["tsp"] / train,
+            "paper_tsp_over_forward_ceiling": paper["tsp"] / fwd,
             "attention_flops_share": attention_share, "ceilings_by_reading": readings,
             "ours_tp_seqpar": tp_seqpar and tp_seqpar.tokens_per_s}
 

@@ -101,18 +101,13 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
 
 
 def _largest_param(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> int:
-    """Elements of the largest parameter tensor a rank holds (TSP packs each block's shards into one)."""
-    h, d = cfg.dim, cfg.head_dim
+    """Elements of the largest parameter tensor a rank holds (the scheme's memory model knows its packing)."""
     spec = get_scheme(scheme)
-    w = spec.weight_degree({"tsp": tsp, "tp": tp})
-    rows = _ceil_div(cfg.vocab_size, w)
-    experts = cfg.n_experts * cfg.moe_ffn_dim * h // w if cfg.moe else 0  # one stacked expert weight
-    if spec.memory_walk == "tsp":
-        n_kv = _kv_heads_held(spec, cfg, w)
-        attention = (2 * cfg.n_heads * d + 2 * n_kv * d) * h + ((cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0)
-        return max(rows * h, attention // tsp, 3 * cfg.ffn_dim * h // tsp, experts,
-                   3 * cfg.shared_expert_ffn_dim * h // tsp)
-    return max(rows * h if w > 1 else cfg.vocab_size * h, cfg.ffn_dim * h // w, cfg.n_heads * d * h // w, experts)
+    return spec.load("memory_walk").largest_param(spec, cfg, spec.weight_degree({"tsp": tsp, "tp": tp}))
+
+
+def _largest_expert(cfg: ModelConfig, w: int) -> int:
+    return cfg.n_experts * cfg.moe_ffn_dim * cfg.dim // w if cfg.moe else 0  # one stacked expert weight
 
 
 # ---------------------------------------------------------------- per-rank shapes
@@ -335,8 +330,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     sparse = _sparse(cfg, s, D, tsp=True) if cfg.moe else None
     mlps = [n * s.norm + A + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
-    layer_in = A
-    saved_layers = sum(layer_in if recompute else att + m for m in mlps)
+    saved_layers = sum(A if recompute else att + m for m in mlps)
     acts = saved_layers + final + s.rope_tables
 
     events = [
@@ -371,12 +365,54 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
                    + attn_bufs * attn_w + attn_partials * FP32 * attn_elems,
                    freed=att - n * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n,
-                   freed=n * s.norm + (layer_in if recompute else 0)),
+                   freed=n * s.norm + (A if recompute else 0)),
         ]
     # The embedding's gradient travels the ring (float32): a contribution, the accumulator and its receive buffer.
     events.append(_Event("embedding backward", (1 + flight) * s.v * h * FP32,
                          added=0 if cfg.tie_embeddings else vocab_w))
     return acts, _walk(base + acts, events)
+
+
+class ReferenceWalk:
+    """The memory model of schemes that run the reference block on shards (DP, TP, SP, TP x SP)."""
+
+    @staticmethod
+    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, recompute, base, parts,
+             pruned_kv):
+        """(saved activations, (peak, phase, transient)); ``pruned_kv`` changes nothing: the zigzag kernels keep
+        the whole gathered K/V."""
+        return _reference_walk(spec, cfg, s, tp=degrees.get("tp", 1), sp=degrees.get("sp", 1),
+                               sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts)
+
+    @staticmethod
+    def largest_param(spec: Scheme, cfg: ModelConfig, w: int) -> int:
+        """Vocabulary rows (split w ways, or whole), one FFN or attention matrix, or the stacked experts."""
+        h = cfg.dim
+        rows = _ceil_div(cfg.vocab_size, w) * h if w > 1 else cfg.vocab_size * h
+        return max(rows, cfg.ffn_dim * h // w, cfg.n_heads * cfg.head_dim * h // w, _largest_expert(cfg, w))
+
+
+class TSPWalk:
+    """The memory model of TSP (parallel/tsp/): its own backward walk, and each block's shards packed into one
+    parameter."""
+
+    @staticmethod
+    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, recompute, base, parts,
+             pruned_kv):
+        return _tsp_walk(cfg, s, tsp=degrees.get("tsp", 1), recompute=recompute, base=base, parts=parts,
+                         pruned_kv=pruned_kv)
+
+    @staticmethod
+    def largest_param(spec: Scheme, cfg: ModelConfig, w: int) -> int:
+        h, d = cfg.dim, cfg.head_dim
+        n_kv = _kv_heads_held(spec, cfg, w)
+        attention = (2 * cfg.n_heads * d + 2 * n_kv * d) * h + ((cfg.n_heads + 2 * n_kv) * d if cfg.qkv_bias else 0)
+        return max(_ceil_div(cfg.vocab_size, w) * h, attention // w, 3 * cfg.ffn_dim * h // w, _largest_expert(cfg, w),
+                   3 * cfg.shared_expert_ffn_dim * h // w)
+
+
+# The registry's names for them (torchtsp.schemes: ``memory_walk``).
+REFERENCE_WALK, TSP_WALK = ReferenceWalk(), TSPWalk()
 
 
 # ---------------------------------------------------------------- public entry point
@@ -450,13 +486,9 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
             grads = owned * e + (n_params * FP32 if zero == 1 else in_flight * FP32)
     # ZeRO-1's float32 gradient buffers live from step to step, beside the weights and optimizer state.
     base = params + opt + (n_params * FP32 if optimizer == "adamw" and zero == 1 and dp > 1 else 0)
-    if spec.memory_walk == "tsp":
-        acts, (peak, phase, transient) = _tsp_walk(cfg, s, tsp=tsp, recompute=recompute, base=base, parts=parts,
-                                                   pruned_kv=pruned_kv)
-    else:
-        acts, (peak, phase, transient) = _reference_walk(spec, cfg, s, tp=tp, sp=sp,
-                                                         sequence_parallel=sequence_parallel,
-                                                         recompute=recompute, base=base, parts=parts)
+    acts, (peak, phase, transient) = spec.load("memory_walk").walk(
+        spec, cfg, s, degrees, sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts,
+        pruned_kv=pruned_kv)
     if optimizer == "adamw" and base + grads + step_extra > peak:
         peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra
     return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,

@@ -16,11 +16,10 @@ from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
-from .validation import check_gpu_mem, check_gpus, divisors, dumps
+from .validation import axis_splits, check_gpu_mem, check_gpus, divisors, dumps
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
-SCHEMES_DP = "dp"  # the registry's whole-model data parallelism: the planner's baseline row
 
 # The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1
 # (docs/design.md, "Where we differ from the paper").
@@ -75,28 +74,17 @@ class Row:
                 "model_state_bytes_zero0": self.state_zero0}
 
 
-def _splits(n: int, axes: tuple[str, ...]):
-    """Every way to give ``n`` ranks to ``axes`` with each axis at least 2 (one axis: just n)."""
-    if len(axes) == 1:
-        yield {axes[0]: n}
-        return
-    for d in reversed(divisors(n)):
-        if 1 < d < n:
-            for rest in _splits(n // d, axes[1:]):
-                if all(v > 1 for v in rest.values()):
-                    yield {axes[0]: d, **rest}
-
-
 def layouts(gpus: int) -> list[Layout]:
     """Every layout of ``gpus`` GPUs the planner compares: each modelled scheme of the registry on all of them
     (each factorization for schemes of several axes, with and without Megatron-SP where the scheme takes it),
     then data parallelism over each of them on fewer GPUs, and plain DP."""
     check_gpus(gpus)
     modelled = [s for s in SCHEMES.values() if s.memory_walk is not None and s.axes]
-    out = [Layout(SCHEMES_DP, dp=gpus)]
+    # The baseline rows: the registry's whole-model data parallelism (a modelled scheme with no model axis).
+    out = [Layout(s.name, dp=gpus) for s in SCHEMES.values() if s.memory_walk is not None and not s.axes]
     for dp in (d for d in divisors(gpus) if d <= gpus // 2):
         for spec in modelled:
-            for split in _splits(gpus // dp, spec.axes):
+            for split in axis_splits(gpus // dp, spec.axes):
                 for seqpar in ((False, True) if "sequence_parallel" in spec.options and dp == 1 else (False,)):
                     out.append(Layout(spec.name, dp=dp, sequence_parallel=seqpar, **split))
     return out

@@ -15,6 +15,19 @@ def divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
+def axis_splits(n: int, axes: tuple[str, ...]):
+    """Every way to give ``n`` ranks to ``axes`` with each axis at least 2 (one axis: just n), the first axis's
+    share descending."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for d in reversed(divisors(n)):
+        if 1 < d < n:
+            for rest in axis_splits(n // d, axes[1:]):
+                if all(v > 1 for v in rest.values()):
+                    yield {axes[0]: d, **rest}
+
+
 def check_gpus(gpus: int, flag: str = "--gpus") -> None:
     if gpus < 1:
         raise ValueError(f"{flag} must be positive, got {gpus}")

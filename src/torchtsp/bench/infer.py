@@ -13,7 +13,7 @@ import functools
 import statistics
 from dataclasses import asdict, dataclass
 
-from ..schemes import inference_schemes
+from ..schemes import SCHEMES, inference_schemes
 
 INFER_SCHEMES = inference_schemes()
 
@@ -184,11 +184,12 @@ def run_infer_bench(model: dict, world: int, prompt_lens, run, schemes=INFER_SCH
                       for scheme in schemes)
         found = run(interleaved_on_rank, InferRound(cells, repeats))
         by = {r["scheme"]: r for r in found if "error" not in r}
-        if "tsp" in by and "tp" in by:
-            ratios = [a / b for a, b in zip(by["tsp"]["tpot_runs_s"], by["tp"]["tpot_runs_s"]) if b > 0]
+        for name, row in by.items():  # TSP against TP: the baseline its registry entry names
+            base = SCHEMES[name].decode_baseline
+            ratios = [a / b for a, b in zip(row["tpot_runs_s"], by[base]["tpot_runs_s"]) if b > 0] if base in by else []
             if ratios:  # run k of both was timed back to back: a like-for-like pair
-                by["tsp"]["tpot_vs_tp"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                           "max": max(ratios), "runs": ratios}
+                row[f"tpot_vs_{base}"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                          "max": max(ratios), "runs": ratios}
         rows.extend(found)
         if progress:
             progress(",".join(schemes), prompt_len)

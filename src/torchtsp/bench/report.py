@@ -13,10 +13,10 @@ from .infer import ratio_text, tpot_text
 
 MiB = 2**20
 SCHEME_ORDER = tuple(SCHEMES)  # the registry's order
-COLORS = {"tsp": "#d62728", "tp": "#1f77b4", "sp": "#2ca02c", "tp_sp": "#9467bd", "dp": "#8c564b",
-          "torch_tp": "#7f7f7f"}
-# Distinct markers, so that schemes with equal values (tp and torch_tp have the same memory) stay visible.
-MARKERS = {"tsp": "o", "tp": "s", "sp": "^", "tp_sp": "D", "dp": "v", "torch_tp": "x"}
+# Each scheme's color and marker are its registry entry's; distinct markers keep schemes with equal values (tp and
+# torch_tp have the same memory) visible.
+COLORS = {s.name: s.color for s in SCHEMES.values()}
+MARKERS = {s.name: s.marker for s in SCHEMES.values()}
 
 
 def _style(scheme: str, line: str = "-") -> str:

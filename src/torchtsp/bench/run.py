@@ -35,7 +35,7 @@ from ..distributed.launch import WorkerPool
 from ..distributed.mesh import default_device_type
 from ..layout import Layout
 from ..runenv import launched_by_torchrun
-from ..schemes import get_scheme
+from ..schemes import SCHEMES, get_scheme
 from . import report
 from .args import BENCH_MODEL, MODEL_FLAGS
 from .measure import CellSpec, cells_on_rank, longest_on_rank, paired_on_rank
@@ -234,8 +234,10 @@ def _sweep(args, cfg: ModelConfig, runner: _Runner) -> dict:
     by_scheme = {s: [CellSpec(s, scheme_degrees(s, runner.world), cfg, args.batch_size, S, args.warmup, args.steps,
                               scheme_options(s, args.sequence_parallel, recompute), "sweep", args.seed,
                               args.timeout_s, zero=args.zero) for S in args.seq_lens] for s in args.schemes}
-    # Our tp against PyTorch's own TP: besides each cell's timing, the two are timed interleaved per S.
-    pairs = list(args.seq_lens) if {"tp", "torch_tp"} <= set(args.schemes) else []
+    # A scheme against the outside implementation of its layout (its registry entry's ``bench_peer``: our tp and
+    # PyTorch's own TP): besides each cell's timing, the two are timed interleaved per S.
+    peers = [(s, get_scheme(s).bench_peer) for s in args.schemes if get_scheme(s).bench_peer in args.schemes]
+    pairs = [(ours, peer, S) for ours, peer in peers for S in args.seq_lens]
     cells, paired = [], {}
     bar = tqdm(total=sum(map(len, by_scheme.values())) + len(pairs), desc="bench", unit="cell", dynamic_ncols=True,
                file=sys.stderr, disable=runner.rank != 0)
@@ -248,14 +250,16 @@ def _sweep(args, cfg: ModelConfig, runner: _Runner) -> dict:
             cells.append(_aggregate(spec, {"error": why} if why else next(results), foreach))
         bar.update(len(specs))
     ok = {(c["scheme"], c["seq_len"]) for c in cells if c["status"] == "ok"}
-    for S in pairs:
-        bar.set_postfix_str(f"tp vs torch_tp S={S}")
-        if ("tp", S) in ok and ("torch_tp", S) in ok:
-            paired[S] = runner(paired_on_rank, [next(spec for spec in by_scheme[s] if spec.seq_len == S)
-                                                for s in ("tp", "torch_tp")])
+    for ours, peer, S in pairs:
+        bar.set_postfix_str(f"{ours} vs {peer} S={S}")
+        if (ours, S) in ok and (peer, S) in ok:
+            paired.setdefault((ours, peer), {})[S] = runner(
+                paired_on_rank, [next(spec for spec in by_scheme[s] if spec.seq_len == S) for s in (ours, peer)])
         bar.update(1)
     bar.close()
-    return {"cells": cells, "tp_vs_torch_tp": tp_vs_torch_tp(cells, paired)}
+    return {"cells": cells, **{f"{s.name}_vs_{s.bench_peer}": peer_ratios(cells, paired.get((s.name, s.bench_peer), {}),
+                                                                          s.name, s.bench_peer)
+                               for s in SCHEMES.values() if s.bench_peer}}
 
 
 def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
@@ -289,23 +293,22 @@ def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
     return {"documents": rows}
 
 
-def tp_vs_torch_tp(cells: list[dict], paired: dict[int, dict]) -> dict | None:
-    """Our tp's median step time over torch_tp's per sequence length: from the interleaved timing
-    (``paired``, the figure to quote) and from the two schemes' own cells (timed minutes apart)."""
+def peer_ratios(cells: list[dict], paired: dict[int, dict], ours: str, peer: str) -> dict | None:
+    """``ours``'s median step time over ``peer``'s (our tp over torch_tp) per sequence length: from the interleaved
+    timing (``paired``, the figure to quote) and from the two schemes' own cells (timed minutes apart)."""
     times = {(c["scheme"], c["seq_len"]): c["median_step_s"] for c in cells if c["status"] == "ok"
              and "median_step_s" in c}
-    cell_ratios = {S: times["tp", S] / times["torch_tp", S] for (s, S) in times
-                   if s == "tp" and ("torch_tp", S) in times}
+    cell_ratios = {S: times[ours, S] / times[peer, S] for (s, S) in times if s == ours and (peer, S) in times}
     if not cell_ratios:
         return None
     pair = {S: p for S, p in paired.items() if not p.get("error")}
-    ratios = {S: p["tp"]["median_step_s"] / p["torch_tp"]["median_step_s"] for S, p in sorted(pair.items())}
+    ratios = {S: p[ours]["median_step_s"] / p[peer]["median_step_s"] for S, p in sorted(pair.items())}
     return {
-        "method": "interleaved steps (tp, torch_tp, torch_tp, tp, ...) on the same ranks, median per scheme",
+        "method": f"interleaved steps ({ours}, {peer}, {peer}, {ours}, ...) on the same ranks, median per scheme",
         "ratio_by_seq_len": {str(S): r for S, r in ratios.items()},
         "max_ratio": max(ratios.values()) if ratios else None,
-        "total_ratio": (sum(p["tp"]["median_step_s"] for p in pair.values())
-                        / sum(p["torch_tp"]["median_step_s"] for p in pair.values())) if pair else None,
+        "total_ratio": (sum(p[ours]["median_step_s"] for p in pair.values())
+                        / sum(p[peer]["median_step_s"] for p in pair.values())) if pair else None,
         "interleaved": {str(S): p for S, p in sorted(pair.items())},
         "cell_ratio_by_seq_len": {str(S): r for S, r in sorted(cell_ratios.items())},
     }

@@ -45,21 +45,16 @@ class GenerationResult:
 def make_engine(model) -> Engine:
     """The inference engine of a reference ``Transformer`` or a model from ``parallelize``."""
     from ..model import Transformer
-    from .dp import DPEngine
     from .reference import ReferenceEngine
-    from .sp import SPEngine
-    from .tp import MegatronEngine
-    from .tsp import TSPEngine
 
     if isinstance(model, Transformer):
         return ReferenceEngine(model)
     scheme = getattr(model, "scheme", None)
-    engines = {"tsp": TSPEngine, "tp": MegatronEngine, "sp": SPEngine, "dp": DPEngine}  # by ``Scheme.inference``
     spec = SCHEMES.get(scheme)
     if spec is None or spec.inference is None:
         raise ValueError(f"generate supports the reference Transformer and the {', '.join(inference_schemes())} "
                          f"schemes, not {scheme or type(model).__name__!r}")
-    return engines[spec.inference](model.shard_view())
+    return spec.load("inference")(model.shard_view())  # the engine the scheme's registry entry names
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:
@@ -159,7 +154,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             ids = select(logits)
             _sync(device)
             decode_s, steps = decode_s + time.perf_counter() - t0, steps + 1
-    if engine.scheme == "dp":
+    if getattr(engine, "rows_comm", None) is not None:  # each replica decoded its own rows (Scheme.rows_over_dp)
         new, seen_logits = _gather_rows(engine.rows_comm, new, seen_logits, B, max_new_tokens)
     result_tokens = []
     for prompt, row in zip(prompts, new.tolist()):

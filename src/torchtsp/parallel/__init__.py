@@ -1,4 +1,4 @@
-from .api import SCHEME_CLASSES, parallelize
+from .api import parallelize
 from .pipeline import pipeline_parallelize
 
-__all__ = ["SCHEME_CLASSES", "parallelize", "pipeline_parallelize"]
+__all__ = ["parallelize", "pipeline_parallelize"]

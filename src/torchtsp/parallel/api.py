@@ -8,26 +8,9 @@ from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..distributed.mesh import mesh_sizes
 from ..layout import Layout
 from ..model import Transformer
-from ..schemes import SCHEMES
 from ..weights import WeightSource
 from .base import ParallelTransformer
-from .dp import DataParallel, Replica
-from .sp import SPTransformer
-from .torch_tp import TorchTPTransformer
-from .tp import TPTransformer
-from .tp_sp import TPSPTransformer
-from .tsp import TSPTransformer
-
-# The model side of each registered scheme (torchtsp.schemes.SCHEMES); data parallelism wraps any of them.
-SCHEME_CLASSES: dict[str, type[ParallelTransformer]] = {
-    "tsp": TSPTransformer,
-    "tp": TPTransformer,
-    "sp": SPTransformer,
-    "tp_sp": TPSPTransformer,
-    "dp": Replica,
-    "torch_tp": TorchTPTransformer,
-}
-assert SCHEME_CLASSES.keys() == SCHEMES.keys(), "every registered scheme needs its class here"
+from .dp import DataParallel
 
 
 def parallelize(model: Transformer, mesh, scheme: str | Layout = "tsp", *, recompute: bool | None = None,
@@ -69,7 +52,8 @@ def parallelize(model: Transformer, mesh, scheme: str | Layout = "tsp", *, recom
     else:
         layout = Layout.of_mesh(scheme, sizes, cfg=model.cfg, recompute=recompute,
                                 sequence_parallel=sequence_parallel)
-    built = SCHEME_CLASSES[layout.scheme](model, mesh, timeout_s=timeout_s, weights=weights, **layout.option_values)
+    # The model side of the scheme is its registry entry's class (torchtsp.schemes); data parallelism wraps any.
+    built = layout.spec.load("model")(model, mesh, timeout_s=timeout_s, weights=weights, **layout.option_values)
     if "sequence_parallel" in layout.spec.options:  # the scheme's default when not given (torch_tp: on)
         layout = replace(layout, options=tuple(sorted({**layout.option_values,
                                                        "sequence_parallel": bool(built.sequence_parallel)}.items())))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..schemes import SCHEMES
+
 
 def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     add = p.add_argument
@@ -12,7 +14,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders")
     source.add_argument("--preset", choices=list(presets), help="random weights of a preset shape (default: tiny)")
     add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
-    add("--scheme", default="tsp", help="parallel scheme: tsp, tp or sp (default: tsp)")
+    add("--scheme", default="tsp", help=f"parallel scheme: {', '.join(SCHEMES.servable())} (default: tsp)")
     for axis in ("tsp", "tp", "sp"):
         add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
     add("--nproc", type=int, help="local ranks to spawn when not under torchrun (default: the degree, or 1)")

@@ -18,9 +18,10 @@ import sys
 import threading
 from pathlib import Path
 
+from ..schemes import AXES, SCHEMES
+
 GRACE_S = 10.0  # SIGTERM: how long in-flight requests may still finish
 STOP_WAIT_S = 10.0  # then how long the ranks have to leave their loop before they are killed
-SERVE_SCHEMES = ("tsp", "tp", "sp")  # dp splits the batch's rows over ranks: not continuous batching yet
 
 
 def require_extra() -> None:
@@ -37,9 +38,10 @@ def require_extra() -> None:
 
 def _check_flags(args, cfg) -> int:
     """The launch flags, refused in one line before any rank starts; returns max_model_len."""
-    if args.scheme not in SERVE_SCHEMES:
-        raise ValueError(f"serve runs the {', '.join(SERVE_SCHEMES)} schemes, not {args.scheme!r} (dp decodes "
-                         f"separate rows per rank; run several servers behind a load balancer instead)")
+    servable = SCHEMES.servable()  # a scheme whose replicas split the batch's rows is not continuous batching yet
+    if args.scheme not in servable:
+        raise ValueError(f"serve runs the {', '.join(servable)} schemes, not {args.scheme!r} (data-parallel "
+                         f"replicas decode separate rows; run several servers behind a load balancer instead)")
     for flag in ("max_batch", "max_queue", "prefill_chunk"):
         value = getattr(args, flag)
         if value < (0 if flag == "max_queue" else 1):
@@ -94,7 +96,7 @@ def cmd_serve(args) -> int:
     max_model_len = _check_flags(args, cfg)
     template = _chat_template(args, tokenizer)
     api_key = args.api_key or os.environ.get("TORCHTSP_API_KEY") or None
-    flags = {axis: getattr(args, axis) for axis in ("tsp", "tp", "sp")}
+    flags = {axis: getattr(args, axis) for axis in AXES if axis != "dp"}  # serve has no --dp
     torchrun = launched_by_torchrun()
     world = int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.nproc
     layout = Layout.resolve(args.scheme, world, **flags, cfg=cfg)

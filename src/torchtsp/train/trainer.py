@@ -470,10 +470,10 @@ class Trainer:
         model = self.model
         if self.pp > 1:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
-        if isinstance(model, DataParallel) and model.scheme != "dp":
+        if isinstance(model, DataParallel) and not get_scheme(model.scheme).rows_over_dp:
             model = model.module  # the replicas hold the same weights: each samples alone
         if get_scheme(model.scheme).inference is None:
-            return None  # generate does not run this scheme (tp_sp, torch_tp)
+            return None  # generate does not run this scheme (its registry entry names no inference engine)
         tokenizer = self.data.tokenizer
         eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         prompt = tokenizer.encode(self.cfg.prompt) or eos
