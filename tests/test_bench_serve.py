@@ -61,7 +61,7 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "serve.json").read_text())
     tsp, dp = result["rows"]
-    assert dp["status"].startswith("n/a") and "dp" in dp["status"]  # a scheme the server refuses is a row
+    assert dp["status"].startswith("n/a: serve runs") and "tsp" in dp["status"]  # a row, and no server started
     requests = [RequestResult(**r) for r in result["requests"]["tsp@inf"]]
     # ignore_eos: every request generates exactly --output-len tokens.
     assert [r.output_tokens for r in requests] == [6] * 4 and all(r.ok for r in requests)

@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..schemes import SCHEMES
+
 SERVE_START_S = 300.0  # loading a model on every rank and starting its process group, on a loaded CPU host
 REQUEST_TIMEOUT_S = 600.0  # one request's whole stream; a slower one is a failed request
 PERCENTILES = (50, 99)
@@ -275,6 +277,10 @@ def run_serve_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, raw = [], {}
     for scheme in args.schemes:
+        if scheme not in SCHEMES.servable():
+            rows.extend({"scheme": scheme, "request_rate": _json_rate(rate),
+                         "status": f"n/a: serve runs {', '.join(SCHEMES.servable())}"} for rate in args.request_rates)
+            continue
         server = ServerProcess(model_flags, scheme, args.nproc or 2, max_len, args.max_concurrency or 16,
                                out / f"serve-{scheme}.log", args.timeout_s)
         try:
