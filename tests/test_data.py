@@ -467,6 +467,11 @@ def test_bad_bytes_in_jsonl_name_file_line_and_offset(bpe_dir, tmp_path, content
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
+def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"text": "ab"}\n{"text": "c"}\n')
+    assert open_source(str(tmp_path / "bom.jsonl"), ByteTokenizer()).tokens.tolist() == [97, 98, 256, 99, 256]
+
+
 def test_bad_bytes_in_text_and_parquet_name_file_and_place(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -70,6 +70,8 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise _not_utf8(f"{path}:{number}", e, offset) from None
             start, offset = offset, offset + len(raw)
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write: not part of the JSON
             if not line.strip():
                 continue
             try:
