@@ -286,8 +286,15 @@ def test_a_stream_resumes_from_its_position():
         half.next_batch()
     resumed.set_position(json.loads(json.dumps(half.position())))
     assert all(torch.equal(resumed.next_batch(), b) for b in batches[15:])
-    with pytest.raises(ValueError, match="resume with the same --data"):
+    with pytest.raises(ValueError, match="resume with the run's own --data"):
         BatchStream([(1.0, PackedSamples(_source(100), 8))], 2).set_position(half.position())
+    # As many datasets, other ids: the position counts samples of other data (a fingerprint, not a count).
+    other = BatchStream([(0.5, PackedSamples(_source(5000, "a", 7), 16)), (0.5, PackedSamples(_source(900, "b"), 16))],
+                        4, seed=1)
+    with pytest.raises(ValueError, match="--reset-data"):
+        other.set_position(half.position())
+    other.set_position(half.position(), reset=True)
+    assert other.drawn == [0, 0]
 
 
 def test_blend_proportions_match_the_weights():
