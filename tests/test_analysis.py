@@ -12,7 +12,6 @@ import pytest
 
 import torchtsp
 from torchtsp.analysis import (
-    layer_forward_recv_elements,
     layer_weight_elements,
     predict_comm,
     predict_memory,
@@ -48,10 +47,11 @@ def test_gqa_crossover_formula_llama3():
     h, g, F = LLAMA3.dim, LLAMA3.group_size, LLAMA3.ffn_dim
     crossover = tsp_tp_crossover_tokens(LLAMA3)
     assert g == 4
-    assert crossover == Fraction(layer_weight_elements(LLAMA3), 4 * h - Fraction(2 * h, g))
+    P = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # wq, wo; wk, wv (8 of 32 heads); gate, up, down
+    assert layer_weight_elements(LLAMA3) == P
+    assert crossover == Fraction(P, 4 * h - Fraction(2 * h, g))
     assert crossover == h * (2 + Fraction(2, g) + Fraction(3 * F, h)) / (4 - Fraction(2, g))
     # At the crossover the two (unrounded) volumes are equal.
-    P = layer_weight_elements(LLAMA3)
     assert P + 2 * crossover * h / g == 4 * crossover * h
     below, above = int(crossover), int(crossover) + 1  # 15213 < B·S* = 15213.7 < 15214
     for batch in (1,):
@@ -103,7 +103,8 @@ def test_memory_shrinks_with_tsp_degree_and_tsp_is_leanest_at_long_context():
 
 
 @pytest.mark.parametrize("scheme,kw", LAYOUTS)
-def test_comm_forward_per_layer_is_the_per_layer_model_and_grows_with_tokens(scheme, kw):
+def test_comm_grows_with_tokens(scheme, kw):
+    # The per-layer volumes themselves are checked against hand arithmetic in test_analysis_arithmetic.py.
     degrees = {k: v for k, v in kw.items() if k != "sequence_parallel"}
     batch = 8 if scheme == "dp" else 1
     deg = {"dp": 8} if scheme == "dp" else degrees
@@ -111,9 +112,7 @@ def test_comm_forward_per_layer_is_the_per_layer_model_and_grows_with_tokens(sch
     for seq_len in (4096, 16384, 131072):
         c = predict_comm(scheme, PAPER, batch, seq_len, dtype_bytes=2, **deg,
                          sequence_parallel=kw.get("sequence_parallel", False))
-        assert c.layer_forward == 2 * layer_forward_recv_elements(scheme, PAPER, batch, seq_len, **deg)
-        assert c.total == PAPER.n_layers * (c.layer_forward + c.layer_backward) + c.embed_head_forward \
-            + c.embed_head_backward + c.grad_sync
+        assert c.total >= PAPER.n_layers * (c.layer_forward + c.layer_backward) > 0 or scheme == "dp"
         assert c.total >= previous
         previous = c.total
 
