@@ -199,6 +199,10 @@ CALIBRATION = {
     "mha": dict(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=192, vocab_size=257, n_layers=2, max_seq_len=1024),
     "gqa": dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=257, n_layers=2, max_seq_len=1024),
     "weights": dict(dim=512, n_heads=8, n_kv_heads=8, ffn_dim=1024, vocab_size=257, n_layers=2, max_seq_len=1024),
+    # Not used to fit the model (D = 2 and 4 were): six heads, run at D = 3.
+    "mha6": dict(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=288, vocab_size=257, n_layers=2, max_seq_len=1024),
+    "gqa6": dict(dim=96, n_heads=6, n_kv_heads=3, ffn_dim=288, vocab_size=257, n_layers=2, max_seq_len=1024),
+    "weights6": dict(dim=576, n_heads=6, n_kv_heads=6, ffn_dim=1152, vocab_size=257, n_layers=2, max_seq_len=1024),
 }
 
 
@@ -256,6 +260,30 @@ def test_predicted_tsp_peak_holds_when_weights_dominate(pools, world):
                                pruned_kv=True).total
     print(f"\ntsp D={world} S={seq_len}: measured {measured / 2**20:.2f} MiB, predicted {predicted / 2**20:.2f} MiB")
     assert abs(predicted - measured) <= 0.10 * measured
+
+
+@pytest.mark.parametrize("scheme,batch", [("tsp", 1), ("dp", 3), ("sp", 1)])
+@pytest.mark.parametrize("name", ["mha6", "gqa6"])
+def test_predicted_peak_memory_holds_at_three_ranks_on_a_six_head_model(pools, scheme, batch, name):
+    """Out of sample: D = 3 and six-head shapes were not among the runs the walk's terms were fitted on."""
+    world, seq_len = 3, 1020  # zigzag over 3 ranks needs S divisible by 6
+    measured = max(pools(world).run(peak_on_rank, scheme, world, name, batch, seq_len))
+    predicted = predict_memory(scheme, torchtsp.ModelConfig(**CALIBRATION[name]), batch, seq_len, optimizer=None,
+                               pruned_kv=True, **{scheme: world}).total
+    print(f"\n{scheme} D={world} {name} S={seq_len}: measured {measured / 2**20:.2f} MiB, predicted "
+          f"{predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
+    assert abs(predicted - measured) <= 0.15 * measured
+
+
+@pytest.mark.parametrize("name,seq_len,recompute", [("mha6", 1020, True), ("weights6", 60, False)])
+def test_predicted_tsp_peak_holds_at_three_ranks_under_recompute_and_when_weights_dominate(pools, name, seq_len,
+                                                                                          recompute):
+    measured = max(pools(3).run(peak_on_rank, "tsp", 3, name, 1, seq_len, recompute))
+    predicted = predict_memory("tsp", torchtsp.ModelConfig(**CALIBRATION[name]), 1, seq_len, optimizer=None,
+                               recompute=recompute, tsp=3, pruned_kv=True).total
+    print(f"\ntsp D=3 {name} S={seq_len} recompute={recompute}: measured {measured / 2**20:.2f} MiB, predicted "
+          f"{predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
+    assert abs(predicted - measured) <= 0.15 * measured
 
 
 def traffic_on_rank(scheme, degrees, name, batch, seq_len, dtype=None):
