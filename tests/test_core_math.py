@@ -1,6 +1,7 @@
 """Core math on one process, against transformers or arithmetic written here: the inference path of the reference
 model (KV cache, its masked attention with GQA), the loss's ignored targets, the LR schedule and the AdamW step.
-Each test here makes a planted bug of ``tests/mutants.py`` fail fast."""
+Each test here fails for one of the plausible one-line bugs planted in a scratch copy (see the mutation table of
+the change that added it)."""
 
 from __future__ import annotations
 
