@@ -95,6 +95,18 @@ def test_markdown_and_plots_written(sweep):
     md = (out / "results.md").read_text()
     assert "| scheme | mesh | S | peak MiB | predicted MiB |" in md
     assert "| tsp | tsp=2 | 64 |" in md and "n/a: sequence length 30" in md and "tp / torch_tp" in md
+    # Every measured cell's row shows its own peak and prediction in MiB (bytes / 2^20), not another cell's.
+    rows = {}
+    for line in md.splitlines():
+        cols = [x.strip() for x in line.strip().strip("|").split("|")]
+        if len(cols) > 4 and cols[2].isdigit():
+            rows[cols[0], int(cols[2])] = cols
+    for c in result["cells"]:
+        if c["status"] == "ok":
+            row = rows[c["scheme"], c["seq_len"]]
+            assert float(row[3]) == pytest.approx(c["peak_bytes"] / 2**20, abs=0.051), (row, c["peak_bytes"])
+            predicted = c["predicted_peak_bytes"]  # None for torch_tp, which the memory model does not cover
+            assert row[4] == "-" if predicted is None else float(row[4]) == pytest.approx(predicted / 2**20, abs=0.051)
     for name in ("memory_vs_seq.png", "throughput_vs_seq.png", "bytes_pred_vs_meas.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000, name

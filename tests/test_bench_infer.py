@@ -17,6 +17,13 @@ def test_every_scheme_side_by_side(pools):
     for r in rows:
         assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and r["peak_bytes_per_rank"] > 0 and r["kv_bytes_per_rank"] > 0
     for n in (32, 64):
+        # K and V of 2 layers, 4 heads of 16 values, float32, for the n prompt tokens and the 2 tokens written after
+        # them (the third is chosen, never written): dp holds all of it, tp 2 of the 4 heads, tsp and sp half the
+        # prompt (n divides by 2D) and one of the two later tokens each.
+        per_token_head = 2 * 2 * 16 * 4
+        assert by[n, "dp"]["kv_bytes_per_rank"] == per_token_head * 4 * (n + 2)
+        assert by[n, "tp"]["kv_bytes_per_rank"] == per_token_head * 2 * (n + 2)
+        assert by[n, "tsp"]["kv_bytes_per_rank"] == per_token_head * 4 * (n // 2 + 1)
         # Sequence-sharded (tsp, sp) and head-sharded (tp, T <= n_kv) caches: half of dp's replicated one.
         assert by[n, "tsp"]["kv_bytes_per_rank"] == by[n, "sp"]["kv_bytes_per_rank"]
         assert by[n, "tsp"]["kv_bytes_per_rank"] < by[n, "dp"]["kv_bytes_per_rank"]

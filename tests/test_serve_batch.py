@@ -1,10 +1,12 @@
-"""The serving core without HTTP: continuous batching on every engine gives each request exactly what
-``generate`` gives it alone (rows joining and leaving at different steps, prompts of different lengths,
-greedy and seeded sampling side by side); the step plan's encoding; streamed text with stop strings."""
+"""The serving core without HTTP: the serve scheduler's plans and continuous batching on every engine give
+each request exactly what ``generate`` gives it alone (rows joining and leaving at different steps, prompts of
+different lengths, greedy and seeded sampling side by side); the step plan's encoding; streamed text with stop
+strings."""
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torchtsp.infer import generate, make_engine
 from torchtsp.serve.batch import BatchRunner
 from torchtsp.serve.plan import Admission, Sampling, StepPlan, decode, encode
 from torchtsp.serve.text import TextStream
+from torchtsp.serve.worker import Scheduler
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 23)), [7] * 7, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [42]]
 SAMPLING = [Sampling(), Sampling(0.8, 5, None, 11), Sampling(), Sampling(1.0, None, 0.9, 3), Sampling(0.7, None,
@@ -36,29 +39,33 @@ def _model():
 
 
 def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4):
-    """Run the arrivals through a BatchRunner (at most ``max_batch`` rows); returns (served, alone, slots left)."""
+    """Run the arrivals through the serve ``Scheduler`` and a BatchRunner (at most ``max_batch`` rows), the
+    requests and cancellations sent over a pipe as the HTTP process sends them; returns (served, alone, how
+    each ended, slots left)."""
     alone = [generate(reference, [p], m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                       seed=s.seed).new_tokens[0] for p, s, m in zip(PROMPTS, SAMPLING, MAX_TOKENS)]
     runner = BatchRunner(make_engine(model), max_batch=max_batch, max_model_len=48, prefill_chunk=prefill_chunk,
                          schedule=schedule)
+    inbox, http = multiprocessing.Pipe()
+    scheduler = Scheduler(runner, inbox)
     out = {i: [] for i in range(len(PROMPTS))}
-    waiting, done = [], {}
+    done = {}
     cancelled_in_prefill = False
     for step in range(100):
-        waiting += ARRIVALS.get(step, [])
-        admit = []
-        while waiting and runner.prefilling is None and len(runner.rows) + len(admit) < max_batch:
-            admit.append(waiting.pop(0))
-        cancel = [CANCEL_AT[step]] if step in CANCEL_AT and CANCEL_AT[step] not in done else []
+        for i in ARRIVALS.get(step, []):
+            http.send(("submit", Admission(i, PROMPTS[i], MAX_TOKENS[i], SAMPLING[i])))
+        if step in CANCEL_AT and CANCEL_AT[step] not in done:
+            http.send(("cancel", CANCEL_AT[step]))
         group = runner.prefilling
         if group is not None and group.done and CANCEL_IN_PREFILL in [s.request_id for s in group.seqs]:
-            cancel.append(CANCEL_IN_PREFILL)
+            http.send(("cancel", CANCEL_IN_PREFILL))
             cancelled_in_prefill = True
-        result = runner.step(StepPlan(step, [Admission(i, PROMPTS[i], MAX_TOKENS[i], SAMPLING[i]) for i in admit],
-                                      cancel))
+        scheduler.receive(0)
+        result = runner.step(scheduler.plan(step))
         for i, t in result.tokens:
             out[i].append(t)
-        done.update(result.finished)
+        done.update(result.finished + scheduler.dropped)
+        scheduler.dropped = []
         if len(done) == len(PROMPTS):
             break
     assert cancelled_in_prefill
