@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 RENDER_TIMEOUT_S = 5.0  # a real template renders in milliseconds
@@ -32,17 +32,45 @@ RENDERERS = 2  # children rendering at once
 START_TIMEOUT_S = 60.0  # a child's start (imports jinja2) on a loaded machine
 
 
-def _compile(source: str):
+MAX_POWER_EXPONENT = 4096  # 9**9**9 would hold the CPU without a single bytecode boundary
+
+
+def _environment():
     from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        # Intercepted operators are not folded into constants when the template compiles, so
+        # {{ 'x' * 10**10 }} cannot run before any bound applies; at render time they are bounded here.
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > MAX_POWER_EXPONENT:
+                raise SecurityError(f"an exponent of {right} is past the bound of {MAX_POWER_EXPONENT}")
+            if operator == "*":
+                seq, times = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                        and len(seq) * times > MAX_RENDER_CHARS:
+                    raise SecurityError(f"a repetition of {len(seq) * times} items is past the bound of "
+                                        f"{MAX_RENDER_CHARS} characters")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def check_syntax(source: str) -> None:
+    """A template that does not parse is refused when the server starts (parsing only: compiling evaluates
+    constant parts, which is work for the bounded child)."""
+    from jinja2 import TemplateError
+
     try:
-        return env.from_string(source)
+        _environment().parse(source)
     except TemplateError as e:
         raise ValueError(f"the chat template does not parse: {' '.join(str(e).split())}") from None
 
@@ -86,8 +114,13 @@ def _child() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when its children stop
     requests, answers = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     setup = json.loads(requests.recv_bytes())
-    template = _compile(setup["source"])
+    env = _environment()
     _limit_memory(setup["memory_bytes"])
+    answers.send_bytes(b'"started"')
+    try:
+        template, failed = env.from_string(setup["source"]), None
+    except Exception as e:  # noqa: BLE001 - reported with each request
+        template, failed = None, f"the chat template does not compile: {type(e).__name__}: {e}"
     answers.send_bytes(b'"ready"')
     while True:
         try:
@@ -95,7 +128,8 @@ def _child() -> None:
         except EOFError:
             return
         context.update(bos_token=setup["bos_token"], eos_token=setup["eos_token"])
-        answers.send_bytes(json.dumps(render_bounded(template, context, setup["max_chars"])).encode())
+        answer = ("error", failed) if failed else render_bounded(template, context, setup["max_chars"])
+        answers.send_bytes(json.dumps(answer).encode())
 
 
 class _Renderer:
@@ -112,14 +146,23 @@ class _Renderer:
         self.proc.stdin.close()
         self.proc.stdout.close()
         self.send.send_bytes(setup)
-        if not self.recv.poll(START_TIMEOUT_S) or json.loads(self.recv.recv_bytes()) != "ready":
+        self.compiled = False
+        if not self.recv.poll(START_TIMEOUT_S) or json.loads(self.recv.recv_bytes()) != "started":
             self.kill()
             raise OSError("the chat template's renderer process did not start")
 
+    def wait_compiled(self, timeout_s: float) -> bool:
+        """Whether the child compiled the template (or found it does not compile) within ``timeout_s``."""
+        if not self.compiled and self.recv.poll(timeout_s) and json.loads(self.recv.recv_bytes()) == "ready":
+            self.compiled = True
+        return self.compiled
+
     def ask(self, context: bytes, timeout_s: float) -> tuple[str, str] | None:
-        """The child's answer, or None when it took longer than ``timeout_s``."""
+        """The child's answer, or None when it took longer than ``timeout_s`` (compiling, then rendering)."""
+        if not self.wait_compiled(timeout_s):
+            return None
         self.send.send_bytes(context)
-        if not wait([self.recv], timeout_s):
+        if not self.recv.poll(timeout_s):
             return None
         return tuple(json.loads(self.recv.recv_bytes()))
 
@@ -133,7 +176,7 @@ class _Renderer:
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None, *,
                  timeout_s: float = RENDER_TIMEOUT_S, max_chars: int = MAX_RENDER_CHARS, processes: int = RENDERERS):
-        _compile(source)  # a template that does not parse is refused when the server starts
+        check_syntax(source)
         self.timeout_s, self.max_chars = timeout_s, max_chars
         self._setup = json.dumps({"source": source, "bos_token": bos_token or "", "eos_token": eos_token or "",
                                   "max_chars": max_chars, "memory_bytes": RENDER_MEMORY_BYTES}).encode()
