@@ -325,32 +325,58 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class HealthPoller:
+    """/health polled from a thread while a request runs: (latency, status) of each answer."""
+
+    def __init__(self, server):
+        import threading
+
+        self.server, self.answers, self.done = server, [], threading.Event()
+        self.thread = threading.Thread(target=self._poll)
+
+    def _poll(self):
+        while not self.done.is_set():
+            t = time.monotonic()
+            status = httpx.get(self.server.url + "/health", timeout=30).status_code
+            self.answers.append((time.monotonic() - t, status))
+            time.sleep(0.1)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def check(self, at_least: int = 1) -> None:
+        assert len(self.answers) >= at_least and all(status == 200 for _, status in self.answers), self.answers
+        assert max(t for t, _ in self.answers) < 2.0, self.answers
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_it(server):
+    """10 MB of text cannot fit 128 tokens: a 400 at once (tokenizing it takes minutes, holding the GIL)."""
+    big = "the cat sat on " * 700_000
+    with HealthPoller(server) as health:
+        t0 = time.monotonic()
+        r = _post(server, "/v1/completions", {"prompt": big, "max_tokens": 2})
+        chat = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": big}]})
+        took = time.monotonic() - t0
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "characters" in r.json()["error"]["message"] and took < 30, took
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    health.check()
+
+
 def test_a_runaway_chat_template_fails_its_request_and_really_stops(server, client):
     """Two nested range(100000) loops: a 400 within a few seconds, /health answering all along, and no process
     left computing it; a template that errors, eats memory or writes too much is a 400 too."""
-    import threading
-
-    latencies, done = [], threading.Event()
-
-    def poll_health():
-        while not done.is_set():
-            t = time.monotonic()
-            status = httpx.get(server.url + "/health", timeout=30).status_code
-            latencies.append((time.monotonic() - t, status))
-            time.sleep(0.1)
-
-    poller = threading.Thread(target=poll_health)
-    poller.start()
     t0 = time.monotonic()
-    try:
+    with HealthPoller(server) as health:
         r = _post(server, "/v1/chat/completions", {"messages": [{"role": "probe", "content": "loop"}], "max_tokens": 2})
-    finally:
-        done.set()
-        poller.join()
+    health.check(at_least=5)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "longer than" in r.json()["error"]["message"] and time.monotonic() - t0 < 30
-    assert len(latencies) >= 5 and all(status == 200 for _, status in latencies), latencies
-    assert max(t for t, _ in latencies) < 2.0, latencies
     children = [p for p in server.descendants() if "torchtsp.serve.template" in Path(f"/proc/{p}/cmdline").read_text()]
     before = {p: _cpu_seconds(p) for p in children if _alive(p)}
     time.sleep(1.0)

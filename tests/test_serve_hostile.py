@@ -176,6 +176,31 @@ def test_a_request_refused_by_rank_0_fails_alone():
     assert e.value.status == 500 and "still up" in e.value.message
 
 
+class _CountingTokenizer(ByteTokenizer):
+    def __init__(self):
+        self.texts = []
+
+    def encode_batch(self, texts):
+        self.texts += texts
+        return super().encode_batch(texts)
+
+
+def test_a_text_too_long_for_any_context_is_refused_before_tokenizing():
+    """64 tokens of context, and a tokenizer without a vocabulary to read (taken as at most 4 characters a
+    token): past 2 * 64 * 4 + 1024 = 1536 characters a text can never fit, so 10,000 are not tokenized."""
+    state = _state(_FakeClient())
+    state.tokenizer = tokenizer = _CountingTokenizer()
+    service = CompletionService(state)
+    body = parse(CompletionRequest, json.dumps({"prompt": "a" * 10_000, "max_tokens": 2}).encode())
+    with pytest.raises(APIError) as e:
+        asyncio.run(service.completion_choices(body))
+    assert e.value.param == "prompt" and "10000 characters" in e.value.message and tokenizer.texts == []
+    body = parse(CompletionRequest, json.dumps({"prompt": "a" * 1000, "max_tokens": 2}).encode())
+    with pytest.raises(APIError, match="context length is 64"):  # tokenized, then refused by its count
+        asyncio.run(service.completion_choices(body))
+    assert tokenizer.texts == ["a" * 1000]
+
+
 # ---------------------------------------------------------------- chat templates
 
 RUNAWAY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -68,6 +68,15 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _max_text_chars(tokenizer, max_model_len: int) -> int:
+    """Characters past which a text cannot fit the context, so tokenizing it is wasted work (a 10 MB prompt
+    takes minutes): no token covers more characters than the longest entry of the vocabulary; twice that
+    leaves room for normalizers that drop characters."""
+    vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab", None)
+    longest = max(map(len, vocab(with_added_tokens=True)), default=1) if vocab is not None else 4
+    return 2 * max_model_len * max(longest, 1) + 1024
+
+
 def _ids_text(ids) -> str:
     return " ".join(map(str, ids))
 
@@ -85,6 +94,7 @@ _FAILED = {
 class CompletionService:
     def __init__(self, state: ServerState):
         self.state, self.client, self.metrics = state, state.client, state.metrics
+        self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -104,10 +114,17 @@ class CompletionService:
     def check_ids(self, ids: list[int], param: str) -> None:
         check_token_ids(ids, self.state.vocab_size, param)
 
-    async def encode(self, text: str) -> list[int]:
-        if self.state.tokenizer is None:
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """On a worker thread (``encode_batch``: the tokenizers library lets go of the GIL there, not in
+        ``encode``), after refusing a text too long to fit the context whatever it holds."""
+        tokenizer = self.state.tokenizer
+        if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
-        return await asyncio.to_thread(self.state.tokenizer.encode, text)
+        if len(text) > self.max_text_chars:
+            raise APIError(400, f"{param} has {len(text)} characters: more than this model's maximum context "
+                                f"length ({self.state.max_model_len} tokens) can hold", param,
+                           "context_length_exceeded")
+        return (await asyncio.to_thread(tokenizer.encode_batch, [text]))[0]
 
     async def decode(self, ids: list[int]) -> str:
         if self.state.tokenizer is None:
@@ -174,7 +191,12 @@ class CompletionService:
         if self.state.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template FILE", "messages", "no_chat_template")
-        return await self.encode(await self.state.template.render_async(messages, add_generation_prompt))
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_text_chars:
+            raise APIError(400, f"messages have {chars} characters: more than this model's maximum context length "
+                                f"({self.state.max_model_len} tokens) can hold", "messages", "context_length_exceeded")
+        return await self.encode(await self.state.template.render_async(messages, add_generation_prompt),
+                                 "messages")
 
     async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
@@ -323,6 +345,9 @@ class CompletionService:
 
     async def detokenize(self, body) -> dict:
         self.check_model(body.model)
+        if len(body.tokens) > self.state.max_model_len:
+            raise APIError(400, f"at most {self.state.max_model_len} tokens (the model's maximum context length), got "
+                                f"{len(body.tokens)}", "tokens")
         self.check_ids(body.tokens, "tokens")
         if self.state.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", "tokens")
