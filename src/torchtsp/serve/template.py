@@ -113,6 +113,7 @@ def _child() -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when its children stop
     requests, answers = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # anything printed goes to the server's log, not into the answers
     setup = json.loads(requests.recv_bytes())
     env = _environment()
     _limit_memory(setup["memory_bytes"])
