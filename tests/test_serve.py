@@ -351,7 +351,7 @@ class HealthPoller:
 
     def check(self, at_least: int = 1) -> None:
         assert len(self.answers) >= at_least and all(status == 200 for _, status in self.answers), self.answers
-        assert max(t for t, _ in self.answers) < 2.0, self.answers
+        assert max(t for t, _ in self.answers) < 5.0, self.answers
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_it(server):
