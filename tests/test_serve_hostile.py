@@ -315,3 +315,21 @@ def test_chat_template_jinja_is_read_before_tokenizer_config(hf_folder):
         assert _tokenizer_template(HFTokenizer(hf_folder)) == "{{ messages[0]['content'] }}!"
     finally:
         (hf_folder / "chat_template.jinja").unlink()
+
+
+# ---------------------------------------------------------------- the routes over a stand-in engine
+
+
+def test_the_routes_run_over_a_stand_in_engine_and_refuse_an_oversized_body():
+    from fastapi.testclient import TestClient
+
+    from torchtsp.serve.app import MAX_BODY_BYTES, create_app
+
+    with TestClient(create_app(_state(_FakeClient()))) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
+        r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}')
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text[:300]
+        r = http.post("/v1/completions", json={"prompt": "hi", "top_k": 2**63})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+        assert http.get("/health").status_code == 200

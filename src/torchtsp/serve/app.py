@@ -23,6 +23,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, Detoke
 from .service import CompletionService, ServerState
 
 PUBLIC = ("/health", "/metrics")  # answered without the API key (no request data in either)
+MAX_BODY_BYTES = 32 << 20  # far more than any context's prompt; the body is held in memory whole
 
 router = APIRouter()
 
@@ -85,12 +86,26 @@ async def _count_and_authorize(request: Request, call_next):
 
 
 async def _body(request: Request, model):
+    """The body parsed as ``model``, read up to MAX_BODY_BYTES (a bigger one is refused as it arrives)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(int(declared))
+    chunks, size = [], 0
     try:
-        raw = await request.body()
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise _too_large(size)
+            chunks.append(chunk)
     except ClientDisconnect:  # the client left before sending its whole body: nobody reads the answer
         raise APIError(400, "the client disconnected before the end of the request body", None,
                        "client_disconnected") from None
-    return parse(model, raw)
+    return parse(model, b"".join(chunks))
+
+
+def _too_large(size: int) -> APIError:
+    return APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes (at least {size}), the most "
+                         f"this server reads", None, "body_too_large")
 
 
 async def _answer(svc: CompletionService, choices, body, request: Request, chat: bool):

@@ -191,7 +191,7 @@ class CompletionService:
         if self.state.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template FILE", "messages", "no_chat_template")
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(v) for m in messages for v in m.values())
         if chars > self.max_text_chars:
             raise APIError(400, f"messages have {chars} characters: more than this model's maximum context length "
                                 f"({self.state.max_model_len} tokens) can hold", "messages", "context_length_exceeded")
