@@ -57,9 +57,9 @@ class Scheduler:
     def _queue(self, admission) -> None:
         from .plan import admission_problem
 
-        runner = self.runner
+        vocab_size, max_model_len = self.runner.cfg.vocab_size, self.runner.max_model_len
         try:
-            problem = admission_problem(admission, runner.cfg.vocab_size, runner.max_model_len)
+            problem = admission_problem(admission, vocab_size, max_model_len)
         except Exception as e:  # noqa: BLE001 - not even an Admission's shape: that request fails, not the ranks
             problem = f"{type(e).__name__}: {e}"
         if problem is None:
