@@ -291,6 +291,23 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     return acts, _walk(base + acts, events)
 
 
+def _tsp_gathered_kv(s: _Shape, e: int, D: int, pruned_kv: bool) -> tuple[int, int]:
+    """(bytes of gathered K/V attention backward holds, one head group's float32 dK/dV) under TSP."""
+    many = D > 1
+    K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
+    K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
+    # Attention backward holds group j's and j+1's gathered K/V, and temporaries of that size: a remainder
+    # fitted to measurements at D = 2 and 4 (tiny to bench-sized models, fp32 and bf16, saved and recompute),
+    # two groups' K/V at D = 2, from D = 3 on one group's in float32.
+    attn_kv = 2 * K + (K32 if D > 2 else 2 * many * K)
+    # A causally pruned K/V exchange (point-to-point backends, ``distributed.attention.gather_kv``): the fullest
+    # rank is then rank 0. It still gathers every rank's K/V whole but keeps its own as they are (one slice fewer
+    # per group), and gets only first-chunk dK/dV from the D - 1 later ranks (a reduce-scatter holds (D + 1)/2
+    # float32 slices instead of D), for each of the two groups in flight.
+    attn_kv -= (2 * K + (D - 1) * K32) // D if many and pruned_kv else 0
+    return attn_kv, K32
+
+
 def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     """Saved activations and the backward walk of TSP (parallel/tsp.py), calibrated on measurements."""
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
@@ -307,17 +324,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     A = e * h * n  # one [n, h] tensor of local tokens
     A32 = FP32 * h * n  # its float32 accumulator (input gradients, block outputs)
     Q = e * s.hq * n  # one head group's [n, hq] tensor
-    K = 2 * e * s.hkv * s.kv_len  # one head group's K and V, gathered over the whole sequence
-    K32 = 2 * FP32 * s.hkv * s.kv_len  # their float32 gradients
-    # Attention backward holds group j's and j+1's gathered K/V, and temporaries of that size: a remainder
-    # fitted to measurements at D = 2 and 4 (tiny to bench-sized models, fp32 and bf16, saved and recompute),
-    # two groups' K/V at D = 2, from D = 3 on one group's in float32.
-    attn_kv = 2 * K + (K32 if D > 2 else 2 * many * K)
-    # A causally pruned K/V exchange (point-to-point backends, ``distributed.attention.gather_kv``): the fullest
-    # rank is then rank 0. It still gathers every rank's K/V whole but keeps its own as they are (one slice fewer
-    # per group), and gets only first-chunk dK/dV from the D - 1 later ranks (a reduce-scatter holds (D + 1)/2
-    # float32 slices instead of D), for each of the two groups in flight.
-    attn_kv -= (2 * K + (D - 1) * K32) // D if many and pruned_kv else 0
+    attn_kv, K32 = _tsp_gathered_kv(s, e, D, pruned_kv)
     attn_elems = 2 * h * s.hq + 2 * h * s.hkv + ((s.hq + 2 * s.hkv) if cfg.qkv_bias else 0)
     mlp_elems = 3 * h * s.ff
     attn_w, mlp_w, vocab_w = attn_elems * e, mlp_elems * e, s.v * h * e

@@ -30,7 +30,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256)")
     add("--max-model-len", type=int, help="prompt + new tokens per request at most (default: the model's "
         "max_seq_len); the KV cache holds --max-batch such sequences")
-    add("--chat-template", metavar="FILE", help="jinja2 chat template (default: tokenizer_config.json's)")
+    add("--chat-template", metavar="FILE", help="jinja2 chat template (default: the tokenizer's chat_template.jinja, "
+        "else tokenizer_config.json's)")
     add("--prefill-chunk", type=int, default=512, help="prefill at most this many tokens per prompt at a time "
         "(default: 512)")
     add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "

@@ -9,6 +9,7 @@ IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process c
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -56,14 +57,38 @@ def _bits_float(n: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(n)))[0]
 
 
+def _admission_values(a: Admission) -> list[int]:
+    s = a.sampling
+    return [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
+            _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
+            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt]
+
+
+def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str | None:
+    """Why a request would break the step plan or a rank's step (None: it would not). The HTTP side refuses
+    all of these first; rank 0 checks again before planning, so that a request that slipped through fails
+    alone instead of failing every rank."""
+    s = a.sampling
+    if not all(isinstance(v, int) and -2**63 <= v < 2**63 for v in _admission_values(a)):
+        return "a value does not fit a signed 64-bit integer"
+    if not a.prompt or len(a.prompt) + a.max_tokens > max_model_len or a.max_tokens < 1:
+        return f"the prompt ({len(a.prompt)} tokens) and max_tokens ({a.max_tokens}) do not fit [1, {max_model_len}]"
+    if any(not 0 <= t < vocab_size for t in (*a.prompt, *a.stop_token_ids)):
+        return f"a token id is outside the vocabulary [0, {vocab_size})"
+    if s.top_k is not None and not 1 <= s.top_k <= vocab_size:
+        return f"top_k {s.top_k} is outside [1, {vocab_size}]"
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        return f"temperature {s.temperature} is not a finite number >= 0"
+    if s.top_p is not None and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        return f"top_p {s.top_p} is outside (0, 1]"
+    return None
+
+
 def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(header [HEADER], payload [n]) int64 tensors of a plan."""
     payload = list(plan.cancel)
     for a in plan.admit:
-        s = a.sampling
-        payload += [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
-                    _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
-                    len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt]
+        payload += _admission_values(a)
     header = [MAGIC, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit), len(payload)]
     return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
 

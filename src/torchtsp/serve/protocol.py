@@ -3,7 +3,9 @@
 Requests are parsed strictly (JSON types as the API documents them: a string is not a number) and unknown
 fields are ignored, as OpenAI's API does; fields torchtsp does not implement yet are refused with a 400
 naming the field rather than silently ignored. Every check that can refuse a request runs here, in the
-HTTP process, so that a bad request never reaches the ranks' collectives.
+HTTP process, so that a bad request never reaches the ranks' collectives: every value that crosses to the
+ranks is bounded here (ids inside the vocabulary, top_k at most the vocabulary, seeds in int64, finite
+temperatures), so that no request can break the step plan or a rank's sampling.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import math
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_IDS = 256  # every decoded token is compared with each, on every rank
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -61,7 +65,7 @@ class _Sampled(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field torchtsp does not implement (set to something other than its default)."""
-        refused = [("n", self.n != 1, "n > 1 (several choices per prompt) is not supported; send n = 1"),
+        refused = [("n", self.n != 1, f"n must be 1 (several choices per prompt are not supported), got {self.n}"),
                    ("best_of", self.best_of not in (None, 1), "best_of is not supported"),
                    ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
                    ("top_logprobs", self.top_logprobs not in (None, 0), "top_logprobs are not supported"),
@@ -73,7 +77,7 @@ class _Sampled(BaseModel):
             if bad:
                 raise APIError(400, message, field, "unsupported_parameter")
 
-    def sampling_values(self) -> tuple[float, int | None, float | None, int | None]:
+    def sampling_values(self, vocab_size: int) -> tuple[float, int | None, float | None, int | None]:
         """(temperature, top_k, top_p, seed) checked; OpenAI's defaults (temperature 1, top_p 1)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if not math.isfinite(temperature) or not 0 <= temperature <= 2:
@@ -84,19 +88,27 @@ class _Sampled(BaseModel):
         top_k = self.top_k
         if top_k is not None and top_k == -1:
             top_k = None  # vLLM's spelling of "no top-k"
-        if top_k is not None and top_k < 1:
-            raise APIError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", "top_k")
+        if top_k is not None and not 1 <= top_k <= vocab_size:
+            raise APIError(400, f"top_k must be -1 (off) or an integer in [1, {vocab_size}] (the vocabulary size), "
+                                f"got {_short(top_k)}", "top_k")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise APIError(400, f"seed must be in [0, 2^63 - 1], got {self.seed}", "seed")
+            raise APIError(400, f"seed must be in [0, 2^63 - 1], got {_short(self.seed)}", "seed")
         return temperature, top_k, (None if top_p == 1 else top_p), self.seed
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise APIError(400, "stop strings must not be empty", "stop")
-        if len(stops) > 16:
-            raise APIError(400, f"at most 16 stop strings, got {len(stops)}", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
         return stops
+
+    def stop_ids(self, vocab_size: int) -> list[int]:
+        ids = list(self.stop_token_ids or [])
+        if len(ids) > MAX_STOP_IDS:
+            raise APIError(400, f"at most {MAX_STOP_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids")
+        check_token_ids(ids, vocab_size, "stop_token_ids")
+        return ids
 
     @property
     def include_usage(self) -> bool:
@@ -169,6 +181,22 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    outside = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise APIError(400, f"{param}: token id {_short(outside)} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def _short(n: int) -> str:
+    """An integer for a message: a 10,000-digit one is not echoed whole."""
+    text = str(n)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+
+
+# Pydantic's names for the members of a union in an error's location (``prompt.list[int].3``), not fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def parse(model: type[BaseModel], body: bytes):
     """The request body as ``model``; 400 in OpenAI's shape for malformed JSON or a wrong type."""
     import json
@@ -177,6 +205,9 @@ def parse(model: type[BaseModel], body: bytes):
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply (arrays or objects within each other)", None,
+                       "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", None, "invalid_json")
     try:
@@ -187,6 +218,7 @@ def parse(model: type[BaseModel], body: bytes):
         if field == "prompt":
             raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "token-id lists", "prompt") from None
-        where = ".".join(str(part) for part in first["loc"] if not str(part).startswith(("list[", "str", "int")))
+        where = ".".join(str(part) for part in first["loc"]
+                         if not (isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)))
         message = "missing" if first["type"] == "missing" else first["msg"]
         raise APIError(400, f"{where or 'body'}: {message}", field) from None

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..schemes import AXES, SCHEMES
@@ -58,24 +59,46 @@ def _check_flags(args, cfg) -> int:
     return limit
 
 
-def _chat_template(args, tokenizer):
-    from .text import ChatTemplate
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves it, next to tokenizer_config.json
 
-    source = None
+
+def _chat_template(args, tokenizer):
+    from .template import ChatTemplate
+
     if args.chat_template is not None:
         path = Path(args.chat_template)
         if not path.is_file():
             raise FileNotFoundError(f"--chat-template {path}: no such file")
         source = path.read_text()
-    elif tokenizer is not None:
-        source = getattr(tokenizer, "chat_template", None)
-        if isinstance(source, list):  # several named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    else:
+        source = _tokenizer_template(tokenizer)
     if not source:
         return None
     tok = getattr(tokenizer, "tokenizer", None)
     name = lambda i: tok.id_to_token(i) if tok is not None and i is not None else None
     return ChatTemplate(source, name(getattr(tokenizer, "bos_id", None)), name(getattr(tokenizer, "eos_id", None)))
+
+
+def _tokenizer_template(tokenizer) -> str | None:
+    """The tokenizer's own chat template: its folder's chat_template.jinja, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of {"name", "template"} of which the one named "default")."""
+    folder = getattr(tokenizer, "folder", None)
+    if folder is not None and (Path(folder) / CHAT_TEMPLATE_FILE).is_file():
+        return (Path(folder) / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    source = getattr(tokenizer, "chat_template", None)
+    where = f"{Path(folder) / 'tokenizer_config.json' if folder is not None else 'tokenizer_config.json'}"
+    if isinstance(source, list):
+        for i, entry in enumerate(source):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ValueError(f"{where}: chat_template is a list whose item {i} is not an object with string "
+                                 f"'name' and 'template' ({type(entry).__name__}); fix the file or give "
+                                 f"--chat-template FILE")
+        source = next((t["template"] for t in source if t["name"] == "default"), None)
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"{where}: chat_template must be a string or a list of named templates, not "
+                         f"{type(source).__name__}; fix the file or give --chat-template FILE")
+    return source
 
 
 def _model_name(args, source: str, location: str) -> str:
@@ -84,8 +107,36 @@ def _model_name(args, source: str, location: str) -> str:
     return location if source == "preset" else Path(location).resolve().name
 
 
+@dataclass
+class _Launch:
+    """What the checks before any rank resolved."""
+
+    load: object  # the GenerateJob every rank loads
+    settings: dict
+    cfg: object
+    tokenizer: object
+    template: object
+    layout: object
+    name: str
+    api_key: str | None
+    max_model_len: int
+    torchrun: bool
+
+
 def cmd_serve(args) -> int:
     require_extra()
+    launch = _prepare(args)
+    if launch.torchrun and int(os.environ.get("RANK", 0)) != 0:
+        return _serve_rank_only(launch.load, launch.settings)
+    try:
+        return _serve(args, launch)
+    finally:
+        if launch.template is not None:
+            launch.template.close()
+
+
+def _prepare(args) -> _Launch:
+    """Flags, model source, tokenizer, chat template and mesh, refused in one line before any rank starts."""
     from ..generate_job import GenerateJob, model_config_and_tokenizer
     from ..layout import Layout
     from ..runenv import launched_by_torchrun
@@ -105,70 +156,92 @@ def cmd_serve(args) -> int:
                        tokenizer=args.tokenizer)
     settings = dict(max_batch=args.max_batch, max_model_len=max_model_len, prefill_chunk=args.prefill_chunk,
                     schedule=args.schedule, eos_token_id=eos)
-    if torchrun and int(os.environ.get("RANK", 0)) != 0:
-        return _serve_rank_only(load, settings)
+    return _Launch(load, settings, cfg, tokenizer, template, layout, _model_name(args, source, location), api_key,
+                   max_model_len, torchrun)
 
-    from .app import ServerState, build_app
+
+def _serve(args, launch: _Launch) -> int:
+    """Rank 0 (or the launcher): the engine in a thread, HTTP in this one, until a signal or the engine fails."""
+    from .app import create_app
     from .client import EngineClient
     from .metrics import Metrics
-    from .worker import ServeJob, run_serve_rank
+    from .service import ServerState
+    from .worker import ServeJob
 
     client = EngineClient(heartbeat_timeout_s=args.timeout_s + 5)
-    job = ServeJob(load=load, address=client.address, authkey=client.authkey, **settings)
-    name = _model_name(args, source, location)
-    metrics = Metrics(name)
+    job = ServeJob(load=launch.load, address=client.address, authkey=client.authkey, **launch.settings)
+    metrics = Metrics(launch.name)
     client.on_step = metrics.on_step
-    state = ServerState(client=client, tokenizer=tokenizer, template=template, model_name=name,
-                        max_model_len=max_model_len, vocab_size=cfg.vocab_size, eos_token_id=eos, api_key=api_key,
+    state = ServerState(client=client, tokenizer=launch.tokenizer, template=launch.template, model_name=launch.name,
+                        max_model_len=launch.max_model_len, vocab_size=launch.cfg.vocab_size,
+                        eos_token_id=launch.settings["eos_token_id"], api_key=launch.api_key,
                         max_queue=args.max_queue, metrics=metrics)
-    app = build_app(state)
-    outcome: dict = {}
-
-    if torchrun:
-        from ..distributed import comm
-
-        def engine():
-            try:
-                run_serve_rank(job)
-            except BaseException as e:  # noqa: BLE001 - reported through /health and the requests
-                client.fail(" ".join(str(e).split())[:500] or type(e).__name__)
-                outcome["error"] = e
-        pool = None
-    else:
-        from ..distributed.launch import WorkerPool
-
-        pool = WorkerPool(layout.world, timeout_s=args.timeout_s, device_type=None)
-
-        def engine():
-            try:
-                pool.run(run_serve_rank, job, timeout_s=float("inf"))
-            except BaseException as e:  # noqa: BLE001
-                message = getattr(e, "summary", None) or " ".join(str(e).split())[:500]
-                client.fail(message)
-                outcome["error"] = e
-
-    thread = threading.Thread(target=engine, name="torchtsp-serve-ranks", daemon=True)
-    thread.start()
-    print(f"torchtsp: serving {name!r} ({args.scheme}, {layout.world} rank{'s' * (layout.world > 1)}) on "
+    engine = _Engine(job, client, launch.layout.world, args.timeout_s, launch.torchrun)
+    engine.thread.start()
+    world = launch.layout.world
+    print(f"torchtsp: serving {launch.name!r} ({args.scheme}, {world} rank{'s' * (world > 1)}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        signum = _run_http(app, args.host, args.port)
+        signum = _run_http(create_app(state), args.host, args.port, engine.failed)
     finally:
-        loading = client.state == "loading"  # nothing to finish: the ranks are stopped at once
-        client.stop()
-        thread.join(0 if loading else STOP_WAIT_S)
-        if pool is not None:
-            pool.close(force=thread.is_alive() or "error" in outcome)
-        elif torchrun:
-            comm.destroy_process_group()
+        failed = engine.failed.is_set()
+        engine.stop()
+    if failed:  # a rank died or hung: the streams in flight got their error; exit as train does
+        print(f"torchtsp: error: {client.error}", file=sys.stderr, flush=True)
+        return 2
     if signum:
         print(f"torchtsp: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     return 0
 
 
-def _run_http(app, host: str, port: int) -> int | None:
-    """Serve until SIGINT / SIGTERM; returns the signal that stopped it (None if uvicorn stopped by itself)."""
+class _Engine:
+    """The ranks, run from a thread: a WorkerPool of local ranks, or this rank's own loop under torchrun. A
+    failure fails the client (every request in flight) and sets ``failed``, which stops the HTTP server."""
+
+    def __init__(self, job, client, world: int, timeout_s: float, torchrun: bool):
+        self.job, self.client, self.torchrun = job, client, torchrun
+        self.failed = threading.Event()
+        self.error: BaseException | None = None
+        self.pool = None
+        if not torchrun:
+            from ..distributed.launch import WorkerPool
+
+            self.pool = WorkerPool(world, timeout_s=timeout_s, device_type=None)
+        self.thread = threading.Thread(target=self._run, name="torchtsp-serve-ranks", daemon=True)
+
+    def _run(self) -> None:
+        from .worker import run_serve_rank
+
+        try:
+            if self.pool is None:
+                run_serve_rank(self.job)
+            else:
+                self.pool.run(run_serve_rank, self.job, timeout_s=float("inf"))
+        except BaseException as e:  # noqa: BLE001 - reported through the requests, /health and the exit status
+            message = getattr(e, "summary", None) or " ".join(str(e).split())[:500] or type(e).__name__
+            self.error = e
+            self.client.fail(message)
+            self.failed.set()
+
+    def stop(self) -> None:
+        loading = self.client.state == "loading"  # nothing to finish: the ranks are stopped at once
+        self.client.stop()
+        self.thread.join(0 if loading else STOP_WAIT_S)
+        if self.pool is not None:
+            self.pool.close(force=self.thread.is_alive() or self.error is not None)
+        else:
+            from ..distributed import comm
+
+            comm.destroy_process_group()
+
+
+def _run_http(app, host: str, port: int, stop: threading.Event) -> int | None:
+    """Serve until SIGINT / SIGTERM or ``stop``; returns the signal that stopped it (None otherwise)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            return stop.is_set() or await super().on_tick(counter)
 
     received: list[int] = []
     # uvicorn re-raises the signal that stopped it once it is done: record it instead, so the engine and the
@@ -176,7 +249,7 @@ def _run_http(app, host: str, port: int) -> int | None:
     previous = {sig: signal.signal(sig, lambda s, f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S,
                             lifespan="off")
-    server = uvicorn.Server(config)
+    server = Server(config)
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind
@@ -185,7 +258,7 @@ def _run_http(app, host: str, port: int) -> int | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if not server.started and not received:
+    if not server.started and not received and not stop.is_set():
         raise OSError(f"could not serve on {host}:{port} (the port is in use, or not an address of this host)")
     return received[0] if received else None
 

@@ -10,6 +10,7 @@ timeout), runs the step like every rank, and sends the step's tokens and figures
 from __future__ import annotations
 
 import collections
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -47,11 +48,26 @@ class Scheduler:
             timeout = 0
             kind, *body = self.conn.recv()
             if kind == "submit":
-                self.waiting.append(body[0])
+                self._queue(body[0])
             elif kind == "cancel":
                 self.cancelled.add(body[0])
             elif kind == "stop":
                 self.stopping = True
+
+    def _queue(self, admission) -> None:
+        from .plan import admission_problem
+
+        vocab_size, max_model_len = self.runner.cfg.vocab_size, self.runner.max_model_len
+        try:
+            problem = admission_problem(admission, vocab_size, max_model_len)
+        except Exception as e:  # noqa: BLE001 - not even an Admission's shape: that request fails, not the ranks
+            problem = f"{type(e).__name__}: {e}"
+        if problem is None:
+            self.waiting.append(admission)
+        else:
+            rid = getattr(admission, "request_id", -1)
+            print(f"torchtsp: the engine refused request {rid}: {problem}"[:300], file=sys.stderr, flush=True)
+            self.dropped.append((rid, "rejected"))
 
     def plan(self, step: int):
         from .batch import round_up, row_slots

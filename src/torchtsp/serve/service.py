@@ -1,0 +1,382 @@
+"""The completion service: everything the endpoints do, without HTTP.
+
+``CompletionService`` checks a parsed request against the model (vocabulary, context length, queue),
+turns it into engine requests, and yields their text as it comes. The routes in app.py only parse the
+body and shape the answer; tests drive the service directly with a stand-in engine client.
+
+Work that grows with the request (tokenizing a long prompt, rendering a chat template) runs off the event
+loop, so /health and the streams of other requests keep answering meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from .client import EngineClient
+from .metrics import Metrics
+from .plan import Sampling
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_token_ids
+from .template import ChatTemplate
+from .text import TextStream
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: object
+    template: ChatTemplate | None
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    api_key: str | None
+    max_queue: int
+    metrics: Metrics
+
+
+@dataclass
+class Choice:
+    """One prompt's checked request to the engine."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_strings: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool = False
+    echo_text: str = ""
+
+
+@dataclass
+class Event:
+    """A choice's progress: a text delta, and its finish reason on the last one."""
+
+    index: int
+    delta: str
+    finish: str | None
+    tokens: int  # completion tokens so far
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _max_text_chars(tokenizer, max_model_len: int) -> int:
+    """Characters past which a text cannot fit the context, so tokenizing it is wasted work (a 10 MB prompt
+    takes minutes): no token covers more characters than the longest entry of the vocabulary; twice that
+    leaves room for normalizers that drop characters."""
+    vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab", None)
+    longest = max(map(len, vocab(with_added_tokens=True)), default=1) if vocab is not None else 4
+    return 2 * max_model_len * max(longest, 1) + 1024
+
+
+def _ids_text(ids) -> str:
+    return " ".join(map(str, ids))
+
+
+# Engine outcomes that fail the request rather than end it.
+_FAILED = {
+    "cancelled": (503, "the request was stopped: the server is shutting down", None, "server_shutdown"),
+    "too_long": (400, "the prompt and max_tokens do not fit a KV cache row; lower max_tokens", "max_tokens",
+                 "context_length_exceeded"),
+    "rejected": (500, "the engine refused this request's values (a check of the HTTP side let them pass); the "
+                      "server is still up", None, "engine_rejected"),
+}
+
+
+class CompletionService:
+    def __init__(self, state: ServerState):
+        self.state, self.client, self.metrics = state, state.client, state.metrics
+        self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
+
+    # -- checks ------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.state.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.state.model_name!r}",
+                           "model", "model_not_found")
+
+    def check_engine(self) -> None:
+        client = self.client
+        if client.state == "loading":
+            raise APIError(503, "the model is still loading; retry in a moment", None, "engine_loading")
+        if client.state != "ready":
+            raise APIError(503, f"the engine is not available: {client.error or client.state}", None,
+                           "engine_unavailable")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        check_token_ids(ids, self.state.vocab_size, param)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """On a worker thread (``encode_batch``: the tokenizers library lets go of the GIL there, not in
+        ``encode``), after refusing a text too long to fit the context whatever it holds."""
+        tokenizer = self.state.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
+        if len(text) > self.max_text_chars:
+            raise APIError(400, f"{param} has {len(text)} characters: more than this model's maximum context "
+                                f"length ({self.state.max_model_len} tokens) can hold", param,
+                           "context_length_exceeded")
+        return (await asyncio.to_thread(tokenizer.encode_batch, [text]))[0]
+
+    async def decode(self, ids: list[int]) -> str:
+        if self.state.tokenizer is None:
+            return _ids_text(ids)
+        return await asyncio.to_thread(self.state.tokenizer.decode, ids)
+
+    def choice(self, body, prompt: list[int], max_tokens: int | None, param: str = "prompt") -> Choice:
+        if not prompt:
+            raise APIError(400, f"{param} is empty; give at least one token", param)
+        limit, n = self.state.max_model_len, len(prompt)
+        if n >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {n} "
+                                f"tokens, which leaves no room for a new one", param, "context_length_exceeded")
+        self.check_ids(prompt, param)
+        if max_tokens is None:
+            max_tokens = limit - n
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        if n + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {n} "
+                                f"tokens and max_tokens asks for {max_tokens} ({n + max_tokens} in all)",
+                           "max_tokens", "context_length_exceeded")
+        temperature, top_k, top_p, seed = body.sampling_values(self.state.vocab_size)
+        stop_ids = body.stop_ids(self.state.vocab_size)
+        seed = secrets.randbelow(2**63) if seed is None else seed
+        return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
+                      body.ignore_eos)
+
+    def admit(self, choices: list[Choice]) -> None:
+        self.check_engine()
+        waiting = self.client.waiting
+        if waiting + len(choices) > self.state.max_queue:
+            raise APIError(429, f"the server's queue is full ({waiting} requests waiting, at most "
+                                f"{self.state.max_queue}); retry later", None, "queue_full")
+
+    # -- requests to choices -------------------------------------------------------------
+
+    async def completion_choices(self, body: CompletionRequest) -> list[Choice]:
+        body.refuse_unsupported()
+        self.check_model(body.model)
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [await self.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            self._check_prompt_count(len(p))
+            prompts = [await self.encode(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            self._check_prompt_count(len(p))
+            prompts = list(p)
+        else:
+            prompts = [list(p)]
+        choices = [self.choice(body, ids, body.max_tokens, "prompt") for ids in prompts]
+        if body.echo:
+            for c in choices:
+                c.echo_text = await self.decode(c.prompt)
+        return choices
+
+    def _check_prompt_count(self, n: int) -> None:
+        if n > self.state.max_queue:  # more than could ever wait: refuse before tokenizing them all
+            raise APIError(400, f"at most {self.state.max_queue} prompts per request (the server's queue), got {n}",
+                           "prompt")
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        if self.state.template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
+                                "--chat-template FILE", "messages", "no_chat_template")
+        chars = sum(len(v) for m in messages for v in m.values())
+        if chars > self.max_text_chars:
+            raise APIError(400, f"messages have {chars} characters: more than this model's maximum context length "
+                                f"({self.state.max_model_len} tokens) can hold", "messages", "context_length_exceeded")
+        return await self.encode(await self.state.template.render_async(messages, add_generation_prompt),
+                                 "messages")
+
+    async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
+        body.refuse_unsupported()
+        self.check_model(body.model)
+        ids = await self.render_chat(body.message_dicts(), body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return [self.choice(body, ids, max_tokens, "messages")]
+
+    # -- running choices ---------------------------------------------------------------
+
+    def submit(self, choices: list[Choice]) -> list:
+        """Admit and submit in one turn of the event loop (no await between them): a burst of requests cannot
+        all pass the queue check before any of them counts as waiting."""
+        self.admit(choices)
+        return [self.client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
+                for c in choices]
+
+    async def run_choice(self, c: Choice, stream, out: asyncio.Queue, index: int, arrival: float) -> None:
+        """Put the choice's events on ``out`` until it ends."""
+        eos = self.state.eos_token_id
+        skip = set(c.stop_token_ids) | ({eos} if eos is not None and not c.ignore_eos else set())
+        tokenizer = self.state.tokenizer
+        text = TextStream(tokenizer.decode if tokenizer is not None else _ids_text, c.stop_strings, skip)
+        tokens, first_at, ended = 0, None, False
+        try:
+            while True:
+                kind, *value = await stream.next()
+                if kind == "token":
+                    tokens += 1
+                    first_at = first_at or time.monotonic()
+                    delta = text.add(value[0])
+                    if text.stopped:
+                        ended = True
+                        self.client.cancel(stream)
+                        await out.put(Event(index, delta, "stop", tokens))
+                        return
+                    if delta:
+                        await out.put(Event(index, delta, None, tokens))
+                elif kind == "finished":
+                    ended = True
+                    if value[0] in _FAILED:
+                        raise APIError(*_FAILED[value[0]])
+                    await out.put(Event(index, text.finish(), value[0], tokens))
+                    return
+                elif kind == "error":
+                    ended = True
+                    raise APIError(500, f"the engine failed while running this request: {value[0]}", None,
+                                   "engine_failed")
+        finally:
+            if not ended:
+                self.client.cancel(stream)  # the client went away: free its row and slots at the next step
+            self._observe(c, tokens, first_at, arrival)
+
+    def _observe(self, c: Choice, tokens: int, first_at: float | None, arrival: float) -> None:
+        metrics, now = self.metrics, time.monotonic()
+        if first_at is not None:
+            metrics.ttft.observe(first_at - arrival)
+            if tokens > 1:
+                metrics.tpot.observe((now - first_at) / (tokens - 1))
+        metrics.generation_tokens.inc(tokens)
+        metrics.prompt_tokens.inc(len(c.prompt))
+
+    async def events(self, choices: list[Choice], streams: list, disconnected):
+        """Every choice's events as they come (the choices run concurrently); ends early when the awaitable
+        ``disconnected()`` says the client left."""
+        out: asyncio.Queue = asyncio.Queue()
+        arrival = time.monotonic()
+        tasks = [asyncio.ensure_future(self.run_choice(c, s, out, i, arrival))
+                 for i, (c, s) in enumerate(zip(choices, streams))]
+        open_, checked = len(choices), time.monotonic()
+        try:
+            while open_:
+                get = asyncio.ensure_future(out.get())
+                done, _ = await asyncio.wait({get, *[t for t in tasks if not t.done()]},
+                                             timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    event = get.result()
+                    open_ -= event.finish is not None
+                    yield event
+                else:
+                    get.cancel()
+                    for t in tasks:
+                        if t.done() and t.exception() is not None:
+                            raise t.exception()
+                if time.monotonic() - checked > DISCONNECT_POLL_S:  # a client that left frees its rows
+                    checked = time.monotonic()
+                    if await disconnected():
+                        return
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- answers -----------------------------------------------------------------------
+
+    async def complete(self, choices: list[Choice], streams: list, chat: bool, disconnected) -> dict | None:
+        """The whole answer (None when the client left before the end: nobody reads it)."""
+        created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
+        texts = [c.echo_text for c in choices]
+        finish, counts = [None] * len(choices), [0] * len(choices)
+        async for e in self.events(choices, streams, disconnected):
+            texts[e.index] += e.delta
+            counts[e.index] = e.tokens
+            finish[e.index] = e.finish or finish[e.index]
+        if any(f is None for f in finish):
+            return None
+        made = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+                if chat else {"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(texts, finish))]
+        return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
+                "choices": made, "usage": _usage(sum(len(c.prompt) for c in choices), sum(counts))}
+
+    async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected):
+        """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
+        chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
+        counts = [0] * len(choices)
+        try:
+            for i, c in enumerate(choices):
+                if chat:
+                    yield chunks.choice(i, "", None, role=True)
+                elif c.echo_text:
+                    yield chunks.choice(i, c.echo_text, None)
+            async for e in self.events(choices, streams, disconnected):
+                counts[e.index] = e.tokens
+                if e.delta or e.finish:
+                    yield chunks.choice(e.index, e.delta, e.finish)
+            if include_usage:
+                yield chunks.usage(_usage(sum(len(c.prompt) for c in choices), sum(counts)))
+        except APIError as e:  # mid-stream: an error event, then the end of the stream
+            yield _sse(e.body())
+        except Exception as e:  # noqa: BLE001 - a bug mid-stream: an error event all the same
+            yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}"[:500]).body())
+        yield "data: [DONE]\n\n"
+
+    # -- tokenize / detokenize -------------------------------------------------------------
+
+    async def tokenize(self, body) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            ids = await self.encode(body.prompt)
+        else:
+            messages = ChatCompletionRequest(messages=body.messages).message_dicts()
+            ids = await self.render_chat(messages, body.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len}
+
+    async def detokenize(self, body) -> dict:
+        self.check_model(body.model)
+        if len(body.tokens) > self.state.max_model_len:
+            raise APIError(400, f"at most {self.state.max_model_len} tokens (the model's maximum context length), got "
+                                f"{len(body.tokens)}", "tokens")
+        self.check_ids(body.tokens, "tokens")
+        if self.state.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        return {"prompt": await self.decode(body.tokens)}
+
+
+def _request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def _sse(payload: dict) -> str:
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+class _Chunks:
+    """The chunks of one streamed answer (OpenAI's shapes for completions and chat)."""
+
+    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool):
+        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
+
+    def choice(self, i: int, delta: str, reason: str | None, role: bool = False) -> str:
+        if self.chat:
+            part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            c = {"index": i, "delta": part, "logprobs": None, "finish_reason": reason}
+        else:
+            c = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+        return _sse({**self.head, "choices": [c], **self.usage_field})
+
+    def usage(self, usage: dict) -> str:
+        return _sse({**self.head, "choices": [], "usage": usage})
