@@ -115,6 +115,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "library)")
     add("--tokenizer", metavar="DIR", help="folder of the model's tokenizer.json (default: the --init-from-hf "
         "folder's; presets: bytes)")
+    add("--vocab-size", type=int, metavar="N", help="a preset's vocabulary (default: the --tokenizer's size rounded "
+        "up to a multiple of 128, else the preset's own); a checkpoint's is its own")
     add("--eval-data", metavar="DATA", help="evaluation dataset, same forms as --data")
     add("--eval-every", type=int, metavar="N", help="evaluate every N steps (default: only at the end)")
     add("--eval-batches", type=int, metavar="K", help="batches per evaluation (default: the whole eval set, at most "
