@@ -62,7 +62,7 @@ def convert_checkpoint(
     """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
 
     Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint).
-    A non-empty ``dst`` is refused unless ``overwrite`` (CLI ``--force``); then only checkpoint files in it are
+    A non-empty ``dst`` is refused unless ``overwrite`` (CLI ``--overwrite``); then only checkpoint files in it are
     replaced. Streamed: one tensor is read at a time and at most one output file (``max_shard_bytes``, default
     1 GiB) is held, so a model larger than memory converts.
     """

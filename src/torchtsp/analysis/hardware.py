@@ -27,6 +27,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from ..argtypes import DTYPE_BYTES
 from ..config import ModelConfig, get_preset
 from ..schemes import get_scheme
 from .comm_model import layer_weight_elements, predict_comm
@@ -271,7 +272,7 @@ def run_hardware_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--tsp (GPUs per replica) must be between 1 and {hw.gpus_per_node} (one node) and divide "
                          f"--gpus={args.gpus}; got {group}")
     batch = args.batch_size if args.batch_size > 1 else None  # the default: one sequence per replica
-    dtype_bytes = 2 if args.dtype == "bf16" else 4
+    dtype_bytes = DTYPE_BYTES[args.dtype]
     report = hardware_report(cfg, hw, gpus=args.gpus, group=group, seq_len=args.seq_len, mfu=args.mfu,
                              batch=batch, dtype_bytes=dtype_bytes, recompute=args.recompute)
     paper = paper_cluster_comparison(report, cfg, args.seq_len) if _is_paper_setting(args) else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..argtypes import DTYPE_BYTES
 from ..config import get_preset
 from .pipeline_model import placement, predict_pipeline
 from .validation import check_gpu_mem, check_gpus, dumps
@@ -41,7 +42,7 @@ def run_pipeline_plan(args) -> int:
         raise ValueError("--seq-len and --batch-size must be positive")
     check_gpu_mem(args.gpu_mem)
     lay = resolve_layout(args)
-    e = 2 if args.dtype == "bf16" else 4
+    e = DTYPE_BYTES[args.dtype]
     plan = predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"], tsp=lay["tsp"],
                             microbatches=args.microbatches, schedule=args.schedule, dtype_bytes=e,
                             recompute=args.recompute)

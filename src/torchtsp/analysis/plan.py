@@ -11,6 +11,7 @@ import argparse
 import functools
 from dataclasses import dataclass
 
+from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
@@ -183,14 +184,16 @@ PAPER_NOTES = (
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="paper-7b", choices=list(PRESETS), help="model shape (default: paper-7b)")
-    parser.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default: 131072)")
+    parser.add_argument("--seq-len", type=length, default=131072, help="tokens per sequence; 32k = 32768 "
+                        "(default: 128k)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs to spread the model over (default: 8)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step, all GPUs together (default: 1)")
     parser.add_argument("--mode", choices=["train", "infer"], default="train",
                         help="train: one AdamW step; infer: one prefill with its KV cache (default: train)")
     parser.add_argument("--gpu-mem", type=float, default=80.0, metavar="GB", help="memory per GPU in GB (default: 80)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="model dtype; bf16 adds fp32 master weights (default: bf16)")
+    parser.add_argument("--dtype", type=dtype, choices=list(DTYPE_BYTES), default="bfloat16",
+                        help="model dtype, as train --dtype (bf16, fp32: the same); bfloat16 adds fp32 master "
+                             "weights (default: bfloat16)")
     parser.add_argument("--recompute", action="store_true",
                         help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=2,
@@ -235,7 +238,7 @@ def _zero(args) -> int:
 
 
 def _assumptions(args) -> list[str]:
-    e = 2 if args.dtype == "bf16" else 4
+    e = DTYPE_BYTES[args.dtype]
     lines = [f"{args.dtype} weights, gradients and activations"
              + (", fp32 master weights" if e == 2 else "")
              + (", AdamW (two fp32 moments), foreach step" if args.mode == "train" else ", prefill with KV cache")
@@ -254,7 +257,7 @@ def _fmt_gb(nbytes: int) -> str:
 
 
 def _print_table(cfg, args, rows, rec) -> None:
-    e = 2 if args.dtype == "bf16" else 4
+    e = DTYPE_BYTES[args.dtype]
     print(f"torchtsp plan: {args.preset} (h={cfg.dim}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim}, "
           f"V={cfg.vocab_size}), {args.mode}, B={args.batch_size}, S={args.seq_len}, {args.gpus} GPUs of "
           f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}")
@@ -302,7 +305,7 @@ def _sweep(cfg, args) -> list[dict]:
     out = []
     for S in SWEEP_LENGTHS:
         rows = evaluate(cfg, args.gpus, args.batch_size, S, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                        dtype_bytes=2 if args.dtype == "bf16" else 4, recompute=args.recompute, zero=_zero(args))
+                        dtype_bytes=DTYPE_BYTES[args.dtype], recompute=args.recompute, zero=_zero(args))
         out.append({"seq_len": S, "rows": rows, "recommendation": recommend(rows, args.gpu_mem)})
     return out
 
@@ -335,7 +338,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
         return run_pipeline_plan(args)
     cfg = _check_args(args)
-    dtype_bytes = 2 if args.dtype == "bf16" else 4
+    dtype_bytes = DTYPE_BYTES[args.dtype]
     paper = paper_comparison() if args.preset == "paper-7b" else None
     if args.sweep:
         sweep = _sweep(cfg, args)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config import PRESETS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
+from ..timeouts import COLLECTIVE_TIMEOUT_S
 
 # ZeRO-2 by default: the same bytes and float operations as ZeRO-1 (both reduce each backward pass as it ends),
 # and less memory (README, "Distributed optimizer").
@@ -70,9 +71,9 @@ class TrainConfig:
     zero_bucket_mb: float = 32.0  # float32 gradient bucket of one reduce-scatter (all dp rows together)
     recompute: bool = False
     seed: int = 0
-    sample_tokens: int = 64  # greedy continuation printed after training (0: none)
+    sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "
-    timeout_s: float = 300.0
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
     mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
 
     def __post_init__(self):
