@@ -57,9 +57,9 @@ def run_pipeline_plan(args) -> int:
         return 0
     M, pp = plan.microbatches, lay["pp"]
     nodes = f" ({lay['nodes']} nodes x {lay['gpus_per_node']})" if lay["nodes"] > 1 else ""
-    print(f"torchtsp plan: {args.preset} (L={cfg.n_layers}), B={args.batch_size}, S={args.seq_len}, {lay['gpus']} GPUs"
-          f"{nodes}, mesh pp={pp} x dp={lay['dp']} x tsp={lay['tsp']}, {M} microbatches, {args.schedule}, "
-          f"{args.dtype}{', recompute' if args.recompute else ''}")
+    print(f"torchtsp plan: {args.preset} (L={cfg.n_layers}), B={args.batch_size}, S={args.seq_len:,}, "
+          f"{lay['gpus']} GPUs{nodes}, mesh pp={pp} x dp={lay['dp']} x tsp={lay['tsp']}, {M} microbatches, "
+          f"{args.schedule}, {args.dtype}{', recompute' if args.recompute else ''}")
     if pp > 1:
         v = 2 if args.schedule == "interleaved_1f1b" else 1
         formula = "(pp-1)/(M+pp-1)" if v == 1 else "(pp-1)/(2M+pp-1)"

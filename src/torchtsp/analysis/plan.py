@@ -17,6 +17,7 @@ from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
+from .table import count, gb, render
 from .validation import check_gpu_mem, check_gpus, divisors, dumps
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
@@ -252,41 +253,53 @@ def _assumptions(args) -> list[str]:
     return lines
 
 
-def _fmt_gb(nbytes: int) -> str:
-    return f"{nbytes / GB:.1f}"
+def ranked(rows: list[Row]) -> list[Row]:
+    """The table's order: layouts that fit first, by traffic per step (as ``recommend`` picks), then those that
+    do not, by peak memory, then those that cannot run."""
+    def key(r):
+        if r.error:
+            return (2, 0.0, 0.0)
+        return (0, r.comm.total, r.memory.total) if r.fits else (1, r.memory.total, r.comm.total)
+    return sorted(rows, key=key)
+
+
+def _table_row(r: Row, train: bool, zero: int) -> list[str]:
+    m, c = r.memory, r.comm
+    first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
+    plain = [gb(r.state_zero0)] if zero else []
+    return [r.layout.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
+            gb(c.layer_forward, 2), m.phase]
 
 
 def _print_table(cfg, args, rows, rec) -> None:
     e = DTYPE_BYTES[args.dtype]
-    print(f"torchtsp plan: {args.preset} (h={cfg.dim}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim}, "
-          f"V={cfg.vocab_size}), {args.mode}, B={args.batch_size}, S={args.seq_len}, {args.gpus} GPUs of "
+    print(f"torchtsp plan: {args.preset} (h={cfg.dim:,}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim:,}, "
+          f"V={cfg.vocab_size:,}), {args.mode}, B={args.batch_size}, S={count(args.seq_len)}, {args.gpus} GPUs of "
           f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}")
-    train = args.mode == "train"
-    cols = ("w+g+opt", "activations") if train else ("weights", "KV cache")
-    zero = _zero(args)
-    beside = f" {'(zero 0)':>9}" if zero else ""  # the model state without the distributed optimizer
-    head = f"{'layout':<14} {cols[0]:>11}{beside} {cols[1]:>11} {'peak GB':>8}  {'fits':<4} {'comm/step':>10} " \
-           f"{'fwd/layer':>10}  peak during"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        if r.error:
-            print(f"{r.layout.label:<14} {'n/a: ' + r.error}")
-            continue
-        m, c = r.memory, r.comm
-        first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
-        plain = f" {_fmt_gb(r.state_zero0):>9}" if zero else ""
-        print(f"{r.layout.label:<14} {_fmt_gb(first):>11}{plain} {_fmt_gb(second):>11} {_fmt_gb(m.total):>8}  "
-              f"{'yes' if r.fits else 'no':<4} {c.total / GB:>8.2f}GB {c.layer_forward / 1e6:>8.1f}MB  {m.phase}")
-    print("(GB = 1e9 bytes per GPU; comm/step: bytes received per GPU per step; fwd/layer: one layer's forward"
+    train, zero = args.mode == "train", _zero(args)
+    cols = ("w+g+opt GB", "activations GB") if train else ("weights GB", "KV cache GB")
+    beside = ["(zero 0) GB"] if zero else []  # the model state without the distributed optimizer
+    headers = ["layout", cols[0], *beside, cols[1], "peak GB", "fits", "comm GB/step", "fwd GB/layer", "peak during"]
+    cells, notes = [], []
+    for r in ranked(rows):
+        if r.error:  # every column keeps its place; the reason goes below the table
+            notes.append(f"({len(notes) + 1}) {r.layout.label}: {r.error}")
+            cells.append([r.layout.label, *["-"] * (len(headers) - 5), "n/a", "-", "-", f"see ({len(notes)})"])
+        else:
+            cells.append(_table_row(r, train, zero))
+    print("\n".join(render(headers, cells, left=(0, headers.index("fits"), len(headers) - 1))))
+    for note in notes:
+        print(note)
+    print(f"(per GPU; GB = 1e9 bytes; fits: the peak within --gpu-mem {args.gpu_mem:g} GB; layouts that fit come "
+          f"first, by traffic, the others by peak; comm: bytes received per step; fwd/layer: one layer's forward"
           + (f"; w+g+opt at --zero {zero} where dp > 1, (zero 0): the same without the distributed optimizer"
              if zero else "") + ")")
     print()
     print(f"recommended: {', '.join(rec['layouts']) or 'none'} - {rec['reason']}")
     bs = tsp_tp_crossover_tokens(cfg)
     tokens = args.batch_size * args.seq_len
-    print(f"TSP's forward traffic per layer is at most TP's when B·S >= {float(bs):.0f} tokens "
-          f"(P/(4h - 2h/g)); here B·S = {tokens} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
+    print(f"TSP's forward traffic per layer is at most TP's when B·S >= {count(float(bs))} tokens "
+          f"(P/(4h - 2h/g)); here B·S = {count(tokens)} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
     print("assumptions: " + "; ".join(_assumptions(args)) + f" ({e} bytes per element).")
 
 
@@ -295,7 +308,7 @@ def _print_paper(paper: list[dict]) -> None:
     print("The paper's measured peak memory per GPU (7B, 8 GPUs, B=1) beside our prediction:")
     print(f"  {'layout':<9} {'S':>7} {'paper GB':>9} {'ours GB':>8} {'ours-paper':>10}  our peak during")
     for p in paper:
-        print(f"  {p['layout']:<9} {p['seq_len']:>7} {p['paper_gb']:>9.1f} {p['predicted_gb']:>8.1f} "
+        print(f"  {p['layout']:<9} {count(p['seq_len']):>7} {p['paper_gb']:>9.1f} {p['predicted_gb']:>8.1f} "
               f"{p['difference_gb']:>+10.1f}  {p['peak_phase']}")
     for note in PAPER_NOTES:
         print(f"  - {note}")
@@ -322,7 +335,7 @@ def _print_sweep(cfg, args, sweep) -> None:
         for r in item["rows"]:
             cells.append("-" if r.error else f"{r.memory.total / GB:.1f}" + ("" if r.fits else "*"))
         rec = item["recommendation"]
-        print(f"{item['seq_len']:>7} " + "".join(f"{c:>{width}}" for c in cells) + "  "
+        print(f"{count(item['seq_len']):>7} " + "".join(f"{c:>{width}}" for c in cells) + "  "
               + (", ".join(rec["layouts"]) + ("" if rec.get("fits") else " (nothing fits)")))
     print("assumptions: " + "; ".join(_assumptions(args)) + ".")
 
