@@ -179,3 +179,11 @@ def test_help_says_what_sampling_and_tokenizer_really_are():
     assert "greedy" not in sample and "temperature 0.8" in sample and "40" in sample, sample
     checkpoint = flag("generate", "--checkpoint").help
     assert "byte tokenizer" not in checkpoint and "run's own tokenizer" in checkpoint, checkpoint
+
+
+def test_serve_refuses_a_scheme_outside_its_choices_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--preset", "tiny", "--scheme", "dp"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "invalid choice: 'dp'" in err[0] and "'tsp', 'tp', 'sp'" in err[0], err

@@ -77,7 +77,8 @@ def convert_checkpoint(
         if dst.resolve() == src.resolve():
             raise ValueError(f"destination {dst} is the source directory; choose another destination")
         if any(dst.iterdir()) and not overwrite:
-            raise ValueError(f"destination {dst} is not empty; pass --force (overwrite=True) to overwrite it")
+            raise ValueError(f"destination {dst} is not empty; pass --overwrite (overwrite=True) to replace its "
+                             f"checkpoint files")
         # Drop the other format's marker so detection of dst cannot find a stale one.
         for name in (TORCHTSP_CONFIG_NAME, HF_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME):
             if (dst / name).is_file():
