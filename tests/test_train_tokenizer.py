@@ -105,3 +105,14 @@ def test_a_tokenizer_that_does_not_fit_names_both_sizes(tmp_path, tokenizers_by_
     line = error_line(cli(*base, "--vocab-size", 512, "--init-from-hf", tmp_path / "hf"))
     assert "applies to presets trained from scratch" in line, line
     assert not (tmp_path / "run").exists()
+
+
+def test_resuming_with_a_larger_tokenizer_names_the_checkpoints_vocabulary(pools, tmp_path, tokenizers_by_size):
+    folder = tokenizers_by_size[300]
+    cfg = TrainConfig(**{**SMALL, "steps": 1, "sample_tokens": 0}, data=str(folder / "corpus.txt"),
+                      out=str(tmp_path / "run"))
+    assert pools(1).run(run_training, cfg)[0]["status"] == "done"  # the byte tokenizer: 257 ids
+    line = error_line(cli("train", "--resume", tmp_path / "run", "--steps", 2, "--batch-size", 4, "--seq-len", 32,
+                          "--sample-tokens", 0, "--tokenizer", folder, "--data", folder / "corpus.txt"))
+    assert f"has 300 ids but the model's vocabulary, fixed by the checkpoint of --resume {tmp_path / 'run'}, " \
+           f"has 257" in line, line

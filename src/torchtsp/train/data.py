@@ -23,8 +23,12 @@ VOCAB_MULTIPLE = 128
 
 
 def preset_vocab_size(cfg, preset_vocab: int) -> int:
-    """The vocabulary of a preset trained from scratch: --vocab-size, else that of --tokenizer rounded up to
-    VOCAB_MULTIPLE, else the preset's own (its shape was made for the byte tokenizer)."""
+    """The vocabulary of a preset: the checkpoint's when resuming, else --vocab-size, else that of --tokenizer
+    rounded up to VOCAB_MULTIPLE, else the preset's own (its shape was made for the byte tokenizer)."""
+    if cfg.resume:
+        from . import checkpoint
+
+        return checkpoint.read_meta(checkpoint.resolve(cfg.resume))["model"]["vocab_size"]
     if cfg.vocab_size is not None:
         return cfg.vocab_size
     if cfg.tokenizer and str(cfg.tokenizer) != "byte":
@@ -37,9 +41,9 @@ def check_tokenizer_fits(cfg, tokenizer: Tokenizer, vocab_size: int) -> None:
     """Refuse a tokenizer with ids the model has no rows for, naming what fixed the model's vocabulary."""
     if tokenizer.vocab_size <= vocab_size:
         return
-    if cfg.init_from_hf:
-        fixed = f"the checkpoint of --init-from-hf {cfg.init_from_hf}"
-        fix = "give that model's own tokenizer"
+    if cfg.resume or cfg.init_from_hf:
+        flag = f"--resume {cfg.resume}" if cfg.resume else f"--init-from-hf {cfg.init_from_hf}"
+        fixed, fix = f"the checkpoint of {flag}", "give that model's own tokenizer"
     elif cfg.vocab_size is not None:
         fixed, fix = f"--vocab-size {cfg.vocab_size}", f"raise --vocab-size to at least {tokenizer.vocab_size}"
     else:
