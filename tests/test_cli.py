@@ -187,3 +187,12 @@ def test_serve_refuses_a_scheme_outside_its_choices_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert "invalid choice: 'dp'" in err[0] and "'tsp', 'tp', 'sp'" in err[0], err
+
+
+def test_generate_with_a_tokenizer_larger_than_the_model_names_both_sizes(tmp_path, capsys):
+    from test_train_tokenizer import bpe_tokenizer
+
+    folder = bpe_tokenizer(tmp_path / "bpe", 300)
+    assert main(["generate", "--preset", "tiny", "--tokenizer", str(folder), "--prompt", "the"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has 300 ids but the model's vocabulary (--preset tiny) has 257" in err, err

@@ -196,6 +196,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))
     cfg, tokenizer, eos = model_config_and_tokenizer(source, location, args.tokenizer)
+    if args.tokenizer and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} ids but the model's vocabulary "
+                         f"(--{source} {location}) has {cfg.vocab_size}; give the model's own tokenizer")
     if args.prompt and tokenizer is None:
         raise ValueError("this model has no tokenizer (no tokenizer.json, or the tokenizers library is missing); "
                          "give --prompt-ids")
