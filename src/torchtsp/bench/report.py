@@ -218,7 +218,7 @@ def _seq_axis(ax, seq_lens):
     ax.xaxis.set_major_formatter(FuncFormatter(plain_number))
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("sequence length S (series offset slightly along S so that equal values stay visible)")
+    ax.set_xlabel("sequence length S (series shifted a little apart)")
     ax.grid(True, which="both", alpha=0.3)
 
 
