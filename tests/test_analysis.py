@@ -324,3 +324,82 @@ def test_sp_traffic_in_bf16_counts_the_dkv_reduce_scatter_in_float32(pools):
     counted = pools(2).run(traffic_on_rank, "sp", {"sp": 2}, "gqa", batch, seq_len, torch.bfloat16)
     for got, seq_rank in counted:
         assert got == predict_comm("sp", cfg, batch, seq_len, sp=2, dtype_bytes=2, seq_rank=seq_rank).total, seq_rank
+
+
+# ---------------------------------------------------------------- plan's tables: fits first, columns hold, one format
+
+
+def _table(out: str, first_header: str = "layout") -> tuple[str, list[str]]:
+    """The header line and the row lines of the first table in ``out`` (rows end at a blank or unindented note)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first_header])
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip() or line.lstrip().startswith(("(", "n/a", "ceiling", "peak GB")):
+            break
+        rows.append(line)
+    return lines[start], rows
+
+
+def _columns(header: str) -> list[str]:
+    return [c for c in header.strip().split("  ") if c]
+
+
+def _assert_aligned(header: str, rows: list[str]) -> None:
+    """Every cell sits under its header: right-aligned numbers end where their header ends."""
+    names = _columns(header)
+    ends = {name: header.index(name) + len(name) for name in names}
+    for row in rows:
+        for name in ("peak GB", "tokens/s", "comm GB/step", "fwd GB/layer"):
+            if name in ends:
+                end = ends[name]
+                assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (name, row)
+
+
+def test_plan_ranks_the_layouts_that_fit_first_and_keeps_the_columns(capsys):
+    # llama3-8b at 32K on 8 GPUs of 80 GB: some layouts fit, some do not, DP8 cannot run a batch of 1.
+    assert run_plan(_args("--preset", "llama3-8b", "--seq-len", "32768", "--gpus", "8")) == 0
+    header, rows = _table(capsys.readouterr().out)
+    assert "fits" in _columns(header)
+    fits_at = header.index("fits")
+    verdicts = [row[fits_at:fits_at + 4].strip() for row in rows]
+    assert set(verdicts) == {"yes", "no", "n/a"} and verdicts == sorted(verdicts, key=["yes", "no", "n/a"].index)
+    # The planner's own predictions, independently: each "yes" row's peak is within 80 GB, each "no" above.
+    assert run_plan(_args("--preset", "llama3-8b", "--seq-len", "32768", "--gpus", "8", "--json")) == 0
+    data = {r["layout"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for row, verdict in zip(rows, verdicts):
+        label = row.split()[0]
+        if verdict != "n/a":
+            assert (data[label]["memory_bytes"]["total"] <= 80e9) == (verdict == "yes"), row
+    dp8 = next(row for row in rows if row.startswith("DP8 "))
+    assert len(dp8.split()) == len(_columns(header)) + 1  # "see (1)" is one cell of two words
+    _assert_aligned(header, rows)
+
+
+def test_plan_numbers_have_one_format(capsys):
+    for argv in ((), ("--sweep",), ("--hardware", "h100")):
+        assert run_plan(_args("--preset", "llama3-8b", "--seq-len", "131072", "--gpus", "16", *argv)) == 0
+        out = capsys.readouterr().out
+        assert "e+" not in out and "MB" not in out, out
+        assert "131,072" in out and "131072" not in out, argv  # thousands separators on lengths
+    assert run_plan(_args("--hardware", "mi300x", "--preset", "paper-7b", "--gpus", "1024", "--tsp", "8",
+                          "--seq-len", "128k")) == 0
+    out = capsys.readouterr().out
+    assert "173,000,000" in out and "e+" not in out
+
+
+def test_plan_hardware_has_a_fits_column_and_ranks_fitting_layouts_first(capsys):
+    assert run_plan(_args("--hardware", "h100", "--preset", "llama3-8b", "--seq-len", "65536", "--gpus", "8")) == 0
+    header, rows = _table(capsys.readouterr().out)
+    assert {"peak GB", "fits", "step s"} <= set(_columns(header))
+    fits_at, step_at = header.index("fits"), header.index("step s")
+    verdicts = [row[fits_at:fits_at + 4].strip() for row in rows]
+    assert "yes" in verdicts and "no" in verdicts and verdicts == sorted(verdicts, reverse=True)
+    # TSP8's peak from the memory model itself, against the H100's 80 GB.
+    tsp = predict_memory("tsp", LLAMA3, 1, 65536, tsp=8, dtype_bytes=2).total
+    assert (tsp <= 80e9) == (verdicts[[row.split()[0] for row in rows].index("TSP8")] == "yes")
+    steps = [float(row[:step_at + 6].split()[-1]) for row in rows]
+    for group in ("yes", "no"):
+        within = [s for s, v in zip(steps, verdicts) if v == group]
+        assert within == sorted(within)
+    _assert_aligned(header, rows)

@@ -167,3 +167,77 @@ def test_zero_cells_move_the_bytes_the_model_predicts(tmp_path):
     ops = cell["step_bytes_by_op_rank0"]["dp"]
     assert ops["reduce_scatter"] > 0 and ops["all_gather"] > 0 and "all_reduce" in ops  # only the loss sums
     assert cell["step_bytes_match"], (cell["step_bytes_per_rank"], cell["predicted_step_bytes_per_rank"])
+
+
+# ------------------------------------------------------------------ the plots: every series visible, readable axes
+
+
+def synthetic_sweep() -> dict:
+    """tp, torch_tp and tp_sp on 2 ranks (tp=2 x sp=1: plain TP) measure the same values; tokens/s vary little."""
+    cells = []
+    for i, S in enumerate((256, 512, 1024)):
+        for scheme, mesh in (("tsp", "tsp=2"), ("tp", "tp=2"), ("tp_sp", "tp=2"), ("torch_tp", "tp=2")):
+            same = scheme != "tsp"
+            cells.append({"scheme": scheme, "mesh": mesh, "seq_len": S, "status": "ok",
+                          "peak_bytes": (40 if same else 30) * 2**20 * (i + 1),
+                          "predicted_peak_bytes": (40 if same else 30) * 2**20 * (i + 1),
+                          "tokens_per_s": 1000.0 + (100 * i if same else 150 * i),
+                          "forward_bytes": 2**20 * (i + 1), "predicted_forward_bytes": 2**20 * (i + 1),
+                          "bytes_match": True, "step_bytes": 3 * 2**20 * (i + 1),
+                          "predicted_step_bytes": 3 * 2**20 * (i + 1), "step_bytes_match": True})
+    return {"meta": {"world": 2, "batch": 4, "device": "cpu"}, "cells": cells}
+
+
+def figures():
+    from torchtsp.bench import report
+
+    result = synthetic_sweep()
+    for make in (report.memory_figure, report.throughput_figure, report.bytes_figure):
+        fig = make(result)
+        fig.canvas.draw()
+        yield make.__name__, fig
+
+
+def test_every_series_is_visible_even_where_values_coincide():
+    for name, fig in figures():
+        for ax in fig.axes:
+            measured = [line for line in ax.get_lines() if line.get_marker() not in ("None", "", None)]
+            assert len(measured) == 4, name
+            points = [{(round(x, 9), round(y, 9)) for x, y in zip(*line.get_data())} for line in measured]
+            for i in range(len(points)):
+                for j in range(i):
+                    assert not points[i] & points[j], (name, measured[i].get_label(), measured[j].get_label())
+            styles = {(line.get_marker(), str(line.get_linestyle()), line.get_markersize()) for line in measured}
+            assert len(styles) == len(measured), name
+
+
+def test_log_axes_have_several_plain_tick_labels():
+    for name, fig in figures():
+        for ax in fig.axes:
+            low, high = ax.get_ylim()
+            shown = [t.get_text() for t in ax.yaxis.get_ticklabels(which="both")
+                     if t.get_text() and low <= t.get_position()[1] <= high]
+            assert len(shown) >= 3, (name, shown)
+            labels = shown + [t.get_text() for t in ax.xaxis.get_ticklabels(which="both")]
+            assert not [t for t in labels if any(c in t for c in "×$^e")], (name, labels)
+            assert [t.get_text() for t in ax.xaxis.get_ticklabels() if t.get_text()] == ["256", "512", "1,024"]
+
+
+def test_a_tp_sp_cell_at_sp_1_is_labelled_by_its_real_layout():
+    for name, fig in figures():
+        labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        assert "TP2 (tp_sp, sp=1)" in labels and "tp_sp" not in labels, (name, labels)
+    from torchtsp.bench.report import series_label
+
+    assert series_label("tp_sp", "tp=2 x sp=2") == "tp_sp" and series_label("tp", "tp=2") == "tp"
+
+
+def test_the_default_output_folder_is_ignored_by_git():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    default = parse([]).out
+    result = subprocess.run(["git", "check-ignore", "-q", f"{default}/results.json"], cwd=root)
+    assert result.returncode == 0, f"{default} is not ignored by .gitignore"

@@ -463,7 +463,7 @@ def test_convert_refuses_to_overwrite(tmp_path, hf_dir):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    with pytest.raises(ValueError, match=r"not empty; pass --force"):
+    with pytest.raises(ValueError, match=r"not empty; pass --overwrite"):
         convert_checkpoint(hf_dir, dst)
     with pytest.raises(ValueError, match=r"is the source directory"):
         convert_checkpoint(hf_dir, hf_dir, to="hf", overwrite=True)

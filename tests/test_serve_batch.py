@@ -121,7 +121,6 @@ def test_text_stream_holds_back_stop_strings():
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--scheme", "dp"], "serve runs the tsp, tp, sp schemes"),
     (["--max-model-len", "100000"], "--max-model-len must be in"),
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--port", "0"], "--port must be in"),

@@ -10,11 +10,18 @@ import signal
 import sys
 import time
 
+from .argtypes import length
 from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
 from .layout import Layout
 from .runenv import launched_by_torchrun
 from .schemes import AXES, INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
+from .timeouts import COLLECTIVE_TIMEOUT_S
+
+# Why a collective gives up, quoted by every command whose ranks communicate.
+COLLECTIVE_TIMEOUT_HELP = (f"seconds a collective waits for the other ranks before the run fails: that long means a "
+                           f"rank hung or died; the slowest correct wait is a checkpoint write or a first step on "
+                           f"another rank (default: {COLLECTIVE_TIMEOUT_S:g})")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -104,7 +111,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--nproc", type=int, help="local ranks to spawn when not under torchrun, one GPU each on a CUDA host "
         "(default: product of degrees)")
     add("--batch-size", type=int, help="global batch in sequences (default: 8)")
-    add("--seq-len", type=int, help="tokens per sequence (default: 256)")
+    add("--seq-len", type=length, help="tokens per sequence; 32k = 32768 (default: 256)")
     add("--steps", type=int, help="optimizer steps (default: 100)")
     add("--lr", type=float, help="peak learning rate, warmup then cosine (default: 3e-3)")
     add("--warmup-steps", type=int, help="linear warmup steps (default: steps/10)")
@@ -115,6 +122,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "library)")
     add("--tokenizer", metavar="DIR", help="folder of the model's tokenizer.json (default: the --init-from-hf "
         "folder's; presets: bytes)")
+    add("--vocab-size", type=int, metavar="N", help="a preset's vocabulary (default: the --tokenizer's size rounded "
+        "up to a multiple of 128, else the preset's own); a checkpoint's is its own")
     add("--eval-data", metavar="DATA", help="evaluation dataset, same forms as --data")
     add("--eval-every", type=int, metavar="N", help="evaluate every N steps (default: only at the end)")
     add("--eval-batches", type=int, metavar="K", help="batches per evaluation (default: the whole eval set, at most "
@@ -142,8 +151,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         help="packed samples: attend within documents only, positions restart at each (a document ends after "
              "its EOS, whose target is ignored); default off")
     add("--seed", type=int, help="seed for init and data order (default: 0)")
-    add("--sample-tokens", type=int, help="greedy tokens generated after training (default: 64; 0: none)")
-    add("--timeout-s", type=float, help="collective timeout in seconds (default: 300)")
+    add("--sample-tokens", type=length, help="tokens the trained model writes after the prompt \"def \" when "
+        "training ends, sampled at temperature 0.8 among the 40 likeliest (seeded by --seed) (default: 64; 0: none)")
+    add("--timeout-s", type=float, help=COLLECTIVE_TIMEOUT_HELP)
     add("--mem-every", type=int, metavar="N", help="log the peak live memory every N steps (default: 10)")
 
 
@@ -152,12 +162,12 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama checkpoint (text through its tokenizer.json)")
     source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders "
-                        "(byte tokenizer)")
+                        "(text through the run's own tokenizer)")
     source.add_argument("--preset", choices=list(PRESETS), help="random weights of a preset shape (default: tiny)")
     add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
     add("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeat for a batch)")
     add("--prompt-ids", metavar="IDS", help='token ids, e.g. "1,2,3;4,5" (";" separates the prompts of a batch)')
-    add("--max-new-tokens", type=int, default=32, help="new tokens per prompt at most (default: 32)")
+    add("--max-new-tokens", type=length, default=32, help="new tokens per prompt at most (default: 32)")
     add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     add("--top-k", type=int, help="sample among the k most likely tokens")
     add("--top-p", type=float, help="sample in the nucleus of probability p")
@@ -169,10 +179,10 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add("--nproc", type=int, help="local CPU ranks to spawn when not under torchrun (default: the degree, or 1)")
     add("--schedule", choices=INFERENCE_SCHEDULES, default="auto",
         help="tsp: weights move or activations move; auto picks per phase by tokens in flight (default)")
-    add("--prefill-chunk", type=int, help="prefill at most this many tokens per prompt at a time (bounds memory)")
+    add("--prefill-chunk", type=length, help="prefill at most this many tokens per prompt at a time (bounds memory)")
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
     add("--json", action="store_true", help="print one JSON object (tokens, text, timings, memory) as the last line")
-    add("--timeout-s", type=float, default=300.0, help="collective timeout in seconds (default: 300)")
+    add("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S, help=COLLECTIVE_TIMEOUT_HELP)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -189,6 +199,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))
     cfg, tokenizer, eos = model_config_and_tokenizer(source, location, args.tokenizer)
+    if args.tokenizer and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--tokenizer {args.tokenizer} has {tokenizer.vocab_size} ids but the model's vocabulary "
+                         f"(--{source} {location}) has {cfg.vocab_size}; give the model's own tokenizer")
     if args.prompt and tokenizer is None:
         raise ValueError("this model has no tokenizer (no tokenizer.json, or the tokenizers library is missing); "
                          "give --prompt-ids")
@@ -276,13 +289,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from .convert import convert_checkpoint
     except ImportError as e:
         raise OSError(f"convert is unavailable: {e}") from e
-    kind = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.force)
+    kind = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite)
     print(f"wrote {kind} checkpoint to {args.dst}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="torchtsp", description="Folded Tensor and Sequence Parallelism for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a model with TSP (or a baseline scheme) on local ranks or torchrun")
@@ -320,9 +334,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("src", help="checkpoint to read")
     convert.add_argument("dst", help="where to write the converted checkpoint")
     convert.add_argument("--to", choices=["hf", "torchtsp"], help="target format (default: the other one)")
-    convert.add_argument("--force", action="store_true", help="overwrite dst if it exists")
+    convert.add_argument("--overwrite", action="store_true", help="replace the checkpoint files already in dst")
+    # The flag's former name, as train --overwrite is named: still read, no longer shown.
+    convert.add_argument("--force", dest="overwrite", action="store_true", help=argparse.SUPPRESS)
     convert.set_defaults(func=cmd_convert)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtsp")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 class _Parser(argparse.ArgumentParser):

@@ -65,7 +65,7 @@ def convert_checkpoint(
     """Convert the checkpoint directory ``src`` into ``dst``; returns the kind written (``"hf"``/``"torchtsp"``).
 
     Without ``to`` the output is the other kind from the source (Hugging Face for a training checkpoint).
-    A non-empty ``dst`` is refused unless ``overwrite`` (CLI ``--force``); then only checkpoint files in it are
+    A non-empty ``dst`` is refused unless ``overwrite`` (CLI ``--overwrite``); then only checkpoint files in it are
     replaced. Streamed: one tensor is read at a time and at most one output file (``max_shard_bytes``, default
     1 GiB) is held, so a model larger than memory converts.
     """
@@ -89,7 +89,8 @@ def convert_checkpoint(
         if dst.resolve() == src.resolve():
             raise ValueError(f"destination {dst} is the source directory; choose another destination")
         if any(dst.iterdir()) and not overwrite:
-            raise ValueError(f"destination {dst} is not empty; pass --force (overwrite=True) to overwrite it")
+            raise ValueError(f"destination {dst} is not empty; pass --overwrite (overwrite=True) to replace its "
+                             f"checkpoint files")
         # Drop the other format's marker so detection of dst cannot find a stale one.
         for name in (TORCHTSP_CONFIG_NAME, HF_CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME):
             if (dst / name).is_file():

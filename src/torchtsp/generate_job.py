@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .timeouts import COLLECTIVE_TIMEOUT_S
+
 
 @dataclass
 class GenerateJob:
@@ -34,7 +36,7 @@ class GenerateJob:
     prefill_chunk: int | None = None
     dtype: str = "float32"
     stream: bool = True
-    timeout_s: float = 300.0
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None = None):

@@ -28,9 +28,12 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from ..argtypes import DTYPE_BYTES
 from ..config import ModelConfig, get_preset
 from ..schemes import AXES, SCHEMES, get_scheme
 from .comm_model import layer_weight_elements, predict_comm
+from .memory_model import predict_memory
+from .table import count, gb, render
 from .validation import axis_splits
 
 TERA, GIGA = 1e12, 1e9
@@ -240,16 +243,22 @@ def group_layouts(group: int) -> list[tuple[str, dict, bool]]:
 
 
 def hardware_report(cfg: ModelConfig, hw: Hardware, *, gpus: int, group: int, seq_len: int, mfu: float,
-                    batch: int | None, dtype_bytes: int, recompute: bool) -> dict:
-    rows, errors = [], []
+                    batch: int | None, dtype_bytes: int, recompute: bool, zero: int = 0) -> dict:
+    """Every layout's step (``rows``) and its per-GPU peak memory (``peak_bytes`` by layout, as ``plan`` predicts
+    it, with the distributed optimizer at ``zero`` where dp > 1), or why it cannot run (``errors``)."""
+    rows, errors, peaks = [], [], {}
     for scheme, degrees, seqpar in group_layouts(group):
         try:
-            rows.append(predict_step(scheme, cfg, hw, gpus=gpus, degrees=degrees, seq_len=seq_len, batch=batch,
-                                     mfu=mfu, dtype_bytes=dtype_bytes, recompute=recompute,
-                                     sequence_parallel=seqpar))
+            row = predict_step(scheme, cfg, hw, gpus=gpus, degrees=degrees, seq_len=seq_len, batch=batch,
+                               mfu=mfu, dtype_bytes=dtype_bytes, recompute=recompute, sequence_parallel=seqpar)
+            level = zero if row.dp > 1 and get_scheme(scheme).zero else 0
+            peaks[row.layout] = predict_memory(scheme, cfg, batch or row.dp, seq_len, dp=row.dp, **degrees,
+                                               sequence_parallel=seqpar, dtype_bytes=dtype_bytes,
+                                               recompute=recompute, zero=level).total
+            rows.append(row)
         except ValueError as e:
             errors.append({"scheme": scheme, **degrees, "error": str(e)})
-    return {"rows": rows, "errors": errors,
+    return {"rows": rows, "errors": errors, "peak_bytes": peaks,
             "ceiling_train": ceiling_tokens_per_s(cfg, hw, gpus, seq_len, recompute=False),
             "ceiling_forward": ceiling_tokens_per_s(cfg, hw, gpus, seq_len, train=False)}
 
@@ -310,55 +319,70 @@ def run_hardware_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--tsp (GPUs per replica) must be between 1 and {hw.gpus_per_node} (one node) and divide "
                          f"--gpus={args.gpus}; got {group}")
     batch = args.batch_size if args.batch_size > 1 else None  # the default: one sequence per replica
-    dtype_bytes = 2 if args.dtype == "bf16" else 4
+    dtype_bytes = DTYPE_BYTES[args.dtype]
     report = hardware_report(cfg, hw, gpus=args.gpus, group=group, seq_len=args.seq_len, mfu=args.mfu,
-                             batch=batch, dtype_bytes=dtype_bytes, recompute=args.recompute)
+                             batch=batch, dtype_bytes=dtype_bytes, recompute=args.recompute, zero=args.zero)
+    peaks = report["peak_bytes"]
     paper = paper_cluster_comparison(report, cfg, args.seq_len) if _is_paper_setting(args) else None
     if args.json:
-        print(json.dumps({"hardware": asdict(hw), "mfu": args.mfu, "rows": [r.to_dict() for r in report["rows"]],
+        rows = [{**r.to_dict(), "peak_bytes": peaks[r.layout], "fits": peaks[r.layout] <= hw.hbm_bytes}
+                for r in report["rows"]]
+        print(json.dumps({"hardware": asdict(hw), "mfu": args.mfu, "rows": rows,
                           "errors": report["errors"], "ceiling_train_tokens_per_s": report["ceiling_train"],
                           "ceiling_forward_tokens_per_s": report["ceiling_forward"], "paper": paper}, indent=1))
         return 0
-    print(f"torchtsp plan --hardware {hw.name}: {args.preset}, S={args.seq_len}, {args.gpus} GPUs in replicas of "
-          f"{group}, one sequence per replica{'' if batch is None else f' (batch {batch})'}, {args.dtype}, "
-          f"MFU {args.mfu:g}{', recompute' if args.recompute else ''}")
-    print(f"  {hw.bf16_flops / TERA:.0f} TFLOP/s bf16, HBM {hw.hbm_bytes / GIGA:.0f} GB at "
-          f"{hw.hbm_bytes_per_s / 1e12:.2f} TB/s, intra-node {hw.intra_node_bytes_per_s / GIGA:.0f} GB/s, "
-          f"NIC {hw.inter_node_bytes_per_s / GIGA:.0f} GB/s per GPU")
-    head = f"  {'layout':<16} {'compute s':>10} {'comm s':>9} {'exposed s':>10} {'step s':>9} {'tokens/s':>12} " \
-           f"{'MFU':>6}"
-    print(head)
-    print("  " + "-" * (len(head) - 2))
-    for r in sorted(report["rows"], key=lambda r: r.step_s):
-        print(f"  {r.layout:<16} {r.compute_s:>10.3f} {r.comm_s:>9.3f} {r.exposed_s:>10.3f} {r.step_s:>9.3f} "
-              f"{r.tokens_per_s:>12.4g} {r.mfu_effective:>6.3f}")
-    for e in report["errors"]:
-        print(f"  n/a: {e['error']}")
-    print(f"  ceiling (100% of peak, no communication): {report['ceiling_train']:.4g} tokens/s training, "
-          f"{report['ceiling_forward']:.4g} tokens/s forward only")
-    print("  comm s: every byte at its link's bandwidth; exposed s: what the overlap rules leave on the critical "
-          "path (torchtsp.analysis.hardware); MFU: model FLOPs / (GPUs x peak x step)")
+    _print_hardware_table(args, hw, group, batch, report)
     if paper:
         _print_paper_cluster(paper)
     return 0
 
 
+def ranked_steps(rows: list[StepTime], peaks: dict[str, int], hbm_bytes: float) -> list[StepTime]:
+    """Layouts whose peak fits the GPU's memory first, fastest first; then the others, fastest first."""
+    return sorted(rows, key=lambda r: (peaks[r.layout] > hbm_bytes, r.step_s))
+
+
+def _print_hardware_table(args, hw: Hardware, group: int, batch: int | None, report: dict) -> None:
+    print(f"torchtsp plan --hardware {hw.name}: {args.preset}, S={count(args.seq_len)}, {args.gpus:,} GPUs in "
+          f"replicas of {group}, one sequence per replica{'' if batch is None else f' (batch {batch:,})'}, "
+          f"{args.dtype}, MFU {args.mfu:g}{', recompute' if args.recompute else ''}")
+    print(f"  {hw.bf16_flops / TERA:,.0f} TFLOP/s bf16, HBM {hw.hbm_bytes / GIGA:,.0f} GB at "
+          f"{hw.hbm_bytes_per_s / GIGA:,.0f} GB/s, intra-node {hw.intra_node_bytes_per_s / GIGA:,.0f} GB/s, "
+          f"NIC {hw.inter_node_bytes_per_s / GIGA:,.0f} GB/s per GPU")
+    peaks = report["peak_bytes"]
+    headers = ["layout", "peak GB", "fits", "compute s", "comm s", "exposed s", "step s", "tokens/s", "MFU"]
+    cells = [[r.layout, gb(peaks[r.layout]), "yes" if peaks[r.layout] <= hw.hbm_bytes else "no",
+              f"{r.compute_s:,.3f}", f"{r.comm_s:,.3f}", f"{r.exposed_s:,.3f}", f"{r.step_s:,.3f}",
+              count(r.tokens_per_s), f"{r.mfu_effective:.3f}"]
+             for r in ranked_steps(report["rows"], peaks, hw.hbm_bytes)]
+    print("\n".join(render(headers, cells, left=(0, 2), indent="  ")))
+    for e in report["errors"]:
+        print(f"  n/a: {e['error']}")
+    print(f"  ceiling (100% of peak, no communication): {count(report['ceiling_train'])} tokens/s training, "
+          f"{count(report['ceiling_forward'])} tokens/s forward only")
+    print(f"  peak GB: per GPU (1e9 bytes), as plan predicts it; fits: within the GPU's {hw.hbm_bytes / GIGA:,.0f} "
+          "GB (layouts that fit come first, fastest first); comm s: every byte at its link's bandwidth; exposed s: "
+          "what the overlap rules leave on the critical path (torchtsp.analysis.hardware); MFU: model FLOPs / "
+          "(GPUs x peak x step)")
+
+
 def _print_paper_cluster(p: dict) -> None:
     print()
     print("The paper's cluster throughput (1,024 MI300X, paper-7b, 128K, D = 8) beside our prediction:")
-    print(f"  {'':<22} {'paper':>10} {'ours':>10}")
-    print(f"  {'TSP tokens/s':<22} {p['paper_tsp']:>10.4g} {p['ours_tsp']:>10.4g}")
-    print(f"  {'TP+SP tokens/s':<22} {p['paper_tp_sp']:>10.4g} {p['ours_tp_sp']:>10.4g}  (ours: best TP x SP, "
+    print(f"  {'tokens/s':<28} {'paper':>13} {'ours':>13}")
+    print(f"  {'TSP':<28} {count(p['paper_tsp']):>13} {count(p['ours_tsp']):>13}")
+    print(f"  {'TP+SP':<28} {count(p['paper_tp_sp']):>13} {count(p['ours_tp_sp']):>13}  (ours: best TP x SP, "
           f"{p['ours_tp_sp_layout']})")
-    print(f"  {'ratio':<22} {p['paper_tsp'] / p['paper_tp_sp']:>10.2f} {p['ours_tsp'] / p['ours_tp_sp']:>10.2f}")
-    print(f"  physical ceiling: {p['ceiling_train']:.4g} tokens/s for a training step, "
-          f"{p['ceiling_forward']:.4g} for a forward alone (attention is {p['attention_flops_share']:.0%} of the "
+    print(f"  {'TP8 with Megatron-SP':<28} {'':>13} {count(p['ours_tp_seqpar']):>13}")
+    print(f"  {'ratio TSP / TP+SP':<28} {p['paper_tsp'] / p['paper_tp_sp']:>13.2f} "
+          f"{p['ours_tsp'] / p['ours_tp_sp']:>13.2f}")
+    print(f"  physical ceiling: {count(p['ceiling_train'])} tokens/s for a training step, "
+          f"{count(p['ceiling_forward'])} for a forward alone (attention is {p['attention_flops_share']:.0%} of the "
           "FLOPs at this context)")
-    print(f"  {'(ours, Megatron TP8 with sequence parallelism)':<22} {p['ours_tp_seqpar']:>10.4g}")
     print("  ceilings (100% of peak, no communication) under other ways of counting tokens:")
     for reading, ceiling in p["ceilings_by_reading"].items():
         verdict = "can hold" if ceiling >= p["paper_tsp"] else "cannot hold"
-        print(f"    {reading:<58} {ceiling:>10.4g}  {verdict} 173M")
+        print(f"    {reading:<58} {count(ceiling):>13}  {verdict} 173M")
     if p["paper_tsp_over_train_ceiling"] > 1:
         print(f"  The paper's 173M tokens/s is {p['paper_tsp_over_train_ceiling']:.1f}x the ceiling of a training "
               f"step of this model at 128K on 1,024 MI300X ({p['paper_tsp_over_forward_ceiling']:.1f}x that of a "

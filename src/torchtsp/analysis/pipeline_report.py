@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..argtypes import DTYPE_BYTES
 from ..config import get_preset
 from .pipeline_model import placement, predict_pipeline
 from .validation import check_gpu_mem, check_gpus, dumps
@@ -41,7 +42,7 @@ def run_pipeline_plan(args) -> int:
         raise ValueError("--seq-len and --batch-size must be positive")
     check_gpu_mem(args.gpu_mem)
     lay = resolve_layout(args)
-    e = 2 if args.dtype == "bf16" else 4
+    e = DTYPE_BYTES[args.dtype]
     plan = predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"], tsp=lay["tsp"],
                             microbatches=args.microbatches, schedule=args.schedule, dtype_bytes=e,
                             recompute=args.recompute)
@@ -56,9 +57,9 @@ def run_pipeline_plan(args) -> int:
         return 0
     M, pp = plan.microbatches, lay["pp"]
     nodes = f" ({lay['nodes']} nodes x {lay['gpus_per_node']})" if lay["nodes"] > 1 else ""
-    print(f"torchtsp plan: {args.preset} (L={cfg.n_layers}), B={args.batch_size}, S={args.seq_len}, {lay['gpus']} GPUs"
-          f"{nodes}, mesh pp={pp} x dp={lay['dp']} x tsp={lay['tsp']}, {M} microbatches, {args.schedule}, "
-          f"{args.dtype}{', recompute' if args.recompute else ''}")
+    print(f"torchtsp plan: {args.preset} (L={cfg.n_layers}), B={args.batch_size}, S={args.seq_len:,}, "
+          f"{lay['gpus']} GPUs{nodes}, mesh pp={pp} x dp={lay['dp']} x tsp={lay['tsp']}, {M} microbatches, "
+          f"{args.schedule}, {args.dtype}{', recompute' if args.recompute else ''}")
     if pp > 1:
         v = 2 if args.schedule == "interleaved_1f1b" else 1
         formula = "(pp-1)/(M+pp-1)" if v == 1 else "(pp-1)/(2M+pp-1)"

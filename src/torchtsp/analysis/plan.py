@@ -11,11 +11,13 @@ import argparse
 import functools
 from dataclasses import dataclass
 
+from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
+from .table import count, gb, render
 from .validation import axis_splits, check_gpu_mem, check_gpus, divisors, dumps
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
@@ -171,14 +173,16 @@ PAPER_NOTES = (
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="paper-7b", choices=list(PRESETS), help="model shape (default: paper-7b)")
-    parser.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default: 131072)")
+    parser.add_argument("--seq-len", type=length, default=131072, help="tokens per sequence; 32k = 32768 "
+                        "(default: 128k)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs to spread the model over (default: 8)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step, all GPUs together (default: 1)")
     parser.add_argument("--mode", choices=["train", "infer"], default="train",
                         help="train: one AdamW step; infer: one prefill with its KV cache (default: train)")
     parser.add_argument("--gpu-mem", type=float, default=80.0, metavar="GB", help="memory per GPU in GB (default: 80)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="model dtype; bf16 adds fp32 master weights (default: bf16)")
+    parser.add_argument("--dtype", type=dtype, choices=list(DTYPE_BYTES), default="bfloat16",
+                        help="model dtype, as train --dtype (bf16, fp32: the same); bfloat16 adds fp32 master "
+                             "weights (default: bfloat16)")
     parser.add_argument("--recompute", action="store_true",
                         help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=2,
@@ -223,7 +227,7 @@ def _zero(args) -> int:
 
 
 def _assumptions(args) -> list[str]:
-    e = 2 if args.dtype == "bf16" else 4
+    e = DTYPE_BYTES[args.dtype]
     lines = [f"{args.dtype} weights, gradients and activations"
              + (", fp32 master weights" if e == 2 else "")
              + (", AdamW (two fp32 moments), foreach step" if args.mode == "train" else ", prefill with KV cache")
@@ -237,41 +241,53 @@ def _assumptions(args) -> list[str]:
     return lines
 
 
-def _fmt_gb(nbytes: int) -> str:
-    return f"{nbytes / GB:.1f}"
+def ranked(rows: list[Row]) -> list[Row]:
+    """The table's order: layouts that fit first, by traffic per step (as ``recommend`` picks), then those that
+    do not, by peak memory, then those that cannot run."""
+    def key(r):
+        if r.error:
+            return (2, 0.0, 0.0)
+        return (0, r.comm.total, r.memory.total) if r.fits else (1, r.memory.total, r.comm.total)
+    return sorted(rows, key=key)
+
+
+def _table_row(r: Row, train: bool, zero: int) -> list[str]:
+    m, c = r.memory, r.comm
+    first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
+    plain = [gb(r.state_zero0)] if zero else []
+    return [r.layout.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
+            gb(c.layer_forward, 2), m.phase]
 
 
 def _print_table(cfg, args, rows, rec) -> None:
-    e = 2 if args.dtype == "bf16" else 4
-    print(f"torchtsp plan: {args.preset} (h={cfg.dim}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim}, "
-          f"V={cfg.vocab_size}), {args.mode}, B={args.batch_size}, S={args.seq_len}, {args.gpus} GPUs of "
+    e = DTYPE_BYTES[args.dtype]
+    print(f"torchtsp plan: {args.preset} (h={cfg.dim:,}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim:,}, "
+          f"V={cfg.vocab_size:,}), {args.mode}, B={args.batch_size}, S={count(args.seq_len)}, {args.gpus} GPUs of "
           f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}")
-    train = args.mode == "train"
-    cols = ("w+g+opt", "activations") if train else ("weights", "KV cache")
-    zero = _zero(args)
-    beside = f" {'(zero 0)':>9}" if zero else ""  # the model state without the distributed optimizer
-    head = f"{'layout':<14} {cols[0]:>11}{beside} {cols[1]:>11} {'peak GB':>8}  {'fits':<4} {'comm/step':>10} " \
-           f"{'fwd/layer':>10}  peak during"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        if r.error:
-            print(f"{r.layout.label:<14} {'n/a: ' + r.error}")
-            continue
-        m, c = r.memory, r.comm
-        first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
-        plain = f" {_fmt_gb(r.state_zero0):>9}" if zero else ""
-        print(f"{r.layout.label:<14} {_fmt_gb(first):>11}{plain} {_fmt_gb(second):>11} {_fmt_gb(m.total):>8}  "
-              f"{'yes' if r.fits else 'no':<4} {c.total / GB:>8.2f}GB {c.layer_forward / 1e6:>8.1f}MB  {m.phase}")
-    print("(GB = 1e9 bytes per GPU; comm/step: bytes received per GPU per step; fwd/layer: one layer's forward"
+    train, zero = args.mode == "train", _zero(args)
+    cols = ("w+g+opt GB", "activations GB") if train else ("weights GB", "KV cache GB")
+    beside = ["(zero 0) GB"] if zero else []  # the model state without the distributed optimizer
+    headers = ["layout", cols[0], *beside, cols[1], "peak GB", "fits", "comm GB/step", "fwd GB/layer", "peak during"]
+    cells, notes = [], []
+    for r in ranked(rows):
+        if r.error:  # every column keeps its place; the reason goes below the table
+            notes.append(f"({len(notes) + 1}) {r.layout.label}: {r.error}")
+            cells.append([r.layout.label, *["-"] * (len(headers) - 5), "n/a", "-", "-", f"see ({len(notes)})"])
+        else:
+            cells.append(_table_row(r, train, zero))
+    print("\n".join(render(headers, cells, left=(0, headers.index("fits"), len(headers) - 1))))
+    for note in notes:
+        print(note)
+    print(f"(per GPU; GB = 1e9 bytes; fits: the peak within --gpu-mem {args.gpu_mem:g} GB; layouts that fit come "
+          f"first, by traffic, the others by peak; comm: bytes received per step; fwd/layer: one layer's forward"
           + (f"; w+g+opt at --zero {zero} where dp > 1, (zero 0): the same without the distributed optimizer"
              if zero else "") + ")")
     print()
     print(f"recommended: {', '.join(rec['layouts']) or 'none'} - {rec['reason']}")
     bs = tsp_tp_crossover_tokens(cfg)
     tokens = args.batch_size * args.seq_len
-    print(f"TSP's forward traffic per layer is at most TP's when B·S >= {float(bs):.0f} tokens "
-          f"(P/(4h - 2h/g)); here B·S = {tokens} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
+    print(f"TSP's forward traffic per layer is at most TP's when B·S >= {count(float(bs))} tokens "
+          f"(P/(4h - 2h/g)); here B·S = {count(tokens)} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
     print("assumptions: " + "; ".join(_assumptions(args)) + f" ({e} bytes per element).")
 
 
@@ -280,7 +296,7 @@ def _print_paper(paper: list[dict]) -> None:
     print("The paper's measured peak memory per GPU (7B, 8 GPUs, B=1) beside our prediction:")
     print(f"  {'layout':<9} {'S':>7} {'paper GB':>9} {'ours GB':>8} {'ours-paper':>10}  our peak during")
     for p in paper:
-        print(f"  {p['layout']:<9} {p['seq_len']:>7} {p['paper_gb']:>9.1f} {p['predicted_gb']:>8.1f} "
+        print(f"  {p['layout']:<9} {count(p['seq_len']):>7} {p['paper_gb']:>9.1f} {p['predicted_gb']:>8.1f} "
               f"{p['difference_gb']:>+10.1f}  {p['peak_phase']}")
     for note in PAPER_NOTES:
         print(f"  - {note}")
@@ -290,7 +306,7 @@ def _sweep(cfg, args) -> list[dict]:
     out = []
     for S in SWEEP_LENGTHS:
         rows = evaluate(cfg, args.gpus, args.batch_size, S, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                        dtype_bytes=2 if args.dtype == "bf16" else 4, recompute=args.recompute, zero=_zero(args))
+                        dtype_bytes=DTYPE_BYTES[args.dtype], recompute=args.recompute, zero=_zero(args))
         out.append({"seq_len": S, "rows": rows, "recommendation": recommend(rows, args.gpu_mem)})
     return out
 
@@ -307,7 +323,7 @@ def _print_sweep(cfg, args, sweep) -> None:
         for r in item["rows"]:
             cells.append("-" if r.error else f"{r.memory.total / GB:.1f}" + ("" if r.fits else "*"))
         rec = item["recommendation"]
-        print(f"{item['seq_len']:>7} " + "".join(f"{c:>{width}}" for c in cells) + "  "
+        print(f"{count(item['seq_len']):>7} " + "".join(f"{c:>{width}}" for c in cells) + "  "
               + (", ".join(rec["layouts"]) + ("" if rec.get("fits") else " (nothing fits)")))
     print("assumptions: " + "; ".join(_assumptions(args)) + ".")
 
@@ -323,7 +339,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
         return run_pipeline_plan(args)
     cfg = _check_args(args)
-    dtype_bytes = 2 if args.dtype == "bf16" else 4
+    dtype_bytes = DTYPE_BYTES[args.dtype]
     paper = paper_comparison() if args.preset == "paper-7b" else None
     if args.sweep:
         sweep = _sweep(cfg, args)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..argtypes import length, length_list
 from ..config import PRESETS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
+from ..timeouts import BENCH_CELL_TIMEOUT_S
 
 ALL_SCHEMES = tuple(SCHEMES)
 DEFAULT_SCHEMES = ",".join(ALL_SCHEMES)
@@ -15,16 +17,6 @@ DEFAULT_SEQ_LENS = "256,512,1024,2048"
 # takes minutes, large enough that weights, activations and logits all matter to the per-rank peak.
 BENCH_MODEL = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=768, vocab_size=257)
 MODEL_FLAGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _scheme_list(text: str) -> list[str]:
@@ -59,8 +51,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks: local CPU ranks to spawn (default 4), or, under torchrun, must equal the world size")
     add("--batch-size", type=int, default=4, metavar="B", help="global batch in sequences, same for every scheme "
         "(default: 4)")
-    add("--seq-lens", type=_int_list, default=_int_list(DEFAULT_SEQ_LENS), metavar="LIST",
-        help=f"comma-separated sequence lengths to sweep (default: {DEFAULT_SEQ_LENS})")
+    add("--seq-lens", type=length_list, default=length_list(DEFAULT_SEQ_LENS), metavar="LIST",
+        help=f"comma-separated sequence lengths to sweep, 4k = 4096 (default: {DEFAULT_SEQ_LENS})")
     add("--warmup", type=int, default=1, metavar="N",
         help="untimed steps before the memory step and the timed ones (default: 1; the first counts bytes)")
     add("--steps", type=int, default=3, metavar="N", help="timed steps per cell; the median is reported (--mode "
@@ -82,18 +74,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              "(schemes tsp, tp, sp, dp); serve: a load test of `torchtsp serve` per scheme (vllm bench serve's "
              "figures: TTFT, TPOT, ITL, E2EL, throughput, goodput)")
     add_serve_bench_arguments(parser)
-    add("--prompt-lens", type=_int_list, default=_int_list("256,512,1024,2048"), metavar="LIST",
+    add("--prompt-lens", type=length_list, default=length_list("256,512,1024,2048"), metavar="LIST",
         help="--mode infer: comma-separated prompt lengths (default: 256,512,1024,2048)")
-    add("--new-tokens", type=int, default=32, metavar="N", help="--mode infer: tokens generated (default: 32)")
+    add("--new-tokens", type=length, default=32, metavar="N", help="--mode infer: tokens generated (default: 32)")
     add("--max-context-under", type=_positive_float, metavar="GB",
         help="--mode infer, instead of the sweep: per scheme, the longest prompt whose measured per-rank peak "
              "(prefill and decode) stays within GB GiB")
     add("--max-seq-under", type=_positive_float, metavar="GB",
         help="instead of the sweep: for each scheme, the longest sequence (doubling from --max-seq-start) whose "
              "measured per-rank peak stays within GB GiB (2^30 bytes)")
-    add("--max-seq-start", type=int, default=256, metavar="S", help="first sequence length of the search "
+    add("--max-seq-start", type=length, default=256, metavar="S", help="first sequence length of the search "
         "(default: 256)")
-    add("--max-seq-cap", type=int, default=65536, metavar="S", help="longest sequence the search tries "
+    add("--max-seq-cap", type=length, default=65536, metavar="S", help="longest sequence the search tries "
         "(default: 65536)")
     add("--out", default="benchmarks/results/latest", metavar="DIR",
         help="where results.{json,md} and the plots go (max_seq.{json,md,png} with --max-seq-under; "
@@ -106,8 +98,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "peak and stage-boundary bytes")
     add("--microbatches", type=int, metavar="M", help="with --pp: microbatches per step (default: N)")
     add("--schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b", help="with --pp: schedule (default: 1f1b)")
-    add("--timeout-s", type=_positive_float, default=600.0, metavar="S",
-        help="limit for one (scheme, sequence length) cell on all ranks, and for each collective (default: 600)")
+    add("--timeout-s", type=_positive_float, default=BENCH_CELL_TIMEOUT_S, metavar="S",
+        help="seconds one (scheme, sequence length) cell may take on all ranks, and each of its collectives: "
+             "longer means a hung rank; a cell's warm-up, memory and timed steps at the longest S on loaded CPU "
+             f"ranks stay within it (default: {BENCH_CELL_TIMEOUT_S:g})")
+
 
 
 def _rate_list(text: str) -> list[float]:

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from ..schemes import SCHEMES, inference_schemes
+from ..timeouts import COLLECTIVE_TIMEOUT_S
 
 INFER_SCHEMES = inference_schemes()
 
@@ -29,7 +30,7 @@ class InferCell:
     seed: int = 0
     schedule: str = "auto"
     prefill_chunk: int | None = None
-    timeout_s: float = 300.0
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 def _build(cell: InferCell):

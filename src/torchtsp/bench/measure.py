@@ -33,6 +33,7 @@ from ..memory import measure_peak
 from ..model import Transformer
 from ..parallel import parallelize
 from ..schemes import get_scheme
+from ..timeouts import BENCH_CELL_TIMEOUT_S
 from ..train.optim import build_adamw
 from ..train.zero import ZeroOptimizer
 
@@ -53,7 +54,7 @@ class CellSpec:
     options: dict = field(default_factory=dict)
     mode: str = "sweep"  # "sweep": count, measure, time; "memory": measure the peak only
     seed: int = 0
-    timeout_s: float = 600.0
+    timeout_s: float = BENCH_CELL_TIMEOUT_S
     documents: int = 0  # packed rows of documents of this mean length (0: one sequence per row)
     zero: int = 0  # the distributed optimizer's level over dp (train/zero.py; effective when dp > 1)
 

@@ -6,6 +6,7 @@ Plots use matplotlib's object-oriented API on the Agg canvas (no pyplot, no glob
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..schemes import SCHEMES
@@ -17,10 +18,36 @@ SCHEME_ORDER = tuple(SCHEMES)  # the registry's order
 # torch_tp have the same memory) visible.
 COLORS = {s.name: s.color for s in SCHEMES.values()}
 MARKERS = {s.name: s.marker for s in SCHEMES.values()}
+# Each series also has its own line style, by its place in the registry's order; hollow markers shrink along that
+# order so that coinciding ones nest, and each series is shifted by its own small fraction of an octave along S
+# (DODGE), so none hides another.
+LINESTYLES = ("-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1)), (0, (3, 2)))
+DODGE = 0.04  # octaves between neighbouring series along a log2 S axis
 
 
-def _style(scheme: str, line: str = "-") -> str:
-    return MARKERS.get(scheme, "o") + line
+def _style(scheme: str, line: bool = True) -> dict:
+    size = 9.0 - 0.8 * min(_rank(scheme), len(SCHEME_ORDER))
+    style = LINESTYLES[_rank(scheme) % len(LINESTYLES)] if line else "none"
+    return dict(marker=MARKERS.get(scheme, "o"), linestyle=style,
+                color=COLORS.get(scheme), markersize=size, markerfacecolor="none", markeredgewidth=1.4)
+
+
+def _dodged(xs, index: int, count: int) -> list[float]:
+    """``xs`` shifted by the series' own fraction of an octave: series ``index`` of ``count`` on one axis."""
+    shift = 2 ** (DODGE * (index - (count - 1) / 2))
+    return [x * shift for x in xs]
+
+
+def series_label(scheme: str, mesh: str | None) -> str:
+    """A series' name: the scheme, or the layout it really ran when an axis of a scheme of several axes has
+    size 1 (tp_sp on 2 ranks is tp=2 x sp=1: plain TP2)."""
+    axes = SCHEMES[scheme].axes if scheme in SCHEMES else ()
+    sizes = dict(part.split("=") for part in (mesh or "").split(" x ") if "=" in part)
+    idle = [a for a in axes if a not in sizes]
+    if len(axes) < 2 or not idle or len(idle) == len(axes):
+        return scheme
+    live = "x".join(f"{a.upper()}{sizes[a]}" for a in axes if a in sizes)
+    return f"{live} ({scheme}, {', '.join(f'{a}=1' for a in idle)})"
 
 
 def _rank(scheme: str) -> int:
@@ -143,69 +170,131 @@ def _by_scheme(cells, key):
     return {s: sorted(series[s]) for s in _order(series)}
 
 
+def _meshes(cells) -> dict[str, str]:
+    return {c["scheme"]: c.get("mesh") for c in cells if c.get("status", "ok") == "ok"}
+
+
+def plain_number(value: float, _pos=None) -> str:
+    """A tick label as people write numbers (90, 1.5, 12,000), never 9×10¹."""
+    if value >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def _nice_ticks(lo: float, hi: float) -> list[float]:
+    """Three to eight round values (1-2-5 per decade, finer when the range is narrow) within [lo, hi]; for a
+    range too narrow for that, the round values around it."""
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9), tuple(m / 10 for m in range(10, 100))):
+        ticks = [round(m * 10.0**d, 12) for d in range(first - 1, last + 1) for m in mantissas]
+        inside = [t for t in ticks if lo <= t <= hi]
+        if len(inside) >= 3:
+            return inside[::-(-len(inside) // 8)]
+    below, above = [t for t in ticks if t < lo], [t for t in ticks if t > hi]
+    return [below[-1], *inside, *above[:3 - len(inside) - 1]]
+
+
+def _log_axis(ax, values) -> None:
+    """A log y axis with explicit round ticks (matplotlib would label a narrow range once, or not at all) and
+    plain number labels."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    values = [v for v in values if v and v > 0]
+    ax.set_yscale("log")
+    if not values:
+        return
+    ticks = _nice_ticks(min(values), max(values))
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(plain_number))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(min(ticks[0], min(values)) / 1.15, max(ticks[-1], max(values)) * 1.15)
+
+
 def _seq_axis(ax, seq_lens):
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(seq_lens))
-    ax.set_xticklabels([str(s) for s in sorted(seq_lens)])
-    ax.set_xlabel("sequence length S")
+    ax.xaxis.set_major_locator(FixedLocator(sorted(seq_lens)))
+    ax.xaxis.set_major_formatter(FuncFormatter(plain_number))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("sequence length S (series shifted a little apart)")
     ax.grid(True, which="both", alpha=0.3)
 
 
-def plot_memory(result: dict, path: Path) -> Path:
+def memory_figure(result: dict):
     cells, meta = result["cells"], result["meta"]
     fig, ax = _figure()
     measured, predicted = _by_scheme(cells, "peak_bytes"), _by_scheme(cells, "predicted_peak_bytes")
+    order, meshes = _order([*measured, *predicted]), _meshes(cells)
     for s, pts in measured.items():
-        ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=f"{s}")
+        ax.plot(_dodged([p[0] for p in pts], order.index(s), len(order)), [p[1] / MiB for p in pts], **_style(s),
+                label=series_label(s, meshes.get(s)))
     for s, pts in predicted.items():
-        ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], "--", color=COLORS.get(s), alpha=0.6,
-                label=f"{s} predicted")
-    ax.set_yscale("log")
+        ax.plot(_dodged([p[0] for p in pts], order.index(s), len(order)), [p[1] / MiB for p in pts],
+                linestyle=(0, (1, 2)), lw=1, color=COLORS.get(s), alpha=0.6,
+                label=f"{series_label(s, meshes.get(s))} predicted")
+    _log_axis(ax, [p[1] / MiB for pts in (*measured.values(), *predicted.values()) for p in pts])
     ax.set_ylabel("per-rank peak live memory (MiB)")
     _seq_axis(ax, {c["seq_len"] for c in cells})
     ax.set_title(f"Peak memory per rank, {meta['world']} ranks, B={meta['batch']}", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def plot_memory(result: dict, path: Path) -> Path:
+    memory_figure(result).savefig(path)
     return path
 
 
-def plot_throughput(result: dict, path: Path) -> Path:
+def throughput_figure(result: dict):
     cells, meta = result["cells"], result["meta"]
     fig, ax = _figure()
-    for s, pts in _by_scheme(cells, "tokens_per_s").items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(s), color=COLORS.get(s), label=s)
-    ax.set_yscale("log")
+    series, meshes = _by_scheme(cells, "tokens_per_s"), _meshes(cells)
+    for i, (s, pts) in enumerate(series.items()):
+        ax.plot(_dodged([p[0] for p in pts], i, len(series)), [p[1] for p in pts], **_style(s),
+                label=series_label(s, meshes.get(s)))
+    _log_axis(ax, [p[1] for pts in series.values() for p in pts])
     ax.set_ylabel("tokens/s (forward + backward + AdamW)")
     _seq_axis(ax, {c["seq_len"] for c in cells})
     ax.set_title(f"Training throughput, {meta['world']} ranks ({meta['device']}), B={meta['batch']}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def plot_throughput(result: dict, path: Path) -> Path:
+    throughput_figure(result).savefig(path)
     return path
 
 
-def plot_bytes(result: dict, path: Path) -> Path:
+def bytes_figure(result: dict):
     """Bytes received per rank vs S: predicted (dashed lines) and counted (markers), forward and whole step.
     Cells whose count differs from the prediction are marked with a black cross."""
     cells = [c for c in result["cells"] if c["status"] == "ok" and c.get("forward_bytes") is not None]
     fig, axes = _figure(10.0, 4.4, ncols=2)
     tiny = sorted({c["scheme"] for c in cells if c["predicted_forward_bytes"] < 1024})
+    order, meshes = _order(c["scheme"] for c in cells), _meshes(cells)
     for ax, (key, pred, match, title) in zip(axes, (
             ("forward_bytes", "predicted_forward_bytes", "bytes_match", "one forward"),
             ("step_bytes", "predicted_step_bytes", "step_bytes_match", "one whole step"))):
-        for s in _order(c["scheme"] for c in cells):
+        shown = []
+        for i, s in enumerate(order):
             pts = sorted((c["seq_len"], c[pred], c[key], c[match]) for c in cells if c["scheme"] == s
                          and c[pred] >= 1024)
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], "--", color=COLORS.get(s), alpha=0.7)
-            ax.plot([p[0] for p in pts], [p[2] / MiB for p in pts], _style(s, ""), color=COLORS.get(s), label=s)
-            bad = [p for p in pts if not p[3]]
+            xs = _dodged([p[0] for p in pts], i, len(order))
+            ax.plot(xs, [p[1] / MiB for p in pts], "--", color=COLORS.get(s), alpha=0.7)
+            ax.plot(xs, [p[2] / MiB for p in pts], **_style(s, line=False), label=series_label(s, meshes.get(s)))
+            shown += [v / MiB for p in pts for v in (p[1], p[2])]
+            bad = [(x, p) for x, p in zip(xs, pts) if not p[3]]
             if bad:
-                ax.plot([p[0] for p in bad], [p[2] / MiB for p in bad], "kx", ms=12, mew=2)
+                ax.plot([x for x, _ in bad], [p[2] / MiB for _, p in bad], "kx", ms=12, mew=2)
         ok = sum(bool(c[match]) for c in cells)
-        ax.set_yscale("log")
+        _log_axis(ax, shown)
         ax.set_ylabel("MiB received per rank")
         _seq_axis(ax, {c["seq_len"] for c in cells})
         ax.set_title(f"{title}: {ok}/{len(cells)} cells exactly as predicted", fontsize=9)
@@ -214,7 +303,11 @@ def plot_bytes(result: dict, path: Path) -> Path:
         axes[0].text(0.02, 0.02, f"not shown (< 1 KiB): {', '.join(tiny)}", transform=axes[0].transAxes, fontsize=7)
     fig.suptitle("Communication counted by the comm layer (markers) vs predicted (dashed)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def plot_bytes(result: dict, path: Path) -> Path:
+    bytes_figure(result).savefig(path)
     return path
 
 
@@ -265,16 +358,19 @@ def max_seq_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_max_seq(result: dict, path: Path) -> Path:
+def max_seq_figure(result: dict):
     fig, ax = _figure()
-    seqs = set()
-    for s in _order(result["schemes"]):
+    seqs, shown = set(), [result["budget_bytes"] / MiB]
+    order = _order(result["schemes"])
+    for i, s in enumerate(order):
         pts = [(t["seq_len"], t["peak_bytes"]) for t in result["schemes"][s]["tried"] if t["status"] == "ok"]
         if pts:
             seqs |= {p[0] for p in pts}
-            ax.plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=s)
+            shown += [p[1] / MiB for p in pts]
+            ax.plot(_dodged([p[0] for p in pts], i, len(order)), [p[1] / MiB for p in pts], **_style(s),
+                    label=series_label(s, result["schemes"][s].get("mesh")))
     ax.axhline(result["budget_bytes"] / MiB, color="k", ls=":", lw=1, label=f"budget {result['budget_gib']:g} GiB")
-    ax.set_yscale("log")
+    _log_axis(ax, shown)
     ax.set_ylabel("measured per-rank peak (MiB)")
     if seqs:
         _seq_axis(ax, seqs)
@@ -282,7 +378,11 @@ def plot_max_seq(result: dict, path: Path) -> Path:
                  fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def plot_max_seq(result: dict, path: Path) -> Path:
+    max_seq_figure(result).savefig(path)
     return path
 
 
@@ -328,13 +428,15 @@ def infer_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_infer(result: dict, path: Path) -> Path:
+def infer_figure(result: dict):
     rows = [r for r in result["infer"] if "error" not in r]
     fig, axes = _figure(width=12.8, ncols=2)
-    for s in _order(r["scheme"] for r in rows):
+    order = _order(r["scheme"] for r in rows)
+    for i, s in enumerate(order):
         pts = sorted((r["prompt_len"], r["peak_bytes_per_rank"], r["tpot_s"]) for r in rows if r["scheme"] == s)
-        axes[0].plot([p[0] for p in pts], [p[1] / MiB for p in pts], _style(s), color=COLORS.get(s), label=s)
-        axes[1].plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], _style(s), color=COLORS.get(s), label=s)
+        xs = _dodged([p[0] for p in pts], i, len(order))
+        axes[0].plot(xs, [p[1] / MiB for p in pts], **_style(s), label=s)
+        axes[1].plot(xs, [p[2] * 1e3 for p in pts], **_style(s), label=s)
     for ax, title, unit in ((axes[0], "per-rank peak memory (generate)", "MiB"),
                             (axes[1], "time per output token", "ms")):
         _seq_axis(ax, sorted({r["prompt_len"] for r in rows}))
@@ -342,7 +444,11 @@ def plot_infer(result: dict, path: Path) -> Path:
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.legend()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def plot_infer(result: dict, path: Path) -> Path:
+    infer_figure(result).savefig(path, dpi=110, bbox_inches="tight")
     return path
 
 

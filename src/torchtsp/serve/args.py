@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..argtypes import length
 from ..schemes import SCHEMES
+from ..timeouts import SERVE_TIMEOUT_S
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
@@ -14,7 +16,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     source.add_argument("--checkpoint", metavar="RUN", help="a training run folder or one of its step folders")
     source.add_argument("--preset", choices=list(presets), help="random weights of a preset shape (default: tiny)")
     add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
-    add("--scheme", default="tsp", help=f"parallel scheme: {', '.join(SCHEMES.servable())} (default: tsp)")
+    add("--scheme", default="tsp", choices=list(SCHEMES.servable()), help="parallel scheme (default: tsp)")
     for axis in ("tsp", "tp", "sp"):
         add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
     add("--nproc", type=int, help="local ranks to spawn when not under torchrun (default: the degree, or 1)")
@@ -28,13 +30,14 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "folder's or preset's name)")
     add("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
     add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256)")
-    add("--max-model-len", type=int, help="prompt + new tokens per request at most (default: the model's "
+    add("--max-model-len", type=length, help="prompt + new tokens per request at most (default: the model's "
         "max_seq_len); the KV cache holds --max-batch such sequences")
     add("--chat-template", metavar="FILE", help="jinja2 chat template (default: the tokenizer's chat_template.jinja, "
         "else tokenizer_config.json's)")
-    add("--prefill-chunk", type=int, default=512, help="prefill at most this many tokens per prompt at a time "
+    add("--prefill-chunk", type=length, default=512, help="prefill at most this many tokens per prompt at a time "
         "(default: 512)")
     add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "
         "per phase by tokens in flight (default)")
-    add("--timeout-s", type=float, default=60.0, help="collective timeout in seconds: a hung rank fails the "
-        "server after this long (default: 60)")
+    add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "
+        "before the server fails (503, requests fail): a decode step takes well under a second, so that long means "
+        f"a hung rank, and clients should not wait longer (default: {SERVE_TIMEOUT_S:g})")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import PRESETS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
+from ..timeouts import COLLECTIVE_TIMEOUT_S
 
 # ZeRO-2 by default: the same bytes and float operations as ZeRO-1 (both reduce each backward pass as it ends),
 # and less memory (README, "Distributed optimizer").
@@ -49,6 +50,9 @@ class TrainConfig:
     skip_nonfinite: int = 0  # steps with a non-finite loss or gradient norm that may be skipped before failing
     data: str | None = None  # a dataset or a blend (torchtsp.data.sources); default: the Python standard library
     tokenizer: str | None = None  # folder of the model's tokenizer.json (default: --init-from-hf's, else bytes)
+    # A preset's vocabulary (rows of the embedding and the head). None: the preset's own with the byte tokenizer,
+    # else the tokenizer's size rounded up (preset_vocab_size). A checkpoint's vocabulary is its own.
+    vocab_size: int | None = None
     eval_data: str | None = None  # evaluation dataset (same forms as data)
     eval_every: int = 0  # evaluate every N steps (0: only at the end, when eval_data is given)
     eval_batches: int | None = None  # batches per evaluation (default: the whole eval set, capped)
@@ -70,9 +74,9 @@ class TrainConfig:
     zero_bucket_mb: float = 32.0  # float32 gradient bucket of one reduce-scatter (all dp rows together)
     recompute: bool = False
     seed: int = 0
-    sample_tokens: int = 64  # greedy continuation printed after training (0: none)
+    sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "
-    timeout_s: float = 300.0
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
     mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
 
     def __post_init__(self):
@@ -80,7 +84,7 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), hints[f.name]))
         at_least = {"dp": 1, "tp": 1, "sp": 1, "tsp": 1, "pp": 1, "microbatches": 1, "nproc": 1,
-                     "batch_size": 1, "seq_len": 1, "steps": 1,
+                     "batch_size": 1, "seq_len": 1, "steps": 1, "vocab_size": 1,
                     "warmup_steps": 0, "skip_nonfinite": 0, "checkpoint_every": 0, "keep_last": 1,
                     "sample_tokens": 0, "mem_every": 0, "seed": 0, "eval_every": 0, "eval_batches": 1,
                     "grad_accum": 1}
@@ -108,6 +112,9 @@ class TrainConfig:
         if self.zero and not SCHEMES[self.scheme].zero:
             raise ValueError(f"{_name('zero')} {self.zero}: scheme {self.scheme!r} has no distributed optimizer over "
                              f"dp (its parameters are DTensors); use --zero 0 or another scheme")
+        if self.vocab_size is not None and self.init_from_hf:
+            raise ValueError(f"{_name('vocab_size')} applies to presets trained from scratch; the checkpoint of "
+                             f"--init-from-hf {self.init_from_hf} fixes the vocabulary: drop --vocab-size")
         if self.microbatches is not None and self.pp == 1:
             raise ValueError(f"{_name('microbatches')} applies to pipeline stages; give --pp N (N >= 2) or drop it")
         if self.eval_every and not self.eval_data:

@@ -15,6 +15,42 @@ from ..data.tokenizers import ByteTokenizer, Tokenizer, hf_folder_tokenizer, loa
 from ..layers import IGNORE_INDEX
 
 EVAL_BATCH_CAP = 50  # default --eval-batches: the whole eval set, but at most this many batches
+# A preset trained with --tokenizer takes the tokenizer's size rounded up to a multiple of this. Every scheme runs
+# any V (TP and TSP pad their slices of the embedding and head with zero rows when D does not divide V), but a
+# multiple of 128 splits into equal slices without padding rows for every power-of-two degree D <= 128, and keeps
+# the head GEMM's width aligned, as Megatron's --make-vocab-size-divisible-by does.
+VOCAB_MULTIPLE = 128
+
+
+def preset_vocab_size(cfg, preset_vocab: int) -> int:
+    """The vocabulary of a preset: the checkpoint's when resuming, else --vocab-size, else that of --tokenizer
+    rounded up to VOCAB_MULTIPLE, else the preset's own (its shape was made for the byte tokenizer)."""
+    if cfg.resume:
+        from . import checkpoint
+
+        return checkpoint.read_meta(checkpoint.resolve(cfg.resume))["model"]["vocab_size"]
+    if cfg.vocab_size is not None:
+        return cfg.vocab_size
+    if cfg.tokenizer and str(cfg.tokenizer) != "byte":
+        size = load_tokenizer(cfg.tokenizer).vocab_size
+        return -(-size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return preset_vocab
+
+
+def check_tokenizer_fits(cfg, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer with ids the model has no rows for, naming what fixed the model's vocabulary."""
+    if tokenizer.vocab_size <= vocab_size:
+        return
+    if cfg.resume or cfg.init_from_hf:
+        flag = f"--resume {cfg.resume}" if cfg.resume else f"--init-from-hf {cfg.init_from_hf}"
+        fixed, fix = f"the checkpoint of {flag}", "give that model's own tokenizer"
+    elif cfg.vocab_size is not None:
+        fixed, fix = f"--vocab-size {cfg.vocab_size}", f"raise --vocab-size to at least {tokenizer.vocab_size}"
+    else:
+        fixed = f"preset {cfg.preset}"
+        fix = "give --tokenizer DIR (the preset then takes its vocabulary) or --vocab-size"
+    raise ValueError(f"the tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} ids but the model's vocabulary, "
+                     f"fixed by {fixed}, has {vocab_size}; {fix}")
 
 
 def model_tokenizer(tokenizer: str | None, init_from_hf: str | None) -> tuple[Tokenizer, str | None]:
@@ -51,6 +87,7 @@ class TrainData:
 
     def __init__(self, cfg, vocab_size: int, check: bool = True):
         self.tokenizer, self.notice = model_tokenizer(cfg.tokenizer, cfg.init_from_hf)
+        check_tokenizer_fits(cfg, self.tokenizer, vocab_size)
         self.mask_eos = None  # the EOS id that ends documents under a document mask
         if cfg.document_mask:
             self.mask_eos = self.tokenizer.eos_id

@@ -55,7 +55,12 @@ def model_config_and_weights(cfg: TrainConfig):
 
         model_cfg, weights = open_hf_weights(cfg.init_from_hf)
     else:
+        from .data import preset_vocab_size
+
         model_cfg, weights = get_preset(cfg.preset), None
+        vocab = preset_vocab_size(cfg, model_cfg.vocab_size)
+        if vocab != model_cfg.vocab_size:
+            model_cfg = model_cfg.replace(vocab_size=vocab)
     if cfg.seq_len > model_cfg.max_seq_len:
         model_cfg = model_cfg.replace(max_seq_len=cfg.seq_len)
     return model_cfg, weights

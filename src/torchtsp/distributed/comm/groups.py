@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ...runenv import launched_by_torchrun
+from ...timeouts import COLLECTIVE_TIMEOUT_S
 
-DEFAULT_TIMEOUT_S = float(300)
+DEFAULT_TIMEOUT_S = COLLECTIVE_TIMEOUT_S  # torchtsp.timeouts says why
 
 # ---------------------------------------------------------------- process group
 
