@@ -74,6 +74,7 @@ class PagedScheduler:
         self.num_preemptions = 0
         self._arrivals = 0
         self._step = 0
+        self._pending: PagedPlan | None = None  # scheduled, not yet updated
 
     def add_request(self, seq_id: int, prompt: Sequence[int], max_tokens: int) -> None:
         """Queue a request, or refuse one that could never fit the whole cache, even alone."""
@@ -111,6 +112,8 @@ class PagedScheduler:
     def schedule(self) -> PagedPlan:
         """The next step: running sequences first (oldest first; decodes and unfinished prefills), then
         waiting ones in arrival order while blocks, the token budget and the sequence cap allow."""
+        if self._pending is not None:
+            raise RuntimeError(f"step {self._pending.step} was scheduled but never updated: call update first")
         plan = PagedPlan(self._step, finished=self.finished)
         self.finished = []
         self._step += 1
@@ -119,6 +122,7 @@ class PagedScheduler:
             self._schedule_waiting(plan, budget)
         for seq_id in plan.scheduled():
             plan.block_tables[seq_id] = list(self.blocks.tables[seq_id])
+        self._pending = plan
         return plan
 
     def _schedule_running(self, plan: PagedPlan, budget: int) -> int:
@@ -169,6 +173,10 @@ class PagedScheduler:
         """After the ranks ran ``plan``: advance every scheduled sequence; one that computed its last token
         takes its sampled token and finishes at EOS, ``max_tokens`` or when the caller ``stopped`` it (stop
         strings). Full blocks just computed join the prefix cache."""
+        if plan is not self._pending:
+            raise RuntimeError(f"update of step {plan.step}, but the step in flight is "
+                               f"{getattr(self._pending, 'step', None)}")
+        self._pending = None
         stopped = set(stopped)
         for seq_id, n in plan.scheduled().items():
             seq = self.seqs.get(seq_id)
