@@ -1,0 +1,201 @@
+"""Rank 0's scheduling policy over the paged cache (docs/design.md, "Serving: the paged cache"): a pure class,
+driven step by step (``schedule`` then ``update`` with the step's sampled tokens), that owns the waiting
+queue, the running sequences and the ``KVBlockManager``.
+
+Every sequence carries all its tokens (prompt, then generated) and how many of them have K/V in the cache;
+a step computes the next tokens of each scheduled sequence, and one that reaches its last token samples the
+next. So a decode is a one-token step, a prompt is prefilled in chunks, and a preempted sequence is simply
+reset to nothing computed: its prompt and generated tokens become the prompt it recomputes.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .blocks import KVBlockManager
+
+
+class RequestTooLong(ValueError):
+    """A request that could never fit the whole cache (a 400 for the HTTP side)."""
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    tokens: list[int]  # prompt, then generated tokens
+    prompt_len: int
+    max_tokens: int
+    arrival: int
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: str = "waiting"  # waiting | running | preempted | finished
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class PagedPlan:
+    """One step, as the ranks need it."""
+
+    step: int
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)  # (seq id, first position, tokens)
+    decode: list[int] = field(default_factory=list)  # seq ids computing their last token
+    preempted: list[int] = field(default_factory=list)  # seq ids whose blocks were freed this step
+    finished: list[tuple[int, str]] = field(default_factory=list)  # (seq id, reason) since the last plan
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # of every scheduled sequence
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # admitted this step: prefix cache hits
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.prefill) + len(self.decode)
+
+    def scheduled(self) -> dict[int, int]:
+        """Tokens each sequence computes this step."""
+        return {**{s: n for s, _, n in self.prefill}, **dict.fromkeys(self.decode, 1)}
+
+
+class PagedScheduler:
+    """FIFO admission by free blocks, a per-step token budget and a sequence cap; preemption of the newest."""
+
+    def __init__(self, blocks: KVBlockManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
+                 eos_token_id: int | None = None):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
+                             f"({max_num_seqs}) must be >= 1")
+        self.blocks, self.eos_token_id = blocks, eos_token_id
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: collections.deque[SeqState] = collections.deque()
+        self.running: list[SeqState] = []  # in admission order: the last is the newest
+        self.seqs: dict[int, SeqState] = {}
+        self.finished: list[tuple[int, str]] = []  # reported in the next plan
+        self.num_preemptions = 0
+        self._arrivals = 0
+        self._step = 0
+        self._pending: PagedPlan | None = None  # scheduled, not yet updated
+
+    def add_request(self, seq_id: int, prompt: Sequence[int], max_tokens: int) -> None:
+        """Queue a request, or refuse one that could never fit the whole cache, even alone."""
+        if seq_id in self.seqs:
+            raise ValueError(f"request id {seq_id} is already scheduled")
+        if not prompt or max_tokens < 1:
+            raise ValueError(f"a request needs a prompt and max_tokens >= 1 (got {len(prompt)} tokens, "
+                             f"max_tokens {max_tokens})")
+        need = len(prompt) + max_tokens - 1  # the last sampled token is never written to the cache
+        if not self.blocks.fits_ever(need):
+            raise RequestTooLong(
+                f"request needs {need} tokens of KV cache (prompt {len(prompt)} + max_tokens {max_tokens} - 1) "
+                f"but the whole cache holds {self.blocks.capacity_tokens} tokens; shorten the prompt or "
+                f"max_tokens, or raise --kv-cache-mb")
+        seq = SeqState(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals)
+        self._arrivals += 1
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, seq_id: int) -> bool:
+        """Drop a request wherever it is (queued, running, preempted), freeing its blocks at once."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "cancelled")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> PagedPlan:
+        """The next step: running sequences first (oldest first; decodes and unfinished prefills), then
+        waiting ones in arrival order while blocks, the token budget and the sequence cap allow."""
+        if self._pending is not None:
+            raise RuntimeError(f"step {self._pending.step} was scheduled but never updated: call update first")
+        plan = PagedPlan(self._step, finished=self.finished)
+        self.finished = []
+        self._step += 1
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:  # blocks just ran out: admitting now would only preempt again
+            self._schedule_waiting(plan, budget)
+        for seq_id in plan.scheduled():
+            plan.block_tables[seq_id] = list(self.blocks.tables[seq_id])
+        self._pending = plan
+        return plan
+
+    def _schedule_running(self, plan: PagedPlan, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self.blocks.append_slots(seq.seq_id, n):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            else:
+                self._add(plan, seq, n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: PagedPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = len(self.blocks.cached_prefix(seq.tokens)) * self.blocks.block_tokens
+            n = min(len(seq.tokens) - cached, budget)
+            if self.blocks.allocate(seq.seq_id, seq.tokens, n) is None:
+                break  # FIFO: the head waits for blocks, nobody overtakes it (no starvation)
+            self.waiting.popleft()
+            seq.num_computed, seq.status = cached, "running"
+            self.running.append(seq)
+            plan.cached_tokens[seq.seq_id] = cached
+            plan.prefill.append((seq.seq_id, cached, n))  # a (re)admitted sequence always starts as a prefill
+            budget -= n
+
+    def _add(self, plan: PagedPlan, seq: SeqState, n: int) -> None:
+        if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:
+            plan.decode.append(seq.seq_id)
+        else:
+            plan.prefill.append((seq.seq_id, seq.num_computed, n))
+
+    def _preempt(self, seq: SeqState, plan: PagedPlan) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed, seq.status = 0, "preempted"
+        self.waiting.appendleft(seq)  # older preempted ones are pushed later, so they end up in front
+        plan.preempted.append(seq.seq_id)
+        self.num_preemptions += 1
+
+    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] = ()) -> None:
+        """After the ranks ran ``plan``: advance every scheduled sequence; one that computed its last token
+        takes its sampled token and finishes at EOS, ``max_tokens`` or when the caller ``stopped`` it (stop
+        strings). Full blocks just computed join the prefix cache."""
+        if plan is not self._pending:
+            raise RuntimeError(f"update of step {plan.step}, but the step in flight is "
+                               f"{getattr(self._pending, 'step', None)}")
+        self._pending = None
+        stopped = set(stopped)
+        for seq_id, n in plan.scheduled().items():
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.status != "running":
+                continue  # cancelled while the step ran
+            seq.num_computed += n
+            self.blocks.cache_blocks(seq_id, seq.tokens, seq.num_computed)
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk short of the last token: nothing sampled
+            token = sampled[seq_id]
+            seq.tokens.append(token)
+            reason = ("stop" if token == self.eos_token_id or seq_id in stopped
+                      else "length" if seq.num_generated >= seq.max_tokens else None)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+
+    def _finish(self, seq: SeqState, reason: str) -> None:
+        self.blocks.free(seq.seq_id)
+        seq.status = "finished"
+        del self.seqs[seq.seq_id]
+        self.finished.append((seq.seq_id, reason))
