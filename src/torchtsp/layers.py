@@ -12,6 +12,7 @@ projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -298,6 +299,41 @@ def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+
+# ---------------------------------------------------------------- the decoder block
+
+
+class Placement(NamedTuple):
+    """Where one decoder block's parts run: the strategies a scheme (or an inference engine) supplies.
+
+    ``attention(h, cache)`` and ``mlp(h)`` return the residual's addend, complete on every rank that holds the
+    residual (the strategy owns its collectives: TP's row-parallel sums, SP's K/V gather, TSP's broadcasts and
+    rings, an engine's cache and exchanges); ``attention_norm`` and ``ffn_norm`` map the residual to the
+    sublayer's input (``rms_norm`` with this scheme's view of the weight)."""
+
+    attention_norm: Callable[[torch.Tensor], torch.Tensor]
+    attention: Callable[[torch.Tensor, object], torch.Tensor]
+    ffn_norm: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+
+
+def block_forward(x: torch.Tensor, place: Placement, cache=None) -> torch.Tensor:
+    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)). Training passes no
+    ``cache``; an inference engine passes what its attention strategy reads and writes (its KV cache step)."""
+    x = x + place.attention(place.attention_norm(x), cache)
+    return x + place.mlp(place.ffn_norm(x))
+
+
+def norm_with(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rms_norm`` with a fixed weight, as a ``Placement`` norm."""
+    return lambda x: rms_norm(x, weight, eps)
+
+
+def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h]."""
+    B, _, T, _ = out.shape
+    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, -1), wo)
 
 
 # ---------------------------------------------------------------- mixture of experts
