@@ -138,6 +138,11 @@ def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
     return qkv_heads(q, k, v, cfg, cos, sin, w.get("q_norm"), w.get("k_norm"))
 
 
+def project_heads(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
+    """``project_qkv`` as head-major views [B, H, S, d], the layout ``attend`` and a KV cache take."""
+    return tuple(t.transpose(1, 2) for t in project_qkv(x, w, cfg, cos, sin))
+
+
 @dataclass(frozen=True)
 class Documents:
     """Packed rows: each row [0, S) is cut into documents (contiguous runs of equal ``document_ids``).
@@ -331,9 +336,10 @@ def norm_with(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torc
 
 
 def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h]."""
-    B, _, T, _ = out.shape
-    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, -1), wo)
+    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h].
+    T may be 0 (a rank that holds none of a step's tokens)."""
+    B, H, T, d = out.shape
+    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo)
 
 
 # ---------------------------------------------------------------- mixture of experts

@@ -15,9 +15,30 @@ runs rows that joined at different times: each row then writes after its own las
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
+from ..layers import positions_mask
+
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
+FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache, the layer, the slots this
+    step's tokens take (``KVCache.reserve``), their positions [B, T] and RoPE tables."""
+
+    cache: KVCache
+    slots: slice | torch.Tensor
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layer: int = 0
+
+    def at(self, layer: int) -> CacheStep:
+        return replace(self, layer=layer)
 
 
 class KVCache:
@@ -115,3 +136,18 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
         return comm.all_reduce(scaled, label="infer.attention.merge")
     per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
     return comm.reduce_scatter(per_group, label="infer.attention.merge")
+
+
+def gathered_keys_mask(comm, cache: KVCache, pos: torch.Tensor, filled: int, label: str):
+    """The positional mask of queries at ``pos`` against the first ``filled`` slots of every rank's cache, rank-major
+    (as ``gather_keys`` lays them out); an empty slot sits at ``FAR``, after every query."""
+    key_pos = comm.all_gather(torch.where(cache.valid[:, :filled], cache.pos[:, :filled], FAR), label=label)
+    key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V of gather_keys
+    return positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
+
+
+def gather_keys(comm, cache: KVCache, layer: int, filled: int, label: str, heads: slice = slice(None)):
+    """K and V [2, B, h, D·m, d] of ``heads`` in the first ``filled`` slots of every rank's cache, rank-major."""
+    kv = torch.stack([cache.k[layer][:, heads, :filled], cache.v[layer][:, heads, :filled]])
+    kv = comm.all_gather(kv, label=label)  # [D, 2, B, h, m, d]
+    return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
