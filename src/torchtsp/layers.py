@@ -322,6 +322,11 @@ class Placement(NamedTuple):
     ffn_norm: Callable[[torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
 
+    @classmethod
+    def rms(cls, attention_norm: torch.Tensor, attention, ffn_norm: torch.Tensor, mlp, eps: float) -> Placement:
+        """The strategies with ``rms_norm`` by the given norm weights (as this rank uses them)."""
+        return cls(norm_with(attention_norm, eps), attention, norm_with(ffn_norm, eps), mlp)
+
 
 def block_forward(x: torch.Tensor, place: Placement, cache=None) -> torch.Tensor:
     """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)). Training passes no

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..layers import positions_mask
+from ..layers import attend, positions_mask
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
@@ -39,6 +39,16 @@ class CacheStep:
 
     def at(self, layer: int) -> CacheStep:
         return replace(self, layer=layer)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Store this step's k, v [B, h, T, d] (of ``heads``) in its slots of this layer."""
+        self.cache.write(self.layer, self.slots, k, v, heads)
+
+    def attend(self, q: torch.Tensor, mask=None):
+        """(out, lse) of queries q [B, Hq, T, d] against this rank's cache of this layer; ``mask``: the keys' mask
+        if already built, else that of this step's positions against the cached ones."""
+        k, v, k_pos, k_valid = self.cache.keys(self.layer)
+        return attend(q, k, v, positions_mask(self.pos, k_pos, k_valid) if mask is None else mask)
 
 
 class KVCache:

@@ -18,11 +18,7 @@ from ..layers import (
     Placement,
     attend,
     attention_output,
-    block_forward,
-    norm_with,
-    positions_mask,
     project_heads,
-    rms_norm,
     rope_tables,
 )
 from ..parallel.base import ShardView
@@ -52,14 +48,11 @@ class SPEngine(Engine):
 
     def _placement(self, w, attention) -> Placement:
         """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
-        eps = self.cfg.norm_eps
-        return Placement(norm_with(w["attention_norm"], eps), lambda h, step: attention(h, w, step),
-                         norm_with(w["ffn_norm"], eps), lambda h: ffn_partial(h, w, self.cfg))
+        return Placement.rms(w["attention_norm"], lambda h, step: attention(h, w, step), w["ffn_norm"],
+                             lambda h: ffn_partial(h, w, self.cfg), self.cfg.norm_eps)
 
     def _run(self, x, step: CacheStep, attention):
-        for i, w in enumerate(self.layers):
-            x = block_forward(x, self._placement(w, attention), step.at(i))
-        return rms_norm(x, self.norm, self.cfg.norm_eps)
+        return self.run_blocks(x, step, self.layers, lambda w: self._placement(w, attention))
 
     def prefill_chunk(self, ids, pos, valid, lengths):
         """This rank's zigzag share of the chunk, attending to the K/V of every rank's cache, all-gathered."""
@@ -72,7 +65,7 @@ class SPEngine(Engine):
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
-            cache.write(step.layer, step.slots, k, v)
+            step.write(k, v)
             kv = gather_keys(comm, cache, step.layer, m, "sp.kv")
             return attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
 
@@ -96,9 +89,7 @@ class SPEngine(Engine):
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
-            cache.write(step.layer, step.slots, k[:, :, keep], v[:, :, keep])
-            k_own, v_own, k_pos, k_valid = cache.keys(step.layer)
-            out, lse = attend(q, k_own, v_own, positions_mask(step.pos, k_pos, k_valid))
-            return attention_output(merge_partials(comm, out, lse), w["wo"], self.dtype)
+            step.write(k[:, :, keep], v[:, :, keep])
+            return attention_output(merge_partials(comm, *step.attend(q)), w["wo"], self.dtype)
 
         return self.head(self._run(x, cache_step, attention)[:, 0])

@@ -14,13 +14,8 @@ import torch
 
 from ..layers import (
     Placement,
-    attend,
     attention_output,
-    block_forward,
-    norm_with,
-    positions_mask,
     project_heads,
-    rms_norm,
     rope_tables,
 )
 from ..parallel.base import ShardView
@@ -54,26 +49,21 @@ class MegatronEngine(Engine):
     def _placement(self, w) -> Placement:
         """Layer ``w``'s block on this rank: its heads against the head-sharded cache, its FFN slice; the
         row-parallel partial outputs summed over the axis."""
-        eps = self.cfg.norm_eps
         mlp = lambda h: self._sum(ffn_partial(h, w, self.cfg), "infer.tp.mlp")
-        return Placement(norm_with(w["attention_norm"], eps), lambda h, step: self._attention(h, w, step),
-                         norm_with(w["ffn_norm"], eps), mlp)
+        return Placement.rms(w["attention_norm"], lambda h, step: self._attention(h, w, step), w["ffn_norm"], mlp,
+                             self.cfg.norm_eps)
 
     def _attention(self, h, w, step: CacheStep):
         q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
-        step.cache.write(step.layer, step.slots, k, v)
-        k_all, v_all, k_pos, k_valid = step.cache.keys(step.layer)
-        out, _ = attend(q, k_all, v_all, positions_mask(step.pos, k_pos, k_valid))
-        return self._sum(attention_output(out, w["wo"], self.dtype), "infer.tp.attention")
+        step.write(k, v)
+        return self._sum(attention_output(step.attend(q)[0], w["wo"], self.dtype), "infer.tp.attention")
 
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
-        cfg, cache = self.cfg, self.cache
+        cache = self.cache
         x = self._sum(masked_lookup(ids, self.embedding, self.comm.rank)[0], "infer.tp.embedding")
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, cfg))
-        for i, w in enumerate(self.layers):
-            x = block_forward(x, self._placement(w), step.at(i))
-        return rms_norm(x, self.norm, cfg.norm_eps)
+        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        return self.run_blocks(x, step, self.layers, self._placement)
 
     def prefill_chunk(self, ids, pos, valid, lengths):
         return select_last(self.forward(ids, pos, valid), pos, lengths)

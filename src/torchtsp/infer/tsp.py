@@ -39,12 +39,9 @@ from ..layers import (
     Placement,
     attend,
     attention_output,
-    block_forward,
-    norm_with,
     positions_mask,
     project_heads,
     project_qkv,
-    rms_norm,
     rope_tables,
 )
 from ..parallel.moe import ffn_partial
@@ -72,7 +69,7 @@ class TSPEngine(Engine):
     def __init__(self, view: TSPShardView):
         self.view, self.cfg, self.comm = view, view.cfg, view.comm
         self.attention_layout, self.mlp_layout = view.shard_math.attention_layout, view.shard_math.mlp_layout
-        self.embedding, self.head_rows = view.embedding, view.head
+        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
@@ -115,14 +112,11 @@ class TSPEngine(Engine):
 
     def _placement(self, layer: TSPLayerShards, attention, mlp) -> Placement:
         """Layer ``layer``'s block: ``attention(h, layer, step)`` and ``mlp(h, layer)`` of one schedule."""
-        eps = self.cfg.norm_eps
-        return Placement(norm_with(layer.attention_norm, eps), lambda h, step: attention(h, layer, step),
-                         norm_with(layer.ffn_norm, eps), lambda h: mlp(h, layer))
+        return Placement.rms(layer.attention_norm, lambda h, step: attention(h, layer, step), layer.ffn_norm,
+                             lambda h: mlp(h, layer), self.cfg.norm_eps)
 
     def _run(self, x, step: CacheStep, attention, mlp):
-        for i, layer in enumerate(self.view.layers):
-            x = block_forward(x, self._placement(layer, attention, mlp), step.at(i))
-        return rms_norm(x, self.view.norm, self.cfg.norm_eps)
+        return self.run_blocks(x, step, self.view.layers, lambda layer: self._placement(layer, attention, mlp))
 
     def _local_ffn(self, h, layer: TSPLayerShards):
         """This rank's FFN slice or experts on replicated tokens h, summed over the axis by the caller."""
@@ -152,7 +146,7 @@ class TSPEngine(Engine):
                 q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
                 if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
                     group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
-                    cache.write(i, step.slots, k, v, heads=group)
+                    step.write(k, v, heads=group)
                     kv = gather_keys(comm, cache, i, m, "infer.kv", heads=group)  # [2, B, hkv, D·m, d]
                 y += attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
             return y
@@ -182,10 +176,9 @@ class TSPEngine(Engine):
             q_all, k_all, v_all = (qkv[:, :, ::every, a:b].flatten(2, 3).transpose(1, 2)
                                    for a, b, every in ((0, hq, 1), (hq, hq + hkv, replicas),
                                                        (hq + hkv, hq + 2 * hkv, replicas)))
-            cache.write(step.layer, step.slots, k_all[:, :, keep], v_all[:, :, keep])
-            k_own, v_own, k_pos, k_valid = cache.keys(step.layer)
-            out, lse = attend(q_all, k_own, v_own, positions_mask(step.pos, k_pos, k_valid))
-            mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
+            step.write(k_all[:, :, keep], v_all[:, :, keep])
+            group = slice(comm.rank * hq, (comm.rank + 1) * hq)
+            mine = merge_partials(comm, *step.attend(q_all), heads=group)  # head group p's, over every rank's keys
             return sum_over_ranks(comm, attention_output(mine, w["wo"], self.dtype), "infer.attention")
 
         mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp")
@@ -218,7 +211,7 @@ class TSPEngine(Engine):
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, owner: bool, buffers):
         """A decode step's attention (see ``decode_activations``); ``owner``: this rank stores the token's K/V."""
-        comm, cache = self.comm, self.cache
+        comm = self.comm
         B, D = h.shape[0], comm.size
         shards = self.view.shard_math
         hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, self.cfg.head_dim
@@ -230,9 +223,8 @@ class TSPEngine(Engine):
         q_all = qkv[:, :, :hq].transpose(0, 1).reshape(B, D * hq, 1, d)
         if owner:  # a KV head copied on several ranks is taken from the first of them
             kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
-            cache.write(step.layer, step.slots, *(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
-        k_own, v_own, _, _ = cache.keys(step.layer)
-        out, lse = attend(q_all, k_own, v_own, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
+            step.write(*(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
+        out, lse = step.attend(q_all, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
         partial = buffers["partial"]  # [D, B, hq, d + 1]: slice r holds head group r's (O_p, LSE_p)
         partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
         partial[..., d] = lse.view(B, D, hq).transpose(0, 1)

@@ -29,7 +29,6 @@ from ..layers import (
     Placement,
     RouterStats,
     block_forward,
-    norm_with,
     project_qkv,
     rms_norm,
     rope_positions,
@@ -78,8 +77,7 @@ class SPTransformer(ReplicatedTransformer):
         else:
             mlp = lambda h: swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                                    w["feed_forward.w_down.weight"])
-        return block_forward(x, Placement(norm_with(w["attention_norm.weight"], eps), attention,
-                                          norm_with(w["ffn_norm.weight"], eps), mlp))
+        return block_forward(x, Placement.rms(w["attention_norm.weight"], attention, w["ffn_norm.weight"], mlp, eps))
 
     def _attention(self, h, w, cos, sin, documents) -> torch.Tensor:
         """Local q/k/v with the full weights, the K/V all-gathered over the axis (zigzag), local ``wo``."""

@@ -18,7 +18,6 @@ from ...layers import (
     Placement,
     RouterStats,
     block_forward,
-    norm_with,
     rms_norm,
     rope_positions,
     rope_tables,
@@ -171,8 +170,7 @@ class TSPTransformer(ParallelTransformer):
         norm, eps = norms[i], self.cfg.norm_eps
         attention = lambda h, _cache: self._attention(h, i, cos, sin, norm, prefetch, documents)
         mlp = lambda h: self._mlp(h, i, prefetch, stats)
-        return block_forward(x, Placement(norm_with(norm["attention_norm"], eps), attention,
-                                          norm_with(norm["ffn_norm"], eps), mlp))
+        return block_forward(x, Placement.rms(norm["attention_norm"], attention, norm["ffn_norm"], mlp, eps))
 
     def _attention(self, h, i: int, cos, sin, norm, prefetch: ShardPrefetch, documents):
         """Layer i's attention on normed local tokens h: head-group broadcasts and the K/V all-gather."""
