@@ -118,6 +118,15 @@ class KVCache:
         return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
 
 
+def merge_packed(parts: torch.Tensor) -> torch.Tensor:
+    """The exact merge over dim 0 of partial attentions packed as [D, ..., d + 1]: (O_r, LSE_r) of each key set r.
+    A query no key set sees (every LSE -inf) gets zeros."""
+    d = parts.shape[-1] - 1
+    total = torch.logsumexp(parts[..., d], dim=0)
+    weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
+    return (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)
+
+
 def merge_partials(comm, out, lse, heads: slice | None = None):
     """Exact softmax merge of per-rank partial attention over disjoint key sets (flash-decoding).
 
@@ -136,10 +145,7 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
         # Every rank sends all heads (an all-gather, not an all-to-all); each keeps the heads it needs.
         parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1),
                                 label="infer.attention.merge")[:, :, heads]  # [D, B, h, T, d + 1]
-        outs, lses = parts[..., :d], parts[..., d]
-        total = torch.logsumexp(lses, dim=0)
-        weight = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0))
-        return (outs * weight.unsqueeze(-1)).sum(dim=0)
+        return merge_packed(parts)
     lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
     scaled = out * torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0)).unsqueeze(-1)
     if heads == slice(0, Hq):

@@ -50,7 +50,7 @@ from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule
-from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_partials
+from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_packed, merge_partials
 from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
@@ -229,9 +229,7 @@ class TSPEngine(Engine):
         partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
         partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
         parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
-        total = torch.logsumexp(parts[..., d], dim=0)  # group p's heads, over every rank's keys
-        weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
-        merged = (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)  # [B, hq, d]
+        merged = merge_packed(parts)  # [B, hq, d]: group p's heads, over every rank's keys
         y = F.linear(merged.to(self.dtype).reshape(B, 1, hq * d), w["wo"])
         return sum_over_ranks(comm, y, "infer.attention", out=buffers["sum"])
 
