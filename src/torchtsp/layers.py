@@ -3,7 +3,8 @@
 The reference model (model.py), every baseline, every inference engine and the mixture-of-experts layers
 compute with these functions on whatever shard of weights and tokens they hold; a scheme only decides where
 its weights come from and which collectives wrap which of these operations. TSP keeps its hand-written
-backward (its schedule is the project) but calls the same forward math.
+backward (its schedule is the project) but calls the same forward math. The decoder block itself is written
+once, ``block_forward``: a scheme, or an inference engine with its KV cache, supplies its ``Placement``.
 
 Layouts: hidden states are [B, S, h]; heads stay token-major ([B, S, H, d]) from projection to output
 projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
