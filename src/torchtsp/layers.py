@@ -3,7 +3,8 @@
 The reference model (model.py), every baseline, every inference engine and the mixture-of-experts layers
 compute with these functions on whatever shard of weights and tokens they hold; a scheme only decides where
 its weights come from and which collectives wrap which of these operations. TSP keeps its hand-written
-backward (its schedule is the project) but calls the same forward math.
+backward (its schedule is the project) but calls the same forward math. The decoder block itself is written
+once, ``block_forward``: a scheme, or an inference engine with its KV cache, supplies its ``Placement``.
 
 Layouts: hidden states are [B, S, h]; heads stay token-major ([B, S, H, d]) from projection to output
 projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
@@ -12,6 +13,7 @@ projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +137,11 @@ def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
     """
     q, k, v = (F.linear(x, w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
     return qkv_heads(q, k, v, cfg, cos, sin, w.get("q_norm"), w.get("k_norm"))
+
+
+def project_heads(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
+    """``project_qkv`` as head-major views [B, H, S, d], the layout ``attend`` and a KV cache take."""
+    return tuple(t.transpose(1, 2) for t in project_qkv(x, w, cfg, cos, sin))
 
 
 @dataclass(frozen=True)
@@ -298,6 +305,47 @@ def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+
+
+# ---------------------------------------------------------------- the decoder block
+
+
+class Placement(NamedTuple):
+    """Where one decoder block's parts run: the strategies a scheme (or an inference engine) supplies.
+
+    ``attention(h, cache)`` and ``mlp(h)`` return the residual's addend, complete on every rank that holds the
+    residual (the strategy owns its collectives: TP's row-parallel sums, SP's K/V gather, TSP's broadcasts and
+    rings, an engine's cache and exchanges); ``attention_norm`` and ``ffn_norm`` map the residual to the
+    sublayer's input (``rms_norm`` with this scheme's view of the weight)."""
+
+    attention_norm: Callable[[torch.Tensor], torch.Tensor]
+    attention: Callable[[torch.Tensor, object], torch.Tensor]
+    ffn_norm: Callable[[torch.Tensor], torch.Tensor]
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def rms(cls, attention_norm: torch.Tensor, attention, ffn_norm: torch.Tensor, mlp, eps: float) -> Placement:
+        """The strategies with ``rms_norm`` by the given norm weights (as this rank uses them)."""
+        return cls(norm_with(attention_norm, eps), attention, norm_with(ffn_norm, eps), mlp)
+
+
+def block_forward(x: torch.Tensor, place: Placement, cache=None) -> torch.Tensor:
+    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)). Training passes no
+    ``cache``; an inference engine passes what its attention strategy reads and writes (its KV cache step)."""
+    x = x + place.attention(place.attention_norm(x), cache)
+    return x + place.mlp(place.ffn_norm(x))
+
+
+def norm_with(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rms_norm`` with a fixed weight, as a ``Placement`` norm."""
+    return lambda x: rms_norm(x, weight, eps)
+
+
+def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h].
+    T may be 0 (a rank that holds none of a step's tokens)."""
+    B, H, T, d = out.shape
+    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo)
 
 
 # ---------------------------------------------------------------- mixture of experts

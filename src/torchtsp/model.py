@@ -20,9 +20,11 @@ from .layers import (
     IGNORE_INDEX,
     LossTerms,
     Mask,
+    Placement,
     RouterStats,
     as_documents,
     attend,
+    block_forward,
     gated,
     gated_shared_expert,
     load_balancing_loss,
@@ -167,9 +169,10 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL):
         """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss)."""
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        h = self.ffn_norm(x)
-        return x + (self.feed_forward(h, stats) if self.moe else self.feed_forward(h))
+        # Module calls, not the weights, so that hooks on the submodules (DTensor TP) run.
+        mlp = (lambda h: self.feed_forward(h, stats)) if self.moe else self.feed_forward
+        attention = lambda h, _cache: self.attention(h, cos, sin, mask)
+        return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp))
 
 
 class Transformer(nn.Module):

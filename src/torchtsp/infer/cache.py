@@ -15,9 +15,40 @@ runs rows that joined at different times: each row then writes after its own las
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
+from ..layers import attend, positions_mask
+
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
+FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache, the layer, the slots this
+    step's tokens take (``KVCache.reserve``), their positions [B, T] and RoPE tables."""
+
+    cache: KVCache
+    slots: slice | torch.Tensor
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    layer: int = 0
+
+    def at(self, layer: int) -> CacheStep:
+        return replace(self, layer=layer)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
+        """Store this step's k, v [B, h, T, d] (of ``heads``) in its slots of this layer."""
+        self.cache.write(self.layer, self.slots, k, v, heads)
+
+    def attend(self, q: torch.Tensor, mask=None):
+        """(out, lse) of queries q [B, Hq, T, d] against this rank's cache of this layer; ``mask``: the keys' mask
+        if already built, else that of this step's positions against the cached ones."""
+        k, v, k_pos, k_valid = self.cache.keys(self.layer)
+        return attend(q, k, v, positions_mask(self.pos, k_pos, k_valid) if mask is None else mask)
 
 
 class KVCache:
@@ -87,6 +118,15 @@ class KVCache:
         return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
 
 
+def merge_packed(parts: torch.Tensor) -> torch.Tensor:
+    """The exact merge over dim 0 of partial attentions packed as [D, ..., d + 1]: (O_r, LSE_r) of each key set r.
+    A query no key set sees (every LSE -inf) gets zeros."""
+    d = parts.shape[-1] - 1
+    total = torch.logsumexp(parts[..., d], dim=0)
+    weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
+    return (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)
+
+
 def merge_partials(comm, out, lse, heads: slice | None = None):
     """Exact softmax merge of per-rank partial attention over disjoint key sets (flash-decoding).
 
@@ -105,13 +145,25 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
         # Every rank sends all heads (an all-gather, not an all-to-all); each keeps the heads it needs.
         parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1),
                                 label="infer.attention.merge")[:, :, heads]  # [D, B, h, T, d + 1]
-        outs, lses = parts[..., :d], parts[..., d]
-        total = torch.logsumexp(lses, dim=0)
-        weight = torch.exp(lses - torch.where(torch.isfinite(total), total, 0.0))
-        return (outs * weight.unsqueeze(-1)).sum(dim=0)
+        return merge_packed(parts)
     lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
     scaled = out * torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0)).unsqueeze(-1)
     if heads == slice(0, Hq):
         return comm.all_reduce(scaled, label="infer.attention.merge")
     per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
     return comm.reduce_scatter(per_group, label="infer.attention.merge")
+
+
+def gathered_keys_mask(comm, cache: KVCache, pos: torch.Tensor, filled: int, label: str):
+    """The positional mask of queries at ``pos`` against the first ``filled`` slots of every rank's cache, rank-major
+    (as ``gather_keys`` lays them out); an empty slot sits at ``FAR``, after every query."""
+    key_pos = comm.all_gather(torch.where(cache.valid[:, :filled], cache.pos[:, :filled], FAR), label=label)
+    key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V of gather_keys
+    return positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
+
+
+def gather_keys(comm, cache: KVCache, layer: int, filled: int, label: str, heads: slice = slice(None)):
+    """K and V [2, B, h, D·m, d] of ``heads`` in the first ``filled`` slots of every rank's cache, rank-major."""
+    kv = torch.stack([cache.k[layer][:, heads, :filled], cache.v[layer][:, heads, :filled]])
+    kv = comm.all_gather(kv, label=label)  # [D, 2, B, h, m, d]
+    return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)

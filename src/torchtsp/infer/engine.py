@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.comm import AxisComm
+from ..layers import block_forward, rms_norm
 from ..parallel.shards import vocab_slice_index
 
 # sum_over_ranks: partial sums up to this many bytes per rank are gathered and summed locally on a point-to-point
@@ -57,8 +58,8 @@ def select_last(z: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor) -> to
 
 
 class Engine:
-    """Base class. Subclasses set ``cfg``, ``device``, ``dtype``, ``vocab_comm``, ``vocab_start`` and implement
-    ``start``, ``prefill_chunk``, ``decode`` and ``head``."""
+    """Base class. Subclasses set ``cfg``, ``device``, ``dtype``, ``norm`` (the final norm's weight),
+    ``vocab_comm``, ``vocab_start`` and implement ``start``, ``prefill_chunk``, ``decode`` and ``head``."""
 
     scheme = "?"
     vocab_comm: AxisComm
@@ -87,6 +88,13 @@ class Engine:
         """TSP picks weights-move or activations-move per phase; the other schemes have one schedule each."""
 
     # -- steps ------------------------------------------------------------------------
+
+    def run_blocks(self, x: torch.Tensor, step, layers, placement) -> torch.Tensor:
+        """The model's body on hidden states x: every layer's ``layers.block_forward`` with this step's cache
+        (``step``, a ``cache.CacheStep``) and the layer's strategies (``placement(layer)``), then the final norm."""
+        for i, layer in enumerate(layers):
+            x = block_forward(x, placement(layer), step.at(i))
+        return rms_norm(x, self.norm, self.cfg.norm_eps)
 
     def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
         raise NotImplementedError

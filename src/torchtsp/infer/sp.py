@@ -14,13 +14,17 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
-from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..layers import (
+    Placement,
+    attend,
+    attention_output,
+    project_heads,
+    rope_tables,
+)
 from ..parallel.base import ShardView
-from ..parallel.moe import moe_partial
-from .cache import KVCache, merge_partials
+from ..parallel.moe import ffn_partial
+from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_partials
 from .engine import Engine, select_last, vocab_logits
-
-FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
 
 class SPEngine(Engine):
@@ -42,32 +46,30 @@ class SPEngine(Engine):
         capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
         self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
 
-    def _rest(self, w, x, out):
-        """Output projection and gated MLP (replicated weights, no communication)."""
-        B, T, _ = x.shape
-        x = x + F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
-        h = rms_norm(x, w["ffn_norm"], self.cfg.norm_eps)
-        return x + (moe_partial(h, w, self.cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"]))
+    def _placement(self, w, attention) -> Placement:
+        """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
+        return Placement.rms(w["attention_norm"], lambda h, step: attention(h, w, step), w["ffn_norm"],
+                             lambda h: ffn_partial(h, w, self.cfg), self.cfg.norm_eps)
+
+    def _run(self, x, step: CacheStep, attention):
+        return self.run_blocks(x, step, self.layers, lambda w: self._placement(w, attention))
 
     def prefill_chunk(self, ids, pos, valid, lengths):
-        cfg, comm, cache = self.cfg, self.comm, self.cache
+        """This rank's zigzag share of the chunk, attending to the K/V of every rank's cache, all-gathered."""
+        comm, cache = self.comm, self.cache
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
         x = F.embedding(ids, self.embedding)
-        cos, sin = rope_tables(pos, cfg)
-        slots = cache.reserve(pos, valid)
+        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
         m = cache.filled  # the same on every rank during prefill
-        key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="sp.kv.positions")
-        key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V below
-        seen = torch.ones_like(key_pos, dtype=torch.bool)
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
-            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
-            cache.write(i, slots, k, v)
-            kv = comm.all_gather(torch.stack([cache.k[i][:, :, :m], cache.v[i][:, :, :m]]), label="sp.kv")
-            kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, H, D·m, d]
-            out, _ = attend(q, kv[0], kv[1], positions_mask(pos, key_pos, seen))
-            x = self._rest(w, x, out)
-        return select_last(rms_norm(x, self.norm, cfg.norm_eps), pos, lengths)
+        mask = gathered_keys_mask(comm, cache, pos, m, "sp.kv.positions")
+
+        def attention(h, w, step):
+            q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
+            step.write(k, v)
+            kv = gather_keys(comm, cache, step.layer, m, "sp.kv")
+            return attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
+
+        return select_last(self._run(x, step, attention), pos, lengths)
 
     def finish_last(self, last):
         return self.comm.all_reduce(last, label="sp.last_hidden")  # each last token lives on one rank
@@ -76,17 +78,18 @@ class SPEngine(Engine):
         return vocab_logits(z, self.head_rows, 0, self.cfg.vocab_size)
 
     def decode(self, ids, pos, step):
-        cfg, comm, cache = self.cfg, self.comm, self.cache
+        """The replicated token against every rank's own cache; rank step mod D stores its K/V; the partial
+        attentions merged exactly."""
+        comm, cache = self.comm, self.cache
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
         keep = torch.arange(1 if step % comm.size == comm.rank else 0, device=ids.device)
         x = F.embedding(ids, self.embedding)
-        cos, sin = rope_tables(pos, cfg)
         slots = cache.reserve(pos[:, keep], torch.ones_like(pos[:, keep], dtype=torch.bool))
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
-            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
-            cache.write(i, slots, k[:, :, keep], v[:, :, keep])
-            k_own, v_own, k_pos, k_valid = cache.keys(i)
-            out, lse = attend(q, k_own, v_own, positions_mask(pos, k_pos, k_valid))
-            x = self._rest(w, x, merge_partials(comm, out, lse))
-        return self.head(rms_norm(x, self.norm, cfg.norm_eps)[:, 0])
+        cache_step = CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg))
+
+        def attention(h, w, step):
+            q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
+            step.write(k[:, :, keep], v[:, :, keep])
+            return attention_output(merge_partials(comm, *step.attend(q)), w["wo"], self.dtype)
+
+        return self.head(self._run(x, cache_step, attention)[:, 0])

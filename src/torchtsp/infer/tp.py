@@ -11,12 +11,16 @@ the single-device reference engine (reference.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
+from ..layers import (
+    Placement,
+    attention_output,
+    project_heads,
+    rope_tables,
+)
 from ..parallel.base import ShardView
-from ..parallel.moe import moe_partial
-from .cache import KVCache
+from ..parallel.moe import ffn_partial
+from .cache import CacheStep, KVCache
 from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
@@ -42,28 +46,24 @@ class MegatronEngine(Engine):
     def _sum(self, partial, label):
         return sum_over_ranks(self.comm, partial, label)
 
-    def _mlp(self, h, w):
-        """This rank's partial MLP output: its FFN slice, or its slices of a sparse layer's experts."""
-        return moe_partial(h, w, self.cfg) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+    def _placement(self, w) -> Placement:
+        """Layer ``w``'s block on this rank: its heads against the head-sharded cache, its FFN slice; the
+        row-parallel partial outputs summed over the axis."""
+        mlp = lambda h: self._sum(ffn_partial(h, w, self.cfg), "infer.tp.mlp")
+        return Placement.rms(w["attention_norm"], lambda h, step: self._attention(h, w, step), w["ffn_norm"], mlp,
+                             self.cfg.norm_eps)
+
+    def _attention(self, h, w, step: CacheStep):
+        q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
+        step.write(k, v)
+        return self._sum(attention_output(step.attend(q)[0], w["wo"], self.dtype), "infer.tp.attention")
 
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
-        cfg, cache = self.cfg, self.cache
-        B, T = ids.shape
+        cache = self.cache
         x = self._sum(masked_lookup(ids, self.embedding, self.comm.rank)[0], "infer.tp.embedding")
-        cos, sin = rope_tables(pos, cfg)
-        slots = cache.reserve(pos, valid)
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["attention_norm"], cfg.norm_eps)
-            q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
-            cache.write(i, slots, k, v)
-            k_all, v_all, k_pos, k_valid = cache.keys(i)
-            out, _ = attend(q, k_all, v_all, positions_mask(pos, k_pos, k_valid))
-            out = out.to(x.dtype).transpose(1, 2).reshape(B, T, -1)
-            x = x + self._sum(F.linear(out, w["wo"]), "infer.tp.attention")
-            h = rms_norm(x, w["ffn_norm"], cfg.norm_eps)
-            x = x + self._sum(self._mlp(h, w), "infer.tp.mlp")
-        return rms_norm(x, self.norm, cfg.norm_eps)
+        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        return self.run_blocks(x, step, self.layers, self._placement)
 
     def prefill_chunk(self, ids, pos, valid, lengths):
         return select_last(self.forward(ids, pos, valid), pos, lengths)

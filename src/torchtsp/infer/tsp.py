@@ -35,16 +35,23 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import zigzag
-from ..layers import attend, positions_mask, project_qkv, rms_norm, rope_tables, swiglu
-from ..parallel.moe import moe_partial
+from ..layers import (
+    Placement,
+    attend,
+    attention_output,
+    positions_mask,
+    project_heads,
+    project_qkv,
+    rope_tables,
+)
+from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
 from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
+from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule
-from .cache import KVCache, merge_partials
+from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_packed, merge_partials
 from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
-
-FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
 
 
 def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
@@ -62,7 +69,7 @@ class TSPEngine(Engine):
     def __init__(self, view: TSPShardView):
         self.view, self.cfg, self.comm = view, view.cfg, view.comm
         self.attention_layout, self.mlp_layout = view.shard_math.attention_layout, view.shard_math.mlp_layout
-        self.embedding, self.head_rows = view.embedding, view.head
+        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
@@ -103,81 +110,79 @@ class TSPEngine(Engine):
         self.fills = [f + c for f, c in zip(self.fills, counts)]
         return self.cache.reserve(pos, valid)
 
+    def _placement(self, layer: TSPLayerShards, attention, mlp) -> Placement:
+        """Layer ``layer``'s block: ``attention(h, layer, step)`` and ``mlp(h, layer)`` of one schedule."""
+        return Placement.rms(layer.attention_norm, lambda h, step: attention(h, layer, step), layer.ffn_norm,
+                             lambda h: mlp(h, layer), self.cfg.norm_eps)
+
+    def _run(self, x, step: CacheStep, attention, mlp):
+        return self.run_blocks(x, step, self.view.layers, lambda layer: self._placement(layer, attention, mlp))
+
+    def _local_ffn(self, h, layer: TSPLayerShards):
+        """This rank's FFN slice or experts on replicated tokens h, summed over the axis by the caller."""
+        D, p = self.comm.size, self.comm.rank
+        if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
+            return ffn_partial(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
+        return ffn_partial(h, dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))), self.cfg)
+
     def weights_move(self, ids, pos, valid, counts):
         """This rank's tokens ids [B, T_p] (any share; T_p may be 0) through the model with the weights moving.
         Returns their final-norm hidden states [B, T_p, h]."""
-        cfg, comm, cache, d = self.cfg, self.comm, self.cache, self.cfg.head_dim
+        cfg, comm, cache = self.cfg, self.comm, self.cache
         B, T = ids.shape
         x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
         for s, w in ring_each(comm, self.embedding, "infer.embedding"):
             found, hit = masked_lookup(ids, w, s)
             x = torch.where(hit.unsqueeze(-1), found, x)
-        cos, sin = rope_tables(pos, cfg)
-        slots = self._reserve(pos, valid, counts)
+        step = CacheStep(cache, self._reserve(pos, valid, counts), pos, *rope_tables(pos, cfg))
         m = max(self.fills)  # gather every rank's slots up to the fullest rank's
-        key_pos = comm.all_gather(torch.where(cache.valid[:, :m], cache.pos[:, :m], FAR), label="infer.kv.positions")
-        key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the gathered K/V below
-        seen = torch.ones_like(key_pos, dtype=torch.bool)
-        shards = self.view.shard_math
-        hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
-        for i, layer in enumerate(self.view.layers):
-            h = rms_norm(x, layer.attention_norm, cfg.norm_eps)
-            y = torch.zeros_like(x)
+        mask = gathered_keys_mask(comm, cache, pos, m, "infer.kv.positions")
+        replicas, hkv = self.view.shard_math.kv_replicas, self.view.shard_math.kv_heads
+
+        def attention(h, layer, step):
+            y, i = torch.zeros(h.shape, dtype=self.dtype, device=h.device), step.layer
             for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
                 w = _attention_weights(self.view, layer, w)
-                q, k, v = (t.transpose(1, 2) for t in project_qkv(h, w, cfg, cos, sin))
+                q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
                 if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
                     group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
-                    cache.write(i, slots, k, v, heads=group)
-                    kv = torch.stack([cache.k[i][:, group, :m], cache.v[i][:, group, :m]])
-                    kv = comm.all_gather(kv, label="infer.kv")  # [D, 2, B, hkv, m, d]
-                    kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, hkv, D·m, d]
-                out, _ = attend(q, kv[0], kv[1], positions_mask(pos, key_pos, seen))
-                y += F.linear(out.to(x.dtype).transpose(1, 2).reshape(B, T, hq * d), w["wo"])
-            x = x + y
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
+                    step.write(k, v, heads=group)
+                    kv = gather_keys(comm, cache, i, m, "infer.kv", heads=group)  # [2, B, hkv, D·m, d]
+                y += attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
+            return y
+
+        def mlp(h, layer):
             if layer.moe is not None:  # tokens travel to the experts' owners and back
-                x = x + tsp_moe_local_tokens(h, layer.moe)
-                continue
-            y = torch.zeros_like(x)
-            for _, w in ring_each(comm, layer.mlp, "infer.mlp"):
-                y += swiglu(h, *self.mlp_layout.unpack(w))
-            x = x + y
-        return rms_norm(x, self.view.norm, cfg.norm_eps)
+                return tsp_moe_local_tokens(h, layer.moe)
+            return ring_mlp(h, layer.mlp, self.mlp_layout, comm, "infer.mlp")
+
+        return self._run(x, step, attention, mlp)
 
     def activations_move(self, ids, pos, valid, keep, counts):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
         of tokens ``keep`` (indices into T). Returns the final-norm hidden states [B, T, h] (replicated)."""
-        cfg, comm, cache = self.cfg, self.comm, self.cache
-        B, T = ids.shape
+        comm, cache = self.comm, self.cache
         shards = self.view.shard_math
         hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        cos, sin = rope_tables(pos, cfg)
-        slots = self._reserve(pos[:, keep], valid[:, keep], counts)
-        for i, layer in enumerate(self.view.layers):
+        step = CacheStep(cache, self._reserve(pos[:, keep], valid[:, keep], counts), pos, *rope_tables(pos, self.cfg))
+
+        def attention(h, layer, step):
             w = _attention_weights(self.view, layer, layer.attention)
-            h = rms_norm(x, layer.attention_norm, cfg.norm_eps)
-            q, k, v = project_qkv(h, w, cfg, cos, sin)  # [B, T, heads, d]
+            q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, T, heads, d]
             qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
             qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
             # [B, heads, T, d] each, heads in global order; a KV head copied on several ranks is taken once.
-            q_all, k_all, v_all = (qkv[:, :, ::step, a:b].flatten(2, 3).transpose(1, 2)
-                                   for a, b, step in ((0, hq, 1), (hq, hq + hkv, replicas),
-                                                      (hq + hkv, hq + 2 * hkv, replicas)))
-            cache.write(i, slots, k_all[:, :, keep], v_all[:, :, keep])
-            k_own, v_own, k_pos, k_valid = cache.keys(i)
-            out, lse = attend(q_all, k_own, v_own, positions_mask(pos, k_pos, k_valid))
-            mine = merge_partials(comm, out, lse, heads=slice(comm.rank * hq, (comm.rank + 1) * hq))  # group p's
-            y = F.linear(mine.to(x.dtype).transpose(1, 2).reshape(B, T, -1), w["wo"])
-            x = x + sum_over_ranks(comm, y, "infer.attention")
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-            if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
-                y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, comm.rank * cfg.n_experts // comm.size)
-            else:
-                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp))
-            x = x + sum_over_ranks(comm, y, "infer.mlp")
-        return rms_norm(x, self.view.norm, cfg.norm_eps)
+            q_all, k_all, v_all = (qkv[:, :, ::every, a:b].flatten(2, 3).transpose(1, 2)
+                                   for a, b, every in ((0, hq, 1), (hq, hq + hkv, replicas),
+                                                       (hq + hkv, hq + 2 * hkv, replicas)))
+            step.write(k_all[:, :, keep], v_all[:, :, keep])
+            group = slice(comm.rank * hq, (comm.rank + 1) * hq)
+            mine = merge_partials(comm, *step.attend(q_all), heads=group)  # head group p's, over every rank's keys
+            return sum_over_ranks(comm, attention_output(mine, w["wo"], self.dtype), "infer.attention")
+
+        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp")
+        return self._run(x, step, attention, mlp)
 
     def decode_activations(self, ids, pos, owner: int):
         """One decode step with the weights in place: ids, pos [B, 1] replicated; rank ``owner`` stores the
@@ -191,46 +196,42 @@ class TSPEngine(Engine):
         (``sum_over_ranks``). The keys' mask is built once per step, the exchange buffers once per generation;
         no host synchronisation (the owner is the host's step count).
         """
-        cfg, comm, cache = self.cfg, self.comm, self.cache
+        comm, cache = self.comm, self.cache
         B, D, p = ids.shape[0], comm.size, comm.rank
-        shards = self.view.shard_math
-        hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, cfg.head_dim
         buffers = self._decode_buffers(B)
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, p)[0], "infer.embedding", out=buffers["sum"])
-        cos, sin = rope_tables(pos, cfg)
         mine = slice(0, 1 if p == owner else 0)
         slots = self._reserve(pos[:, mine], torch.ones_like(pos[:, mine], dtype=torch.bool),
                               [int(r == owner) for r in range(D)])
         _, _, k_pos, k_valid = cache.keys(0)
         mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
-        for i, layer in enumerate(self.view.layers):
-            w = _attention_weights(self.view, layer, layer.attention)
-            q, k, v = project_qkv(rms_norm(x, layer.attention_norm, cfg.norm_eps), w, cfg, cos, sin)  # [B, 1, ·, d]
-            torch.cat([q, k, v], dim=2, out=buffers["qkv"])
-            qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]
-            # [D, B, hq + 2hkv, d] -> queries [B, Hq, 1, d] in global head order (group r's heads at r).
-            q_all = qkv[:, :, :hq].transpose(0, 1).reshape(B, D * hq, 1, d)
-            if p == owner:  # a KV head copied on several ranks is taken from the first of them
-                kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
-                cache.write(i, slots, *(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
-            k_own, v_own, _, _ = cache.keys(i)
-            out, lse = attend(q_all, k_own, v_own, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
-            partial = buffers["partial"]  # [D, B, hq, d + 1]: slice r holds head group r's (O_p, LSE_p)
-            partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
-            partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
-            parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
-            total = torch.logsumexp(parts[..., d], dim=0)  # group p's heads, over every rank's keys
-            weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
-            merged = (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)  # [B, hq, d]
-            y = F.linear(merged.to(x.dtype).reshape(B, 1, hq * d), w["wo"])
-            x = x + sum_over_ranks(comm, y, "infer.attention", out=buffers["sum"])
-            h = rms_norm(x, layer.ffn_norm, cfg.norm_eps)
-            if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
-                y = moe_partial(h, tsp_inference_weights(layer.moe), cfg, p * cfg.n_experts // D)
-            else:
-                y = swiglu(h, *self.mlp_layout.unpack(layer.mlp))
-            x = x + sum_over_ranks(comm, y, "infer.mlp", out=buffers["sum"])
-        return rms_norm(x, self.view.norm, cfg.norm_eps)[:, 0]
+        attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, p == owner, buffers)
+        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
+        return self._run(x, CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg)), attention, mlp)[:, 0]
+
+    def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, owner: bool, buffers):
+        """A decode step's attention (see ``decode_activations``); ``owner``: this rank stores the token's K/V."""
+        comm = self.comm
+        B, D = h.shape[0], comm.size
+        shards = self.view.shard_math
+        hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, self.cfg.head_dim
+        w = _attention_weights(self.view, layer, layer.attention)
+        q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, 1, ·, d]
+        torch.cat([q, k, v], dim=2, out=buffers["qkv"])
+        qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]
+        # [D, B, hq + 2hkv, d] -> queries [B, Hq, 1, d] in global head order (group r's heads at r).
+        q_all = qkv[:, :, :hq].transpose(0, 1).reshape(B, D * hq, 1, d)
+        if owner:  # a KV head copied on several ranks is taken from the first of them
+            kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
+            step.write(*(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
+        out, lse = step.attend(q_all, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
+        partial = buffers["partial"]  # [D, B, hq, d + 1]: slice r holds head group r's (O_p, LSE_p)
+        partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
+        partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
+        parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
+        merged = merge_packed(parts)  # [B, hq, d]: group p's heads, over every rank's keys
+        y = F.linear(merged.to(self.dtype).reshape(B, 1, hq * d), w["wo"])
+        return sum_over_ranks(comm, y, "infer.attention", out=buffers["sum"])
 
     def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:
         """The exchange buffers of a decode step (made on the first step of a generation)."""

@@ -138,3 +138,9 @@ def moe_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0
     if "shared_gate" in w:
         shared = gated_shared_expert(w["shared_gate"], w["shared_w_gate"], w["shared_w_up"], w["shared_w_down"])
     return moe_layer(h, w["router"], local_experts(w["w_gate"], w["w_up"], w["w_down"], first), cfg, None, shared)
+
+
+def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:
+    """This rank's share of a block's feed-forward output for tokens h that every rank holds: its slice of the
+    gated MLP (``w_gate``, ``w_up``, ``w_down``) or, for a sparse layer (``router`` in ``w``), ``moe_partial``."""
+    return moe_partial(h, w, cfg, first) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])

@@ -23,7 +23,18 @@ from torch.utils.checkpoint import checkpoint
 from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import IGNORE_INDEX, LossTerms, RouterStats, project_qkv, rms_norm, rope_positions, rope_tables, swiglu
+from ..layers import (
+    IGNORE_INDEX,
+    LossTerms,
+    Placement,
+    RouterStats,
+    block_forward,
+    project_qkv,
+    rms_norm,
+    rope_positions,
+    rope_tables,
+    swiglu,
+)
 from ..model import Transformer
 from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
@@ -58,18 +69,23 @@ class SPTransformer(ReplicatedTransformer):
                       documents=None) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
-        cfg, comm = self.cfg, self.comm
-        h = rms_norm(x, w["attention_norm.weight"], cfg.norm_eps)
-        q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, cfg, cos, sin)
-        kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
-        out = zigzag_causal_attention(q.transpose(1, 2), kv, comm, documents)  # KV heads unexpanded
-        x = x + F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
-        h = rms_norm(x, w["ffn_norm.weight"], cfg.norm_eps)
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        attention = lambda h, _cache: self._attention(h, w, cos, sin, documents)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
             ff = {n.removeprefix("feed_forward."): t for n, t in w.items() if n.startswith("feed_forward.")}
-            return x + moe_reference_layer(h, ff, cfg, stats)
-        return x + swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
-                          w["feed_forward.w_down.weight"])
+            mlp = lambda h: moe_reference_layer(h, ff, cfg, stats)
+        else:
+            mlp = lambda h: swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
+                                   w["feed_forward.w_down.weight"])
+        return block_forward(x, Placement.rms(w["attention_norm.weight"], attention, w["ffn_norm.weight"], mlp, eps))
+
+    def _attention(self, h, w, cos, sin, documents) -> torch.Tensor:
+        """Local q/k/v with the full weights, the K/V all-gathered over the axis (zigzag), local ``wo``."""
+        q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, self.cfg,
+                              cos, sin)
+        kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
+        out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, documents)  # KV heads unexpanded
+        return F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
 
     def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""

@@ -56,8 +56,10 @@ from ..layers import (
     CAUSAL,
     IGNORE_INDEX,
     LossTerms,
+    Placement,
     RouterStats,
     attend,
+    block_forward,
     gated,
     qkv_heads,
     rms_norm,
@@ -310,9 +312,19 @@ class TPTransformer(ParallelTransformer):
               documents=None) -> torch.Tensor:
         """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
         its router statistics to ``stats``; ``documents``: packed rows."""
+        eps, tp = self.cfg.norm_eps, self.tp
+        if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
+            mlp = lambda h: tp_moe(h, layer, self.cfg, tp, stats)
+        else:
+            mlp = lambda h: self._mlp(layer, h)
+        attention = lambda h, _cache: self._attention(layer, h, cos, sin, documents)
+        # The norm weights are wrapped when used, not before: the autograd nodes keep the order they had.
+        norm = lambda w: lambda x: rms_norm(x, self._norm_weight(w), eps)
+        return block_forward(x, Placement(norm(layer.attention_norm), attention, norm(layer.ffn_norm), mlp))
+
+    def _attention(self, layer: TPLayer, h, cos, sin, documents) -> torch.Tensor:
+        """Column-parallel q/k/v of this rank's heads, attention, row-parallel ``wo`` summed over the axis."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
-        eps = cfg.norm_eps
-        h = rms_norm(x, self._norm_weight(layer.attention_norm), eps)
         kv = [w(t) for t in self._kv_params(layer)]  # wk, wv (, bk, bv)
         q, k, v = ColumnParallelLinear.apply(h, tp, sp, w(layer.wq), *kv[:2])
         if cfg.qkv_bias:  # this rank's heads' biases; every rank sees every token, so no extra reduction
@@ -322,13 +334,13 @@ class TPTransformer(ParallelTransformer):
         q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
         B, S = q.shape[:2]
         out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
-        out = out.transpose(1, 2).reshape(B, S, -1)
-        x = x + RowParallelLinear.apply(out, w(layer.wo), tp, sp)
-        h = rms_norm(x, self._norm_weight(layer.ffn_norm), eps)
-        if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
-            return x + tp_moe(h, layer, cfg, tp, stats)
+        return RowParallelLinear.apply(out.transpose(1, 2).reshape(B, S, -1), w(layer.wo), tp, sp)
+
+    def _mlp(self, layer: TPLayer, h) -> torch.Tensor:
+        """Column-parallel gate/up of this rank's FFN slice, row-parallel ``w_down`` summed over the axis."""
+        tp, sp, w = self.tp, self.sequence_parallel, self._weight
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
-        return x + RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
+        return RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
 
     def _kv_params(self, layer: TPLayer) -> list[torch.Tensor]:
         """wk, wv (and bk, bv): with copied KV heads, their gradients summed over the copies in one float32

@@ -12,7 +12,16 @@ from torch.utils.checkpoint import checkpoint
 
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ...layers import Documents, LossTerms, RouterStats, rms_norm, rope_positions, rope_tables
+from ...layers import (
+    Documents,
+    LossTerms,
+    Placement,
+    RouterStats,
+    block_forward,
+    rms_norm,
+    rope_positions,
+    rope_tables,
+)
 from ...model import Transformer, reference_shapes
 from ...weights import WeightSource
 from ..base import (
@@ -158,24 +167,33 @@ class TSPTransformer(ParallelTransformer):
 
     def _block(self, x, i: int, cos, sin, norms, prefetch: ShardPrefetch, stats, documents=None):
         """Layer i on local tokens x, with its cross-layer prefetches."""
-        cfg, layers, shard_math = self.cfg, self.layers, self.shard_math
-        layer, norm, eps = layers[i], norms[i], cfg.norm_eps
-        h = rms_norm(x, norm["attention_norm"], eps)
-        qk_norms = [norm["q_norm"], norm["k_norm"]] if cfg.qk_norm else [None, None]
+        norm, eps = norms[i], self.cfg.norm_eps
+        attention = lambda h, _cache: self._attention(h, i, cos, sin, norm, prefetch, documents)
+        mlp = lambda h: self._mlp(h, i, prefetch, stats)
+        return block_forward(x, Placement.rms(norm["attention_norm"], attention, norm["ffn_norm"], mlp, eps))
+
+    def _attention(self, h, i: int, cos, sin, norm, prefetch: ShardPrefetch, documents):
+        """Layer i's attention on normed local tokens h: head-group broadcasts and the K/V all-gather."""
+        layers = self.layers
+        qk_norms = [norm["q_norm"], norm["k_norm"]] if self.cfg.qk_norm else [None, None]
         # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
         rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
                  if self.recompute and i > 0 else None)
-        x = x + TSPAttention.apply(h, layer.attention_shard, cos, sin, shard_math, prefetch, i, *qk_norms, rerun,
-                                   documents)
-        h = rms_norm(x, norm["ffn_norm"], eps)
-        ahead = None
+        return TSPAttention.apply(h, layers[i].attention_shard, cos, sin, self.shard_math, prefetch, i, *qk_norms,
+                                  rerun, documents)
+
+    def _mlp(self, h, i: int, prefetch: ShardPrefetch, stats):
+        """Layer i's MLP (the weight ring) or experts on normed local tokens h, prefetching the attention shards
+        the next steps need: the next layer's in forward, this layer's for its backward."""
+        layers = self.layers
+        layer, ahead = layers[i], None
         if not prefetch.rerunning and i + 1 < len(layers):
             ahead = prefetch.request("attention.forward", i + 1, layers[i + 1].attention_shard)
         behind = prefetch.request("attention.backward", i, layer.attention_shard)
         if layer.moe is not None:
-            return x + layer.moe(h, stats, shard_math, ahead, behind)
-        return x + TSPFeedForward.apply(h, layer.mlp_shard, shard_math, ahead, behind, None, self.recompute,
-                                        prefetch.rerunning)
+            return layer.moe(h, stats, self.shard_math, ahead, behind)
+        return TSPFeedForward.apply(h, layer.mlp_shard, self.shard_math, ahead, behind, None, self.recompute,
+                                    prefetch.rerunning)
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""

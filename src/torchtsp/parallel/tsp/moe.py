@@ -8,12 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...distributed.comm import AxisComm
-from ...layers import RouterStats, moe_layer, swiglu
+from ...layers import RouterStats, moe_layer
 from ..base import replicated_grad
 from ..moe import EXPERT_PARAMS, expert_parallel
 from ..shards import PackedLayout, Part
-from .rings import TSPFeedForward
-from .streams import ring_each
+from .rings import TSPFeedForward, ring_mlp
 
 
 def shared_layout(cfg, world: int) -> PackedLayout:
@@ -104,9 +103,7 @@ def tsp_moe_local_tokens(h: torch.Tensor, moe: TSPMoE) -> torch.Tensor:
     comm, shared = moe.comm, None
     if moe.layout is not None:
         def shared(h2):
-            out = torch.zeros_like(h2)
-            for _, w in ring_each(comm, moe.shared_shard.detach(), "infer.moe.shared"):
-                out += swiglu(h2, *moe.layout.unpack(w))
+            out = ring_mlp(h2, moe.shared_shard.detach(), moe.layout, comm, "infer.moe.shared")
             return torch.sigmoid(F.linear(h2, moe.shared_gate)) * out
     run = expert_parallel(moe.w_gate, moe.w_up, moe.w_down, comm, moe.cfg.n_experts)
     return moe_layer(h, moe.router, run, moe.cfg, None, shared)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...layers import IGNORE_INDEX, gated
+from ...layers import IGNORE_INDEX, gated, swiglu
 from ..shards import vocab_slice_index
 from .shard_math import TSPShardMath
 from .streams import ACC, GradientRing, add_mm, mm_into, ring_each
@@ -86,6 +86,16 @@ class TSPFeedForward(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------- embedding and LM head
+
+
+@torch.no_grad()
+def ring_mlp(h: torch.Tensor, shard: torch.Tensor, layout, comm, label: str) -> torch.Tensor:
+    """The gated MLP of tokens h with its packed shards (``layout``) travelling the ring, summed in h's dtype:
+    the inference form of ``TSPFeedForward`` (no autograd)."""
+    out = torch.zeros_like(h)
+    for _, w in ring_each(comm, shard, label):
+        out += swiglu(h, *layout.unpack(w))
+    return out
 
 
 class TSPEmbedding(torch.autograd.Function):
