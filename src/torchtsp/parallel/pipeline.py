@@ -42,6 +42,7 @@ from ..model import Transformer
 from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
+from .dp import AllReduceGrads
 from .tsp import TSPTransformer
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -148,8 +149,6 @@ class PipelineTSP(ParallelTransformer):
     """
 
     scheme = "tsp"
-    grad_sum_over_dp = True  # as DataParallel's: off under a distributed optimizer (train/zero.py)
-    grad_reducer = None  # that optimizer's reduction of the gradients of one schedule, called as it ends
 
     def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
                  recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
@@ -168,6 +167,8 @@ class PipelineTSP(ParallelTransformer):
         self.schedule_name = schedule
         self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
+        # The replicas' gradients are summed once per schedule, not per microbatch: ``over_pass``.
+        self.grad_sum = AllReduceGrads(self.dp)
         self.tsp_size = sizes.get("tsp", 1)
         weights = weight_source(model, mesh, weights)  # seeded, the built model's, or the given checkpoint's
         self.device = mesh_device(mesh)
@@ -237,28 +238,21 @@ class PipelineTSP(ParallelTransformer):
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
         self._count = (target_count if target_count is not None else
                        (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)).to(self.device)
-        # Gradients of earlier batches (accumulation) are already summed over replicas: set aside, added back.
-        summing = self.dp.size > 1 and self.grad_sum_over_dp
-        earlier = {p: p.grad for p in self.parameters() if p.grad is not None} if summing else {}
-        for p in earlier:
-            p.grad = None
         args = (self.shard_batch(tokens),) if self.has_first else ()
         target = self.shard_batch(labels) if self.has_last else None
         losses: list = []
-        self._schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
-                            **extra)
+        with self.grad_sum.over_pass(self.parameters()):
+            self._schedule.step(*args, target=target, losses=losses if self.has_last else None,
+                                return_outputs=False, **extra)
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
-        total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if summing:
-            for p in self.parameters():
-                if p.grad is not None:  # summed in float32, like DataParallel
-                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
-                if p in earlier:
-                    p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
-        elif self.grad_reducer is not None:
-            self.grad_reducer()
-        return total
+        return self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
+
+    def sum_gradients_with(self, strategy) -> None:
+        """Sum the gradients of each schedule over the replicas with ``strategy`` (``AllReduceGrads`` by default;
+        a distributed optimizer's reduce-scatter); None keeps the one in use."""
+        if strategy is not None:
+            self.grad_sum = strategy
 
     def loss(self, tokens, labels, document_ids=None):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
