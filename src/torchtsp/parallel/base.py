@@ -144,6 +144,8 @@ class ParallelTransformer(nn.Module):
     # How gradients are summed over data-parallel replicas (``parallel/dp.py``'s ``AllReduceGrads``, or a
     # distributed optimizer's reduce-scatter); None: this model has no replicas.
     grad_sum = None
+    # Whether forward and backward run together in one schedule (pipeline stages): no separate loss to call.
+    joint_forward_backward = False
 
     def __init__(self, cfg, mesh):
         super().__init__()

@@ -149,6 +149,7 @@ class PipelineTSP(ParallelTransformer):
     """
 
     scheme = "tsp"
+    joint_forward_backward = True
 
     def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
                  recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
