@@ -124,8 +124,9 @@ class Trainer:
         # read from the checkpoint), never the whole model.
         model = Transformer(self.model_cfg, device="meta")
         if self.pp > 1:
-            self.model = pipeline_parallelize(model, self.mesh, microbatches=self.microbatches, schedule=cfg.schedule,
-                                              recompute=cfg.recompute, timeout_s=cfg.timeout_s, weights=weights)
+            self.model = pipeline_parallelize(model, self.mesh, cfg.scheme, microbatches=self.microbatches,
+                                              schedule=cfg.schedule, recompute=cfg.recompute, timeout_s=cfg.timeout_s,
+                                              weights=weights)
         else:
             self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
