@@ -121,6 +121,22 @@ def test_training_with_pp_matches_tsp_and_resumes_on_another_split(pools, tmp_pa
             assert abs(a - b) <= 1e-5 * abs(b), (source, a, b)
 
 
+@pytest.mark.parametrize("scheme", ["tp", "sp"])
+def test_training_pp2_with_tp_or_sp_matches_single_device(pools, tmp_path, scheme):
+    """``torchtsp train --nproc 4 --pp 2 --scheme tp --tp 2`` (and sp) against the single-device training loop."""
+    from torchtsp.config import get_preset
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.single import train_single
+
+    piped = train(pools, tmp_path, scheme, pp=2, scheme=scheme, **{scheme: 2})
+    assert piped["mesh"]["pp"] == 2 and piped["mesh"][scheme] == 2
+    want = train_single(get_preset(TRAIN["preset"]), TRAIN["steps"], TRAIN["batch_size"], TRAIN["seq_len"],
+                        lr=TrainConfig.lr, seed=0, prompt=None)
+    # The same model, batch and AdamW: float32 round-off only (reordered sums), compounded over 4 steps.
+    for step, (a, b) in enumerate(zip(piped["losses"], want, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+
+
 # ---------------------------------------------------------------- clear errors, before any communication
 
 
