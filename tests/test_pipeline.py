@@ -157,8 +157,10 @@ def test_pipeline_defaults_and_refusals():
     from torchtsp.train.config import TrainConfig
 
     assert check_pipeline(get_scheme("tsp"), CFG, 2, None, 4, {"dp": 1}) == 2  # one microbatch per stage
+    for scheme in ("tp", "sp"):  # stages of any scheme whose model runs in three parts
+        assert check_pipeline(get_scheme(scheme), CFG, 2, None, 4, {"dp": 1}) == 2
     with pytest.raises(ValueError, match="does not run as pipeline stages"):
-        check_pipeline(get_scheme("tp"), CFG, 2, None, 4, {"dp": 1})
+        check_pipeline(get_scheme("tp_sp"), CFG, 2, None, 4, {"dp": 1})
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_pipeline(get_scheme("tsp"), CFG.replace(n_experts=4, moe_top_k=2, moe_ffn_dim=32), 2, None, 4,
                        {"dp": 1})

@@ -294,14 +294,14 @@ def _no_loss(x, labels):  # never called: only the last stage computes the loss
 
 def pipeline_parallelize(model: Transformer, mesh, scheme: str = "tsp", *, microbatches: int | None = None,
                          schedule: str = "1f1b", recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         weights: WeightSource | None = None) -> Pipeline:
+                         weights: WeightSource | None = None, **options) -> Pipeline:
     """Split ``model`` into ``pp`` pipeline stages (the mesh's ``pp`` axis), each a ``scheme`` model (tsp, tp
     or sp) on that scheme's axes, replicated over ``dp``. ``microbatches`` defaults to the number of stages;
     ``schedule`` is ``gpipe``, ``1f1b`` or ``interleaved_1f1b``. Bad splits are refused before any
-    communication."""
+    communication. ``options``: the scheme's other options (``sequence_parallel``, refused for now)."""
     if not isinstance(model, Transformer):
         raise TypeError(f"pipeline_parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    return Pipeline(model, mesh, scheme, microbatches, schedule, recompute, timeout_s, weights)
+    return Pipeline(model, mesh, scheme, microbatches, schedule, recompute, timeout_s, weights, **options)
 
 
 PipelineTSP = Pipeline  # its name when stages were TSP only

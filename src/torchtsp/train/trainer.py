@@ -29,7 +29,7 @@ from ..distributed.mesh import init_mesh, mesh_device
 from ..layout import Layout
 from ..memory import live_bytes, measure_peak
 from ..model import Transformer
-from ..parallel import parallelize, pipeline_parallelize
+from ..parallel import parallelize
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
@@ -113,7 +113,7 @@ class Trainer:
                                    recompute=cfg.recompute or None, cfg=self.model_cfg, seq_len=cfg.seq_len)
         check_batch_split(cfg, layout(batch=cfg.batch_size).sizes, self.model_cfg.moe)
         self.layout = layout(batch=cfg.batch_size // cfg.grad_accum)
-        self.pp, self.degrees, self.microbatches = self.layout.pp, self.layout.sizes, self.layout.microbatches
+        self.degrees = self.layout.sizes
         self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
@@ -122,13 +122,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # Built on the meta device: each rank materialises only its own shards (of the seeded initial values, or
         # read from the checkpoint), never the whole model.
+        # A layout with pp > 1 gives pipeline stages, each a model of the scheme.
         model = Transformer(self.model_cfg, device="meta")
-        if self.pp > 1:
-            self.model = pipeline_parallelize(model, self.mesh, cfg.scheme, microbatches=self.microbatches,
-                                              schedule=cfg.schedule, recompute=cfg.recompute, timeout_s=cfg.timeout_s,
-                                              weights=weights)
-        else:
-            self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
+        self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
         self.optimizer = build_optimizer(self.model, cfg, self.degrees.get("dp", 1))
@@ -174,7 +170,7 @@ class Trainer:
     def state(self, step: int) -> dict:
         # A pipeline stage's tensors are DTensors over its own ranks (the mesh without pp): stages hold
         # different reference names, so a checkpoint looks the same whatever the split.
-        mesh = self.mesh[AXES] if self.pp > 1 else self.mesh
+        mesh = self.mesh[AXES]  # the whole mesh when it has no pp axis
         # A distributed optimizer gathers the full local shards of masters and moments, for this save or load only.
         self._optimizer_view = named, optimizer = self.optimizer.state_dict()
         state = checkpoint.training_state(self.model, optimizer, named, mesh, step)
@@ -403,7 +399,7 @@ class Trainer:
     @property
     def mesh_degrees(self) -> dict[str, int]:
         """Every mesh degree, pp first when there is a pipeline."""
-        return {PIPELINE_AXIS: self.pp, **self.degrees} if self.pp > 1 else dict(self.degrees)
+        return dict(sorted(self.layout.mesh_degrees().items(), key=lambda axis: axis[0] != PIPELINE_AXIS))
 
     def sample(self) -> str | None:
         """A continuation of the prompt by the parallel model itself (``torchtsp.infer.generate``: seeded sampling,
@@ -414,7 +410,7 @@ class Trainer:
 
         self.weights_ready()
         model = self.model
-        if self.pp > 1:
+        if model.joint_forward_backward:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
         if isinstance(model, DataParallel) and model.scheme != "dp":
             model = model.module  # the replicas hold the same weights: each samples alone
