@@ -56,12 +56,6 @@ def parallelize(model: Transformer, mesh, scheme: str | Layout = "tsp", *, recom
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    if isinstance(scheme, Layout) and scheme.pp > 1:  # pipeline stages, each a model of the scheme
-        from .pipeline import pipeline_parallelize
-
-        return pipeline_parallelize(model, mesh, scheme.scheme, microbatches=scheme.microbatches,
-                                    schedule=scheme.schedule, timeout_s=timeout_s, weights=weights,
-                                    **scheme.option_values)
     sizes = mesh_sizes(mesh)
     if sizes.get("pp", 1) > 1:
         raise ValueError("a mesh with a pp axis is split into pipeline stages by "

@@ -40,7 +40,7 @@ from ..layout import Layout
 from ..model import Transformer
 from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
 from ..weights import WeightSource
-from .api import SCHEME_CLASSES
+from .api import SCHEME_CLASSES, parallelize
 from .base import ParallelTransformer, weight_source
 from .dp import AllReduceGrads
 
@@ -302,6 +302,17 @@ def pipeline_parallelize(model: Transformer, mesh, scheme: str = "tsp", *, micro
     if not isinstance(model, Transformer):
         raise TypeError(f"pipeline_parallelize expects a torchtsp Transformer, got {type(model).__name__}")
     return Pipeline(model, mesh, scheme, microbatches, schedule, recompute, timeout_s, weights, **options)
+
+
+def parallelize_layout(model: Transformer, mesh, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       weights: WeightSource | None = None) -> ParallelTransformer:
+    """``parallelize(model, mesh, layout)``, or for a layout with pp > 1 its pipeline stages, each a model of the
+    layout's scheme: one call builds the model of any layout ``init_mesh(layout)`` built the mesh of."""
+    if layout.pp == 1:
+        return parallelize(model, mesh, layout, timeout_s=timeout_s, weights=weights)
+    return pipeline_parallelize(model, mesh, layout.scheme, microbatches=layout.microbatches,
+                                schedule=layout.schedule, timeout_s=timeout_s, weights=weights,
+                                **layout.option_values)
 
 
 PipelineTSP = Pipeline  # its name when stages were TSP only

@@ -29,7 +29,7 @@ from ..distributed.mesh import init_mesh, mesh_device
 from ..layout import Layout
 from ..memory import live_bytes, measure_peak
 from ..model import Transformer
-from ..parallel import parallelize
+from ..parallel.pipeline import parallelize_layout
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
@@ -124,7 +124,7 @@ class Trainer:
         # read from the checkpoint), never the whole model.
         # A layout with pp > 1 gives pipeline stages, each a model of the scheme.
         model = Transformer(self.model_cfg, device="meta")
-        self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
+        self.model = parallelize_layout(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
         self.optimizer = build_optimizer(self.model, cfg, self.degrees.get("dp", 1))
