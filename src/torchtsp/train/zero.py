@@ -143,7 +143,7 @@ class ZeroOptimizer:
         self._issued = 0  # buckets issued in this backward pass (they go out in bucket order)
         self._in_pass = False
 
-    # -- the model's gradient-sum strategy (parallel/dp.py ``GradSum``) ---------------------------
+    # -- the model's gradient-sum strategy (as parallel/dp.py's ``AllReduceGrads``) -----------------
 
     @property
     def grad_sum(self) -> ZeroOptimizer:
