@@ -291,6 +291,7 @@ def zero_step():
     with fake_cuda.FakeCuda() as fake:
         model = torchtsp.parallelize(shell, mesh, "tsp", weights=weights)
         zero = ZeroOptimizer(model, 2, 1e-3, 0.1, master_weights=True, bucket_mb=0.01)
+        model.sum_gradients_with(zero.grad_sum)
         tokens, labels = _batch(cfg)
         for _ in range(2):  # the first backward also rebuilds the buckets in its gradients' order
             fake.reset()

@@ -1,4 +1,4 @@
-"""Pipeline stages around TSP ([pp, dp, tsp] mesh) against the single-device reference."""
+"""Pipeline stages around TSP ([pp, dp, tsp] mesh), TP and SP against the single-device reference."""
 
 import copy
 
@@ -15,12 +15,13 @@ FAMILY = CFG.replace(qkv_bias=True, qk_norm=True, n_kv_heads=1)
 B, S, STEPS = 4, 16, 2
 
 
-def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False, cfg=CFG):
-    """Loss of every step and every gradient of this rank's stages, pipeline vs reference (SGD between steps)."""
-    mesh = torchtsp.init_mesh(pp=pp, dp=dp, tsp=tsp)
+def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False, cfg=CFG, scheme="tsp"):
+    """Loss of every step and every gradient of this rank's stages, pipeline vs reference (SGD between steps).
+    ``tsp``: the degree of ``scheme``'s axis."""
+    mesh = torchtsp.init_mesh(pp=pp, dp=dp, **{scheme: tsp})
     torch.manual_seed(0)
     ref = torchtsp.Transformer(cfg)
-    model = pipeline_parallelize(copy.deepcopy(ref), mesh, microbatches=microbatches, schedule=schedule,
+    model = pipeline_parallelize(copy.deepcopy(ref), mesh, scheme, microbatches=microbatches, schedule=schedule,
                                  recompute=recompute)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_grads = dict(ref.named_parameters())
@@ -41,7 +42,7 @@ def steps_on_rank(pp, dp, tsp, schedule, microbatches, recompute=False, cfg=CFG)
     return out
 
 
-def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg=CFG):
+def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg=CFG, tokens=S // 2):
     names = set()
     for rank, steps in enumerate(results):
         for step, r in enumerate(steps):
@@ -54,7 +55,7 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg
     assert names == {n for n, _ in torchtsp.Transformer(cfg, device="meta").named_parameters()}
     # Rank p of a stage sends its own token shard [B/(dp M), S/tsp, h] to rank p of the next: per microbatch one
     # activation forward and its gradient back, fp32; nothing gathered.
-    shard = (B // (dp * microbatches)) * (S // tsp) * CFG.dim * 4
+    shard = (B // (dp * microbatches)) * tokens * CFG.dim * 4
     for rank, steps in enumerate(results):
         assert steps[0]["pp_bytes"] == crossings * microbatches * shard, (rank, steps[0]["pp_bytes"], shard)
         assert steps[0]["pp_sent"] == crossings * microbatches * shard
@@ -66,6 +67,17 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg
 def test_pp2_tsp2_matches_reference(pools, schedule, microbatches, recompute, cfg):
     results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches, recompute, cfg)
     check_against_reference(results, 2, 1, 2, microbatches, cfg=cfg)
+
+
+@pytest.mark.parametrize("scheme", ["tp", "sp"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_with_tp2_or_sp2_matches_reference(pools, scheme, schedule):
+    # Stages of any scheme: the reference model cut into two 2-layer sub-models, each split over tp (or sp). The
+    # same bounds as pp x tsp: float32 sums reordered (TP's partial products summed over the tp ranks, SP's
+    # gradients over the sp ranks, microbatches accumulated), ~1e-7 relative each.
+    results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, 2, False, CFG, scheme)
+    # A TP rank holds every token of its rows, and sends them all; an SP rank its zigzag shard, S/2.
+    check_against_reference(results, 2, 1, 2, 2, tokens=S if scheme == "tp" else S // 2)
 
 
 def test_interleaved_1f1b_matches_reference(pools):
@@ -109,6 +121,22 @@ def test_training_with_pp_matches_tsp_and_resumes_on_another_split(pools, tmp_pa
             assert abs(a - b) <= 1e-5 * abs(b), (source, a, b)
 
 
+@pytest.mark.parametrize("scheme", ["tp", "sp"])
+def test_training_pp2_with_tp_or_sp_matches_single_device(pools, tmp_path, scheme):
+    """``torchtsp train --nproc 4 --pp 2 --scheme tp --tp 2`` (and sp) against the single-device training loop."""
+    from torchtsp.config import get_preset
+    from torchtsp.train.config import TrainConfig
+    from torchtsp.train.single import train_single
+
+    piped = train(pools, tmp_path, scheme, pp=2, scheme=scheme, **{scheme: 2})
+    assert piped["mesh"]["pp"] == 2 and piped["mesh"][scheme] == 2
+    want = train_single(get_preset(TRAIN["preset"]), TRAIN["steps"], TRAIN["batch_size"], TRAIN["seq_len"],
+                        lr=TrainConfig.lr, seed=0, prompt=None)
+    # The same model, batch and AdamW: float32 round-off only (reordered sums), compounded over 4 steps.
+    for step, (a, b) in enumerate(zip(piped["losses"], want, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+
+
 # ---------------------------------------------------------------- clear errors, before any communication
 
 
@@ -129,8 +157,10 @@ def test_pipeline_defaults_and_refusals():
     from torchtsp.train.config import TrainConfig
 
     assert check_pipeline(get_scheme("tsp"), CFG, 2, None, 4, {"dp": 1}) == 2  # one microbatch per stage
+    for scheme in ("tp", "sp"):  # stages of any scheme whose model runs in three parts
+        assert check_pipeline(get_scheme(scheme), CFG, 2, None, 4, {"dp": 1}) == 2
     with pytest.raises(ValueError, match="does not run as pipeline stages"):
-        check_pipeline(get_scheme("tp"), CFG, 2, None, 4, {"dp": 1})
+        check_pipeline(get_scheme("tp_sp"), CFG, 2, None, 4, {"dp": 1})
     with pytest.raises(ValueError, match="mixture-of-experts"):
         check_pipeline(get_scheme("tsp"), CFG.replace(n_experts=4, moe_top_k=2, moe_ffn_dim=32), 2, None, 4,
                        {"dp": 1})

@@ -345,7 +345,7 @@ def test_keep_last_and_peak_memory_every_n_steps(pools, tmp_path):
     run(pools, tmp_path, steps=6, checkpoint_every=1, keep_last=2, mem_every=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000005", "step_000006"]
     measured = [r["step"] for r in metrics(tmp_path) if "peak_mem_bytes" in r]
-    assert measured == [2, 4, 6]
+    assert measured == [1, 2, 4, 6]  # the first step, then every second one
 
 
 def fake_checkpoint(folder: Path, content: bytes):

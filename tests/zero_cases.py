@@ -23,6 +23,7 @@ def api_run(level: int, steps: int = 3, poison: bool = False, bucket_mb: float =
     model = torchtsp.parallelize(torchtsp.Transformer(cfg, device="meta"), mesh, "tsp")
     if level:
         opt = ZeroOptimizer(model, level, LR, WEIGHT_DECAY, bucket_mb=bucket_mb, poison=poison)
+        model.sum_gradients_with(opt.grad_sum)
     else:
         refs = {n: [ref for ref, *_ in model.reference_parts(n, p)] for n, p in model.named_parameters()}
         opt = build_adamw(((refs[n], p) for n, p in model.named_parameters()), LR, WEIGHT_DECAY)
@@ -62,3 +63,39 @@ def train_with_a_poisoned_step(cfg, poisoned: int) -> dict:
 
     trainer.train_step = train_step
     return trainer.run()
+
+
+# Many narrow layers: the model's gradient is several times ZeRO-2's buckets in flight (a bucket holds at least one
+# whole local tensor), so what ZeRO-2 frees shows from the first step on.
+DEEP = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, n_layers=12,
+                            max_seq_len=64)
+
+
+def measured_steps(level: int, steps: int = 2, bucket_mb: float = 0.05) -> list[dict]:
+    """Each step's live gradient bytes at their fullest and live-tensor peak (``measure_peak``), at dp = 2 x
+    tsp = 2 with the distributed optimizer at ``level`` (0: ``ReplicatedAdamW``), through the one interface."""
+    from torchtsp.memory import measure_peak
+    from torchtsp.train.optim import ReplicatedAdamW
+
+    torch.manual_seed(0)
+    mesh = torchtsp.init_mesh(dp=2, tsp=2)
+    model = torchtsp.parallelize(torchtsp.Transformer(DEEP, device="meta"), mesh, "tsp")
+    opt = (ZeroOptimizer(model, level, LR, WEIGHT_DECAY, bucket_mb=bucket_mb) if level
+           else ReplicatedAdamW(model, LR, WEIGHT_DECAY))
+    model.sum_gradients_with(opt.grad_sum)
+    out = []
+    for step in range(steps):
+        tokens, labels = batch(DEEP, 4, 32, seed=step)
+
+        def one_step(tokens=tokens, labels=labels):
+            opt.wait_for_weights()
+            model.forward_backward(tokens, labels)
+            opt.reduce()
+            opt.clip(1.0)
+            opt.step(LR)
+
+        opt.measuring = True
+        _, peak = measure_peak(one_step, model, *opt.tracked)
+        opt.measuring = False
+        out.append({"grad_bytes": opt.bytes()["grad_bytes"], "peak_mem_bytes": peak})
+    return out

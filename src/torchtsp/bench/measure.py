@@ -114,6 +114,7 @@ class _Built:
         self.zero = (ZeroOptimizer(self.model, spec.zero, LR, WEIGHT_DECAY)
                      if spec.zero and dp is not None and dp.size > 1 else None)
         if self.zero:
+            self.model.sum_gradients_with(self.zero.grad_sum)
             self.optimizer, self.tracked = self.zero, (self.model, *self.zero.optimizers)
         else:
             refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in self.params.items()}

@@ -141,6 +141,11 @@ class ParallelTransformer(nn.Module):
     router_load: tuple[torch.Tensor, torch.Tensor] | None = None
 
     layout = None  # the Layout parallelize resolved and checked (torchtsp.layout)
+    # How gradients are summed over data-parallel replicas (``parallel/dp.py``'s ``AllReduceGrads``, or a
+    # distributed optimizer's reduce-scatter); None: this model has no replicas.
+    grad_sum = None
+    # Whether forward and backward run together in one schedule (pipeline stages): no separate loss to call.
+    joint_forward_backward = False
 
     def __init__(self, cfg, mesh):
         super().__init__()
@@ -153,6 +158,12 @@ class ParallelTransformer(nn.Module):
     def comms(self) -> dict[str, AxisComm]:
         """The mesh axes this model communicates over, by name (for counting traffic)."""
         raise NotImplementedError
+
+    def sum_gradients_with(self, strategy) -> None:
+        """Sum gradients over the data-parallel replicas with ``strategy`` from now on; None keeps the model's own.
+        A model without replicas has nothing to sum."""
+        if strategy is not None:
+            raise ValueError(f"{type(self).__name__} has no data-parallel replicas to sum gradients over")
 
     def traffic_seq_rank(self) -> int | None:
         """What ``predict_comm(seq_rank=...)`` needs to count this rank's bytes: its rank on the sequence axis

@@ -9,6 +9,8 @@ target count are summed over dp), and every gradient is summed over dp as backwa
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
@@ -45,33 +47,71 @@ class Replica(ParallelTransformer):
         return {name: pick(p) for name, p in self.module.named_parameters()}
 
 
+class AllReduceGrads:
+    """The gradient sum of data parallelism without a distributed optimizer: every gradient all-reduced over the
+    ``dp`` replicas, in float32 (a bf16 sum over replicas would lose the low bits of every gradient).
+
+    A gradient-sum strategy (also ``train/zero.py``'s ``ZeroOptimizer``, whose reduce-scatter replaces this) is
+    given to a model once (``sum_gradients_with``) and offers two ways to sum: ``in_backward(params)`` hooks
+    each parameter so its gradient is summed as backward produces it (returns the hooks' handles); the
+    context ``over_pass(params)`` sums the gradients a whole pass adds to ``.grad`` as it ends (a pipeline
+    schedule, whose every microbatch runs a backward)."""
+
+    def __init__(self, dp: AxisComm):
+        self.dp = dp
+
+    def in_backward(self, params) -> list:
+        # On the gradient flowing into each weight (before accumulation into .grad): accumulation over
+        # several backward passes stays exact, and the sums overlap the rest of backward.
+        return [p.register_hook(self._sum) for p in params]
+
+    def _sum(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.dp.size == 1:
+            return grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # torch_tp: this rank's DTensor piece
+        total = self.dp.all_reduce(local.to(torch.float32, copy=True), label="dp.grad").to(local.dtype)
+        if local is grad:
+            return total
+        return type(grad).from_local(total, grad.device_mesh, grad.placements, run_check=False,
+                                     shape=grad.shape, stride=grad.stride())
+
+    @contextlib.contextmanager
+    def over_pass(self, params):
+        """Gradients of earlier passes (accumulation) are already summed: set aside, then added back."""
+        params = list(params)
+        earlier = {p: p.grad for p in params if p.grad is not None} if self.dp.size > 1 else {}
+        for p in earlier:
+            p.grad = None
+        yield
+        if self.dp.size == 1:
+            return
+        for p in params:
+            if p.grad is not None:
+                p.grad.copy_(self._sum(p.grad))
+            if p in earlier:
+                p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
+
+
 class DataParallel(ParallelTransformer):
     """``inner`` (a scheme's model on this rank's model axes) replicated over the ``dp`` mesh axis."""
-
-    # Whether backward sums each gradient over dp (all-reduce); a distributed optimizer (train/zero.py), which
-    # reduce-scatters them itself, turns it off.
-    grad_sum_over_dp = True
 
     def __init__(self, inner: ParallelTransformer, mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.scheme = inner.scheme  # the instance attribute the base class reads (mesh already checked)
         super().__init__(inner.cfg, mesh)
         self.module = inner
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
-        for p in inner.parameters():
-            # On the gradient flowing into each weight (before accumulation into .grad): accumulation over
-            # several backward passes stays exact, and the sums overlap the rest of backward.
-            p.register_hook(self._sum_over_replicas)
+        self._grad_hooks = []
+        self.sum_gradients_with(AllReduceGrads(self.dp))
 
-    def _sum_over_replicas(self, grad: torch.Tensor) -> torch.Tensor:
-        if self.dp.size == 1 or not self.grad_sum_over_dp:
-            return grad
-        local = grad.to_local() if hasattr(grad, "to_local") else grad  # torch_tp: this rank's DTensor piece
-        # Summed in float32: a bf16 sum over replicas would lose the low bits of every gradient.
-        total = self.dp.all_reduce(local.to(torch.float32, copy=True), label="dp.grad").to(local.dtype)
-        if local is grad:
-            return total
-        return type(grad).from_local(total, grad.device_mesh, grad.placements, run_check=False,
-                                     shape=grad.shape, stride=grad.stride())
+    def sum_gradients_with(self, strategy) -> None:
+        """Sum every gradient over the replicas, as backward produces it, with ``strategy`` (``AllReduceGrads``
+        by default; a distributed optimizer's reduce-scatter); None keeps the one in use."""
+        if strategy is None:
+            return
+        for handle in self._grad_hooks:
+            handle.remove()
+        self.grad_sum = strategy
+        self._grad_hooks = strategy.in_backward(self.module.parameters())
 
     @property
     def recompute(self) -> bool:

@@ -1,16 +1,16 @@
-"""Pipeline stages around TSP, on a [pp, dp, tsp] mesh (see docs/design.md, "Pipeline stages").
+"""Pipeline stages around a scheme (TSP, TP, SP), on a [pp, dp, scheme axes] mesh (see docs/design.md,
+"Pipeline stages").
 
-The model's layers are cut into contiguous, equal ranges, one per stage (two per rank for the
-interleaved schedule). Stage s runs on the ranks whose ``pp`` coordinate holds it: each of its
-``dp`` replicas is one TSP group, holding 1/D of every weight of the stage's layers and 1/D of the
-tokens of its microbatches (zigzag layout). The first stage also embeds the tokens; the last one
-also applies the final norm, the LM head and the loss. A stage is an ordinary ``TSPTransformer``
-over the stage's layers (``StageWeights`` names them as a model of that many layers); only the
-parts it runs are kept.
+The reference model is cut into stage sub-models first: contiguous, equal layer ranges, one per stage (two per
+rank for the interleaved schedule), the embedding in the first, the final norm, LM head and loss in the last.
+Each is then split with the scheme's class over the mesh without ``pp`` and ``dp`` (``StageWeights`` names its
+layers as those of a model of that many layers). Stage s runs on the ranks whose ``pp`` coordinate holds it:
+each of its ``dp`` replicas is one group of the scheme's axes, running the scheme on its microbatches (TSP: 1/D
+of every weight of the stage's layers and 1/D of the tokens, zigzag layout).
 
-At a stage boundary nothing is gathered: rank p of the TSP group of one stage sends its own token
-shard [b, S/D, h] to rank p of the next stage, which is its neighbour along the ``pp`` axis, and the
-gradient of that shard comes back the same way.
+At a stage boundary nothing is gathered: rank p of the scheme's group of one stage sends its own hidden states
+(TSP and SP: its token shard [b, S/D, h]; TP: the whole sequence [b, S, h], which every TP rank holds) to rank
+p of the next stage, its neighbour along the ``pp`` axis, and the gradient comes back the same way.
 
 The schedule is ``torch.distributed.pipelining``'s (GPipe, 1F1B, interleaved 1F1B). That library
 issues its sends and receives itself, which is the one exception to "only comm.py calls
@@ -33,7 +33,6 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..distributed import comm as comm_lib
-from ..distributed import zigzag
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
 from ..layers import IGNORE_INDEX, Documents, as_documents
@@ -41,8 +40,9 @@ from ..layout import Layout
 from ..model import Transformer
 from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
 from ..weights import WeightSource
+from .api import SCHEME_CLASSES, parallelize
 from .base import ParallelTransformer, weight_source
-from .tsp import TSPTransformer
+from .dp import AllReduceGrads
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -68,41 +68,48 @@ def shift_layer(name: str, offset: int) -> str:
     return _LAYER.sub(lambda m: f"layers.{int(m.group(1)) + offset}.", name)
 
 
-class TSPStage(nn.Module):
-    """One pipeline stage: layers ``layers`` of the model on this rank's TSP group.
+# The reference parameters only the first stage runs (the embedding) and only the last (final norm and head).
+FIRST_ONLY, LAST_ONLY = {"tok_embeddings.weight"}, {"norm.weight", "output.weight"}
 
-    ``forward`` takes token ids [b, S/D] (first stage) or hidden states [b, S/D, h] and returns hidden states;
-    the last stage's head and loss run in ``nll_sum``, the schedule's loss function.
+
+class Stage(nn.Module):
+    """One pipeline stage: layers ``layers`` of the reference model as a model of its own (``StageWeights``), the
+    embedding in the first stage, the final norm, head and loss in the last, split with a scheme's class over
+    this rank's mesh (its ``pp`` and ``dp`` axes are the pipeline's, not the stage's).
+
+    ``forward`` takes this rank's share of token ids (first stage) or hidden states and returns hidden states;
+    the last stage's head and loss run in ``nll_sum``, the schedule's loss function. A scheme's model runs as a
+    stage through its three parts: ``embed``, ``hidden_states`` and ``head_nll_sum_and_count``.
     """
 
-    def __init__(self, cfg, mesh, layers: range, first: bool, last: bool, source: WeightSource,
-                 recompute: bool, timeout_s: float):
+    def __init__(self, scheme_class, options: dict, cfg, mesh, layers: range, first: bool, last: bool,
+                 source: WeightSource, timeout_s: float):
         super().__init__()
         self.layers, self.first, self.last = layers, first, last
         stage_cfg = cfg.replace(n_layers=len(layers))
-        self.tsp = TSPTransformer(Transformer(stage_cfg, device="meta"), mesh, recompute=recompute,
-                                  timeout_s=timeout_s, weights=StageWeights(source, stage_cfg, layers.start))
-        # Keep only what this stage runs (the constructor drew every part of an n-layer model).
-        if not first:
-            self.tsp.embedding_shard = None
-        if not last:
-            self.tsp.norm = None
-            self.tsp.output_shard = None
+        self.model = scheme_class(Transformer(stage_cfg, device="meta"), mesh, timeout_s=timeout_s,
+                                  weights=StageWeights(source, stage_cfg, layers.start), **options)
+        # A scheme builds the parts every model has: drop those this stage does not run, by what they hold.
+        unused = (set() if first else FIRST_ONLY) | (set() if last else LAST_ONLY)
+        for name, p in list(self.model.named_parameters()):
+            if unused and all(ref in unused for ref, *_ in self.model.reference_parts(name, p)):
+                owner, _, attr = name.rpartition(".")
+                setattr(self.model.get_submodule(owner), attr, None)
 
     def forward(self, x: torch.Tensor, document_positions: torch.Tensor | None = None) -> torch.Tensor:
         """``document_positions``: this microbatch's ``Documents.positions`` (packed rows), the schedule's
         keyword argument, which it splits into microbatches like the tokens."""
         if self.first:
-            x = self.tsp.embed(x)
+            x = self.model.embed(x)
         documents = None if document_positions is None else Documents.from_positions(document_positions)
-        return self.tsp.hidden_states(x, documents=documents)
+        return self.model.hidden_states(x, documents=documents)
 
     def nll_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.tsp.head_nll_sum_and_count(x, labels)[0]
+        return self.model.head_nll_sum_and_count(x, labels)[0]
 
     def reference_parts(self, name: str, local: torch.Tensor):
         return [(shift_layer(ref, self.layers.start), piece, dims)
-                for ref, piece, dims in self.tsp.reference_parts(name, local)]
+                for ref, piece, dims in self.model.reference_parts(name, local)]
 
 
 class _Unhooked(nn.Module):
@@ -110,7 +117,7 @@ class _Unhooked(nn.Module):
     in a step, which PyTorch's MemTracker (the trainer's peak-memory measure) would take for a second iteration;
     its allocations are still counted, only its per-module breakdown is skipped."""
 
-    def __init__(self, stage: TSPStage):
+    def __init__(self, stage: Stage):
         super().__init__()
         self.stage = stage
 
@@ -138,45 +145,50 @@ class CountedStage(PipelineStage):
         return self.counter.count_p2p(super().get_bwd_send_ops(bwd_chunk_id), ("backward", self.stage_index))
 
 
-class PipelineTSP(ParallelTransformer):
-    """A reference ``Transformer`` split into pipeline stages over the ``pp`` mesh axis, each stage a TSP model
-    over the ``tsp`` axis, replicated over ``dp``. Build it with ``pipeline_parallelize``.
+class Pipeline(ParallelTransformer):
+    """A reference ``Transformer`` split into pipeline stages over the ``pp`` mesh axis, each stage a scheme's
+    model (TSP, TP, SP) over that scheme's axes, replicated over ``dp``. Build it with ``pipeline_parallelize``.
 
     ``forward_backward(tokens, labels)`` runs one step of the schedule on the global batch and returns the
     global mean loss (on every rank); ``full_grads()`` and ``full_state_dict()`` hold this rank's stages'
     parameters only, by reference name.
     """
 
-    scheme = "tsp"
-    grad_sum_over_dp = True  # as DataParallel's: off under a distributed optimizer (train/zero.py)
-    grad_reducer = None  # that optimizer's reduction of the gradients of one schedule, called as it ends
+    joint_forward_backward = True
 
-    def __init__(self, model: Transformer, mesh, microbatches: int | None = None, schedule: str = "1f1b",
-                 recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
-        super().__init__(model.cfg, mesh)
+    def __init__(self, model: Transformer, mesh, scheme: str = "tsp", microbatches: int | None = None,
+                 schedule: str = "1f1b", recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 weights: WeightSource | None = None, **options):
         sizes = mesh_sizes(mesh)
         pp = sizes.get(PIPELINE_AXIS, 1)
         if pp < 2:
             raise ValueError("pipeline_parallelize needs a mesh with a pp axis of size >= 2 "
                              "(torchtsp.init_mesh(pp=...)); without one use torchtsp.parallelize")
         cfg = model.cfg
-        # The checks that need no batch (microbatches and layers against stages, heads against tsp); the batch is
-        # checked against the layout as it arrives (``check_inputs``).
-        self.layout = Layout.of_mesh("tsp", sizes, cfg, microbatches=microbatches, schedule=schedule,
-                                     recompute=recompute)
+        # The checks that need no batch (microbatches and layers against stages, heads against the scheme's
+        # degrees); the batch is checked against the layout as it arrives (``check_inputs``).
+        self.layout = Layout.of_mesh(scheme, sizes, cfg, microbatches=microbatches, schedule=schedule,
+                                     recompute=recompute, **options)
+        if self.layout.option_values.get("sequence_parallel"):
+            raise ValueError("pipeline stages pass whole sequences between TP stages: drop sequence_parallel "
+                             "with --pp")
+        self.scheme = self.layout.scheme  # the instance attribute the base class reads
+        super().__init__(cfg, mesh)
         self.microbatches = self.layout.microbatches
         self.schedule_name = schedule
         self.pp = AxisComm(comm_lib.pipeline_group(mesh, timeout_s), PIPELINE_AXIS, timeout_s)
         self.dp = AxisComm.from_mesh(mesh, "dp", timeout_s)
-        self.tsp_size = sizes.get("tsp", 1)
+        # The replicas' gradients are summed once per schedule, not per microbatch: ``over_pass``.
+        self.grad_sum = AllReduceGrads(self.dp)
         weights = weight_source(model, mesh, weights)  # seeded, the built model's, or the given checkpoint's
         self.device = mesh_device(mesh)
         n_stages = pp * stages_per_rank(schedule)
         ranges = stage_layer_ranges(cfg.n_layers, n_stages)
         # Loop placement (torch's mapping): stage s runs on pp rank s mod pp.
         self.stage_ids = [s for s in range(n_stages) if s % pp == self.pp.rank]
+        scheme_class, stage_options = SCHEME_CLASSES[self.layout.scheme], self.layout.option_values
         self.stages = nn.ModuleList(
-            TSPStage(cfg, mesh, ranges[s], s == 0, s == n_stages - 1, weights, recompute, timeout_s)
+            Stage(scheme_class, stage_options, cfg, mesh, ranges[s], s == 0, s == n_stages - 1, weights, timeout_s)
             for s in self.stage_ids)
         model.to("meta")  # release the full weights, if any: this rank keeps only its stages' shards
         self.n_stages = n_stages
@@ -192,7 +204,7 @@ class PipelineTSP(ParallelTransformer):
         if self._shape == (rows, seq_len):
             return
         self._shape = (rows, seq_len)
-        n, h = seq_len // self.tsp_size, self.cfg.dim
+        n, h = self._local_tokens(torch.zeros(1, seq_len, dtype=torch.long)).shape[1], self.cfg.dim
         dtype = next(self.parameters()).dtype
         tokens = torch.empty(rows, n, dtype=torch.long, device="meta")
         hidden = torch.empty(rows, n, h, dtype=dtype, device="meta", requires_grad=True)
@@ -213,14 +225,18 @@ class PipelineTSP(ParallelTransformer):
     # -- the step -------------------------------------------------------------
 
     def comms(self):
-        # Each local stage has its own comm on the same TSP group (interleaved: two): all are counted.
-        later = {f"tsp.stage{s}": stage.tsp.comm for s, stage in zip(self.stage_ids[1:], self.stages[1:])}
-        return {"tsp": self.stages[0].tsp.comm, **later, "dp": self.dp, PIPELINE_AXIS: self.pp}
+        # Each local stage has its own comms on the same groups (interleaved: two): all are counted.
+        later = {f"{axis}.stage{s}": comm for s, stage in zip(self.stage_ids[1:], self.stages[1:])
+                 for axis, comm in stage.model.comms().items()}
+        return {**self.stages[0].model.comms(), **later, "dp": self.dp, PIPELINE_AXIS: self.pp}
+
+    def _local_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """The scheme's share of ``rows`` on this rank (TSP, SP: a zigzag shard; TP: every token)."""
+        return self.stages[0].model.shard_batch(rows)
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """This replica's B/dp rows, zigzag-sharded over TSP: [B/dp, S/D]."""
-        rows = tokens.chunk(self.dp.size, dim=0)[self.dp.rank]
-        return zigzag.shard(rows, self.tsp_size, self.stages[0].tsp.comm.rank, dim=1)
+        """This replica's B/dp rows, then the scheme's share of them (TSP: a zigzag shard [B/dp, S/D])."""
+        return self._local_tokens(tokens.chunk(self.dp.size, dim=0)[self.dp.rank])
 
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor, document_ids=None,
                          target_count: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,28 +253,21 @@ class PipelineTSP(ParallelTransformer):
         self._build_schedule(B // (self.dp.size * self.microbatches), tokens.shape[1])
         self._count = (target_count if target_count is not None else
                        (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1)).to(self.device)
-        # Gradients of earlier batches (accumulation) are already summed over replicas: set aside, added back.
-        summing = self.dp.size > 1 and self.grad_sum_over_dp
-        earlier = {p: p.grad for p in self.parameters() if p.grad is not None} if summing else {}
-        for p in earlier:
-            p.grad = None
         args = (self.shard_batch(tokens),) if self.has_first else ()
         target = self.shard_batch(labels) if self.has_last else None
         losses: list = []
-        self._schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
-                            **extra)
+        with self.grad_sum.over_pass(self.parameters()):
+            self._schedule.step(*args, target=target, losses=losses if self.has_last else None,
+                                return_outputs=False, **extra)
         local = torch.stack(losses).sum().detach() if self.has_last else torch.zeros((), device=self.device)
         # Each replica's losses are its share of the global mean; only the last stage holds them.
-        total = self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
-        if summing:
-            for p in self.parameters():
-                if p.grad is not None:  # summed in float32, like DataParallel
-                    p.grad.copy_(self.dp.all_reduce(p.grad.to(torch.float32, copy=True), label="dp.grad"))
-                if p in earlier:
-                    p.grad = earlier[p] if p.grad is None else p.grad.add_(earlier[p])
-        elif self.grad_reducer is not None:
-            self.grad_reducer()
-        return total
+        return self.pp.all_reduce(self.dp.all_reduce(local.float().clone(), label="loss"), label="loss")
+
+    def sum_gradients_with(self, strategy) -> None:
+        """Sum the gradients of each schedule over the replicas with ``strategy`` (``AllReduceGrads`` by default;
+        a distributed optimizer's reduce-scatter); None keeps the one in use."""
+        if strategy is not None:
+            self.grad_sum = strategy
 
     def loss(self, tokens, labels, document_ids=None):
         raise ValueError("a pipeline runs forward and backward together: call forward_backward(tokens, labels)")
@@ -270,12 +279,12 @@ class PipelineTSP(ParallelTransformer):
 
     def reference_parts(self, name, local):
         index, _, rest = name.removeprefix("stages.").partition(".")
-        return self.stages[int(index)].reference_parts(rest.removeprefix("tsp."), local)
+        return self.stages[int(index)].reference_parts(rest.removeprefix("model."), local)
 
     def _full(self, pick):
         out = {}
         for stage in self.stages:
-            out.update({shift_layer(k, stage.layers.start): v for k, v in stage.tsp._full(pick).items()})
+            out.update({shift_layer(k, stage.layers.start): v for k, v in stage.model._full(pick).items()})
         return out
 
 
@@ -283,12 +292,27 @@ def _no_loss(x, labels):  # never called: only the last stage computes the loss
     raise AssertionError("loss on a stage that is not the last")
 
 
-def pipeline_parallelize(model: Transformer, mesh, *, microbatches: int | None = None, schedule: str = "1f1b",
-                         recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         weights: WeightSource | None = None) -> PipelineTSP:
-    """Split ``model`` into ``pp`` pipeline stages (the mesh's ``pp`` axis), each a TSP model on its ``tsp``
-    axis, replicated over ``dp``. ``microbatches`` defaults to the number of stages; ``schedule`` is
-    ``gpipe``, ``1f1b`` or ``interleaved_1f1b``. Bad splits are refused before any communication."""
+def pipeline_parallelize(model: Transformer, mesh, scheme: str = "tsp", *, microbatches: int | None = None,
+                         schedule: str = "1f1b", recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         weights: WeightSource | None = None, **options) -> Pipeline:
+    """Split ``model`` into ``pp`` pipeline stages (the mesh's ``pp`` axis), each a ``scheme`` model (tsp, tp
+    or sp) on that scheme's axes, replicated over ``dp``. ``microbatches`` defaults to the number of stages;
+    ``schedule`` is ``gpipe``, ``1f1b`` or ``interleaved_1f1b``. Bad splits are refused before any
+    communication. ``options``: the scheme's other options (``sequence_parallel``, refused for now)."""
     if not isinstance(model, Transformer):
         raise TypeError(f"pipeline_parallelize expects a torchtsp Transformer, got {type(model).__name__}")
-    return PipelineTSP(model, mesh, microbatches, schedule, recompute, timeout_s, weights)
+    return Pipeline(model, mesh, scheme, microbatches, schedule, recompute, timeout_s, weights, **options)
+
+
+def parallelize_layout(model: Transformer, mesh, layout: Layout, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                       weights: WeightSource | None = None) -> ParallelTransformer:
+    """``parallelize(model, mesh, layout)``, or for a layout with pp > 1 its pipeline stages, each a model of the
+    layout's scheme: one call builds the model of any layout ``init_mesh(layout)`` built the mesh of."""
+    if layout.pp == 1:
+        return parallelize(model, mesh, layout, timeout_s=timeout_s, weights=weights)
+    return pipeline_parallelize(model, mesh, layout.scheme, microbatches=layout.microbatches,
+                                schedule=layout.schedule, timeout_s=timeout_s, weights=weights,
+                                **layout.option_values)
+
+
+PipelineTSP = Pipeline  # its name when stages were TSP only

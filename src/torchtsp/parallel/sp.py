@@ -89,23 +89,37 @@ class SPTransformer(ReplicatedTransformer):
 
     def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
-        cfg = self.cfg
-        w = dict(self.module.named_parameters())  # full weights; gradients summed over the axis by hooks
-        cos, sin = self.rope(tokens.shape[1], device=tokens.device, documents=documents)
-        stats = RouterStats(cfg.n_experts) if cfg.moe else None
-        x = F.embedding(tokens, w["tok_embeddings.weight"])
-        for i in range(cfg.n_layers):
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        x = self.hidden_states(self.embed(tokens), stats, documents)
+        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
+
+    # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of. The weights are
+    # whole; their gradients are summed over the axis by hooks.
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Local tokens [B, S/Σ] -> their embeddings [B, S/Σ, h]."""
+        return F.embedding(tokens, self.module.tok_embeddings.weight)
+
+    def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
+        """Every layer on local tokens x [B, S/Σ, h] (zigzag positions); sparse layers add their router statistics
+        to ``stats``; ``documents``: the packed documents of these rows (whole rows)."""
+        w = dict(self.module.named_parameters())
+        cos, sin = self.rope(x.shape[1], device=x.device, documents=documents)
+        for i in range(self.cfg.n_layers):
             prefix = f"layers.{i}."
             layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
             # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
             x = (checkpoint(self.layer_forward, x, layer, cos, sin, stats, documents, use_reentrant=False)
                  if self.recompute else self.layer_forward(x, layer, cos, sin, stats, documents))
-        z = rms_norm(x, w["norm.weight"], cfg.norm_eps)
-        head = w["tok_embeddings.weight"] if cfg.tie_embeddings else w["output.weight"]
-        logits = F.linear(z, head)  # local tokens only: [B, S/Σ, V]
+        return x
+
+    def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
+        """Final norm, LM head and cross-entropy of local hidden states [B, S/Σ, h], summed over the axis."""
+        z = rms_norm(x, self.module.norm.weight, self.cfg.norm_eps)
+        logits = F.linear(z, self.module.output_weight)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")
-        return LossTerms(*global_sum_and_count(nll_sum, labels, self.comm), stats)
+        return global_sum_and_count(nll_sum, labels, self.comm)
 
     def sum_router_stats(self, stats):
         return sum_router_stats_over(self.comm, stats.counts, stats.probs, stats.rows)

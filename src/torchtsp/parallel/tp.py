@@ -352,19 +352,35 @@ class TPTransformer(ParallelTransformer):
 
     def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
         """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
-        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
-        stats = RouterStats(cfg.n_experts) if cfg.moe else None
-        cos, sin = rope_tables(rope_positions(self._positions(tokens), documents), cfg)
-        x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), tp, sp)
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        x = self.hidden_states(self.embed(tokens), stats, documents)
+        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
+
+    # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens [B, S] -> their embeddings [B, S, h] ([B, S/T, h] with SP)."""
+        return VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), self.tp, self.sequence_parallel)
+
+    def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
+        """Every layer of this model on this rank's activations x; sparse layers add their router statistics to
+        ``stats``; ``documents``: packed rows."""
+        tokens = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)  # this rank's tokens per row
+        cos, sin = rope_tables(rope_positions(self._positions(x.new_empty(0, tokens)), documents), self.cfg)
         for layer in self.layers:
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
             x = (checkpoint(self.block, layer, x, cos, sin, stats, documents, use_reentrant=False) if self.recompute
                  else self.block(layer, x, cos, sin, stats, documents))
+        return x
+
+    def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
+        """Final norm, LM head and cross-entropy of this rank's hidden states against its labels."""
+        cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
         z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
         nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)
-        return LossTerms(*self._sum_and_count(nll.sum(), labels), stats)
+        return self._sum_and_count(nll.sum(), labels)
 
     # -- full views (for checks, checkpoints, export) -------------------------------
 
@@ -395,12 +411,15 @@ class TPTransformer(ParallelTransformer):
         V = self.cfg.vocab_size
         gather = lambda t, dim, every=1: pick(t) if dim is None else torch.cat(
             self.tp.all_gather(pick(t).contiguous(), label="gather_full").unbind(0)[::every], dim=dim)
-        out = {"tok_embeddings.weight": gather(self.embedding_shard, 0)[:V]}
+        out = {}
+        if self.embedding_shard is not None:  # None: a pipeline stage without the embedding
+            out["tok_embeddings.weight"] = gather(self.embedding_shard, 0)[:V]
         for i, layer in enumerate(self.layers):
             for attr, (ref, dim) in layer_params(self.cfg, i).items():
                 # A copied KV head once, from the first rank of its group.
                 out[f"layers.{i}.{ref}"] = gather(getattr(layer, attr), dim, self.tp.size // self._slices(attr))
-        out["norm.weight"] = pick(self.norm)
+        if self.norm is not None:
+            out["norm.weight"] = pick(self.norm)
         if self.output_shard is not None:
             out["output.weight"] = gather(self.output_shard, 0)[:V]
         return out

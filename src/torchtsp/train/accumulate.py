@@ -52,14 +52,14 @@ def _pipeline_forward_backward(model, micro, total) -> torch.Tensor:
 
 
 def forward_backward(model, tokens: torch.Tensor, labels: torch.Tensor, grad_accum: int,
-                     pipeline: bool = False, document_ids=None) -> torch.Tensor:
+                     document_ids=None) -> torch.Tensor:
     """The global batch's loss (detached, the same on every rank); gradients accumulate into ``.grad``.
     ``document_ids``: packed rows (``ParallelTransformer.loss``)."""
     if grad_accum == 1:
         return model.forward_backward(tokens, labels, document_ids)
     micro = _micro(tokens, labels, document_ids, grad_accum)
     total = (labels != IGNORE_INDEX).sum().to(torch.float32).clamp_min(1).to(tokens.device)
-    if pipeline:
+    if model.joint_forward_backward:
         return _pipeline_forward_backward(model, micro, total)
     cfg = model.cfg
     if cfg.moe:

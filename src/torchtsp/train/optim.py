@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..distributed.comm import AxisComm
+from ..memory import live_bytes
 
 
 def warmup_cosine(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -80,3 +81,89 @@ class MasterWeights:
     def masters_to_params(self) -> None:
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
+
+
+class ReplicatedAdamW:
+    """AdamW on whole local tensors (``--zero 0``): every data-parallel replica updates its own copy alike, its
+    gradients summed by the model's own all-reduce. ``master_weights``: bfloat16 parameters with float32
+    masters (``MasterWeights``). One interface with ``train/zero.py``'s ``ZeroOptimizer``: ``wait_for_weights``,
+    ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` / ``load_state_dict``, ``bytes``."""
+
+    grad_sum = None  # the model keeps its own gradient sum over replicas
+
+    def __init__(self, model, lr: float, weight_decay: float, *, master_weights: bool = False):
+        self.model, self.comms = model, model.comms()
+        params = dict(model.named_parameters())
+        self.master = MasterWeights(list(params.values())) if master_weights else None
+        trained = self.master.masters if self.master else list(params.values())
+        self.named = list(zip(params, trained))
+        refs = {name: [ref for ref, *_ in model.reference_parts(name, p)] for name, p in params.items()}
+        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay)
+        self.measuring, self.measured_grad_bytes = False, 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def tracked(self) -> list:
+        """What a step's peak-memory measure counts of the tensors that exist before it: the moments."""
+        return [self.optimizer]
+
+    def wait_for_weights(self) -> None:
+        """Every weight is whole and current after ``step``: nothing to wait for."""
+
+    def reduce(self) -> None:
+        """The model summed the gradients over replicas in backward; the masters take them."""
+        if self.master:
+            self.master.grads_to_masters()
+
+    def clip(self, max_norm: float) -> float:
+        """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
+        pieces = ((piece, dims) for name, p in self.named
+                  for _, piece, dims in self.model.reference_parts(name, p.grad))
+        norm = global_grad_norm(pieces, self.comms)
+        if "pp" in self.comms:  # each pipeline stage's norm covers its own parameters: sum the squares over stages
+            norm = self.comms["pp"].all_reduce(norm.pow(2), label="grad_norm").sqrt()
+        if max_norm > 0:
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for _, p in self.named:
+                p.grad.mul_(scale)
+        return norm.item()
+
+    def step(self, lr: float | None = None) -> None:
+        """AdamW at learning rate ``lr`` (if given), then the gradients are dropped and bf16 weights refreshed."""
+        if self.measuring:  # the gradients at their fullest: reduced, before the update
+            self.measured_grad_bytes = live_bytes([p.grad for p in self.model.parameters()] +
+                                                  [p.grad for _, p in self.named])
+        for group in self.param_groups if lr is not None else ():
+            group["lr"] = lr
+        self.optimizer.step()
+        self.discard()
+        if self.master:
+            self.master.masters_to_params()
+
+    def discard(self) -> None:
+        """Drop this step's gradients (after the update, or instead of it for a non-finite step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+
+    def bytes(self) -> dict[str, int]:
+        """Live bytes on this rank: gradients at their fullest in the last measured step, optimizer state (AdamW
+        moments and float32 masters) now."""
+        moments = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return {"grad_bytes": self.measured_grad_bytes,
+                "optimizer_bytes": live_bytes(moments + (self.master.masters if self.master else []))}
+
+    def state_dict(self) -> tuple[list, torch.optim.Optimizer]:
+        """(name, tensor AdamW updates) pairs and the optimizer holding their moments, for
+        ``checkpoint.training_state``, which loads into them in place."""
+        return self.named, self.optimizer
+
+    def load_state_dict(self, view, state: dict) -> None:
+        """After ``checkpoint.load`` filled ``view`` (``state_dict``'s) and ``state``."""
+        from .checkpoint import restore_optimizer_steps
+
+        restore_optimizer_steps(view[1], state)
+        if self.master:
+            self.master.masters_to_params()

@@ -29,14 +29,14 @@ from ..distributed.mesh import init_mesh, mesh_device
 from ..layout import Layout
 from ..memory import live_bytes, measure_peak
 from ..model import Transformer
-from ..parallel import parallelize, pipeline_parallelize
+from ..parallel.pipeline import parallelize_layout
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
 from .config import TrainConfig
 from .data import TrainData
 from .metrics import MetricsLog, NonFiniteBudget, ProfileWindow, finite_or_none, resident_bytes
-from .optim import MasterWeights, build_adamw, global_grad_norm, warmup_cosine
+from .optim import ReplicatedAdamW, warmup_cosine
 
 try:
     import fcntl
@@ -86,6 +86,18 @@ def check_batch_split(cfg: TrainConfig, degrees: dict[str, int], moe: bool) -> N
             raise OSError("--tensorboard needs the tensorboard package: pip install 'torchtsp[tensorboard]'")
 
 
+def build_optimizer(model, cfg: TrainConfig, dp: int):
+    """The run's optimizer, one interface either way: the distributed optimizer over dp (``--zero``,
+    train/zero.py), or AdamW on whole local shards; float32 masters of bfloat16 weights in both."""
+    master_weights = cfg.dtype == "bfloat16"
+    if cfg.zero_level(dp):
+        from .zero import ZeroOptimizer
+
+        return ZeroOptimizer(model, cfg.zero_level(dp), cfg.lr, cfg.weight_decay, master_weights=master_weights,
+                             bucket_mb=cfg.zero_bucket_mb)
+    return ReplicatedAdamW(model, cfg.lr, cfg.weight_decay, master_weights=master_weights)
+
+
 def check_before_launch(cfg: TrainConfig, degrees: dict[str, int]) -> TrainData:
     """Every refusal that needs no rank: the model's shape against its data and the loop's options."""
     model_cfg, _ = model_config_and_weights(cfg)
@@ -106,7 +118,7 @@ class Trainer:
                                    recompute=cfg.recompute or None, cfg=self.model_cfg, seq_len=cfg.seq_len)
         check_batch_split(cfg, layout(batch=cfg.batch_size).sizes, self.model_cfg.moe)
         self.layout = layout(batch=cfg.batch_size // cfg.grad_accum)
-        self.pp, self.degrees, self.microbatches = self.layout.pp, self.layout.sizes, self.layout.microbatches
+        self.degrees = self.layout.sizes
         self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
@@ -115,30 +127,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # Built on the meta device: each rank materialises only its own shards (of the seeded initial values, or
         # read from the checkpoint), never the whole model.
+        # A layout with pp > 1 gives pipeline stages, each a model of the scheme.
         model = Transformer(self.model_cfg, device="meta")
-        if self.pp > 1:
-            self.model = pipeline_parallelize(model, self.mesh, microbatches=self.microbatches, schedule=cfg.schedule,
-                                              recompute=cfg.recompute, timeout_s=cfg.timeout_s, weights=weights)
-        else:
-            self.model = parallelize(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
+        self.model = parallelize_layout(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
-        params = dict(self.model.named_parameters())
-        self.zero = None  # the distributed optimizer over dp (train/zero.py), or AdamW on whole local shards
-        if cfg.zero_level(self.degrees.get("dp", 1)):
-            from .zero import ZeroOptimizer
-
-            self.zero = ZeroOptimizer(self.model, cfg.zero_level(self.degrees["dp"]), cfg.lr, cfg.weight_decay,
-                                      master_weights=cfg.dtype == "bfloat16", bucket_mb=cfg.zero_bucket_mb)
-            self.master, self.optimizer, self.named_trained = None, self.zero, None
-        else:
-            self.master = MasterWeights(list(params.values())) if cfg.dtype == "bfloat16" else None
-            trained = self.master.masters if self.master else list(params.values())
-            self.named_trained = list(zip(params, trained))
-            refs = {name: [ref for ref, *_ in self.model.reference_parts(name, p)] for name, p in params.items()}
-            self.optimizer = build_adamw(((refs[n], p) for n, p in self.named_trained), cfg.lr, cfg.weight_decay)
-        # Live gradient bytes, measured (when ``measure_grads``) at their fullest: reduced, before the update.
-        self.measure_grads, self.grad_bytes = False, 0
+        self.optimizer = build_optimizer(self.model, cfg, self.degrees.get("dp", 1))
+        self.model.sum_gradients_with(self.optimizer.grad_sum)  # its reduce-scatter, or the model's all-reduce
         self.out = Path(cfg.out)
         self.start_step = 0
         self.stop_requested = False
@@ -151,64 +146,24 @@ class Trainer:
         self.weights_ready()
         # The global batch: the model takes its replica's rows; gradients are summed over dp replicas (and a
         # pipeline's microbatches, and the micro-batches of accumulation) by the time it returns.
-        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, pipeline=self.pp > 1,
-                                document_ids=document_ids)
-        if self.zero:
-            self.zero.reduce_gradients()
-            norm = self.zero.clip_(self.cfg.grad_clip)
-        else:
-            if self.master:
-                self.master.grads_to_masters()
-            norm = self.clip_gradients()
+        loss = forward_backward(self.model, tokens, labels, self.cfg.grad_accum, document_ids=document_ids)
+        self.optimizer.reduce()
+        norm = self.optimizer.clip(self.cfg.grad_clip)
         global_loss = loss.item()  # already the mean over every token of every replica
         if not (math.isfinite(global_loss) and math.isfinite(norm)):  # never let a non-finite step reach the weights
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.zero_grad(set_to_none=True)
+            self.optimizer.discard()
             return global_loss, norm
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr * warmup_cosine(step, self.cfg.steps, self.cfg.warmup, self.cfg.min_lr_ratio)
-        if self.measure_grads:
-            self.grad_bytes = self.live_grad_bytes()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        if self.master:
-            self.master.masters_to_params()
+        self.optimizer.step(self.cfg.lr * warmup_cosine(step, self.cfg.steps, self.cfg.warmup, self.cfg.min_lr_ratio))
         return global_loss, norm
-
-    def clip_gradients(self) -> float:
-        pieces = ((piece, dims) for name, p in self.named_trained
-                  for _, piece, dims in self.model.reference_parts(name, p.grad))
-        norm = global_grad_norm(pieces, self.comms)
-        if self.pp > 1:  # each stage's norm covers its own parameters: sum the squares over stages
-            norm = self.comms[PIPELINE_AXIS].all_reduce(norm.pow(2), label="grad_norm").sqrt()
-        if self.cfg.grad_clip > 0:
-            scale = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
-            for _, p in self.named_trained:
-                p.grad.mul_(scale)
-        return norm.item()
 
     def weights_ready(self) -> None:
         """Before anything reads a weight: the distributed optimizer's all-gathers of updated weights are done."""
-        if self.zero:
-            self.zero.wait_for_weights()
-
-    def live_grad_bytes(self) -> int:
-        if self.zero:
-            return max(self.zero.grad_peak, self.zero.grad_bytes())
-        grads = [p.grad for p in self.model.parameters()] + [p.grad for _, p in self.named_trained]
-        return live_bytes(grads)
+        self.optimizer.wait_for_weights()
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's live bytes of parameters, gradients (as measured in the step) and optimizer state (AdamW
         moments plus fp32 masters)."""
-        if self.zero:
-            optimizer = self.zero.optimizer_bytes()
-        else:
-            moments = [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-            optimizer = live_bytes(moments + (self.master.masters if self.master else []))
-        return {"param_bytes": live_bytes(self.model.parameters()), "grad_bytes": self.grad_bytes,
-                "optimizer_bytes": optimizer}
+        return {"param_bytes": live_bytes(self.model.parameters()), **self.optimizer.bytes()}
 
     def eval_loss(self) -> float:
         """Mean NLL over the eval batches, forward only on the parallel model (no weights gathered)."""
@@ -220,12 +175,9 @@ class Trainer:
     def state(self, step: int) -> dict:
         # A pipeline stage's tensors are DTensors over its own ranks (the mesh without pp): stages hold
         # different reference names, so a checkpoint looks the same whatever the split.
-        mesh = self.mesh[AXES] if self.pp > 1 else self.mesh
-        if self.zero:  # the full local shards of masters and moments, for this save or load only
-            self._gathered = self.zero.gathered_state()
-            named, optimizer = self._gathered
-        else:
-            named, optimizer = self.named_trained, self.optimizer
+        mesh = self.mesh[AXES]  # the whole mesh when it has no pp axis
+        # A distributed optimizer gathers the full local shards of masters and moments, for this save or load only.
+        self._optimizer_view = named, optimizer = self.optimizer.state_dict()
         state = checkpoint.training_state(self.model, optimizer, named, mesh, step)
         # The data position is global (every rank draws the same batches): it restores under any mesh.
         state[DATA_POSITION] = self.data.train.position()
@@ -242,7 +194,7 @@ class Trainer:
         meta = {"model": self.model_cfg.to_dict(), "step": step, "scheme": self.cfg.scheme,
                 "mesh": self.mesh_degrees, "train": self.cfg.to_dict(), "data_position": state[DATA_POSITION],
                 "tokenizer": self.data.tokenizer.fingerprint}
-        self._gathered = None  # the full moments gathered for this save
+        self._optimizer_view = None  # the full moments gathered for this save
         return checkpoint.save(self.out, state, meta, keep_last=self.cfg.keep_last)
 
     def resume(self, path: str) -> None:
@@ -257,15 +209,8 @@ class Trainer:
             # reproduces them; continue at the samples a step count implies.
             del state[DATA_POSITION]
         checkpoint.load(ckpt, state)
-        if self.zero:
-            named, gathered = self._gathered
-            checkpoint.restore_optimizer_steps(gathered, state)
-            self.zero.load_gathered(named, gathered)
-            self._gathered = None
-        else:
-            checkpoint.restore_optimizer_steps(self.optimizer, state)
-        if self.master:
-            self.master.masters_to_params()
+        self.optimizer.load_state_dict(self._optimizer_view, state)
+        self._optimizer_view = None
         self.start_step = state["train/step"]
         self.data.train.set_position(state.get(DATA_POSITION) or {"drawn": [self.start_step * self.cfg.batch_size]},
                                      reset=self.cfg.reset_data)
@@ -337,19 +282,14 @@ class Trainer:
         step; with it, or with ``count_state``, the live bytes of parameters, gradients and optimizer state."""
         start = time.perf_counter()
         count_state = count_state or measure
-        self.measure_grads = count_state
-        if self.zero:
-            self.zero.measuring, self.zero.grad_peak = count_state, 0
+        self.optimizer.measuring = count_state  # the gradients' live bytes at their fullest
         with Traffic(self.comms) as traffic:
-            if measure:  # live-tensor peak of a whole step once optimizer state exists
-                optimizers = self.zero.optimizers if self.zero else [self.optimizer]
+            if measure:  # live-tensor peak of a whole step
                 (loss, norm), local_peak = measure_peak(functools.partial(self.train_step, step), self.model,
-                                                        *optimizers)
+                                                        *self.optimizer.tracked)
             else:
                 loss, norm, local_peak = *self.train_step(step), 0
-        self.measure_grads = False
-        if self.zero:
-            self.zero.measuring = False
+        self.optimizer.measuring = False
         if count_state:  # each the maximum over ranks
             mine = [float(local_peak), *map(float, self.state_bytes().values())]
             step_peak, *state_bytes = world.all_gather(torch.tensor(mine, device=self.device)).amax(0).tolist()
@@ -399,12 +339,16 @@ class Trainer:
                            dynamic_ncols=True, disable=self.rank != 0)
                 budget = NonFiniteBudget(cfg.skip_nonfinite, announce=self.rank == 0)
                 step = saved = self.start_step
+                measured_with_state = False
                 while True:
                     stop = self._stop_agreed(world)
                     if stop or step >= cfg.steps:
                         break
                     has_state = step > self.start_step or cfg.steps - step == 1  # optimizer state (or last step)
-                    measure = has_state and (peak is None or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
+                    # The first step's peak too: it can be the run's highest (a first backward, moments made).
+                    measure = step == self.start_step or has_state and (
+                        not measured_with_state or (cfg.mem_every and (step + 1) % cfg.mem_every == 0))
+                    measured_with_state = measured_with_state or (measure and has_state)
                     profile.before(step + 1)
                     record = self._timed_step(step, world, measure, count_state=step == self.start_step)
                     profile.after(step + 1)
@@ -462,7 +406,7 @@ class Trainer:
     @property
     def mesh_degrees(self) -> dict[str, int]:
         """Every mesh degree, pp first when there is a pipeline."""
-        return {PIPELINE_AXIS: self.pp, **self.degrees} if self.pp > 1 else dict(self.degrees)
+        return dict(sorted(self.layout.mesh_degrees().items(), key=lambda axis: axis[0] != PIPELINE_AXIS))
 
     def sample(self) -> str | None:
         """A continuation of the prompt by the parallel model itself (``torchtsp.infer.generate``: seeded sampling,
@@ -473,7 +417,7 @@ class Trainer:
 
         self.weights_ready()
         model = self.model
-        if self.pp > 1:
+        if model.joint_forward_backward:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
         if isinstance(model, DataParallel) and not get_scheme(model.scheme).rows_over_dp:
             model = model.module  # the replicas hold the same weights: each samples alone

@@ -11,13 +11,14 @@ A step:
 1. Backward. As autograd finishes a parameter's gradient (a post-accumulate hook), it is copied in float32 into its
    bucket: a [dp, width] buffer whose row r holds chunk r of each of the bucket's parameters, side by side; the
    parameter's ``.grad`` is dropped. When a bucket is full it is reduce-scattered over dp at once, so the
-   reductions overlap the rest of backward. Buckets go out in bucket order; after the first backward pass they
-   are rebuilt in the order its gradients arrived (the same on every rank: the same graph). At the end of the
-   backward pass (an autograd callback) the remaining transfers are waited for and each owned chunk of the sum
-   is added, in the parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own:
-   with ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
+   reductions overlap the rest of backward. Buckets go out in bucket order; the first backward pass forms them
+   in the order its gradients arrive (the same on every rank: the same graph), and later passes keep it, so
+   the first step holds no more gradient than later ones. At the end of the backward pass (an autograd
+   callback) the remaining transfers are waited for and each owned chunk of the sum is added, in the
+   parameter's dtype, to this rank's owned gradient. Every backward pass is reduced on its own: with
+   ``--grad-accum`` each micro-batch is reduced as it ends, exactly as ``--zero 0``'s all-reduce does.
    A pipeline's schedule runs a backward pass per microbatch: its gradients stay in ``.grad`` until the
-   schedule ends, and are reduced then (``PipelineTSP.grad_reducer``), again as ``--zero 0`` sums them.
+   schedule ends, and are reduced then (``over_pass``), again as ``--zero 0`` sums them.
 2. ZeRO-1 keeps every bucket's buffer from step to step (the full local gradient, in float32, stays allocated);
    ZeRO-2 allocates a bucket's buffer when its first gradient arrives and frees it once its reduce-scatter is
    done, with at most ``IN_FLIGHT`` buckets in flight: gradients outside the owned chunks live only that long.
@@ -45,12 +46,12 @@ resumes at any dp, D or ``--zero``. The full moments live only while a checkpoin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from ..distributed.comm import AxisComm, Pending
-from ..parallel.pipeline import PipelineTSP
 from .optim import build_adamw
 
 DEFAULT_BUCKET_MB = 32.0
@@ -97,29 +98,27 @@ class ZeroOptimizer:
     """AdamW over the owned dp chunks of ``model``'s parameters, with gradients reduce-scattered and weights
     all-gathered over ``model.comms()["dp"]``. ``level``: 1 or 2 (above). ``master_weights``: keep float32
     masters of the owned chunks and the parameters in bfloat16 (mixed precision); else the parameters are
-    float32 and AdamW updates their owned chunks in place. ``overlap``: reduce in backward through gradient
-    hooks (default: unless ``model`` runs a pipeline schedule, whose gradients are reduced after it).
+    float32 and AdamW updates their owned chunks in place.
 
-    Use: ``wait_for_weights()`` before a forward; ``model.forward_backward(...)``; ``reduce_gradients()``;
-    ``clip_(max_norm)``; ``step()``; ``zero_grad()``. ``param_groups``: those of the AdamW optimizers over
-    the chunks (one per bucket), which take the learning rate."""
+    The model sums its gradients with this optimizer's reduce-scatter once it is given it,
+    ``model.sum_gradients_with(opt.grad_sum)``: in backward through gradient hooks, or, for a pipeline, as each
+    schedule ends. Use, as ``optim.ReplicatedAdamW``: ``wait_for_weights()`` before a forward;
+    ``model.forward_backward(...)``; ``reduce()``; ``clip(max_norm)``; ``step(lr)``. ``param_groups``: those of
+    the AdamW optimizers over the chunks (one per bucket)."""
 
     def __init__(self, model, level: int, lr: float, weight_decay: float, *, master_weights: bool = False,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, overlap: bool | None = None, poison: bool = False):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, poison: bool = False):
         if level not in (1, 2):
             raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
         self.model, self.level, self.comms = model, level, model.comms()
         self.dp: AxisComm = self.comms["dp"]
-        self.overlap = not isinstance(model, PipelineTSP) if overlap is None else overlap
+        self.overlap = False  # reducing in backward: the model called ``in_backward`` (its gradient-sum strategy)
+        self._after_passes = False  # the model reduces whole passes (``over_pass``): ``reduce`` has nothing left
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
         self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
         self.grad_peak = 0
+        self.measured_grad_bytes = 0  # ``step``'s record while ``measuring``
         self.issued_early = 0  # reduce-scatters issued while backward had gradients left to compute (a count)
-        model.grad_sum_over_dp = False  # the model's own dp all-reduce gives way to the reduce-scatter
-        if isinstance(model, PipelineTSP) and overlap is not True:
-            # Reduce each batch a pipeline schedule ran, as the schedule ends (a micro-batch of accumulation is
-            # reduced on its own, as --zero 0 sums it): not each of the schedule's backward passes.
-            model.grad_reducer = self._reduce_now
         dp, r = self.dp.size, self.dp.rank
         self.slots: list[_Slot] = []
         for name, p in model.named_parameters():
@@ -139,15 +138,33 @@ class ZeroOptimizer:
         self._refs = {s.name: [ref for ref, *_ in model.reference_parts(s.name, s.param)] for s in self.slots}
         self._lr, self._weight_decay, self._bucket_bytes = lr, weight_decay, int(bucket_mb * 2**20)
         self._layout(list(reversed(self.slots)))  # backward produces the last layers' gradients first
-        # The first backward pass records the order gradients really arrive in (TSP's replicated norms, summed
-        # in one node, come last); the buckets are then rebuilt in that order (``_end_of_pass``).
-        self._arrivals: list[int] | None = [] if self.overlap else None
+        self._arrivals: list[_Slot] | None = None  # the first backward pass's arrival order (``in_backward``)
         self._gathers: list[tuple[_Bucket, Pending]] = []
         self._issued = 0  # buckets issued in this backward pass (they go out in bucket order)
         self._in_pass = False
-        if self.overlap:
-            for slot in self.slots:
-                slot.param.register_post_accumulate_grad_hook(self._grad_ready(slot))
+
+    # -- the model's gradient-sum strategy (as parallel/dp.py's ``AllReduceGrads``) -----------------
+
+    @property
+    def grad_sum(self) -> ZeroOptimizer:
+        """What the model sums its gradients over dp with (``model.sum_gradients_with``): this optimizer's
+        reduce-scatter, in place of the model's all-reduce."""
+        return self
+
+    def in_backward(self, params) -> list:
+        """Reduce in backward: a hook per parameter copies its gradient into its bucket as autograd finishes it;
+        the first pass records the order gradients arrive in (``_follow_arrivals``). Returns the hooks' handles."""
+        by_param = {slot.param: slot for slot in self.slots}
+        self.overlap, self._arrivals = True, []
+        return [p.register_post_accumulate_grad_hook(self._grad_ready(by_param[p])) for p in params]
+
+    @contextlib.contextmanager
+    def over_pass(self, params):
+        """Reduce the gradients of a whole pass (a pipeline schedule's microbatches) as it ends: a micro-batch of
+        accumulation is reduced on its own, as --zero 0 sums it."""
+        self._after_passes = True
+        yield
+        self._reduce_now()
 
     # -- layout -----------------------------------------------------------------------
 
@@ -219,15 +236,40 @@ class ZeroOptimizer:
             if not self._in_pass:  # the first gradient of a backward pass: reduce the rest when it ends
                 self._in_pass = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)
-            self._take(slot)
+                if self._arrivals is not None:
+                    self.buckets, self._open, self._open_width = [], [], 0
             if self._arrivals is not None:
-                self._arrivals.append(self.slots.index(slot))
+                self._arrive_first(slot)
+                return
+            self._take(slot)
             bucket = self.buckets[slot.bucket]
             if bucket.arrived == len(bucket.slots):
                 self._issue_ready()
                 if self._issued < len(self.buckets):  # sent while backward still computes later buckets
                     self.issued_early += 1
         return hook
+
+    def _arrive_first(self, slot: _Slot, early: bool = True) -> None:
+        """The first backward pass: buckets are formed in the order gradients arrive, each issued as soon as the
+        next gradient would overflow it, so this pass holds no more than later ones. A static order (reverse
+        registration) would hold the whole gradient where a scheme sums some gradients in one node at the end
+        of backward (TSP's norm weights): every bucket would wait for them. Every rank runs the same graph, so
+        every rank forms the same buckets (``_follow_arrivals`` relies on this too)."""
+        if self._open and (self._open_width + slot.chunk) * self.dp.size * 4 > self._bucket_bytes:
+            self._close_open(early)
+        slot.bucket, slot.offset = len(self.buckets), self._open_width
+        self._open.append(slot)
+        self._open_width += slot.chunk
+        self._arrivals.append(slot)
+
+    def _close_open(self, early: bool) -> None:
+        """Issue the first pass's bucket being formed: its gradients copied in, their ``.grad`` dropped."""
+        self.buckets.append(_Bucket(self._open, self._open_width))
+        for slot in self._open:
+            self._take(slot)
+        self._open, self._open_width = [], 0
+        self._issue_ready()
+        self.issued_early += early
 
     def _take(self, slot: _Slot) -> None:
         """Copy the parameter's gradient into its bucket (float32, as dp chunks) and drop ``.grad``."""
@@ -276,6 +318,13 @@ class ZeroOptimizer:
     def _end_of_pass(self) -> None:
         """After a backward pass: reduce the buckets still unissued (a parameter without a gradient adds zeros),
         wait for every transfer, and start the next pass afresh."""
+        if self._arrivals is not None and self._in_pass:  # the first pass: close its buckets, then the rest
+            arrived = set(self._arrivals)
+            for slot in self.slots:
+                if slot not in arrived:
+                    self._arrive_first(slot, early=False)
+            if self._open:
+                self._close_open(early=False)
         for bucket in self.buckets[self._issued:]:
             self._issue(bucket)
         for bucket in self.buckets:
@@ -285,25 +334,22 @@ class ZeroOptimizer:
             self._follow_arrivals()
 
     def _follow_arrivals(self) -> None:
-        """After the first backward pass: rebuild the buckets in the order its gradients arrived. Every rank runs
-        the same graph, so every rank sees the same order (what ``--zero 0``'s all-reduce per gradient, issued
-        from the same hooks, relies on too)."""
-        seen = list(dict.fromkeys(self._arrivals))
-        order = seen + [i for i in range(len(self.slots)) if i not in seen]
-        self._arrivals = None
-        if order != [self.slots.index(s) for b in self.buckets for s in b.slots]:
-            self._layout([self.slots[i] for i in order])
+        """After the first backward pass: later passes keep its buckets, in the order its gradients arrived (its
+        moments, if a checkpoint was loaded, move with their chunks)."""
+        order, self._arrivals = list(dict.fromkeys(self._arrivals)), None
+        self._layout(order)
 
-    def reduce_gradients(self) -> None:
-        """After the step's backward: with hooks, nothing is left to do (each pass was reduced as it ended); a
-        pipeline reduced each of its batches as its schedule ended (``grad_reducer``); else reduce ``.grad`` of
-        every parameter now."""
+    def reduce(self) -> None:
+        """After the step's backward: with hooks or after a pipeline's passes, nothing is left to do (each pass was
+        reduced as it ended); else (no strategy given to the model) reduce ``.grad`` of every parameter now."""
         if self.overlap:
             if self._in_pass:  # a backward that ran outside autograd's engine callbacks (never in practice)
                 self._end_of_pass()
             return
-        if getattr(self.model, "grad_reducer", None) != self._reduce_now:
+        if not self._after_passes:
             self._reduce_now()
+
+    reduce_gradients = reduce
 
     def _reduce_now(self) -> None:
         """Reduce-scatter the ``.grad`` every parameter holds now, bucket by bucket."""
@@ -358,7 +404,7 @@ class ZeroOptimizer:
             total = self.comms["pp"].all_reduce(total, label="grad_norm")
         return total.sqrt()
 
-    def clip_(self, max_norm: float) -> float:
+    def clip(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
         norm = self.grad_norm()
         if max_norm > 0:
@@ -366,6 +412,8 @@ class ZeroOptimizer:
             for slot in self.slots:
                 slot.master.grad.mul_(scale)
         return norm.item()
+
+    clip_ = clip
 
     @property
     def param_groups(self) -> list[dict]:
@@ -376,12 +424,22 @@ class ZeroOptimizer:
         return self.optimizers[slot.bucket].state[slot.master]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on the owned chunks, bucket by bucket, each bucket's all-gather of its updated chunks issued as
-        soon as its update is done (waited for by ``wait_for_weights``)."""
+    def step(self, lr: float | None = None) -> None:
+        """AdamW on the owned chunks (at learning rate ``lr``, if given), bucket by bucket, each bucket's all-gather
+        of its updated chunks issued as soon as its update is done (waited for by ``wait_for_weights``); the
+        gradients are dropped. While ``measuring``, the live gradient bytes before the update are recorded."""
+        if self.measuring:
+            self.measured_grad_bytes, self.grad_peak = max(self.grad_peak, self.grad_bytes()), 0
+        for group in self.param_groups if lr is not None else ():
+            group["lr"] = lr
         for bucket, optimizer in zip(self.buckets, self.optimizers):
             optimizer.step()
             self._gather(bucket)
+        self.zero_grad()
+
+    def discard(self) -> None:
+        """Drop this step's gradients without an update (a non-finite step)."""
+        self.zero_grad()
 
     def _gather(self, bucket: _Bucket) -> None:
         dtype = bucket.slots[0].param.dtype
@@ -420,6 +478,15 @@ class ZeroOptimizer:
                    if torch.is_tensor(t)]
         return live_bytes(tensors + ([s.master for s in self.slots] if self.master_weights else []))
 
+    def bytes(self) -> dict[str, int]:
+        """Live bytes on this rank: gradients at their fullest in the last measured step, optimizer state now."""
+        return {"grad_bytes": self.measured_grad_bytes, "optimizer_bytes": self.optimizer_bytes()}
+
+    @property
+    def tracked(self) -> list:
+        """What a step's peak-memory measure counts of the tensors that exist before it: the moments."""
+        return list(self.optimizers)
+
     # -- checkpoints ------------------------------------------------------------------
 
     def _full(self, slot: _Slot, owned: torch.Tensor, label: str) -> torch.Tensor:
@@ -456,6 +523,19 @@ class ZeroOptimizer:
             self.optimizers[slot.bucket].state[slot.master] = {
                 "step": moments["step"].clone(),
                 **{key: moments[key].reshape(-1)[slot.lo:slot.hi].clone() for key in ("exp_avg", "exp_avg_sq")}}
+
+    def state_dict(self) -> tuple[list, _GatheredState]:
+        """(name, full tensor) pairs and their moments, for ``checkpoint.training_state``: the full local shards
+        of masters and moments, gathered for this save or load only (``gathered_state``)."""
+        return self.gathered_state()
+
+    def load_state_dict(self, view: tuple[list, _GatheredState], state: dict) -> None:
+        """After ``checkpoint.load`` filled ``view`` (``state_dict``'s) and ``state``: keep this rank's chunks."""
+        from .checkpoint import restore_optimizer_steps
+
+        named, gathered = view
+        restore_optimizer_steps(gathered, state)
+        self.load_gathered(named, gathered)
 
 
 class _GatheredState:
