@@ -284,7 +284,8 @@ SCHEMES.add(Scheme(
 SCHEMES.add(Scheme(
     "tp", "TP", "Megatron tensor parallelism (optionally with Megatron-SP)",
     axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel", "recompute"),
-    kv_replication=True, pipeline=True, model="torchtsp.parallel.tp:TPTransformer", inference="torchtsp.infer.tp:MegatronEngine",
+    kv_replication=True, pipeline=True, model="torchtsp.parallel.tp:TPTransformer",
+    inference="torchtsp.infer.tp:MegatronEngine",
     traffic=f"{_COMM}:tp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:tp_exposed_s",
     color="#1f77b4", marker="s", bench_peer="torch_tp"))
 SCHEMES.add(Scheme(
