@@ -103,8 +103,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
     for axis in AXES:  # the registry's mesh axes
         add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")
-    add("--pp", type=int, help="pipeline stages (outermost mesh axis; tsp only): contiguous layer ranges, the "
-        "embedding in the first, the head and loss in the last (default: 1)")
+    add("--pp", type=int, help="pipeline stages (outermost mesh axis; tsp, tp or sp inside): contiguous layer "
+        "ranges, the embedding in the first, the head and loss in the last (default: 1)")
     add("--microbatches", type=int, help="microbatches per replica and step with --pp (default: the number of "
         "stages)")
     add("--schedule", choices=list(PIPELINE_SCHEDULES), help="pipeline schedule with --pp (default: 1f1b)")

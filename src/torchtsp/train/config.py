@@ -35,7 +35,7 @@ class TrainConfig:
     tsp: int | None = None
     tp: int | None = None
     sp: int | None = None
-    pp: int = 1  # pipeline stages (outermost mesh axis); each stage is a TSP model over contiguous layers
+    pp: int = 1  # pipeline stages (outermost mesh axis); each stage is the scheme's model of contiguous layers
     microbatches: int | None = None  # per data-parallel replica and step (default: the number of stages)
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved_1f1b
     nproc: int | None = None  # local CPU ranks to spawn when not under torchrun (default: product of degrees)
