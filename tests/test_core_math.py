@@ -16,22 +16,13 @@ from torchtsp.train.optim import build_adamw, warmup_cosine
 
 transformers = pytest.importorskip("transformers")
 
+from test_infer import make_hf  # noqa: E402
 from torchtsp.hf import config_from_hf, from_hf_state_dict  # noqa: E402
 
 
 def _hf_gqa():
     """A random Llama with 8 query heads over 2 KV heads (g = 4), RoPE and norms far from trivial."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                                      intermediate_size=96, vocab_size=101, num_hidden_layers=2,
-                                      max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
-                                      bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                                      attn_implementation="eager")
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(std=0.1)
-    return model
+    return make_hf(dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96))
 
 
 def test_one_device_generate_with_its_kv_cache_equals_transformers():

@@ -45,9 +45,11 @@ NEW = 8
 LOGITS_TOL = 1e-5
 
 
-def make_hf(shape: str, seed: int = 0):
+def make_hf(shape: str | dict, seed: int = 0):
+    """A random float32 Llama of ``HF_SHAPES[shape]`` (or the shape dict itself), vocabulary 101, 2 layers."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**HF_SHAPES[shape], vocab_size=101, num_hidden_layers=2,
+    dims = HF_SHAPES[shape] if isinstance(shape, str) else shape
+    config = transformers.LlamaConfig(**dims, vocab_size=101, num_hidden_layers=2,
                                       max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
                                       bos_token_id=None, eos_token_id=None, pad_token_id=None,
                                       attn_implementation="eager")

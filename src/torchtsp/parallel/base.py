@@ -188,7 +188,27 @@ class ParallelTransformer(nn.Module):
         """(summed cross-entropy, number of targets) over every token of the scheme's ranks, from this rank's
         share of tokens and labels, identical on those ranks (data parallelism sums both over replicas), and a
         mixture of experts' router statistics of this rank's tokens. ``documents``: ``shard_documents`` of the
-        batch's ``Documents`` (packed rows), or None."""
+        batch's ``Documents`` (packed rows), or None.
+
+        A scheme supplies the model's three parts, each placed its own way (and a pipeline stage runs one or
+        more of them): ``embed`` (its vocabulary placement), ``hidden_states`` (every layer's
+        ``layers.block_forward`` with the scheme's attention / MLP / MoE strategies) and
+        ``head_nll_sum_and_count`` (its head and cross-entropy)."""
+        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
+        x = self.hidden_states(self.embed(tokens), stats, documents)
+        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens -> their embeddings, as the scheme places them."""
+        raise NotImplementedError
+
+    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None,
+                      documents: Documents | None = None) -> torch.Tensor:
+        """Embeddings -> the last layer's output (before the final norm)."""
+        raise NotImplementedError
+
+    def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output -> (summed cross-entropy, number of targets) over the scheme's ranks."""
         raise NotImplementedError
 
     def nll_sum_and_count(self, tokens: torch.Tensor, labels: torch.Tensor,

@@ -38,9 +38,9 @@ from ..distributed.mesh import mesh_device, mesh_sizes
 from ..layers import IGNORE_INDEX, Documents, as_documents
 from ..layout import Layout
 from ..model import Transformer
-from ..schemes import PIPELINE_AXIS, stage_layer_ranges, stages_per_rank
+from ..schemes import PIPELINE_AXIS, SCHEMES, stage_layer_ranges, stages_per_rank
 from ..weights import WeightSource
-from .api import SCHEME_CLASSES, parallelize
+from .api import parallelize
 from .base import ParallelTransformer, weight_source
 from .dp import AllReduceGrads
 
@@ -186,7 +186,7 @@ class Pipeline(ParallelTransformer):
         ranges = stage_layer_ranges(cfg.n_layers, n_stages)
         # Loop placement (torch's mapping): stage s runs on pp rank s mod pp.
         self.stage_ids = [s for s in range(n_stages) if s % pp == self.pp.rank]
-        scheme_class, stage_options = SCHEME_CLASSES[self.layout.scheme], self.layout.option_values
+        scheme_class, stage_options = SCHEMES[self.layout.scheme].load("model"), self.layout.option_values
         self.stages = nn.ModuleList(
             Stage(scheme_class, stage_options, cfg, mesh, ranges[s], s == 0, s == n_stages - 1, weights, timeout_s)
             for s in self.stage_ids)

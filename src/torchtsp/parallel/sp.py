@@ -25,9 +25,7 @@ from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..layers import (
     IGNORE_INDEX,
-    LossTerms,
     Placement,
-    RouterStats,
     block_forward,
     project_qkv,
     rms_norm,
@@ -86,12 +84,6 @@ class SPTransformer(ReplicatedTransformer):
         kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
         out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, documents)  # KV heads unexpanded
         return F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
-
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
-        """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/Σ]."""
-        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        x = self.hidden_states(self.embed(tokens), stats, documents)
-        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of. The weights are
     # whole; their gradients are summed over the axis by hooks.

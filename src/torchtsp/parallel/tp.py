@@ -55,9 +55,7 @@ from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import (
     CAUSAL,
     IGNORE_INDEX,
-    LossTerms,
     Placement,
-    RouterStats,
     attend,
     block_forward,
     gated,
@@ -349,12 +347,6 @@ class TPTransformer(ParallelTransformer):
         if self.kv_replicas == 1:
             return params
         return list(ReplicatedGrad.apply(self.kv_comm, torch.float32, *params))
-
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents=None) -> LossTerms:
-        """Summed cross-entropy and target count from this rank's tokens and labels (the global batch for TP)."""
-        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        x = self.hidden_states(self.embed(tokens), stats, documents)
-        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
 

@@ -14,7 +14,6 @@ from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ...layers import (
     Documents,
-    LossTerms,
     Placement,
     RouterStats,
     block_forward,
@@ -125,12 +124,6 @@ class TSPTransformer(ParallelTransformer):
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's zigzag shard [B, S/D] of a global [B, S] batch."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
-
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, documents: Documents | None = None) -> LossTerms:
-        """Summed cross-entropy and target count over the axis, from this rank's zigzag shard [B, S/D]."""
-        stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None
-        x = self.hidden_states(self.embed(tokens), stats, documents)
-        return LossTerms(*self.head_nll_sum_and_count(x, labels), stats)
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of.
 
