@@ -423,6 +423,27 @@ def test_tokenize_and_detokenize(server, checkpoint):
     assert _post(server, "/detokenize", {"tokens": [10**6]}).status_code == 400
 
 
+def test_tokenizer_info_model_card_and_the_completion_default(server, client, checkpoint):
+    """What lm-evaluation-harness and the openai client read besides completions, against transformers' own
+    tokenizer; a completion without max_tokens generates OpenAI's 16, not the rest of the context."""
+    folder, eos = checkpoint
+    reference = transformers.AutoTokenizer.from_pretrained(folder)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(server.url + "/tokenizer_info", headers=headers, timeout=10).json()
+    assert (info["eos_token_id"], info["eos_token"]) == (eos, reference.eos_token)
+    assert (info["bos_token_id"], info["bos_token"]) == (reference.bos_token_id, reference.bos_token)
+    assert info["model_max_length"] == 128 and info["vocab_size"] == len(reference)
+    assert info["chat_template"] == (folder / "chat_template.jinja").read_text()
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+    plain = client.completions.create(model="tiny-llama", prompt="the", temperature=0, extra_body={"ignore_eos": True})
+    assert plain.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "the"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 128  # chat: the rest of the context
+
+
 def test_disconnect_frees_the_slots_on_every_rank(server, client):
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}

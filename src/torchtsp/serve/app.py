@@ -131,9 +131,17 @@ async def chat_completions(request: Request, svc: Service):
 
 @router.get("/v1/models")
 async def models(svc: Service):
-    state = svc.state
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                        "owned_by": "torchtsp", "max_model_len": state.max_model_len}]}
+    return {"object": "list", "data": [svc.model_card()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, svc: Service):
+    return svc.model_card(model_id)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(svc: Service):
+    return svc.tokenizer_info()
 
 
 @router.get("/health")

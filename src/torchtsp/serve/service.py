@@ -26,6 +26,9 @@ from .text import TextStream
 DISCONNECT_POLL_S = 0.25
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (vLLM's too): not the whole context
+
+
 @dataclass
 class ServerState:
     client: EngineClient
@@ -131,7 +134,10 @@ class CompletionService:
             return _ids_text(ids)
         return await asyncio.to_thread(self.state.tokenizer.decode, ids)
 
-    def choice(self, body, prompt: list[int], max_tokens: int | None, param: str = "prompt") -> Choice:
+    def choice(self, body, prompt: list[int], max_tokens: int | None, param: str = "prompt",
+               default_max_tokens: int | None = None) -> Choice:
+        """One prompt's checked request. Without ``max_tokens``: ``default_max_tokens`` (completions: OpenAI's 16)
+        or, for chat, the rest of the context (as vLLM), never past the context."""
         if not prompt:
             raise APIError(400, f"{param} is empty; give at least one token", param)
         limit, n = self.state.max_model_len, len(prompt)
@@ -140,7 +146,7 @@ class CompletionService:
                                 f"tokens, which leaves no room for a new one", param, "context_length_exceeded")
         self.check_ids(prompt, param)
         if max_tokens is None:
-            max_tokens = limit - n
+            max_tokens = limit - n if default_max_tokens is None else min(default_max_tokens, limit - n)
         if max_tokens < 1:
             raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
         if n + max_tokens > limit:
@@ -176,7 +182,7 @@ class CompletionService:
             prompts = list(p)
         else:
             prompts = [list(p)]
-        choices = [self.choice(body, ids, body.max_tokens, "prompt") for ids in prompts]
+        choices = [self.choice(body, ids, body.max_tokens, "prompt", COMPLETION_DEFAULT_MAX_TOKENS) for ids in prompts]
         if body.echo:
             for c in choices:
                 c.echo_text = await self.decode(c.prompt)
@@ -342,6 +348,28 @@ class CompletionService:
             messages = ChatCompletionRequest(messages=body.messages).message_dicts()
             ids = await self.render_chat(messages, body.add_generation_prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len}
+
+    def model_card(self, model_id: str | None = None) -> dict:
+        """The served model as ``/v1/models`` lists it (404 for another id)."""
+        self.check_model(model_id)
+        return {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "torchtsp",
+                "max_model_len": self.state.max_model_len}
+
+    def tokenizer_info(self) -> dict:
+        """What a client needs to tokenize as the server does (lm-evaluation-harness reads it with /tokenize)."""
+        tokenizer = self.state.tokenizer
+        ids = {"bos_token_id": getattr(tokenizer, "bos_id", None), "eos_token_id": self.state.eos_token_id,
+               "pad_token_id": getattr(tokenizer, "pad_id", None)}
+        text = {f"{k.removesuffix('_id')}": (None if v is None or tokenizer is None else self._token_text(v))
+                for k, v in ids.items()}
+        template = self.state.template
+        return {"tokenizer_class": "PreTrainedTokenizerFast" if tokenizer is not None else None,
+                "vocab_size": self.state.vocab_size, "model_max_length": self.state.max_model_len, **ids, **text,
+                "chat_template": getattr(template, "source", None)}
+
+    def _token_text(self, token_id: int) -> str | None:
+        inner = getattr(self.state.tokenizer, "tokenizer", None)  # the tokenizers library's object
+        return inner.id_to_token(token_id) if inner is not None else None
 
     async def detokenize(self, body) -> dict:
         self.check_model(body.model)

@@ -178,6 +178,7 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None, *,
                  timeout_s: float = RENDER_TIMEOUT_S, max_chars: int = MAX_RENDER_CHARS, processes: int = RENDERERS):
         check_syntax(source)
+        self.source = source  # served as is by /tokenizer_info
         self.timeout_s, self.max_chars = timeout_s, max_chars
         self._setup = json.dumps({"source": source, "bos_token": bos_token or "", "eos_token": eos_token or "",
                                   "max_chars": max_chars, "memory_bytes": RENDER_MEMORY_BYTES}).encode()
