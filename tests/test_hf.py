@@ -492,8 +492,10 @@ def test_an_exported_model_names_its_special_tokens_for_transformers(tmp_path):
     eos = tiny_hf_llama(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "</s>"}))
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # transformers 5's file
     convert_checkpoint(tmp_path / "hf", tmp_path / "tsp")
     convert_checkpoint(tmp_path / "tsp", tmp_path / "out")
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     bos = json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"]
     assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (bos, eos, eos)

@@ -166,7 +166,8 @@ def hf_folder_tokenizer(folder: str | Path) -> HFTokenizer | None:
     return HFTokenizer(folder, eos_id=model_eos_id(folder))
 
 
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json")
+# chat_template.jinja: where transformers 5's save_pretrained writes the chat template (not tokenizer_config.json).
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
 RUN_TOKENIZER_DIR = "tokenizer"  # a training run keeps a copy of its model's tokenizer here
 
 
