@@ -151,10 +151,10 @@ def test_convert_says_overwrite_like_train_and_still_reads_force():
 
 def test_serve_lists_the_registrys_serving_schemes():
     from torchtsp.schemes import SCHEMES
-    from torchtsp.serve.server import SERVE_SCHEMES
 
     choices = flag("serve", "--scheme").choices
-    assert choices and set(choices) == set(SERVE_SCHEMES) and set(choices) <= set(SCHEMES)
+    # The schemes with an engine over one shared batch: dp splits rows over replicas, tp_sp has no engine.
+    assert choices and set(choices) == set(SCHEMES.servable()) == {"tsp", "tp", "sp"}
     assert "{" + ",".join(choices) + "}" in subparser("serve")[1].format_usage()
 
 
