@@ -7,6 +7,7 @@ of the model's mesh calls ``generate`` with the same arguments and gets the same
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 
 from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes
 from .engine import Engine
+from .layouts import TSP_ENGINES, resolve_kv_layout
 from .sampling import TokenSelector, check_sampling
 
 SCHEDULES = INFERENCE_SCHEDULES
@@ -35,6 +37,7 @@ class GenerationResult:
     decode_s_per_token: float | None
     kv_cache_bytes: int
     schedule: dict[str, str]
+    kv_layout: str = "sequence"
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -42,19 +45,26 @@ class GenerationResult:
         return [t[n:] for t, n in zip(self.tokens, self.prompt_lengths)]
 
 
-def make_engine(model) -> Engine:
-    """The inference engine of a reference ``Transformer`` or a model from ``parallelize``."""
+def make_engine(model, kv_layout: str = "auto") -> Engine:
+    """The inference engine of a reference ``Transformer`` or a model from ``parallelize``; ``kv_layout``: how a
+    TSP engine lays out its KV cache (``layouts.py``; ValueError for one the model does not allow)."""
     from ..model import Transformer
     from .reference import ReferenceEngine
 
     if isinstance(model, Transformer):
+        resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, 1, "reference")
         return ReferenceEngine(model)
     scheme = getattr(model, "scheme", None)
     spec = SCHEMES.get(scheme)
     if spec is None or spec.inference is None:
         raise ValueError(f"generate supports the reference Transformer and the {', '.join(inference_schemes())} "
                          f"schemes, not {scheme or type(model).__name__!r}")
-    return spec.load("inference")(model.shard_view())  # the engine the scheme's registry entry names
+    view = model.shard_view()
+    layout = resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, view.comm.size, scheme)
+    if scheme == "tsp":
+        module, name = TSP_ENGINES[layout].split(":")
+        return getattr(importlib.import_module(module), name)(view)
+    return spec.load("inference")(view)  # the engine the scheme's registry entry names
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:
@@ -94,7 +104,7 @@ def _round_up(n: int, multiple: int) -> int:
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, stop_token_ids=None, eos_token_id: int | None = None,
              schedule: str = "auto", prefill_chunk: int | None = None, return_logits: bool = False,
-             on_step=None) -> GenerationResult:
+             on_step=None, kv_layout: str = "auto") -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt (a list of token-id lists).
 
     ``temperature`` 0 is greedy; otherwise tokens are sampled from softmax(logits / temperature), restricted
@@ -104,7 +114,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     picks per phase by the tokens in flight, "weights" / "activations" force one. ``prefill_chunk``:
     prefill at most this many tokens per sequence at a time (bounds prefill activations; the cache
     still holds every token). ``on_step(t, ids)`` is called with each step's new ids [B_local] (-1 for
-    finished sequences), e.g. to stream text.
+    finished sequences), e.g. to stream text. ``kv_layout`` (tsp): "auto", "heads", "grouped" or "sequence", the
+    KV-cache layout decode runs on (``layouts.py``); the other schemes accept "auto" or their own.
     """
     cfg = model.cfg
     if schedule not in SCHEDULES:
@@ -112,7 +123,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     prompts = check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk)
     stops = sorted({int(t) for t in (stop_token_ids or ())} | ({int(eos_token_id)} if eos_token_id is not None
                                                                  else set()))
-    engine = make_engine(model)
+    engine = make_engine(model, kv_layout)
     B = len(prompts)
     rows = engine.batch_rows(B)
     local = [prompts[i] if i < B else prompts[0] for i in range(rows.start, rows.stop)]  # DP pads its last share
@@ -162,7 +173,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     return GenerationResult(
         tokens=result_tokens, prompt_lengths=[len(p) for p in prompts], prefill_s=prefill_s,
         decode_s_per_token=decode_s / steps if steps else None, kv_cache_bytes=engine.kv_cache_bytes,
-        schedule=dict(engine.schedule), logits=seen_logits if return_logits else None)
+        schedule=dict(engine.schedule), kv_layout=engine.kv_layout, logits=seen_logits if return_logits else None)
 
 
 def _gather_rows(comm, new, seen_logits, batch, max_new_tokens):

@@ -29,6 +29,7 @@ class MegatronEngine(Engine):
     this rank's vocabulary rows, and the axis the slices are split over."""
 
     scheme = "tp"
+    kv_layout = "heads"
 
     def __init__(self, view: ShardView):
         self.cfg, self.comm, self.layers = view.cfg, view.comm, view.layers
