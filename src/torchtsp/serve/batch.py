@@ -16,6 +16,9 @@ positions and validity, never slot order (cache.py), so a sequence computes what
 Token choice is per sequence: greedy rows take the argmax; a sampling row draws its Gumbel noise from its
 own generator seeded by the request's seed (the draw ``generate`` makes for a one-prompt batch), so a
 request's tokens never depend on what else is in the batch.
+
+Before the choice, each rank masks its own columns of the logits: the ids that would end a sequence (EOS, its
+stop ids) while it has fewer than ``min_tokens`` tokens, and what a sequence's grammar forbids (structured.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Sequence:
     generated: int = 0  # tokens chosen so far
     last: int = -1  # the last chosen token: the next decode's input
     sampler: TokenSelector | None = None  # its noise generator (sampling only)
+    matcher: object | None = None  # its xgrammar GrammarMatcher (structured output only)
     finish: str | None = None
 
     @property
@@ -77,9 +81,11 @@ class BatchRunner:
     """Continuous batching of up to ``max_batch`` sequences of at most ``max_model_len`` tokens each."""
 
     def __init__(self, engine, max_batch: int, max_model_len: int, prefill_chunk: int = 512,
-                 schedule: str = "auto", eos_token_id: int | None = None):
+                 schedule: str = "auto", eos_token_id: int | None = None, grammars=None):
         self.engine, self.cfg, self.schedule = engine, engine.cfg, schedule
         self.max_batch, self.max_model_len, self.eos = max_batch, max_model_len, eos_token_id
+        self.grammars = grammars  # structured.Grammars, or None: a request with a grammar is refused
+        self._matchers: dict = {}  # request id -> matcher, from a plan's admissions to their rows
         self.token_multiple = engine.token_multiple
         self.prefill_chunk = round_up(max(1, prefill_chunk), self.token_multiple)
         # Rows sized for the worst single sequence (row_slots with max_model_len), plus one padding block of
@@ -118,8 +124,9 @@ class BatchRunner:
                 result.finished.append((seq.request_id, "cancelled"))
             if self.prefilling is not None:
                 self.prefilling.cancelled |= cancel
-            if plan.admit:
-                self._admit(plan.admit)
+            admit = self._with_grammars(plan.admit, result)
+            if admit:
+                self._admit(admit)
             if self.prefilling is not None:
                 self._prefill_chunk(result)
             if self.rows:
@@ -153,6 +160,23 @@ class BatchRunner:
             self._clear_row(last)
         self.rows.pop()
 
+    def _with_grammars(self, admitted: list[Admission], result: StepResult) -> list[Admission]:
+        """The admissions whose grammar compiles (each gets its matcher); the others finish "bad_grammar" at once.
+        Compiling is deterministic, so every rank keeps the same ones."""
+        self._matchers, kept = {}, []
+        for a in admitted:
+            if a.grammar is None:
+                kept.append(a)
+                continue
+            try:
+                if self.grammars is None:
+                    raise RuntimeError("this server was started without structured output")
+                self._matchers[a.request_id] = self.grammars.matcher(*a.grammar)
+                kept.append(a)
+            except Exception:  # noqa: BLE001 - the HTTP side parsed it; whatever still fails fails that request
+                result.finished.append((a.request_id, "bad_grammar"))
+        return kept
+
     def _admit(self, admitted: list[Admission]) -> None:
         first = len(self.rows)
         if self.prefilling is not None or first + len(admitted) > self.max_batch:
@@ -164,7 +188,8 @@ class BatchRunner:
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = torch.tensor(p, device=self.device)
         self.prefilling = PrefillGroup(
-            [Sequence(a, first + i, sampler=self._sampler(a)) for i, a in enumerate(admitted)], first, tokens,
+            [Sequence(a, first + i, sampler=self._sampler(a), matcher=self._matchers.pop(a.request_id, None))
+             for i, a in enumerate(admitted)], first, tokens,
             torch.tensor([len(p) for p in prompts], device=self.device),
             torch.zeros(len(prompts), self.cfg.dim, dtype=self.engine.dtype, device=self.device))
 
@@ -227,12 +252,52 @@ class BatchRunner:
             ids[i] = (scores + s.sampler.gumbel()).nan_to_num(nan=float("-inf")).argmax(dim=-1)[0]
         return ids.tolist()
 
+    def _ending_ids(self, s: Sequence) -> list[int]:
+        """The ids that end ``s`` when chosen: EOS (unless ignore_eos) and its stop ids."""
+        eos = [] if self.eos is None or s.request.ignore_eos else [self.eos]
+        return [*eos, *s.request.stop_token_ids]
+
+    def _constrain(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """This rank's logits slice with min_tokens and grammars applied (no collective), and the rows whose grammar
+        allows no token at all (they end without one). A grammar that allows nothing but an ending id wins over
+        min_tokens: its text is complete."""
+        from .structured import allowed_counts, mask_vocab_slice
+
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        held = [i for i, s in enumerate(seqs) if s.generated < s.request.min_tokens]
+        if not guided and not held:
+            return logits, set()
+        start, cols, ended = self.engine.vocab_start, logits.shape[-1], set()
+        if guided:
+            bitmask = self.grammars.bitmask([seqs[i].matcher for i in guided])
+            rows = torch.tensor(guided, device=logits.device)
+            logits = logits.index_copy(0, rows, mask_vocab_slice(logits[rows], bitmask, start, self.cfg.vocab_size))
+            for j, i in enumerate(guided):
+                ending = self._ending_ids(seqs[i])
+                allowed, ending_allowed = allowed_counts(bitmask[j:j + 1], self.cfg.vocab_size, ending)
+                if allowed[0] == 0:
+                    ended.add(i)
+                elif allowed[0] == ending_allowed[0]:
+                    held = [h for h in held if h != i]
+        if held:
+            logits = logits.clone() if not guided else logits
+            for i in held:
+                local = [t - start for t in self._ending_ids(seqs[i]) if start <= t < start + cols]
+                logits[i, local] = float("-inf")
+        return logits, ended
+
     def _take(self, seqs: list[Sequence], logits: torch.Tensor, result: StepResult) -> None:
         """Record each sequence's new token; sequences that end leave the batch."""
-        for s, token in zip(seqs, self.choose(seqs, logits)):
+        logits, ended = self._constrain(seqs, logits)
+        for i, (s, token) in enumerate(zip(seqs, self.choose(seqs, logits))):
+            if i in ended:
+                s.finish = "stop"
+                continue
             s.last, s.generated = token, s.generated + 1
             result.tokens.append((s.request_id, token))
-            if (token == self.eos and not s.request.ignore_eos) or token in s.request.stop_token_ids:
+            if s.matcher is not None and (not s.matcher.accept_token(token) or s.matcher.is_terminated()):
+                s.finish = "stop"  # the grammar is complete (or, never expected, refused the token it allowed)
+            elif (token == self.eos and not s.request.ignore_eos) or token in s.request.stop_token_ids:
                 s.finish = "stop"
             elif s.generated >= s.request.max_tokens:
                 s.finish = "length"

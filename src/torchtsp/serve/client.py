@@ -131,7 +131,7 @@ class EngineClient:
             self._conn.send(message)
 
     def submit(self, prompt: list[int], max_tokens: int, sampling, stop_token_ids: list[int],
-               ignore_eos: bool = False) -> RequestStream:
+               ignore_eos: bool = False, min_tokens: int = 0, grammar: tuple[str, str] | None = None) -> RequestStream:
         from .plan import Admission
 
         stream = RequestStream(next(self._ids), asyncio.get_running_loop())
@@ -143,7 +143,7 @@ class EngineClient:
             self._waiting.add(stream.request_id)
         try:
             self._send(("submit", Admission(stream.request_id, prompt, max_tokens, sampling, stop_token_ids,
-                                           ignore_eos)))
+                                           ignore_eos, min_tokens, grammar)))
         except OSError as e:
             self.fail(f"the engine's connection failed ({e})")
         return stream

@@ -39,6 +39,8 @@ class Admission:
     sampling: Sampling = field(default_factory=Sampling)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # run to max_tokens even past the model's EOS (load tests)
+    min_tokens: int = 0  # EOS and the stop ids cannot end it before this many tokens
+    grammar: tuple[str, str] | None = None  # (kind in GRAMMAR_KINDS, source): structured output (serve/structured.py)
 
 
 @dataclass
@@ -47,6 +49,28 @@ class StepPlan:
     admit: list[Admission] = field(default_factory=list)
     cancel: list[int] = field(default_factory=list)
     stop: bool = False
+
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")  # travel as 1 + their index (0: none)
+MAX_GRAMMAR_BYTES = 1 << 16
+
+
+def _text_words(text: str) -> list[int]:
+    """UTF-8 bytes packed 8 to an int64 (little-endian, zero padded): a grammar's source in the payload."""
+    data = text.encode("utf-8")
+    data += bytes(-len(data) % 8)
+    return [struct.unpack("<q", data[i:i + 8])[0] for i in range(0, len(data), 8)]
+
+
+def _words_text(words: list[int], n_bytes: int) -> str:
+    return b"".join(struct.pack("<q", w) for w in words)[:n_bytes].decode("utf-8")
+
+
+def _grammar_values(a: Admission) -> list[int]:
+    if a.grammar is None:
+        return [0, 0]
+    kind, source = a.grammar
+    return [GRAMMAR_KINDS.index(kind) + 1, len(source.encode("utf-8")), *_text_words(source)]
 
 
 def _float_bits(x: float) -> int:
@@ -61,7 +85,7 @@ def _admission_values(a: Admission) -> list[int]:
     s = a.sampling
     return [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
             _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
-            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt]
+            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt, a.min_tokens, *_grammar_values(a)]
 
 
 def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str | None:
@@ -69,6 +93,9 @@ def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str 
     all of these first; rank 0 checks again before planning, so that a request that slipped through fails
     alone instead of failing every rank."""
     s = a.sampling
+    if a.grammar is not None and (a.grammar[0] not in GRAMMAR_KINDS or not isinstance(a.grammar[1], str)
+                                  or len(a.grammar[1].encode("utf-8")) > MAX_GRAMMAR_BYTES):
+        return f"the grammar is not one of {GRAMMAR_KINDS} with a source of at most {MAX_GRAMMAR_BYTES} bytes"
     if not all(isinstance(v, int) and -2**63 <= v < 2**63 for v in _admission_values(a)):
         return "a value does not fit a signed 64-bit integer"
     if not a.prompt or len(a.prompt) + a.max_tokens > max_model_len or a.max_tokens < 1:
@@ -81,6 +108,8 @@ def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str 
         return f"temperature {s.temperature} is not a finite number >= 0"
     if s.top_p is not None and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
         return f"top_p {s.top_p} is outside (0, 1]"
+    if not 0 <= a.min_tokens <= a.max_tokens:
+        return f"min_tokens {a.min_tokens} is outside [0, max_tokens {a.max_tokens}]"
     return None
 
 
@@ -105,10 +134,14 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         at += 9
         stops, prompt = values[at:at + n_stops], values[at + n_stops:at + n_stops + n_prompt]
         at += n_stops + n_prompt
+        min_tokens, kind, n_bytes = values[at:at + 3]
+        words = -(-n_bytes // 8)
+        grammar = (GRAMMAR_KINDS[kind - 1], _words_text(values[at + 3:at + 3 + words], n_bytes)) if kind else None
+        at += 3 + words
         top_p = _bits_float(top_p)
         plan.admit.append(Admission(rid, prompt, max_tokens, Sampling(_bits_float(temperature), top_k or None,
                                                                        None if top_p < 0 else top_p, seed), stops,
-                                   bool(ignore_eos)))
+                                   bool(ignore_eos), min_tokens, grammar))
     return plan
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_IDS = 256  # every decoded token is compared with each, on every rank
+MAX_N = 128  # choices per prompt (OpenAI's cap): each is a sequence of its own in the batch
 
 
 class APIError(Exception):
@@ -62,11 +63,17 @@ class _Sampled(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens even past EOS
+    min_tokens: int = 0  # vLLM's extension: EOS and stop_token_ids cannot end the text before this many tokens
+    response_format: dict | None = None
+    guided_json: str | dict | None = None  # vLLM's extensions: structured output (structured.py)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field torchtsp does not implement (set to something other than its default)."""
-        refused = [("n", self.n != 1, f"n must be 1 (several choices per prompt are not supported), got {self.n}"),
-                   ("best_of", self.best_of not in (None, 1), "best_of is not supported"),
+        refused = [("n", not 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {_short(self.n)}"),
+                   ("best_of", self.best_of not in (None, 1),
+                    "best_of is not supported (n independent choices are: ask for n instead)"),
                    ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
                    ("top_logprobs", self.top_logprobs not in (None, 0), "top_logprobs are not supported"),
                    ("presence_penalty", self.presence_penalty not in (None, 0), "presence_penalty is not supported"),
@@ -139,7 +146,6 @@ class ChatCompletionRequest(_Sampled):
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
-    response_format: dict | None = None
     add_generation_prompt: bool = True
 
     def refuse_unsupported(self) -> None:
@@ -147,9 +153,6 @@ class ChatCompletionRequest(_Sampled):
         for field in ("tools", "tool_choice", "functions"):
             if getattr(self, field) not in (None, [], "none"):
                 raise APIError(400, f"{field} (tool calling) is not supported", field, "unsupported_parameter")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format other than text is not supported", "response_format",
-                           "unsupported_parameter")
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", "messages")
 

@@ -11,6 +11,7 @@ loop, so /health and the streams of other requests keep answering meanwhile.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from .client import EngineClient
 from .metrics import Metrics
 from .plan import Sampling
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, check_token_ids
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _short, check_token_ids
+from .structured import check_grammar, requested_grammar
 from .template import ChatTemplate
 from .text import TextStream
 
@@ -54,6 +56,9 @@ class Choice:
     stop_token_ids: list[int]
     ignore_eos: bool = False
     echo_text: str = ""
+    min_tokens: int = 0
+    grammar: tuple[str, str] | None = None  # (kind, source): structured output
+    sample: int = 0  # which of its prompt's n choices
 
 
 @dataclass
@@ -80,6 +85,11 @@ def _max_text_chars(tokenizer, max_model_len: int) -> int:
     return 2 * max_model_len * max(longest, 1) + 1024
 
 
+def _prompt_tokens(choices: list[Choice]) -> int:
+    """The prompts' tokens, each prompt once however many choices it has (n)."""
+    return sum(len(c.prompt) for c in choices if c.sample == 0)
+
+
 def _ids_text(ids) -> str:
     return " ".join(map(str, ids))
 
@@ -91,6 +101,8 @@ _FAILED = {
                  "context_length_exceeded"),
     "rejected": (500, "the engine refused this request's values (a check of the HTTP side let them pass); the "
                       "server is still up", None, "engine_rejected"),
+    "bad_grammar": (400, "the engine could not compile this request's grammar for the model's tokenizer", None,
+                    "bad_grammar"),
 }
 
 
@@ -156,8 +168,32 @@ class CompletionService:
         temperature, top_k, top_p, seed = body.sampling_values(self.state.vocab_size)
         stop_ids = body.stop_ids(self.state.vocab_size)
         seed = secrets.randbelow(2**63) if seed is None else seed
+        if not 0 <= body.min_tokens <= max_tokens:
+            raise APIError(400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {_short(body.min_tokens)}",
+                           "min_tokens")
         return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
-                      body.ignore_eos)
+                      body.ignore_eos, min_tokens=body.min_tokens)
+
+    async def grammar(self, body) -> tuple[str, str] | None:
+        """The structured output a request asks for, checked by xgrammar off the event loop (None: plain text)."""
+        asked = requested_grammar(body)
+        if asked is None:
+            return None
+        if self.state.tokenizer is None:
+            raise APIError(400, "structured output needs the model's tokenizer; this model has none", asked[2])
+        await asyncio.to_thread(check_grammar, *asked)
+        return asked[:2]
+
+    def samples(self, body, choices: list[Choice], grammar: tuple[str, str] | None) -> list[Choice]:
+        """Each prompt's ``body.n`` choices, in index order (prompt-major). Choice i of a prompt samples with seed
+        (seed + i) mod 2^63, where seed is the request's, or a random one per prompt: n = 1 is the request itself,
+        and choice i is what a single request with seed + i gives."""
+        if len(choices) * body.n > self.state.max_queue:
+            raise APIError(400, f"n ({body.n}) times the prompts ({len(choices)}) is more than the server's queue "
+                                f"holds ({self.state.max_queue})", "n")
+        return [dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, seed=(c.sampling.seed + i) % 2**63),
+                                    grammar=grammar, sample=i)
+                for c in choices for i in range(body.n)]
 
     def admit(self, choices: list[Choice]) -> None:
         self.check_engine()
@@ -171,6 +207,7 @@ class CompletionService:
     async def completion_choices(self, body: CompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
         self.check_model(body.model)
+        grammar = await self.grammar(body)
         p = body.prompt
         if isinstance(p, str):
             prompts = [await self.encode(p)]
@@ -186,7 +223,7 @@ class CompletionService:
         if body.echo:
             for c in choices:
                 c.echo_text = await self.decode(c.prompt)
-        return choices
+        return self.samples(body, choices, grammar)
 
     def _check_prompt_count(self, n: int) -> None:
         if n > self.state.max_queue:  # more than could ever wait: refuse before tokenizing them all
@@ -207,9 +244,10 @@ class CompletionService:
     async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
         self.check_model(body.model)
+        grammar = await self.grammar(body)
         ids = await self.render_chat(body.message_dicts(), body.add_generation_prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return [self.choice(body, ids, max_tokens, "messages")]
+        return self.samples(body, [self.choice(body, ids, max_tokens, "messages")], grammar)
 
     # -- running choices ---------------------------------------------------------------
 
@@ -217,7 +255,8 @@ class CompletionService:
         """Admit and submit in one turn of the event loop (no await between them): a burst of requests cannot
         all pass the queue check before any of them counts as waiting."""
         self.admit(choices)
-        return [self.client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos)
+        return [self.client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos,
+                                   min_tokens=c.min_tokens, grammar=c.grammar)
                 for c in choices]
 
     async def run_choice(self, c: Choice, stream, out: asyncio.Queue, index: int, arrival: float) -> None:
@@ -312,7 +351,7 @@ class CompletionService:
                 if chat else {"index": i, "text": t, "logprobs": None, "finish_reason": f}
                 for i, (t, f) in enumerate(zip(texts, finish))]
         return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
-                "choices": made, "usage": _usage(sum(len(c.prompt) for c in choices), sum(counts))}
+                "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
 
     async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected):
         """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
@@ -329,7 +368,7 @@ class CompletionService:
                 if e.delta or e.finish:
                     yield chunks.choice(e.index, e.delta, e.finish)
             if include_usage:
-                yield chunks.usage(_usage(sum(len(c.prompt) for c in choices), sum(counts)))
+                yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
         except APIError as e:  # mid-stream: an error event, then the end of the stream
             yield _sse(e.body())
         except Exception as e:  # noqa: BLE001 - a bug mid-stream: an error event all the same

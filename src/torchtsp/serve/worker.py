@@ -109,13 +109,14 @@ def run_serve_rank(job: ServeJob) -> dict:
     from ..infer.api import make_engine
     from .batch import BatchRunner
     from .plan import exchange
+    from .structured import Grammars
 
     load = job.load
-    cfg, _, _ = model_config_and_tokenizer(load.source, load.location, load.tokenizer)
+    cfg, tokenizer, _ = model_config_and_tokenizer(load.source, load.location, load.tokenizer)
     mesh = init_mesh(**load.degrees, timeout_s=load.timeout_s)
     model = _load_model(load, cfg, mesh)
     runner = BatchRunner(make_engine(model), job.max_batch, job.max_model_len, job.prefill_chunk, job.schedule,
-                         job.eos_token_id)
+                         job.eos_token_id, Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
     capacity = control.all_gather(torch.tensor([runner.capacity * runner.max_batch]), label="serve.ready")
     rank0 = control.rank == 0

@@ -1,0 +1,255 @@
+"""n > 1, min_tokens, seed and structured output (xgrammar): the official ``openai`` client over real HTTP against
+one 2-rank TSP server (started once for the module) on a random tiny Hugging Face Llama, checked against
+transformers (min_tokens), single requests (n), and the requested format itself (json, the schema by hand, the
+regex with ``re``); plus fast unit tests of the bitmask on one rank's vocabulary slice against xgrammar's own
+``apply_token_bitmask_inplace`` on the full logits, and of the step plan's encoding."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+import torch
+
+from torchtsp.serve import structured
+from torchtsp.serve.plan import Admission, Sampling, StepPlan, decode, encode
+from torchtsp.serve.protocol import APIError, CompletionRequest, parse
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "ok", "n"]}
+PROMPT = "the cat sat on"
+
+
+# ---------------------------------------------------------------- units (no ranks)
+
+
+def _tiny_grammars(tmp_path):
+    from helpers import tiny_hf_llama
+    from torchtsp.data.tokenizers import HFTokenizer
+
+    pytest.importorskip("transformers")
+    eos = tiny_hf_llama(tmp_path / "m")
+    tokenizer = HFTokenizer(tmp_path / "m", eos_id=eos)
+    return structured.Grammars(tokenizer, tokenizer.vocab_size, eos), tokenizer
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_bitmask_on_each_vocabulary_slice_equals_xgrammar_on_the_full_logits(tmp_path, ranks):
+    """Every rank masks its own columns (the last slice has padding columns past the vocabulary): together they
+    are xgrammar's mask of the full logits, and padding columns come out -inf whatever they held."""
+    grammars, _ = _tiny_grammars(tmp_path)
+    V = grammars.vocab_size
+    matchers = [grammars.matcher("json_schema", json.dumps(SCHEMA)), grammars.matcher("regex", "[a-c]+ x"),
+                grammars.matcher("ebnf", 'root ::= "the cat" | "a dog"')]
+    for token in grammars.tokenizer.encode('{"color": "re'):  # a matcher part way through its text
+        assert matchers[0].accept_token(token)
+    bitmask = grammars.bitmask(matchers)
+    bitmask = torch.cat([bitmask, torch.full_like(bitmask[:1], -1)])  # a row that allows every token
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(len(bitmask), V, generator=g)
+    want = full.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask)
+    cols = -(-V // ranks)
+    padded = torch.cat([full, torch.randn(len(bitmask), cols * ranks - V, generator=g)], dim=1)  # not -inf yet
+    got = torch.cat([structured.mask_vocab_slice(padded[:, r * cols:(r + 1) * cols], bitmask, r * cols, V)
+                     for r in range(ranks)], dim=1)
+    assert torch.equal(got[:, :V], want)
+    assert torch.isinf(got[:, V:]).all()
+    assert 0 < int(torch.isfinite(want[:-1]).sum()) < want[:-1].numel()  # the grammars forbid and allow tokens
+    allowed, among = structured.allowed_counts(bitmask, V, [5, 7])
+    assert allowed.tolist() == torch.isfinite(want).sum(dim=1).tolist()
+    assert among.tolist() == torch.isfinite(want[:, [5, 7]]).sum(dim=1).tolist()
+
+
+def test_the_step_plan_carries_min_tokens_and_the_grammar():
+    source = 'root ::= "é" | "ü"  # not a multiple of 8 bytes'
+    a = Admission(3, [1, 2], 9, Sampling(0.5, 3, 0.9, 11), [4], True, 2, ("ebnf", source))
+    b = Admission(4, [5], 2)
+    plan = decode(*encode(StepPlan(7, admit=[a, b], cancel=[1])))
+    assert plan.admit == [a, b] and plan.cancel == [1]
+
+
+def _refusal(raw: dict) -> APIError:
+    from test_serve_hostile import _FakeClient, _state
+    from torchtsp.serve.service import CompletionService
+
+    service = CompletionService(_state(_FakeClient()))
+    with pytest.raises(APIError) as e:
+        asyncio.run(service.completion_choices(parse(CompletionRequest, json.dumps(raw).encode())))
+    return e.value
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"n": 129}, "n", "128"), ({"n": 0}, "n", "got 0"), ({"best_of": 2}, "best_of", "n"),
+    ({"n": 3, "prompt": ["a", "b", "c"]}, "n", "queue"),  # 9 choices, the test state's queue holds 8
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "4"), ({"min_tokens": -1}, "min_tokens", "-1"),
+    ({"guided_regex": "[a-"}, "guided_regex", "regex"),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", "objectx"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
+])
+def test_bad_sampling_and_structured_fields_are_400_naming_them(extra, param, words):
+    e = _refusal({"prompt": "hi", "max_tokens": 4, **extra})
+    assert e.status == 400 and e.param == param and words in e.message, (e.param, e.message)
+
+
+def test_without_xgrammar_structured_output_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(structured, "_xgrammar", lambda: None)
+    e = _refusal({"prompt": "hi", "response_format": {"type": "json_object"}})
+    assert e.status == 400 and "torchtsp[structured]" in e.message and e.param == "response_format"
+
+
+# ---------------------------------------------------------------- one 2-rank server
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from helpers import tiny_hf_llama
+    from test_serve import TEMPLATE
+
+    folder = tmp_path_factory.mktemp("sampling") / "tiny-llama"
+    return folder, tiny_hf_llama(folder, chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint, tmp_path_factory):
+    openai = pytest.importorskip("openai")
+    from test_serve import KEY, Server
+
+    server = Server(checkpoint[0], tmp_path_factory.mktemp("logs") / "sampling.log", "--api-key", KEY,
+                    "--max-batch", "8", "--timeout-s", "60")
+    try:
+        server.wait_ready()
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    finally:
+        server.close()
+
+
+def _texts(answer) -> list[str]:
+    assert [c.index for c in answer.choices] == list(range(len(answer.choices)))
+    return [c.text for c in answer.choices]
+
+
+@pytest.mark.multirank
+def test_n_greedy_choices_equal_one_and_usage_counts_the_prompt_once(client):
+    one = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, temperature=0)
+    three = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=10, temperature=0, n=3)
+    assert _texts(three) == _texts(one) * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    two_prompts = client.completions.create(model="tiny-llama", prompt=[PROMPT, "a bird"], max_tokens=4,
+                                            temperature=0, n=2)
+    texts = _texts(two_prompts)
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] == one.choices[0].text[:len(texts[0])]
+
+
+@pytest.mark.multirank
+def test_n_sampled_choices_are_the_single_requests_with_derived_seeds(client):
+    both = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=40, n=2)
+    alone = [client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                       seed=40 + i).choices[0].text for i in range(2)]
+    assert _texts(both) == alone and alone[0] != alone[1]
+    streamed = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=40,
+                                         n=2, stream=True, stream_options={"include_usage": True})
+    parts, usage = ["", ""], None
+    for chunk in streamed:
+        for c in chunk.choices:
+            parts[c.index] += c.text
+        usage = chunk.usage or usage
+    assert parts == alone and usage.completion_tokens == both.usage.completion_tokens
+
+
+@pytest.mark.multirank
+def test_chat_honours_the_seed_and_n(client):
+    messages = [{"role": "user", "content": "the cat sat"}]
+
+    def chat(**kw):
+        return client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12, temperature=1.0,
+                                              **kw)
+
+    alone = [chat(seed=5 + i).choices[0].message.content for i in range(2)]
+    assert chat(seed=5).choices[0].message.content == alone[0] and alone[0] != alone[1]
+    assert [c.message.content for c in chat(seed=5, n=2).choices] == alone
+    parts = ["", ""]
+    for chunk in chat(seed=5, n=2, stream=True):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+    assert parts == alone
+
+
+@pytest.mark.multirank
+def test_min_tokens_holds_the_stop_ids_off_as_transformers_does(client, checkpoint):
+    transformers = pytest.importorskip("transformers")
+    folder, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    ids = tokenizer(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+
+    def hf(**kw):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=eos, **kw)
+        return out[0, ids.shape[1]:].tolist()
+
+    stop = hf(eos_token_id=eos)[1]  # the greedy text's second token: it would end the text at once
+    early = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    assert early.usage.completion_tokens == 2 and early.choices[0].finish_reason == "stop"
+    want = hf(eos_token_id=[stop, eos], min_new_tokens=5)
+    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [stop], "min_tokens": 5})
+    assert got.usage.completion_tokens == len(want) >= 5
+    assert got.choices[0].text == tokenizer.decode([t for t in want if t not in (stop, eos)])
+
+
+def _check_schema(value) -> None:
+    assert set(value) == {"color", "ok", "n"}, value
+    assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)
+    assert isinstance(value["n"], int) and 0 <= value["n"] <= 9
+
+
+@pytest.mark.multirank
+def test_json_schema_output_parses_and_satisfies_the_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    for seed in (None, 1, 2):
+        temperature = 0 if seed is None else 1.0
+        chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "a thing"}],
+                                              max_tokens=60, temperature=temperature, seed=seed, response_format=fmt)
+        assert chat.choices[0].finish_reason == "stop"
+        _check_schema(json.loads(chat.choices[0].message.content))
+    plain = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=3, n=2,
+                                      extra_body={"guided_json": SCHEMA})
+    for c in plain.choices:
+        assert c.finish_reason == "stop"
+        _check_schema(json.loads(c.text))
+    anything = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=60, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    text = anything.choices[0].text
+    assert text[:1] in ("{", "[")
+    if anything.choices[0].finish_reason == "stop":
+        json.loads(text)
+
+
+@pytest.mark.multirank
+def test_guided_choice_and_regex(client):
+    choices = ["the cat", "a dog", "é \"quoted\""]
+    for seed in range(4):
+        got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+                                        extra_body={"guided_choice": choices})
+        assert got.choices[0].text in choices and got.choices[0].finish_reason == "stop"
+    regex = r"[a-c]{2,5} x[0-9]"
+    for seed in (None, 0, 1):
+        got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, seed=seed,
+                                        temperature=0 if seed is None else 1.0, extra_body={"guided_regex": regex})
+        assert re.fullmatch(regex, got.choices[0].text), got.choices[0].text
+    streamed = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                         extra_body={"guided_regex": regex})
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in streamed if c.choices))
