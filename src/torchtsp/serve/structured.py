@@ -20,6 +20,8 @@ from .plan import MAX_GRAMMAR_BYTES
 from .protocol import APIError
 
 INSTALL = "structured output needs xgrammar: pip install 'torchtsp[structured]'"
+# JSON from a schema is compact (xgrammar's any_whitespace=False): with free whitespace between tokens a weak
+# model can emit whitespace until max_tokens and never close the object.
 COMPILER_THREADS = 2
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 MAX_CHOICES = 256
