@@ -123,3 +123,194 @@ def test_plan_carries_the_logprob_counts_and_max_tokens_0_needs_echo():
     no_echo = Admission(5, [1, 2], 0, Sampling())
     assert "max_tokens (0)" in admission_problem(no_echo, 101, 48)
     assert "outside [0, 20]" in admission_problem(Admission(6, [1], 1, Sampling(), logprobs=21), 101, 48)
+
+
+# ---------------------------------------------------------------- HTTP: the openai client against a 2-rank TSP server
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+transformers = pytest.importorskip("transformers")
+
+KEY = "logprobs-key"
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+PROMPT = "the cat sat on the mat and"
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from helpers import tiny_hf_llama
+
+    folder = tmp_path_factory.mktemp("logprobs") / "tiny-llama"
+    eos = tiny_hf_llama(folder, chat_template=TEMPLATE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    return folder, eos, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def server(hf, tmp_path_factory):
+    from test_serve import Server
+
+    s = Server(hf[0], tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY, "--timeout-s", "60")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 log_softmax [S, V] over the whole sequence."""
+    with torch.no_grad():
+        return torch.log_softmax(hf[3](torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    eos = hf[1]
+    with torch.no_grad():
+        out = hf[3].generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+def _text(hf, token: int) -> str:
+    return hf[2].decode([token], skip_special_tokens=True)
+
+
+IDS = {"return_tokens_as_token_ids": True}  # vLLM's extension: tokens named by id (many byte tokens read "\ufffd")
+
+
+def _check_completion_logprobs(hf, logprobs, ids: list[int], first: int, n: int) -> None:
+    """``logprobs`` (completions' shape, tokens named by id) of ids[first:], each against transformers given the
+    ids before it: the chosen token's and the top n plus the chosen one; text offsets that count the texts."""
+    want = _hf_logprobs(hf, ids)
+    assert logprobs.tokens == [f"token_id:{t}" for t in ids[first:]]
+    for k, t in enumerate(ids[first:]):
+        at = first + k
+        if at == 0:
+            assert logprobs.token_logprobs[k] is None and logprobs.top_logprobs[k] is None
+            continue
+        assert abs(logprobs.token_logprobs[k] - want[at - 1, t].item()) < TOL, (k, t)
+        best = want[at - 1].argsort(descending=True, stable=True)[:n].tolist()
+        top = logprobs.top_logprobs[k]
+        assert set(top) == {f"token_id:{b}" for b in [*best, t]}, (top, best)
+        for b in [*best, t]:
+            assert abs(top[f"token_id:{b}"] - want[at - 1, b].item()) < TOL
+    lengths = [len(_text(hf, t)) for t in ids[first:]]
+    assert logprobs.text_offset == [sum(lengths[:k]) for k in range(len(lengths))]
+
+
+def test_completion_logprobs_equal_transformers(client, hf):
+    prompt = hf[2](PROMPT, add_special_tokens=False).input_ids
+    new = _hf_greedy(hf, prompt, 8)
+    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=5,
+                                    extra_body=IDS).choices[0]
+    assert got.text == hf[2].decode(new, skip_special_tokens=True)
+    _check_completion_logprobs(hf, got.logprobs, prompt + new, len(prompt), 5)
+    named = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      logprobs=5).choices[0].logprobs
+    assert named.tokens == [_text(hf, t) for t in new] and named.token_logprobs == got.logprobs.token_logprobs
+    # Sampled at a high temperature: still the raw model's log_softmax (before temperature) of what was drawn.
+    hot = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=6, temperature=1.5, seed=3,
+                                    logprobs=0, extra_body=IDS).choices[0]
+    drawn = [int(t.split(":")[1]) for t in hot.logprobs.tokens]
+    assert hf[2].decode(drawn, skip_special_tokens=True) == hot.text
+    _check_completion_logprobs(hf, hot.logprobs, prompt + drawn, len(prompt), 0)
+
+
+def test_echo_gives_the_prompt_logprobs_as_lm_eval_asks(client, hf):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs=1, max_tokens=1; and max_tokens=0."""
+    prompt = hf[2](PROMPT, add_special_tokens=False).input_ids
+    new = _hf_greedy(hf, prompt, 1)
+    got = client.completions.create(model="tiny-llama", prompt=[prompt], max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True, extra_body=IDS).choices[0]
+    assert got.text == PROMPT + hf[2].decode(new, skip_special_tokens=True)
+    _check_completion_logprobs(hf, got.logprobs, prompt + new, 0, 1)
+    only = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=0, logprobs=2, echo=True)
+    c = only.choices[0]
+    assert c.text == PROMPT and only.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert "".join(c.logprobs.tokens) == PROMPT  # an ASCII prompt: each token's text is a piece of it
+    assert all(PROMPT[o:o + len(t)] == t for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens))
+    by_id = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=0, logprobs=2, echo=True,
+                                      extra_body=IDS).choices[0]
+    _check_completion_logprobs(hf, by_id.logprobs, prompt, 0, 2)
+    plain = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=0, echo=True).choices[0]
+    assert plain.text == PROMPT and plain.logprobs is None
+
+
+def test_chat_logprobs_equal_transformers(client, hf, server):
+    messages = [{"role": "user", "content": "the dog ran"}]
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": messages},
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["tokens"]
+    new = _hf_greedy(hf, prompt, 6)
+    got = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=3, extra_body=IDS).choices[0]
+    want = _hf_logprobs(hf, prompt + new)
+    content = got.logprobs.content
+    assert len(content) == len(new)
+    for k, (t, entry) in enumerate(zip(new, content)):
+        row = want[len(prompt) - 1 + k]
+        assert entry.token == f"token_id:{t}" and entry.bytes == list(_text(hf, t).encode("utf-8"))
+        assert abs(entry.logprob - row[t].item()) < TOL
+        best = row.argsort(descending=True, stable=True)[:3].tolist()
+        assert [e.token for e in entry.top_logprobs] == [f"token_id:{b}" for b in best]
+        assert all(abs(e.logprob - row[b].item()) < TOL for e, b in zip(entry.top_logprobs, best))
+    named = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0,
+                                           logprobs=True).choices[0].logprobs.content
+    assert [e.token for e in named] == [_text(hf, t) for t in new] and all(e.top_logprobs == [] for e in named)
+    bare = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=2, temperature=0)
+    assert bare.choices[0].logprobs is None
+
+
+def test_streamed_logprobs_equal_the_whole_answer(client):
+    kwargs = dict(model="tiny-llama", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    # The same tokens; logprobs within float32 rounding (a decoded token's K/V lands on the rank of the server's
+    # step count, so the partial attentions merge in another order).
+    joined = {name: [x for p in parts for x in getattr(p, name)] for name in ("tokens", "token_logprobs",
+                                                                               "top_logprobs", "text_offset")}
+    assert joined["tokens"] == whole.tokens and joined["text_offset"] == whole.text_offset
+    assert all(abs(a - b) < TOL for a, b in zip(joined["token_logprobs"], whole.token_logprobs, strict=True))
+    for got, want in zip(joined["top_logprobs"], whole.top_logprobs, strict=True):
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < TOL for k in got)
+    echo = [c.choices[0] for c in client.completions.create(**kwargs, echo=True, stream=True) if c.choices]
+    assert "".join(c.text for c in echo).startswith(PROMPT) and echo[0].logprobs.token_logprobs[0] is None
+    chat = dict(model="tiny-llama", messages=[{"role": "user", "content": "a"}], max_tokens=5, temperature=0,
+                logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(**chat, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert all(abs(a.logprob - b.logprob) < TOL for a, b in zip(streamed, whole, strict=True))
+
+
+BAD = [  # (path, fields, the field the 400 names, words in the message)
+    ("/v1/completions", {"logprobs": 21}, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"logprobs": 2**64}, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"logprobs": True}, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"logprobs": "3"}, "logprobs", ""),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs", "logprobs=N"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "echo"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs", "true or false"),
+]
+
+
+def test_bad_logprob_values_are_400_naming_the_field(server, client):
+    for path, fields, param, words in BAD:
+        body = {"model": "tiny-llama", "max_tokens": 2, **fields}
+        body.update({"prompt": "the"} if "chat" not in path else {"messages": [{"role": "user", "content": "a"}]})
+        r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400, (fields, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"] and len(error["message"]) < 300, (fields, error)
+    assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=1, logprobs=20).choices[0].logprobs

@@ -118,10 +118,12 @@ class EngineClient:
             for rid, entries in body.get("prompt_logprobs", ()):
                 if (s := self._streams.get(rid)) is not None:
                     s.push(("prompt_logprobs", entries))
-            logprobs = {rid: (lp, top) for rid, lp, top in body.get("logprobs", ())}  # one token per request a step
+            logprobs: dict[int, list] = {}  # a step can choose two tokens of a request: its prefill's, a decode's
+            for rid, lp, top in body.get("logprobs", ()):
+                logprobs.setdefault(rid, []).append((lp, top))
             for rid, token in body["tokens"]:
                 if (s := self._streams.get(rid)) is not None:
-                    s.push(("token", token, logprobs.get(rid)))
+                    s.push(("token", token, logprobs[rid].pop(0) if logprobs.get(rid) else None))
             for rid, reason in body["finished"]:
                 self._waiting.discard(rid)
                 if (s := self._streams.pop(rid, None)) is not None:

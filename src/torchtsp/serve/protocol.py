@@ -63,6 +63,7 @@ class _Sampled(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens tokens even past EOS
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:N"
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field torchtsp does not implement (set to something other than its default)."""

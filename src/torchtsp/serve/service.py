@@ -56,6 +56,7 @@ class Choice:
     echo_text: str = ""
     logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # per prompt token (echo with logprobs)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 @dataclass
@@ -167,7 +168,8 @@ class CompletionService:
         if max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # the engine runs a prefill for nothing else; its logprobs are not shown
         return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
-                      body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                      body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      tokens_as_ids=body.return_tokens_as_token_ids)
 
     def admit(self, choices: list[Choice]) -> None:
         self.check_engine()
@@ -327,7 +329,7 @@ class CompletionService:
             entries[e.index] += e.logprobs
         if any(f is None for f in finish):
             return None
-        shown = [LogprobFormat(self.token_text, chat).shape(es) if c.logprobs is not None else None
+        shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None else None
                  for c, es in zip(choices, entries)]
         made = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
                 if chat else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
@@ -339,7 +341,8 @@ class CompletionService:
         """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
         chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
         counts = [0] * len(choices)
-        formats = [LogprobFormat(self.token_text, chat) if c.logprobs is not None else None for c in choices]
+        formats = [LogprobFormat(self.token_text, chat, c.tokens_as_ids) if c.logprobs is not None else None
+                   for c in choices]
         try:
             for i, c in enumerate(choices):
                 if chat:
@@ -455,33 +458,36 @@ def _finite(lp: float) -> float:
 
 class LogprobFormat:
     """Token logprobs in OpenAI's shapes. Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token
-    text -> logprob, the top N and the chosen token, as the legacy API and vLLM give them) and ``text_offset``
-    (each token's start in the choice's text, counted across the chunks of a stream). Chat: ``content`` entries
-    with token, logprob, bytes and the top N."""
+    text -> logprob, the top N and the chosen token, as the legacy API and vLLM give them; tokens of the same
+    text share one key) and ``text_offset`` (each token's start in the choice's text, counted across the chunks
+    of a stream). Chat: ``content`` entries with token, logprob, bytes and the top N. ``as_ids``: tokens are
+    named "token_id:N" (offsets and bytes still count their text)."""
 
-    def __init__(self, token_text, chat: bool):
-        self.token_text, self.chat, self.offset = token_text, chat, 0
+    def __init__(self, token_text, chat: bool, as_ids: bool = False):
+        self.token_text, self.chat, self.as_ids, self.offset = token_text, chat, as_ids, 0
+
+    def _name(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.token_text(token)
 
     def shape(self, entries: list) -> dict:
         if self.chat:
             return {"content": [self._chat_entry(t, lp, top) for t, lp, top in entries]}
-        texts = [self.token_text(t) for t, _, _ in entries]
         offsets = []
-        for text in texts:
+        for t, _, _ in entries:
             offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
+            self.offset += len(self.token_text(t))
+        return {"tokens": [self._name(t) for t, _, _ in entries],
+                "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
                 "top_logprobs": [None if top is None else self._top_dict(t, lp, top) for t, lp, top in entries],
                 "text_offset": offsets}
 
     def _top_dict(self, token: int, lp: float, top: list) -> dict:
-        shown = {self.token_text(t): _finite(v) for t, v in top}
-        shown.setdefault(self.token_text(token), _finite(lp))
+        shown = {self._name(t): _finite(v) for t, v in top}
+        shown.setdefault(self._name(token), _finite(lp))
         return shown
 
     def _chat_entry(self, token: int, lp: float, top: list) -> dict:
         def one(t, v):
-            text = self.token_text(t)
-            return {"token": text, "logprob": _finite(v), "bytes": list(text.encode("utf-8"))}
+            return {"token": self._name(t), "logprob": _finite(v), "bytes": list(self.token_text(t).encode("utf-8"))}
 
         return {**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
