@@ -314,3 +314,19 @@ def test_bad_logprob_values_are_400_naming_the_field(server, client):
         error = r.json()["error"]
         assert error["param"] == param and words in error["message"] and len(error["message"]) < 300, (fields, error)
     assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=1, logprobs=20).choices[0].logprobs
+
+
+def test_logprob_shapes_keep_the_best_of_tokens_with_one_text_and_count_offsets_across_chunks():
+    from torchtsp.serve.service import LOGPROB_FLOOR, LogprobFormat
+
+    texts = {1: "ab", 2: "\ufffd", 3: "\ufffd", 4: "c"}.__getitem__
+    shape = LogprobFormat(texts, chat=False)
+    first = shape.shape([(1, None, None), (2, -0.5, [(3, -0.25), (2, -0.5), (4, float("-inf"))])])
+    assert first["tokens"] == ["ab", "\ufffd"] and first["token_logprobs"] == [None, -0.5]
+    assert first["top_logprobs"] == [None, {"\ufffd": -0.25, "c": LOGPROB_FLOOR}]  # JSON has no -inf
+    assert first["text_offset"] == [0, 2]
+    second = shape.shape([(4, -1.0, [(1, -0.1)])])  # the next chunk of a stream: offsets go on
+    assert second["text_offset"] == [3] and second["top_logprobs"] == [{"ab": -0.1, "c": -1.0}]
+    chat = LogprobFormat(texts, chat=True, as_ids=True).shape([(4, -1.0, [(1, -0.1)])])
+    assert chat == {"content": [{"token": "token_id:4", "logprob": -1.0, "bytes": [99],
+                                 "top_logprobs": [{"token": "token_id:1", "logprob": -0.1, "bytes": [97, 98]}]}]}

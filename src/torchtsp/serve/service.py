@@ -482,8 +482,9 @@ class LogprobFormat:
                 "text_offset": offsets}
 
     def _top_dict(self, token: int, lp: float, top: list) -> dict:
-        shown = {self._name(t): _finite(v) for t, v in top}
-        shown.setdefault(self._name(token), _finite(lp))
+        shown: dict = {}
+        for t, v in [*top, (token, lp)]:  # best first: tokens of one text keep the best one's logprob
+            shown.setdefault(self._name(t), _finite(v))
         return shown
 
     def _chat_entry(self, token: int, lp: float, top: list) -> dict:
