@@ -258,7 +258,7 @@ class CompletionService:
                         await out.put(Event(index, delta, None, tokens, pending))
                         pending = []
                 elif kind == "prompt_logprobs":
-                    if c.echo_text and c.logprobs is not None:  # the echoed prompt, with its logprobs
+                    if c.logprobs is not None:  # echo with logprobs: the prompt's text comes with them
                         entries = [(t, None, None) if e is None else (t, *e) for t, e in zip(c.prompt, value[0])]
                         await out.put(Event(index, c.echo_text, None, 0, entries))
                 elif kind == "finished":
