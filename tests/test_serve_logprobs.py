@@ -330,3 +330,65 @@ def test_logprob_shapes_keep_the_best_of_tokens_with_one_text_and_count_offsets_
     chat = LogprobFormat(texts, chat=True, as_ids=True).shape([(4, -1.0, [(1, -0.1)])])
     assert chat == {"content": [{"token": "token_id:4", "logprob": -1.0, "bytes": [99],
                                  "top_logprobs": [{"token": "token_id:1", "logprob": -0.1, "bytes": [97, 98]}]}]}
+
+
+class _Stream:
+    def __init__(self, events):
+        self.events = list(events)
+
+    async def next(self):
+        return self.events.pop(0)
+
+
+class _EchoClient:
+    """The engine as the service sees it: the prompt "hi" with logprobs, then "o", "k" with theirs."""
+
+    state, error, waiting, healthy = "ready", None, 0, True
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, prompt, max_tokens, sampling, stop_token_ids, ignore_eos=False, **options):
+        self.submitted.append((prompt, max_tokens, options))
+        return _Stream([("admitted",), ("prompt_logprobs", [None, (-1.0, [(104, -0.5)])]),
+                        ("token", ord("o"), (-0.25, [(111, -0.25)])), ("token", ord("k"), (-2.0, [(120, -0.125)])),
+                        ("finished", "length")])
+
+    def cancel(self, stream):
+        pass
+
+
+def test_the_service_puts_echo_and_token_logprobs_in_order_whole_and_streamed():
+    import asyncio
+    import json
+
+    from torchtsp.data.tokenizers import ByteTokenizer
+    from torchtsp.serve.metrics import Metrics
+    from torchtsp.serve.protocol import CompletionRequest, parse
+    from torchtsp.serve.service import CompletionService, ServerState
+
+    client = _EchoClient()
+    service = CompletionService(ServerState(client=client, tokenizer=ByteTokenizer(), template=None, model_name="m",
+                                            max_model_len=64, vocab_size=257, eos_token_id=256, api_key=None,
+                                            max_queue=8, metrics=Metrics("m")))
+
+    async def never():
+        return False
+
+    async def run():
+        body = parse(CompletionRequest, b'{"prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": true}')
+        choices = await service.completion_choices(body)
+        whole = await service.complete(choices, service.submit(choices), False, never)
+        chunks = [c async for c in service.stream(choices, service.submit(choices), False, False, never)]
+        return whole, [json.loads(c[6:])["choices"][0] for c in chunks[:-1]]
+
+    whole, streamed = asyncio.run(run())
+    assert client.submitted[0] == ([104, 105], 2, {"logprobs": 1, "prompt_logprobs": 1})
+    c = whole["choices"][0]
+    assert c["text"] == "hiok"
+    assert c["logprobs"] == {"tokens": ["h", "i", "o", "k"], "token_logprobs": [None, -1.0, -0.25, -2.0],
+                             "top_logprobs": [None, {"h": -0.5, "i": -1.0}, {"o": -0.25}, {"x": -0.125, "k": -2.0}],
+                             "text_offset": [0, 1, 2, 3]}
+    assert "".join(s["text"] for s in streamed) == "hiok" and streamed[0]["text"] == "hi"
+    assert [t for s in streamed if s["logprobs"] for t in s["logprobs"]["tokens"]] == c["logprobs"]["tokens"]
+    assert [o for s in streamed if s["logprobs"] for o in s["logprobs"]["text_offset"]] == [0, 1, 2, 3]
