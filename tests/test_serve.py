@@ -257,7 +257,7 @@ BAD = [  # (body or raw bytes, status, param)
     ({"model": "tiny-llama", "prompt": [1, 2, 100000]}, 400, "prompt"),
     ({"model": "tiny-llama", "prompt": "the", "max_tokens": 1000}, 400, "max_tokens"),
     ({"model": "tiny-llama", "prompt": "the", "n": 129}, 400, "n"),
-    ({"model": "tiny-llama", "prompt": "the", "logprobs": 2}, 400, "logprobs"),
+    ({"model": "tiny-llama", "prompt": "the", "logprobs": 21}, 400, "logprobs"),
     ({"model": "tiny-llama", "prompt": ""}, 400, "prompt"),
     ({"model": "other", "prompt": "the"}, 404, "model"),
 ]

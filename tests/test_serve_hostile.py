@@ -125,7 +125,7 @@ class _FakeClient:
     def __init__(self):
         self.submitted = []
 
-    def submit(self, prompt, max_tokens, sampling, stop_token_ids, ignore_eos=False, **structured):
+    def submit(self, prompt, max_tokens, sampling, stop_token_ids, ignore_eos=False, **options):
         self.submitted.append((prompt, max_tokens, sampling))
         return _Stream([("token", ord("o")), ("token", ord("k")), ("finished", "length")])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..layers import block_forward, rms_norm
 from ..parallel.shards import vocab_slice_index
@@ -55,6 +56,12 @@ def select_last(z: torch.Tensor, pos: torch.Tensor, lengths: torch.Tensor) -> to
     """Sum over tokens of z [B, T, h] where pos [B, T] is the sequence's last real position (0 if absent)."""
     here = (pos == (lengths - 1).unsqueeze(1)).unsqueeze(-1)
     return torch.where(here, z, 0.0).sum(dim=1)
+
+
+def gather_positions(comm: AxisComm, z: torch.Tensor, rows, label: str) -> torch.Tensor:
+    """Every position's hidden states [len(rows), T, h], replicated and in position order, from each rank's
+    zigzag share z [B, T/D, h] of a prefill chunk (``rows``: the batch rows wanted)."""
+    return zigzag.unshard(comm.all_gather(z[rows].contiguous(), label=label), dim=1)
 
 
 class Engine:
@@ -105,8 +112,10 @@ class Engine:
         Collective: every rank of the engine calls it with its own rows of the same sequences."""
         self.cache = cache
 
-    def prefill_chunk(self, ids, pos, valid, lengths) -> torch.Tensor:
-        """Run one chunk of the prompts; return this rank's share of the last-real-token hidden states [B, h]."""
+    def prefill_chunk(self, ids, pos, valid, lengths, all_positions: list[int] | None = None):
+        """Run one chunk of the prompts; return this rank's share of the last-real-token hidden states [B, h].
+        With ``all_positions`` (batch rows): also the final-norm hidden states of every position of the chunk
+        for those rows, replicated, in position order, ``(last, [len(rows), T, h])`` (prompt logprobs: echo)."""
         raise NotImplementedError
 
     def finish_last(self, last: torch.Tensor) -> torch.Tensor:

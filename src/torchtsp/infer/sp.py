@@ -24,7 +24,7 @@ from ..layers import (
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
 from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_partials
-from .engine import Engine, select_last, vocab_logits
+from .engine import Engine, gather_positions, select_last, vocab_logits
 
 
 class SPEngine(Engine):
@@ -54,7 +54,7 @@ class SPEngine(Engine):
     def _run(self, x, step: CacheStep, attention):
         return self.run_blocks(x, step, self.layers, lambda w: self._placement(w, attention))
 
-    def prefill_chunk(self, ids, pos, valid, lengths):
+    def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
         """This rank's zigzag share of the chunk, attending to the K/V of every rank's cache, all-gathered."""
         comm, cache = self.comm, self.cache
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
@@ -69,7 +69,9 @@ class SPEngine(Engine):
             kv = gather_keys(comm, cache, step.layer, m, "sp.kv")
             return attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
 
-        return select_last(self._run(x, step, attention), pos, lengths)
+        z = self._run(x, step, attention)
+        last = select_last(z, pos, lengths)
+        return last if all_positions is None else (last, gather_positions(comm, z, all_positions, "sp.prompt_hidden"))
 
     def finish_last(self, last):
         return self.comm.all_reduce(last, label="sp.last_hidden")  # each last token lives on one rank

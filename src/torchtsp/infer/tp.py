@@ -66,8 +66,10 @@ class MegatronEngine(Engine):
         step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
         return self.run_blocks(x, step, self.layers, self._placement)
 
-    def prefill_chunk(self, ids, pos, valid, lengths):
-        return select_last(self.forward(ids, pos, valid), pos, lengths)
+    def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
+        z = self.forward(ids, pos, valid)  # replicated: every position is here
+        last = select_last(z, pos, lengths)
+        return last if all_positions is None else (last, z[all_positions])
 
     def head(self, z):
         return vocab_logits(z, self.head_rows, self.vocab_start, self.cfg.vocab_size)

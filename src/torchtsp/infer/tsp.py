@@ -51,7 +51,7 @@ from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule
 from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_packed, merge_partials
-from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
+from .engine import Engine, gather_positions, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
 def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
@@ -247,15 +247,20 @@ class TSPEngine(Engine):
 
     # -- phases --------------------------------------------------------------------------
 
-    def prefill_chunk(self, ids, pos, valid, lengths):
+    def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
         D, p = self.comm.size, self.comm.rank
         counts = [ids.shape[1] // D] * D
         if self.schedule["prefill"] == "weights":
             share = lambda t: zigzag.shard(t, D, p, dim=1)
-            return select_last(self.weights_move(share(ids), share(pos), share(valid), counts), pos=share(pos),
-                               lengths=lengths)
+            z = self.weights_move(share(ids), share(pos), share(valid), counts)
+            last = select_last(z, pos=share(pos), lengths=lengths)
+            if all_positions is None:
+                return last
+            return last, gather_positions(self.comm, z, all_positions, "infer.prompt_hidden")
         keep = zigzag.shard(torch.arange(ids.shape[1], device=ids.device), D, p, dim=0)
-        return select_last(self.activations_move(ids, pos, valid, keep, counts), pos, lengths)
+        z = self.activations_move(ids, pos, valid, keep, counts)  # replicated: every position is here
+        last = select_last(z, pos, lengths)
+        return last if all_positions is None else (last, z[all_positions])
 
     def finish_last(self, last):
         if self.schedule["prefill"] == "weights":  # each sequence's last token lives on one rank

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..infer.logprobs import vocab_logprobs
 from ..infer.sampling import TokenSelector, filter_logits
 from .plan import Admission, StepPlan
 
@@ -51,6 +52,7 @@ class Sequence:
     sampler: TokenSelector | None = None  # its noise generator (sampling only)
     matcher: object | None = None  # its xgrammar GrammarMatcher (structured output only)
     finish: str | None = None
+    prompt_logprobs: list = field(default_factory=list)  # (logprob, top) of prompt tokens 1.. (echo), so far
 
     @property
     def request_id(self) -> int:
@@ -75,6 +77,10 @@ class StepResult:
     tokens: list[tuple[int, int]] = field(default_factory=list)  # (request id, token), in order of choice
     finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "cancelled")
     admitted: list[int] = field(default_factory=list)
+    # (request id, logprob, [(id, logprob)] top first) of each chosen token whose request asks for logprobs
+    logprobs: list[tuple[int, float, list]] = field(default_factory=list)
+    # (request id, [None, (logprob, top), ...]) of each prompt token, when a request's prefill ends (echo)
+    prompt_logprobs: list[tuple[int, list]] = field(default_factory=list)
 
 
 class BatchRunner:
@@ -202,7 +208,13 @@ class BatchRunner:
         engine.choose_schedule(self.schedule, k, c1 - c0)
         engine.attach_cache(self.cache.rows(g.first, g.first + k))
         pos = torch.arange(c0, c1, device=self.device).expand(k, c1 - c0)
-        g.last += engine.prefill_chunk(g.tokens[:, c0:c1], pos, pos < g.lengths.unsqueeze(1), g.lengths)
+        echo = [i for i, s in enumerate(g.seqs) if s.request.prompt_logprobs is not None]
+        last = engine.prefill_chunk(g.tokens[:, c0:c1], pos, pos < g.lengths.unsqueeze(1), g.lengths,
+                                    all_positions=echo or None)
+        if echo:
+            last, hidden = last
+            self._prompt_logprobs([g.seqs[i] for i in echo], g.tokens[echo], hidden, c0)
+        g.last += last
         g.done = c1
         if c1 < padded:
             return
@@ -213,10 +225,40 @@ class BatchRunner:
             seq.row = len(self.rows)
             self.rows.append(seq)
         result.admitted += [s.request_id for s in g.seqs]
+        result.prompt_logprobs += [(g.seqs[i].request_id, [None, *g.seqs[i].prompt_logprobs]) for i in echo]
         self._take(g.seqs, logits, result)
         for seq in [s for s in g.seqs if s.request_id in g.cancelled and s.finish is None]:
             self._leave(seq)
             result.finished.append((seq.request_id, "cancelled"))
+
+    def _prompt_logprobs(self, seqs: list[Sequence], tokens: torch.Tensor, hidden: torch.Tensor, c0: int) -> None:
+        """The log-probabilities of the prompt tokens that positions c0.. of this chunk predict (position t's
+        hidden state, hidden [n, T, h], predicts token t + 1), appended to each sequence's. Collective: one
+        ``vocab_logprobs`` per sequence with such a token in the chunk (the same on every rank: the lengths are
+        the plan's), over its real positions only."""
+        engine = self.engine
+        for j, seq in enumerate(seqs):
+            end = min(c0 + hidden.shape[1], len(seq.request.prompt) - 1)  # the last position predicts a new token
+            if end <= c0:
+                continue
+            lp, top_lp, top_ids = vocab_logprobs(engine.head(hidden[j, :end - c0]), tokens[j, c0 + 1:end + 1],
+                                                 engine.vocab_start, engine.vocab_comm, seq.request.prompt_logprobs)
+            seq.prompt_logprobs += _entries(lp, top_ids, top_lp)
+
+    def _token_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, chosen: list[int],
+                        result: StepResult) -> None:
+        """The chosen tokens' log-probabilities under the raw model distribution (log_softmax of the logits they
+        were chosen from, before temperature and filters, as vLLM returns them), for the sequences that ask."""
+        want = [i for i, s in enumerate(seqs) if s.request.logprobs is not None]
+        if not want:  # the same on every rank: the requests come from the plan
+            return
+        engine = self.engine
+        top_n = max(seqs[i].request.logprobs for i in want)
+        targets = torch.tensor([chosen[i] for i in want], device=self.device)
+        lp, top_lp, top_ids = vocab_logprobs(logits[want], targets, engine.vocab_start, engine.vocab_comm, top_n)
+        entries = _entries(lp, top_ids, top_lp)
+        for i, (lp, top) in zip(want, entries):
+            result.logprobs.append((seqs[i].request_id, lp, top[:seqs[i].request.logprobs]))
 
     def _decode(self, result: StepResult) -> None:
         engine, rows = self.engine, self.rows
@@ -288,8 +330,19 @@ class BatchRunner:
 
     def _take(self, seqs: list[Sequence], logits: torch.Tensor, result: StepResult) -> None:
         """Record each sequence's new token; sequences that end leave the batch."""
-        logits, ended = self._constrain(seqs, logits)
-        for i, (s, token) in enumerate(zip(seqs, self.choose(seqs, logits))):
+        live = [i for i, s in enumerate(seqs) if s.request.max_tokens > 0]
+        if len(live) < len(seqs):  # echo with max_tokens 0: its prompt's logprobs were all it asked for
+            for s in seqs:
+                s.finish = s.finish or (None if s.request.max_tokens > 0 else "length")
+            logits = logits[live]
+        growing = [seqs[i] for i in live]
+        constrained, ended = self._constrain(growing, logits)
+        chosen = self.choose(growing, constrained) if growing else []
+        # Logprobs of the raw model distribution (before grammars and min_tokens, as vLLM's default), for the
+        # tokens actually emitted (a row whose grammar allows nothing ends without one).
+        emitting = [i for i in range(len(growing)) if i not in ended]
+        self._token_logprobs([growing[i] for i in emitting], logits[emitting], [chosen[i] for i in emitting], result)
+        for i, (s, token) in enumerate(zip(growing, chosen)):
             if i in ended:
                 s.finish = "stop"
                 continue
@@ -304,3 +357,9 @@ class BatchRunner:
         for s in [s for s in seqs if s.finish is not None]:
             self._leave(s)
             result.finished.append((s.request_id, s.finish))
+
+
+def _entries(logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> list[tuple[float, list]]:
+    """``vocab_logprobs``'s answer as plain values: (logprob, [(id, logprob), ...] best first) per row."""
+    return [(lp, list(zip(ids, lps))) for lp, ids, lps in
+            zip(logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist())]

@@ -20,7 +20,8 @@ FAILURE_REPORT_S = 3.0  # how long a lost connection to rank 0 waits for the poo
 
 
 class RequestStream:
-    """Events of one engine request: ("admitted",), ("token", id), ("finished", reason), ("error", message)."""
+    """Events of one engine request: ("admitted",), ("prompt_logprobs", entries) (echo), ("token", id, logprobs)
+    (logprobs: None or (logprob, [(id, logprob)] top first)), ("finished", reason), ("error", message)."""
 
     def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop):
         self.request_id, self.loop = request_id, loop
@@ -114,9 +115,15 @@ class EngineClient:
                 self._waiting.discard(rid)
                 if (s := self._streams.get(rid)) is not None:
                     s.push(("admitted",))
+            for rid, entries in body.get("prompt_logprobs", ()):
+                if (s := self._streams.get(rid)) is not None:
+                    s.push(("prompt_logprobs", entries))
+            logprobs: dict[int, list] = {}  # a step can choose two tokens of a request: its prefill's, a decode's
+            for rid, lp, top in body.get("logprobs", ()):
+                logprobs.setdefault(rid, []).append((lp, top))
             for rid, token in body["tokens"]:
                 if (s := self._streams.get(rid)) is not None:
-                    s.push(("token", token))
+                    s.push(("token", token, logprobs[rid].pop(0) if logprobs.get(rid) else None))
             for rid, reason in body["finished"]:
                 self._waiting.discard(rid)
                 if (s := self._streams.pop(rid, None)) is not None:
@@ -131,7 +138,8 @@ class EngineClient:
             self._conn.send(message)
 
     def submit(self, prompt: list[int], max_tokens: int, sampling, stop_token_ids: list[int],
-               ignore_eos: bool = False, min_tokens: int = 0, grammar: tuple[str, str] | None = None) -> RequestStream:
+               ignore_eos: bool = False, min_tokens: int = 0, grammar: tuple[str, str] | None = None,
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> RequestStream:
         from .plan import Admission
 
         stream = RequestStream(next(self._ids), asyncio.get_running_loop())
@@ -143,7 +151,8 @@ class EngineClient:
             self._waiting.add(stream.request_id)
         try:
             self._send(("submit", Admission(stream.request_id, prompt, max_tokens, sampling, stop_token_ids,
-                                           ignore_eos, min_tokens, grammar)))
+                                           ignore_eos, min_tokens, grammar, logprobs=logprobs,
+                                           prompt_logprobs=prompt_logprobs)))
         except OSError as e:
             self.fail(f"the engine's connection failed ({e})")
         return stream

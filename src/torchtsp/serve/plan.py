@@ -17,6 +17,7 @@ import torch
 
 HEADER = 6  # magic, step, stop, cancels, admissions, payload length
 MAGIC = 0x7E5A
+MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's limit)
 
 
 @dataclass
@@ -41,6 +42,10 @@ class Admission:
     ignore_eos: bool = False  # run to max_tokens even past the model's EOS (load tests)
     min_tokens: int = 0  # EOS and the stop ids cannot end it before this many tokens
     grammar: tuple[str, str] | None = None  # (kind in GRAMMAR_KINDS, source): structured output (serve/structured.py)
+    # Log-probabilities (None: not asked): each chosen token's, with this many top alternatives; the prompt
+    # tokens' (echo), with this many. max_tokens 0 is allowed with prompt_logprobs: the prefill only.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -85,7 +90,16 @@ def _admission_values(a: Admission) -> list[int]:
     s = a.sampling
     return [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
             _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
-            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt, a.min_tokens, *_grammar_values(a)]
+            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt, a.min_tokens, *_grammar_values(a),
+            _optional(a.logprobs), _optional(a.prompt_logprobs)]
+
+
+def _optional(n: int | None) -> int:
+    return -1 if n is None else n
+
+
+def _from_optional(n: int) -> int | None:
+    return None if n < 0 else n
 
 
 def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str | None:
@@ -98,7 +112,8 @@ def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str 
         return f"the grammar is not one of {GRAMMAR_KINDS} with a source of at most {MAX_GRAMMAR_BYTES} bytes"
     if not all(isinstance(v, int) and -2**63 <= v < 2**63 for v in _admission_values(a)):
         return "a value does not fit a signed 64-bit integer"
-    if not a.prompt or len(a.prompt) + a.max_tokens > max_model_len or a.max_tokens < 1:
+    least = 0 if a.prompt_logprobs is not None else 1
+    if not a.prompt or len(a.prompt) + a.max_tokens > max_model_len or a.max_tokens < least:
         return f"the prompt ({len(a.prompt)} tokens) and max_tokens ({a.max_tokens}) do not fit [1, {max_model_len}]"
     if any(not 0 <= t < vocab_size for t in (*a.prompt, *a.stop_token_ids)):
         return f"a token id is outside the vocabulary [0, {vocab_size})"
@@ -110,6 +125,8 @@ def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str 
         return f"top_p {s.top_p} is outside (0, 1]"
     if not 0 <= a.min_tokens <= a.max_tokens:
         return f"min_tokens {a.min_tokens} is outside [0, max_tokens {a.max_tokens}]"
+    if any(n is not None and not 0 <= n <= MAX_LOGPROBS for n in (a.logprobs, a.prompt_logprobs)):
+        return f"logprobs ({a.logprobs}) or prompt_logprobs ({a.prompt_logprobs}) is outside [0, {MAX_LOGPROBS}]"
     return None
 
 
@@ -138,10 +155,13 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         words = -(-n_bytes // 8)
         grammar = (GRAMMAR_KINDS[kind - 1], _words_text(values[at + 3:at + 3 + words], n_bytes)) if kind else None
         at += 3 + words
+        logprobs, prompt_logprobs = values[at:at + 2]
+        at += 2
         top_p = _bits_float(top_p)
         plan.admit.append(Admission(rid, prompt, max_tokens, Sampling(_bits_float(temperature), top_k or None,
                                                                        None if top_p < 0 else top_p, seed), stops,
-                                   bool(ignore_eos), min_tokens, grammar))
+                                   bool(ignore_eos), min_tokens, grammar, logprobs=_from_optional(logprobs),
+                                   prompt_logprobs=_from_optional(prompt_logprobs)))
     return plan
 
 

@@ -18,6 +18,7 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_IDS = 256  # every decoded token is compared with each, on every rank
 MAX_N = 128  # choices per prompt (OpenAI's cap): each is a sequence of its own in the batch
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's limit; plan.MAX_LOGPROBS, which the ranks check again)
 
 
 class APIError(Exception):
@@ -68,14 +69,13 @@ class _Sampled(BaseModel):
     guided_json: str | dict | None = None  # vLLM's extensions: structured output (structured.py)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:N"
 
     def refuse_unsupported(self) -> None:
         """400 naming the first field torchtsp does not implement (set to something other than its default)."""
         refused = [("n", not 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {_short(self.n)}"),
                    ("best_of", self.best_of not in (None, 1),
                     "best_of is not supported (n independent choices are: ask for n instead)"),
-                   ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
-                   ("top_logprobs", self.top_logprobs not in (None, 0), "top_logprobs are not supported"),
                    ("presence_penalty", self.presence_penalty not in (None, 0), "presence_penalty is not supported"),
                    ("frequency_penalty", self.frequency_penalty not in (None, 0),
                     "frequency_penalty is not supported"),
@@ -117,6 +117,11 @@ class _Sampled(BaseModel):
         check_token_ids(ids, vocab_size, "stop_token_ids")
         return ids
 
+    def _top_count(self, field: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{field} must be an integer in [0, {MAX_LOGPROBS}], got {_short_value(value)}", field)
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -126,6 +131,17 @@ class CompletionRequest(_Sampled):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top alternatives per generated token, per prompt token) or None where not asked: ``logprobs=N``
+        asks for both when ``echo`` is set (the prompt's first token has none)."""
+        if self.top_logprobs is not None:
+            raise APIError(400, "top_logprobs is a chat completions field; completions take logprobs=N (the number "
+                                f"of top alternatives, 0..{MAX_LOGPROBS})", "top_logprobs")
+        if self.logprobs is None:
+            return None, None
+        n = self._top_count("logprobs", self.logprobs)
+        return n, (n if self.echo else None)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -155,6 +171,18 @@ class ChatCompletionRequest(_Sampled):
                 raise APIError(400, f"{field} (tool calling) is not supported", field, "unsupported_parameter")
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", "messages")
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(top alternatives per generated token, None) when ``logprobs`` is true, else (None, None)."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise APIError(400, f"logprobs must be true or false in chat completions (top_logprobs gives the number "
+                                f"of alternatives, 0..{MAX_LOGPROBS}), got {_short_value(self.logprobs)}", "logprobs")
+        top = 0 if self.top_logprobs is None else self._top_count("top_logprobs", self.top_logprobs)
+        if not self.logprobs:
+            if top:
+                raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+            return None, None
+        return top, None
 
     def message_dicts(self) -> list[dict]:
         """Messages as the chat template sees them: content parts of type text joined into one string."""
@@ -188,6 +216,10 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     outside = next((t for t in ids if not 0 <= t < vocab_size), None)
     if outside is not None:
         raise APIError(400, f"{param}: token id {_short(outside)} is outside the vocabulary [0, {vocab_size})", param)
+
+
+def _short_value(value) -> str:
+    return _short(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)[:40]
 
 
 def _short(n: int) -> str:

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .client import EngineClient
 from .metrics import Metrics
@@ -59,6 +59,9 @@ class Choice:
     min_tokens: int = 0
     grammar: tuple[str, str] | None = None  # (kind, source): structured output
     sample: int = 0  # which of its prompt's n choices
+    logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
+    prompt_logprobs: int | None = None  # per prompt token (echo with logprobs)
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Event:
     delta: str
     finish: str | None
     tokens: int  # completion tokens so far
+    logprobs: list = field(default_factory=list)  # (id, logprob or None, top or None) of the tokens it covers
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -110,6 +114,7 @@ class CompletionService:
     def __init__(self, state: ServerState):
         self.state, self.client, self.metrics = state, state.client, state.metrics
         self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
+        self._token_texts: dict[int, str] = {}
 
     # -- checks ------------------------------------------------------------------------
 
@@ -149,7 +154,8 @@ class CompletionService:
     def choice(self, body, prompt: list[int], max_tokens: int | None, param: str = "prompt",
                default_max_tokens: int | None = None) -> Choice:
         """One prompt's checked request. Without ``max_tokens``: ``default_max_tokens`` (completions: OpenAI's 16)
-        or, for chat, the rest of the context (as vLLM), never past the context."""
+        or, for chat, the rest of the context (as vLLM), never past the context. ``max_tokens`` 0 only with echo:
+        the prompt (and its logprobs) alone."""
         if not prompt:
             raise APIError(400, f"{param} is empty; give at least one token", param)
         limit, n = self.state.max_model_len, len(prompt)
@@ -159,8 +165,10 @@ class CompletionService:
         self.check_ids(prompt, param)
         if max_tokens is None:
             max_tokens = limit - n if default_max_tokens is None else min(default_max_tokens, limit - n)
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        echo = getattr(body, "echo", False)
+        if max_tokens < (0 if echo else 1):
+            raise APIError(400, f"max_tokens must be >= {0 if echo else '1 (0 only with echo)'}, got "
+                                f"{max_tokens}", "max_tokens")
         if n + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {n} "
                                 f"tokens and max_tokens asks for {max_tokens} ({n + max_tokens} in all)",
@@ -171,8 +179,12 @@ class CompletionService:
         if not 0 <= body.min_tokens <= max_tokens:
             raise APIError(400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {_short(body.min_tokens)}",
                            "min_tokens")
+        logprobs, prompt_logprobs = body.logprob_counts()
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # the engine runs a prefill for nothing else; its logprobs are not shown
         return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
-                      body.ignore_eos, min_tokens=body.min_tokens)
+                      body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      tokens_as_ids=body.return_tokens_as_token_ids)
 
     async def grammar(self, body) -> tuple[str, str] | None:
         """The structured output a request asks for, checked by xgrammar off the event loop (None: plain text)."""
@@ -256,7 +268,8 @@ class CompletionService:
         all pass the queue check before any of them counts as waiting."""
         self.admit(choices)
         return [self.client.submit(c.prompt, c.max_tokens, c.sampling, c.stop_token_ids, c.ignore_eos,
-                                   min_tokens=c.min_tokens, grammar=c.grammar)
+                                   min_tokens=c.min_tokens, grammar=c.grammar, logprobs=c.logprobs,
+                                   prompt_logprobs=c.prompt_logprobs)
                 for c in choices]
 
     async def run_choice(self, c: Choice, stream, out: asyncio.Queue, index: int, arrival: float) -> None:
@@ -266,6 +279,7 @@ class CompletionService:
         tokenizer = self.state.tokenizer
         text = TextStream(tokenizer.decode if tokenizer is not None else _ids_text, c.stop_strings, skip)
         tokens, first_at, ended = 0, None, False
+        pending: list = []  # logprobs of tokens not yet in an event
         try:
             while True:
                 kind, *value = await stream.next()
@@ -273,18 +287,25 @@ class CompletionService:
                     tokens += 1
                     first_at = first_at or time.monotonic()
                     delta = text.add(value[0])
+                    if c.logprobs is not None and len(value) > 1 and value[1] is not None:
+                        pending.append((value[0], *value[1]))
                     if text.stopped:
                         ended = True
                         self.client.cancel(stream)
-                        await out.put(Event(index, delta, "stop", tokens))
+                        await out.put(Event(index, delta, "stop", tokens, pending))
                         return
-                    if delta:
-                        await out.put(Event(index, delta, None, tokens))
+                    if delta or pending:
+                        await out.put(Event(index, delta, None, tokens, pending))
+                        pending = []
+                elif kind == "prompt_logprobs":
+                    if c.logprobs is not None:  # echo with logprobs: the prompt's text comes with them
+                        entries = [(t, None, None) if e is None else (t, *e) for t, e in zip(c.prompt, value[0])]
+                        await out.put(Event(index, c.echo_text, None, 0, entries))
                 elif kind == "finished":
                     ended = True
                     if value[0] in _FAILED:
                         raise APIError(*_FAILED[value[0]])
-                    await out.put(Event(index, text.finish(), value[0], tokens))
+                    await out.put(Event(index, text.finish(), value[0], tokens, pending))
                     return
                 elif kind == "error":
                     ended = True
@@ -339,17 +360,20 @@ class CompletionService:
     async def complete(self, choices: list[Choice], streams: list, chat: bool, disconnected) -> dict | None:
         """The whole answer (None when the client left before the end: nobody reads it)."""
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
-        texts = [c.echo_text for c in choices]
-        finish, counts = [None] * len(choices), [0] * len(choices)
+        texts = [_leading_echo(c) for c in choices]
+        finish, counts, entries = [None] * len(choices), [0] * len(choices), [[] for _ in choices]
         async for e in self.events(choices, streams, disconnected):
             texts[e.index] += e.delta
             counts[e.index] = e.tokens
             finish[e.index] = e.finish or finish[e.index]
+            entries[e.index] += e.logprobs
         if any(f is None for f in finish):
             return None
-        made = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-                if chat else {"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(texts, finish))]
+        shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None else None
+                 for c, es in zip(choices, entries)]
+        made = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
+                if chat else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                for i, (t, f, lp) in enumerate(zip(texts, finish, shown))]
         return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
                 "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
 
@@ -357,16 +381,19 @@ class CompletionService:
         """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
         chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
         counts = [0] * len(choices)
+        formats = [LogprobFormat(self.token_text, chat, c.tokens_as_ids) if c.logprobs is not None else None
+                   for c in choices]
         try:
             for i, c in enumerate(choices):
                 if chat:
                     yield chunks.choice(i, "", None, role=True)
-                elif c.echo_text:
+                elif _leading_echo(c):
                     yield chunks.choice(i, c.echo_text, None)
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
-                if e.delta or e.finish:
-                    yield chunks.choice(e.index, e.delta, e.finish)
+                if e.delta or e.finish or e.logprobs:
+                    shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
+                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown)
             if include_usage:
                 yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
         except APIError as e:  # mid-stream: an error event, then the end of the stream
@@ -406,6 +433,14 @@ class CompletionService:
                 "vocab_size": self.state.vocab_size, "model_max_length": self.state.max_model_len, **ids, **text,
                 "chat_template": getattr(template, "source", None)}
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the logprobs show it (special tokens: empty, as the text skips them)."""
+        cache = self._token_texts
+        if token_id not in cache:
+            tokenizer = self.state.tokenizer
+            cache[token_id] = tokenizer.decode([token_id]) if tokenizer is not None else _ids_text([token_id])
+        return cache[token_id]
+
     def _token_text(self, token_id: int) -> str | None:
         inner = getattr(self.state.tokenizer, "tokenizer", None)  # the tokenizers library's object
         return inner.id_to_token(token_id) if inner is not None else None
@@ -437,13 +472,63 @@ class _Chunks:
                      "created": int(time.time()), "model": model}
         self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
 
-    def choice(self, i: int, delta: str, reason: str | None, role: bool = False) -> str:
+    def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
         if self.chat:
             part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            c = {"index": i, "delta": part, "logprobs": None, "finish_reason": reason}
+            c = {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": reason}
         else:
-            c = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+            c = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": reason}
         return _sse({**self.head, "choices": [c], **self.usage_field})
 
     def usage(self, usage: dict) -> str:
         return _sse({**self.head, "choices": [], "usage": usage})
+
+
+def _leading_echo(c: Choice) -> str:
+    """The echoed prompt sent before any token; with logprobs it comes with them, once the prefill ends."""
+    return c.echo_text if c.logprobs is None else ""
+
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -Infinity; a vocabulary padding column's logprob shows as this (vLLM's)
+
+
+def _finite(lp: float) -> float:
+    return max(lp, LOGPROB_FLOOR)
+
+
+class LogprobFormat:
+    """Token logprobs in OpenAI's shapes. Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token
+    text -> logprob, the top N and the chosen token, as the legacy API and vLLM give them; tokens of the same
+    text share one key) and ``text_offset`` (each token's start in the choice's text, counted across the chunks
+    of a stream). Chat: ``content`` entries with token, logprob, bytes and the top N. ``as_ids``: tokens are
+    named "token_id:N" (offsets and bytes still count their text)."""
+
+    def __init__(self, token_text, chat: bool, as_ids: bool = False):
+        self.token_text, self.chat, self.as_ids, self.offset = token_text, chat, as_ids, 0
+
+    def _name(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.token_text(token)
+
+    def shape(self, entries: list) -> dict:
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp, top) for t, lp, top in entries]}
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(self.offset)
+            self.offset += len(self.token_text(t))
+        return {"tokens": [self._name(t) for t, _, _ in entries],
+                "token_logprobs": [None if lp is None else _finite(lp) for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else self._top_dict(t, lp, top) for t, lp, top in entries],
+                "text_offset": offsets}
+
+    def _top_dict(self, token: int, lp: float, top: list) -> dict:
+        shown: dict = {}
+        for t, v in [*top, (token, lp)]:  # best first: tokens of one text keep the best one's logprob
+            shown.setdefault(self._name(t), _finite(v))
+        return shown
+
+    def _chat_entry(self, token: int, lp: float, top: list) -> dict:
+        def one(t, v):
+            return {"token": self._name(t), "logprob": _finite(v), "bytes": list(self.token_text(t).encode("utf-8"))}
+
+        return {**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}

@@ -144,6 +144,7 @@ def run_serve_rank(job: ServeJob) -> dict:
                 finished = result.finished + scheduler.dropped
                 scheduler.dropped = []
                 conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
+                                    "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
                                     "kv_slots_used": used, "running": len(runner.rows),
                                     "waiting": len(scheduler.waiting), "step_s": time.perf_counter() - t0}))
             steps += bool(plan.admit) or bool(runner.rows) or runner.prefilling is not None or bool(result.finished)
