@@ -23,6 +23,7 @@ import torch
 
 import torchtsp
 from torchtsp.infer import generate, make_engine
+from torchtsp.serve.batch import BatchRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -244,3 +245,42 @@ def _grouped_error(world):
 def test_grouped_needs_fewer_kv_heads_than_ranks(pools):
     message = pools(2).run(_grouped_error, 2)[0]
     assert message is not None and "n_kv=2" in message and "D=2" in message and "\n" not in message
+
+
+def _scheduler_on_ranks():
+    """A long prompt and a short one with many tokens to make, on the grouped layout at D = 4 (c = 2): the short
+    one fits its row alone but not padded next to the long one (in c-rank slots; it would in D-rank slots)."""
+    import multiprocessing
+
+    from test_serve_batch import _model
+    from torchtsp.serve.plan import Admission
+    from torchtsp.serve.worker import Scheduler
+
+    reference_model = _model()
+    model = torchtsp.parallelize(copy.deepcopy(reference_model), torchtsp.init_mesh(tsp=4), "tsp").eval()
+    runner = BatchRunner(make_engine(model), max_batch=2, max_model_len=40, prefill_chunk=64)
+    inbox, http = multiprocessing.Pipe()
+    scheduler = Scheduler(runner, inbox)
+    requests = [Admission(0, [(5 * i) % 101 for i in range(30)], 4), Admission(1, [3, 1, 4], 30)]
+    for a in requests:
+        http.send(("submit", a))
+    out, plans = {0: [], 1: []}, []
+    for step in range(100):
+        scheduler.receive(0)
+        plan = scheduler.plan(step)
+        plans.append([a.request_id for a in plan.admit])
+        for i, t in runner.step(plan).tokens:
+            out[i].append(t)
+        if not (scheduler.waiting or runner.rows or runner.prefilling is not None):
+            break
+    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests]
+    fits = [runner.row_slots(32, 4), runner.row_slots(8, 30), runner.row_slots(32, 30), runner.capacity]
+    return plans, [out[0], out[1]], alone, fits
+
+
+def test_the_scheduler_sizes_grouped_rows_by_the_ranks_sharing_a_kv_head(pools):
+    for plans, served, alone, (long_alone, short_alone, short_padded, capacity) in pools(4).run(_scheduler_on_ranks):
+        assert (long_alone, short_alone, short_padded) == (32 // 2 + 2, 8 // 2 + 15, 32 // 2 + 15)
+        assert long_alone <= capacity and short_alone <= capacity < short_padded
+        assert [p for p in plans if p] == [[0], [1]]  # the short one waits for the next group
+        assert served == alone
