@@ -18,6 +18,7 @@ KV_LAYOUTS = ("auto", "heads", "grouped", "sequence")
 # The TSP engine of each layout (import paths, resolved on use like the scheme registry's).
 TSP_ENGINES = {
     "sequence": "torchtsp.infer.tsp:TSPEngine",
+    "grouped": "torchtsp.infer.tsp_grouped:TSPGroupedEngine",
 }
 
 # The one layout of each other scheme's engine.

@@ -36,10 +36,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def row_slots(token_multiple: int, padded_prompt: int, max_tokens: int) -> int:
+def row_slots(token_multiple: int, padded_prompt: int, max_tokens: int, ranks: int | None = None) -> int:
     """Cache slots one sequence needs on every rank: a sequence-sharded cache (TSP, SP: token_multiple = 2D)
-    holds 1/D of the padded prompt and every D-th decoded token; the others hold every token."""
-    ranks = token_multiple // 2 if token_multiple > 1 else 1
+    holds 1/D of the padded prompt and every D-th decoded token; the others hold every token. ``ranks``: the
+    ranks its tokens are dealt over when that is not D (TSP's grouped layout: the c ranks sharing a KV head)."""
+    if ranks is None:
+        ranks = token_multiple // 2 if token_multiple > 1 else 1
     return padded_prompt // ranks + -(-(max_tokens - 1) // ranks)
 
 
@@ -109,6 +111,11 @@ class BatchRunner:
                                     0.0, None, None, 0, device)
 
     # -- what the scheduler asks ------------------------------------------------------
+
+    def row_slots(self, padded_prompt: int, max_tokens: int) -> int:
+        """Cache slots a sequence needs in a row of this runner's engine (``row_slots``; an engine whose tokens
+        are dealt over fewer ranks than its token multiple says, says how many: ``kv_token_ranks``)."""
+        return row_slots(self.token_multiple, padded_prompt, max_tokens, getattr(self.engine, "kv_token_ranks", None))
 
     def slots_used(self) -> int:
         """Cache slots this rank holds for its sequences (real tokens and prompt padding; free rows hold 0)."""
