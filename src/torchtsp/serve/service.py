@@ -95,15 +95,11 @@ _FAILED = {
 
 
 class CompletionService:
+    draining = False  # shutting down (drain): nothing new is admitted
+
     def __init__(self, state: ServerState):
         self.state, self.client, self.metrics = state, state.client, state.metrics
         self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
-        self.draining = False  # shutting down: nothing new is admitted
-
-    def drain(self) -> None:
-        """The server is stopping: refuse new requests (503) and have the engine end the waiting ones."""
-        self.draining = True
-        self.client.drain()
 
     # -- checks ------------------------------------------------------------------------
 
@@ -174,6 +170,11 @@ class CompletionService:
         if waiting + len(choices) > self.state.max_queue:
             raise APIError(429, f"the server's queue is full ({waiting} requests waiting, at most "
                                 f"{self.state.max_queue}); retry later", None, "queue_full")
+
+    def drain(self) -> None:
+        """The server is stopping: refuse new requests (503) and have the engine end the waiting ones."""
+        self.draining = True
+        self.client.drain()
 
     # -- requests to choices -------------------------------------------------------------
 
