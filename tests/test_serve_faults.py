@@ -47,6 +47,18 @@ def _wait_for(server, name: str, value: float, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("flags,words", [(["--max-queue", "0"], "--max-queue must be >= 1"),
+                                         (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be"),
+                                         (["--shutdown-grace-s", "nan"], "--shutdown-grace-s must be")])
+def test_a_queue_that_admits_nothing_or_a_bad_grace_is_refused_at_launch(flags, words, capsys):
+    """--max-queue 0 would answer every request 429 forever (each one waits in the queue for a step)."""
+    from torchtsp.cli import main
+
+    assert main(["serve", "--preset", "tiny", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+
+
 def test_a_batch_larger_than_the_queue_is_400_naming_the_limit(server):
     """More prompts than --max-queue can never be queued: 400 (which clients do not retry), not 429."""
     for prompt in (["the cat"] * (MAX_QUEUE + 1), [[5, 6]] * (MAX_QUEUE + 1)):

@@ -6,9 +6,7 @@ import argparse
 
 from ..argtypes import length
 from ..schemes import SCHEMES
-from ..timeouts import SERVE_TIMEOUT_S
-
-SHUTDOWN_GRACE_S = 10.0
+from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
