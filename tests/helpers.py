@@ -72,7 +72,7 @@ def hf_batch(vocab: int, batch: int, seq_len: int, seed: int = 1):
     return tokens, labels
 
 
-def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0):
+def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0, max_position_embeddings: int = 128):
     """A byte-level BPE tokenizer trained on a small corpus (``test_workflow.sentences``) and a random tiny
     Hugging Face Llama of its vocabulary, saved together in ``folder``; returns the EOS id."""
     import json
@@ -97,7 +97,8 @@ def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0):
     torch.manual_seed(seed)
     hf_config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128, bos_token_id=tok.token_to_id("<s>"),
-                                         eos_token_id=eos, tie_word_embeddings=False)
+                                         max_position_embeddings=max_position_embeddings,
+                                         bos_token_id=tok.token_to_id("<s>"), eos_token_id=eos,
+                                         tie_word_embeddings=False)
     transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
     return eos

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from torchtsp.bench.serve import RequestResult, arrival_times, parse_goodput, percentile, summarize
+from torchtsp.bench.serve import RequestResult, arrival_times, parse_goodput, percentile, serve_command, summarize
 
 
 def test_arrivals_are_a_seeded_poisson_process():
@@ -73,3 +73,12 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     assert tsp["p50_tpot_ms"] == pytest.approx(1000 * np.percentile(tpots, 50))
     assert tsp["goodput"] == pytest.approx(tsp["request_throughput"])  # a 60 s TTFT SLO is met by all
     assert "| tsp | inf | 4/4 |" in (tmp_path / "serve.md").read_text()
+
+
+def test_the_server_queues_every_request_of_the_run():
+    """At rate inf every request arrives at once: a queue shorter than the run would turn the rest into 429s."""
+    from torchtsp.cli import build_parser
+
+    command = serve_command(["--preset", "tiny"], "tsp", 2, 8000, 64, 16, 1000, 60.0)
+    args = build_parser().parse_args(command[command.index("serve"):])
+    assert args.max_queue >= 1000 and args.max_batch == 16 and args.scheme == "tsp"

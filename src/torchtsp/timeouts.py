@@ -13,3 +13,8 @@ SERVE_TIMEOUT_S = 60.0
 # One cell of bench (a scheme at a sequence length, all ranks): warm-up, the memory step and the timed steps
 # together, the longest of them at the sweep's longest S on loaded CPU ranks; its collectives share the limit.
 BENCH_CELL_TIMEOUT_S = 600.0
+
+# SIGTERM to a server: how long its running requests may still finish. Supervisors kill a process that has not
+# exited some time after SIGTERM (Kubernetes: 30 s by default); this grace, plus the ranks' stop and the last
+# answers' writing, stays well inside that, while a typical answer of a few hundred tokens still completes.
+SHUTDOWN_GRACE_S = 10.0

@@ -206,18 +206,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(model_flags: list[str], scheme: str, nproc: int, port: int, max_len: int, max_batch: int,
+                  requests: int, timeout_s: float) -> list[str]:
+    """The server's command line. Its queue holds every request of the run: at rate inf they all arrive at once,
+    and vLLM's queue, which the benchmark's conventions assume, has no bound (a 429 would count as a failure)."""
+    return [sys.executable, "-m", "torchtsp", "serve", *model_flags, "--scheme", scheme, "--nproc", str(nproc),
+            "--port", str(port), "--max-model-len", str(max_len), "--max-batch", str(max_batch), "--max-queue",
+            str(max(256, max_batch, requests)), "--served-model-name", "bench", "--timeout-s", str(timeout_s)]
+
+
 class ServerProcess:
     """``torchtsp serve`` for one scheme, as a user starts it, on 127.0.0.1; stopped by SIGTERM on exit."""
 
     def __init__(self, model_flags: list[str], scheme: str, nproc: int, max_len: int, max_batch: int, log: Path,
-                 timeout_s: float):
+                 timeout_s: float, requests: int = 1):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [sys.executable, "-m", "torchtsp", "serve", *model_flags, "--scheme", scheme, "--nproc",
-                   str(nproc), "--port", str(self.port), "--max-model-len", str(max_len), "--max-batch",
-                   str(max_batch), "--max-queue", str(max(256, max_batch)), "--served-model-name", "bench",
-                   "--timeout-s", str(timeout_s)]
+        command = serve_command(model_flags, scheme, nproc, self.port, max_len, max_batch, requests, timeout_s)
         self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -282,7 +288,7 @@ def run_serve_bench(args) -> int:
                          "status": f"n/a: serve runs {', '.join(SCHEMES.servable())}"} for rate in args.request_rates)
             continue
         server = ServerProcess(model_flags, scheme, args.nproc or 2, max_len, args.max_concurrency or 16,
-                               out / f"serve-{scheme}.log", args.timeout_s)
+                               out / f"serve-{scheme}.log", args.timeout_s, len(prompts))
         try:
             server.__enter__()
         except (RuntimeError, TimeoutError) as e:  # a scheme the server refuses is a row, not the end of the run

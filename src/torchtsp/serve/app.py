@@ -16,6 +16,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -36,7 +37,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
-    app.middleware("http")(_count_and_authorize)
+    app.add_middleware(_CountAndAuthorize)
     return app
 
 
@@ -66,23 +67,49 @@ async def _unexpected(request: Request, e: Exception):
     return _internal_error(e)
 
 
-async def _count_and_authorize(request: Request, call_next):
-    state, path = request.app.state.service.state, request.url.path
-    label = path if path in request.app.state.paths else "other"
-    requests = state.metrics.requests
-    if state.api_key is not None and path not in PUBLIC:
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-            requests.labels(endpoint=label, status="401").inc()
-            return JSONResponse(APIError(401, "missing or wrong API key: send the header 'Authorization: "
-                                              "Bearer KEY'", None, "invalid_api_key").body(), status_code=401)
-    try:
-        response = await call_next(request)
-    except Exception as e:  # noqa: BLE001 - caught here, starlette would log its traceback and re-raise it
-        response = _internal_error(e)
-    requests.labels(endpoint=label, status=str(response.status_code)).inc()
-    return response
+class _CountAndAuthorize:
+    """The API key check and the request counter, as a plain ASGI middleware: starlette's BaseHTTPMiddleware
+    hands the route a wrapped receive that never reports ``http.disconnect``, so a non-streaming request whose
+    client left was generated to its end for nobody (``request.is_disconnected()`` stayed False)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        app, path = scope["app"], scope["path"]
+        state = app.state.service.state
+        requests = state.metrics.requests.labels
+        label = path if path in app.state.paths else "other"
+        if state.api_key is not None and path not in PUBLIC and not _authorized(scope, state.api_key):
+            requests(endpoint=label, status="401").inc()
+            await JSONResponse(APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                                             "KEY'", None, "invalid_api_key").body(), status_code=401)(
+                scope, receive, send)
+            return
+        status: list[int] = []
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception as e:  # noqa: BLE001 - caught here, starlette would log its traceback and re-raise it
+            response = _internal_error(e)
+            if not status:  # once the answer has started, the log line is all that is left to do
+                status.append(response.status_code)
+                await response(scope, receive, send)
+        requests(endpoint=label, status=str(status[0] if status else 499)).inc()
+
+
+def _authorized(scope, key: str) -> bool:
+    given = Headers(scope=scope).get("authorization", "")
+    token = given[7:] if given[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(token.encode(), key.encode())
 
 
 async def _body(request: Request, model):

@@ -6,7 +6,7 @@ import argparse
 
 from ..argtypes import length
 from ..schemes import SCHEMES
-from ..timeouts import SERVE_TIMEOUT_S
+from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
@@ -29,7 +29,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     add("--served-model-name", metavar="NAME", help="the model's name in the API (default: the checkpoint "
         "folder's or preset's name)")
     add("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
-    add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256)")
+    add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256); a "
+        "request with more prompts than this gets 400")
     add("--max-model-len", type=length, help="prompt + new tokens per request at most (default: the model's "
         "max_seq_len); the KV cache holds --max-batch such sequences")
     add("--chat-template", metavar="FILE", help="jinja2 chat template (default: the tokenizer's chat_template.jinja, "
@@ -38,6 +39,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "(default: 512)")
     add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "
         "per phase by tokens in flight (default)")
+    add("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S, help="on SIGTERM / SIGINT nothing new is "
+        "admitted and waiting requests fail at once (503); running ones may finish for this many seconds, then end "
+        f"with an error (default: {SHUTDOWN_GRACE_S:g})")
     add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "
         "before the server fails (503, requests fail): a decode step takes well under a second, so that long means "
         f"a hung rank, and clients should not wait longer (default: {SERVE_TIMEOUT_S:g})")

@@ -29,7 +29,10 @@ class RequestStream:
         self.done = False
 
     def push(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the HTTP server's loop is closed: nobody is left to read this request
+            pass
 
     async def next(self) -> tuple:
         return await self.queue.get()
@@ -104,8 +107,10 @@ class EngineClient:
                 self.fail(self.error or f"the engine's connection closed ({type(e).__name__})")
             with self._lock:
                 streams, self._streams = list(self._streams.values()), {}
+            # Stopped on purpose (SIGTERM): the requests left end as the shutdown's, not as an engine failure.
+            end = ("finished", "cancelled") if self.state == "stopped" else ("error", "the server is shutting down")
             for s in streams:
-                s.push(("error", "the server is shutting down"))
+                s.push(end)
 
     def _dispatch(self, body: dict) -> None:
         self.last_step_at = time.monotonic()
@@ -164,6 +169,14 @@ class EngineClient:
         if live and self.state == "ready":
             try:
                 self._send(("cancel", stream.request_id))
+            except OSError:
+                pass
+
+    def drain(self) -> None:
+        """Rank 0 admits nothing more: the requests waiting end now, as "cancelled" (the shutdown's 503)."""
+        if self.state == "ready":
+            try:
+                self._send(("drain",))
             except OSError:
                 pass
 

@@ -3,8 +3,9 @@
 The launcher (this process) resolves the model source, tokenizer, chat template and mesh like ``generate``
 and refuses bad flags in one line. It then starts the ranks (``WorkerPool``, which owns them: they exit if
 this process dies) running ``worker.run_serve_rank`` in a background thread, and serves HTTP in the main
-thread. SIGINT or SIGTERM: uvicorn stops accepting, lets in-flight requests finish for ``GRACE_S``, then the
-engine is told to stop (requests still running fail), the ranks leave their loop and the pool is closed.
+thread. SIGINT or SIGTERM: uvicorn stops accepting, waiting requests fail at once (503, or an SSE error event),
+running ones may finish for ``--shutdown-grace-s``, then the engine is told to stop (those still running end
+with an error event), the answers are written, the ranks leave their loop and the pool is closed.
 A rank that dies or hangs fails the pool's job: /health turns 503 and in-flight requests fail at once.
 Under torchrun every rank runs this command; rank 0 serves HTTP with its engine loop in a thread.
 """
@@ -21,8 +22,7 @@ from pathlib import Path
 
 from ..schemes import AXES, SCHEMES
 
-GRACE_S = 10.0  # SIGTERM: how long in-flight requests may still finish
-STOP_WAIT_S = 10.0  # then how long the ranks have to leave their loop before they are killed
+STOP_WAIT_S = 10.0  # after the grace: how long the ranks have to leave their loop, and the answers to be written
 
 
 def require_extra() -> None:
@@ -43,14 +43,16 @@ def _check_flags(args, cfg) -> int:
     if args.scheme not in servable:
         raise ValueError(f"serve runs the {', '.join(servable)} schemes, not {args.scheme!r} (data-parallel "
                          f"replicas decode separate rows; run several servers behind a load balancer instead)")
-    for flag in ("max_batch", "max_queue", "prefill_chunk"):
+    for flag in ("max_batch", "max_queue", "prefill_chunk"):  # every request waits in the queue for a step
         value = getattr(args, flag)
-        if value < (0 if flag == "max_queue" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'max_queue' else 1}, got {value}")
+        if value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
         raise ValueError(f"--timeout-s must be a finite number > 0, got {args.timeout_s}")
+    if not (math.isfinite(args.shutdown_grace_s) and args.shutdown_grace_s >= 0):
+        raise ValueError(f"--shutdown-grace-s must be a finite number >= 0, got {args.shutdown_grace_s}")
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     limit = args.max_model_len or cfg.max_seq_len
@@ -181,8 +183,10 @@ def _serve(args, launch: _Launch) -> int:
     world = launch.layout.world
     print(f"torchtsp: serving {launch.name!r} ({args.scheme}, {world} rank{'s' * (world > 1)}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    app = create_app(state)
     try:
-        signum = _run_http(create_app(state), args.host, args.port, engine.failed)
+        signum = _run_http(app, args.host, args.port, engine.failed,
+                           _Shutdown(app.state.service, client, args.shutdown_grace_s))
     finally:
         failed = engine.failed.is_set()
         engine.stop()
@@ -235,7 +239,22 @@ class _Engine:
             comm.destroy_process_group()
 
 
-def _run_http(app, host: str, port: int, stop: threading.Event) -> int | None:
+class _Shutdown:
+    """What SIGTERM does before uvicorn waits for the connections: drain the queue at once, and stop the engine
+    when the grace ends, so that the requests still running end with their error event rather than being cut
+    by uvicorn's own timeout."""
+
+    def __init__(self, service, client, grace_s: float):
+        self.service, self.client, self.grace_s = service, client, grace_s
+
+    def begin(self):
+        import asyncio
+
+        self.service.drain()
+        return asyncio.get_running_loop().call_later(self.grace_s, self.client.stop)
+
+
+def _run_http(app, host: str, port: int, stop: threading.Event, shutdown: _Shutdown) -> int | None:
     """Serve until SIGINT / SIGTERM or ``stop``; returns the signal that stopped it (None otherwise)."""
     import uvicorn
 
@@ -243,12 +262,19 @@ def _run_http(app, host: str, port: int, stop: threading.Event) -> int | None:
         async def on_tick(self, counter: int) -> bool:
             return stop.is_set() or await super().on_tick(counter)
 
+        async def shutdown(self, sockets=None) -> None:
+            grace_end = shutdown.begin()
+            try:
+                await super().shutdown(sockets)
+            finally:
+                grace_end.cancel()
+
     received: list[int] = []
     # uvicorn re-raises the signal that stopped it once it is done: record it instead, so the engine and the
     # ranks are stopped here rather than the process being killed half-way.
     previous = {sig: signal.signal(sig, lambda s, f: received.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S,
-                            lifespan="off")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=shutdown.grace_s + STOP_WAIT_S)
     server = Server(config)
     try:
         server.run()

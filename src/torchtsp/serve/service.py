@@ -111,6 +111,8 @@ _FAILED = {
 
 
 class CompletionService:
+    draining = False  # shutting down (drain): nothing new is admitted
+
     def __init__(self, state: ServerState):
         self.state, self.client, self.metrics = state, state.client, state.metrics
         self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
@@ -209,10 +211,18 @@ class CompletionService:
 
     def admit(self, choices: list[Choice]) -> None:
         self.check_engine()
+        if self.draining:
+            raise APIError(*_FAILED["cancelled"])
+        self._check_prompt_count(len(choices))
         waiting = self.client.waiting
         if waiting + len(choices) > self.state.max_queue:
             raise APIError(429, f"the server's queue is full ({waiting} requests waiting, at most "
                                 f"{self.state.max_queue}); retry later", None, "queue_full")
+
+    def drain(self) -> None:
+        """The server is stopping: refuse new requests (503) and have the engine end the waiting ones."""
+        self.draining = True
+        self.client.drain()
 
     # -- requests to choices -------------------------------------------------------------
 
@@ -238,9 +248,10 @@ class CompletionService:
         return self.samples(body, choices, grammar)
 
     def _check_prompt_count(self, n: int) -> None:
-        if n > self.state.max_queue:  # more than could ever wait: refuse before tokenizing them all
-            raise APIError(400, f"at most {self.state.max_queue} prompts per request (the server's queue), got {n}",
-                           "prompt")
+        if n > self.state.max_queue:  # more than could ever wait (a 429 would be retried forever): 400
+            raise APIError(400, f"this request has {n} prompts, more than the server's queue can ever hold (at most "
+                                f"{self.state.max_queue}, --max-queue); send them in smaller requests", "prompt",
+                           "too_many_prompts")
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         if self.state.template is None:

@@ -41,6 +41,7 @@ class Scheduler:
         self.waiting: collections.deque = collections.deque()
         self.cancelled: set[int] = set()
         self.stopping = False
+        self.draining = False  # shutting down: running requests go on, nothing waiting is admitted
         self.dropped: list[tuple[int, str]] = []  # (request id, reason): left the queue without reaching a rank
 
     def receive(self, timeout: float) -> None:
@@ -53,6 +54,8 @@ class Scheduler:
                 self.cancelled.add(body[0])
             elif kind == "stop":
                 self.stopping = True
+            elif kind == "drain":
+                self.draining = True
 
     def _queue(self, admission) -> None:
         from .plan import admission_problem
@@ -77,6 +80,9 @@ class Scheduler:
         running = runner.active_ids()
         if self.stopping:
             return StepPlan(step, cancel=sorted(running), stop=True)
+        if self.draining:
+            self.dropped += [(a.request_id, "cancelled") for a in self.waiting]
+            self.waiting.clear()
         cancel = sorted(running & self.cancelled)
         for a in [a for a in self.waiting if a.request_id in self.cancelled]:
             self.waiting.remove(a)
