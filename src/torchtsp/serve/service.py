@@ -204,7 +204,7 @@ class CompletionService:
         and choice i is what a single request with seed + i gives."""
         if len(choices) * body.n > self.state.max_queue:
             raise APIError(400, f"n ({body.n}) times the prompts ({len(choices)}) is more than the server's queue "
-                                f"holds ({self.state.max_queue})", "n")
+                                f"ever holds ({self.state.max_queue}, --max-queue); ask for fewer", "n")
         return [dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, seed=(c.sampling.seed + i) % 2**63),
                                     grammar=grammar, sample=i)
                 for c in choices for i in range(body.n)]
