@@ -419,6 +419,15 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step
 
 
+KV_LAYOUT_CHOICES = ("auto", "heads", "grouped", "sequence")
+# The --kv-layout flag's help (generate, serve, bench --mode infer, plan --mode infer).
+KV_LAYOUT_HELP = ("tsp: how decode lays out the KV cache over the D ranks, for a model of n_kv KV heads: heads "
+                  "(n_kv %% D == 0; each rank caches every token of its own KV heads and decodes as TP does), grouped "
+                  "(D %% n_kv == 0, D > n_kv; the D/n_kv ranks sharing a KV head split its tokens), sequence (any; "
+                  "each rank caches every head for 1/D of the tokens); auto picks heads, else grouped, else sequence "
+                  "(default: auto)")
+
+
 def tsp_kv_layouts(n_kv: int, ranks: int) -> tuple[str, ...]:
     """The KV-cache layouts of a TSP decode that a model with ``n_kv`` KV heads allows on ``ranks`` ranks, in
     ``auto``'s order of preference: the rule of ``infer.layouts.allowed_kv_layouts``, without its filter on the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..analysis.comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP
 from ..argtypes import length
 from ..schemes import SCHEMES
 from ..timeouts import SERVE_TIMEOUT_S
@@ -38,6 +39,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "(default: 512)")
     add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "
         "per phase by tokens in flight (default)")
+    add("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto", help=KV_LAYOUT_HELP)
     add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "
         "before the server fails (503, requests fail): a decode step takes well under a second, so that long means "
         f"a hung rank, and clients should not wait longer (default: {SERVE_TIMEOUT_S:g})")
