@@ -428,6 +428,12 @@ KV_LAYOUT_HELP = ("tsp: how decode lays out the KV cache over the D ranks, for a
                   "(default: auto)")
 
 
+def has_kv_layouts(scheme: str) -> bool:
+    """Whether ``scheme``'s decode cache layout is chosen (``kv_layout``): the schemes whose weights split by head
+    group over the tsp axis; every other scheme has one layout of its own."""
+    return "tsp" in get_scheme(scheme).weight_axes
+
+
 def tsp_kv_layouts(n_kv: int, ranks: int) -> tuple[str, ...]:
     """The KV-cache layouts of a TSP decode that a model with ``n_kv`` KV heads allows on ``ranks`` ranks, in
     ``auto``'s order of preference: the rule of ``infer.layouts.allowed_kv_layouts``, without its filter on the
@@ -519,10 +525,13 @@ def decode_step_traffic(scheme: str, cfg: ModelConfig, batch: int, ranks: int, k
     most ``SUM_BY_GATHER_MAX_BYTES`` is all-gathered, (D-1)·B·h·e bytes, not all-reduced, 2(D-1)/D·B·h·e.
     ``e``: bytes per element of the model dtype.
     """
-    if scheme not in ("tp", "tsp"):
-        raise ValueError(f"decode_step_traffic models the tp and tsp schemes, not {scheme!r}")
+    spec = get_scheme(scheme)
+    axis = spec.weight_axes[0] if spec.inference is not None and len(spec.weight_axes) == 1 else None
+    if axis not in ("tp", "tsp"):
+        raise ValueError(f"decode_step_traffic models the decode of weights split by heads over tp or tsp, not of "
+                         f"{scheme!r}")
     L, h, d = cfg.n_layers, cfg.dim, cfg.head_dim
-    layout = tsp_kv_layout(kv_layout, cfg.n_kv_heads, ranks) if scheme == "tsp" else "heads"
+    layout = tsp_kv_layout(kv_layout, cfg.n_kv_heads, ranks) if has_kv_layouts(scheme) else "heads"
     hq = cfg.n_heads // ranks
     hkv = cfg.n_kv_heads // min(cfg.n_kv_heads, ranks)  # a rank's KV heads (a copy of one when n_kv < D)
     ops, partial = _Ops(), batch * h * e  # a [B, 1, h] partial output

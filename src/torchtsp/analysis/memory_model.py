@@ -606,9 +606,9 @@ class _Cache:
 def _kv_layout(spec: Scheme, cfg: ModelConfig, w: int, requested: str) -> str | None:
     """TSP's decode cache layout (``comm_model.tsp_kv_layout``); None for the other schemes, which have one
     layout each and accept only "auto"."""
-    from .comm_model import tsp_kv_layout
+    from .comm_model import has_kv_layouts, tsp_kv_layout
 
-    if spec.name == "tsp":
+    if has_kv_layouts(spec.name):
         return tsp_kv_layout(requested, cfg.n_kv_heads, w)
     if requested != "auto":
         raise ValueError(f"kv_layout={requested!r} is a TSP layout; {spec.name} has its own KV cache layout "

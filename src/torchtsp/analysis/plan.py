@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
-from .comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP, predict_comm, tsp_tp_crossover_tokens
+from .comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP, has_kv_layouts, predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
 from .table import count, gb, render
@@ -109,7 +109,7 @@ def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str
     for lay in layouts(gpus):
         row = Row(lay)
         level = zero if lay.dp > 1 and get_scheme(lay.scheme).zero else 0
-        kv = {"kv_layout": kv_layout} if mode == "infer" and lay.scheme == "tsp" else {}
+        kv = {"kv_layout": kv_layout} if mode == "infer" and has_kv_layouts(lay.scheme) else {}
         try:
             memory = functools.partial(predict_memory, lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes,
                                        recompute=recompute, mode=mode, **kv,
@@ -232,8 +232,8 @@ def _check_args(args) -> ModelConfig:
 
 def _inputs(args) -> dict:
     return {"preset": args.preset, "seq_len": args.seq_len, "gpus": args.gpus, "batch_size": args.batch_size,
-            "mode": args.mode, "kv_layout": getattr(args, "kv_layout", "auto"), "gpu_mem_gb": args.gpu_mem, "dtype": args.dtype, "recompute": args.recompute,
-            "zero": _zero(args)}
+            "mode": args.mode, "kv_layout": getattr(args, "kv_layout", "auto"), "gpu_mem_gb": args.gpu_mem,
+            "dtype": args.dtype, "recompute": args.recompute, "zero": _zero(args)}
 
 
 def _zero(args) -> int:

@@ -13,6 +13,7 @@ import functools
 import statistics
 from dataclasses import asdict, dataclass
 
+from ..analysis.comm_model import has_kv_layouts
 from ..schemes import SCHEMES, inference_schemes
 from ..timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -165,7 +166,7 @@ def aggregate(cell: InferCell, per_rank: list[dict], runs: list[tuple[float, flo
     used = per_rank[0]["kv_layout"]
     predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
                                new_tokens=cell.new_tokens, schedule=cell.schedule, prefill_chunk=cell.prefill_chunk,
-                               kv_layout=used if cell.scheme == "tsp" else "auto",
+                               kv_layout=used if has_kv_layouts(cell.scheme) else "auto",
                                **Layout.resolve(cell.scheme, cell.world).sizes)
     peak = max(r["peak_bytes"] for r in per_rank)
     return {**row, "ttft_s": max(r["ttft_s"] for r in per_rank),
@@ -191,7 +192,7 @@ def run_infer_bench(model: dict, world: int, prompt_lens, run, schemes=INFER_SCH
     rows = []
     for prompt_len in prompt_lens:
         cells = tuple(InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options,
-                                kv_layout=kv_layout if scheme == "tsp" else "auto") for scheme in schemes)
+                                kv_layout=kv_layout if has_kv_layouts(scheme) else "auto") for scheme in schemes)
         found = run(interleaved_on_rank, InferRound(cells, repeats))
         by = {r["scheme"]: r for r in found if "error" not in r}
         for name, row in by.items():  # TSP against TP: the baseline its registry entry names
@@ -216,7 +217,7 @@ def max_context_under(model: dict, world: int, budget_bytes: int, run, schemes=I
 
     def fits(scheme, prompt_len):
         row = run(infer_cell_on_rank, InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options,
-                                                kv_layout=kv_layout if scheme == "tsp" else "auto"))
+                                                kv_layout=kv_layout if has_kv_layouts(scheme) else "auto"))
         if progress:
             progress(scheme, prompt_len)
         return "error" not in row and row["peak_bytes_per_rank"] <= budget_bytes

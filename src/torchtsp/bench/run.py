@@ -134,12 +134,12 @@ def _check_kv_layout(args, cfg: ModelConfig) -> None:
         return
     if args.mode != "infer":
         raise ValueError(f"--kv-layout applies to --mode infer (generate's KV cache), not --mode {args.mode}")
-    if "tsp" in args.schemes:
-        from ..infer.layouts import resolve_kv_layout
-        from ..layout import Layout
+    from ..analysis.comm_model import has_kv_layouts
+    from ..infer.layouts import resolve_kv_layout
 
-        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc or 4  # as _Runner's
-        resolve_kv_layout(layout, cfg.n_kv_heads, Layout.resolve("tsp", world, cfg=cfg).sizes["tsp"])
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc or 4  # as _Runner's
+    for scheme in filter(has_kv_layouts, args.schemes):
+        resolve_kv_layout(layout, cfg.n_kv_heads, Layout.resolve(scheme, world, cfg=cfg).sizes["tsp"], scheme)
 
 
 def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
