@@ -117,20 +117,52 @@ def test_weights_and_optimizer_bytes_at_degrees_not_fitted(scheme, cfg, D):
     assert bare.params == 4 * per_rank and bare.optimizer == 0
 
 
-@pytest.mark.parametrize("scheme,cfg,D,heads,slots", [
-    # TSP and SP shard the sequence: prompt 1000 padded to a multiple of 2D, 1/D of it, then every D-th of the
-    # 19 tokens written after the first (the last chosen one is never written).
-    ("tsp", SIX, 3, 6, 1002 // 3 + 7),
-    ("sp", SIX, 3, 6, 1002 // 3 + 7),
-    ("tsp", WIDE, 8, 4, 1008 // 8 + 3),
+@pytest.mark.parametrize("scheme,cfg,D,layout,heads,slots", [
+    # TSP's sequence layout and SP shard the sequence: prompt 1000 padded to a multiple of 2D, 1/D of it, then every
+    # D-th of the 19 tokens written after the first (the last chosen one is never written).
+    ("tsp", SIX, 3, "sequence", 6, 1002 // 3 + 7),
+    ("sp", SIX, 3, "auto", 6, 1002 // 3 + 7),
+    ("tsp", WIDE, 8, "sequence", 4, 1008 // 8 + 3),
+    # TSP's heads layout: the n_kv/D KV heads of its head group, every token (the padded prompt and 19 more).
+    ("tsp", SIX, 3, "heads", 2, 1002 + 19),
+    ("tsp", SIX, 3, "auto", 2, 1002 + 19),
+    # TSP's grouped layout: 4 KV heads over 8 ranks, c = 2 ranks per head, each half its tokens: 504 of the prompt
+    # and 10 of the 19 decoded (the first member takes tokens 0, 2, ..., 18).
+    ("tsp", WIDE, 8, "grouped", 1, 504 + 10),
+    ("tsp", WIDE, 8, "auto", 1, 504 + 10),
     # TP holds every token of its KV heads: 4 KV heads over 8 ranks, a copy of one each.
-    ("tp", WIDE, 8, 1, 1000 + 19),
+    ("tp", WIDE, 8, "auto", 1, 1000 + 19),
 ])
-def test_kv_cache_bytes_by_hand(scheme, cfg, D, heads, slots):
+def test_kv_cache_bytes_by_hand(scheme, cfg, D, layout, heads, slots):
     B, e = 3, 2
-    m = predict_memory(scheme, cfg, B, 1000, mode="infer", new_tokens=20, dtype_bytes=e, **{scheme: D})
+    m = predict_memory(scheme, cfg, B, 1000, mode="infer", new_tokens=20, dtype_bytes=e, kv_layout=layout,
+                       **{scheme: D})
     assert m.kv_cache == cfg.n_layers * 2 * e * B * heads * slots * cfg.head_dim  # K and V of every layer
     assert m.total == m.params + m.kv_cache + m.transient and m.grads == m.optimizer == 0
+    assert m.params + m.kv_cache < m.decode_peak <= m.total
+
+
+@pytest.mark.parametrize("scheme,cfg,D,layout,match", [
+    ("tsp", WIDE, 8, "heads", r"n_kv=4 KV heads on D=8 ranks"),  # 4 % 8 != 0
+    ("tsp", SIX, 3, "grouped", r"n_kv=6 KV heads on D=3 ranks"),  # 3 % 6 != 0
+    ("tp", WIDE, 8, "sequence", r"TSP layout"),
+    ("tsp", SIX, 3, "rows", r"unknown kv_layout"),
+])
+def test_kv_layout_the_model_does_not_allow_is_refused(scheme, cfg, D, layout, match):
+    with pytest.raises(ValueError, match=match):
+        predict_memory(scheme, cfg, 1, 1000, mode="infer", new_tokens=20, kv_layout=layout, **{scheme: D})
+
+
+def test_grouped_cache_is_one_dth_of_the_single_device_cache_and_half_of_tp_at_two_kv_heads():
+    """The issue's goal shape: 2 KV heads on 4 ranks. TP copies each KV head on 2 ranks and stops at 1/n_kv of the
+    one-device cache; grouped TSP stores 1/D of it, half of TP's; heads is not allowed, sequence stores 1/D too."""
+    cfg = torchtsp.ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=257)
+    kv = lambda scheme, layout, D: predict_memory(scheme, cfg, 4, 2048, mode="infer", new_tokens=33,
+                                                  kv_layout=layout, **{scheme: D}).kv_cache
+    single = kv("tsp", "sequence", 1)
+    assert single == 4 * 2 * 4 * 4 * 2 * (2048 + 32) * 64
+    assert kv("tsp", "grouped", 4) * 4 == single == kv("tsp", "sequence", 4) * 4
+    assert kv("tp", "auto", 4) == single // 2 == 2 * kv("tsp", "auto", 4)
 
 
 def test_step_compute_time_is_three_forwards_of_flops_at_the_given_mfu():

@@ -415,6 +415,10 @@ def test_api_key(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert models["data"][0]["id"] == "tiny-llama"
+    # The engine's KV-cache layout (2 KV heads on tsp=2: auto's first layout with an engine, heads once it has one).
+    from torchtsp.infer.layouts import allowed_kv_layouts
+
+    assert models["data"][0]["kv_layout"] == allowed_kv_layouts(2, 2)[0]
 
 
 def test_tokenize_and_detokenize(server, checkpoint):

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 
+from .analysis.comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP
 from .argtypes import length
 from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
@@ -180,6 +181,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add("--schedule", choices=INFERENCE_SCHEDULES, default="auto",
         help="tsp: weights move or activations move; auto picks per phase by tokens in flight (default)")
     add("--prefill-chunk", type=length, help="prefill at most this many tokens per prompt at a time (bounds memory)")
+    add("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto", help=KV_LAYOUT_HELP)
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
     add("--json", action="store_true", help="print one JSON object (tokens, text, timings, memory) as the last line")
     add("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S, help=COLLECTIVE_TIMEOUT_HELP)
@@ -188,6 +190,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .generate_job import (
         GenerateJob,
+        check_kv_layout,
         model_config_and_tokenizer,
         parse_ids,
         parse_prompt_ids,
@@ -221,10 +224,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         world = args.nproc  # None: the product of the degrees given
     layout = Layout.resolve(args.scheme, world, **flags, cfg=cfg)  # before any rank starts
     world, degrees = layout.world, layout.sizes
+    check_kv_layout(args.kv_layout, cfg, args.scheme, degrees)
     job = GenerateJob(source=source, location=location, prompts=prompts, max_new_tokens=args.max_new_tokens,
                       scheme=args.scheme, degrees=degrees, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, stop_token_ids=stop_token_ids, eos_token_id=eos,
-                      schedule=args.schedule, prefill_chunk=args.prefill_chunk,
+                      schedule=args.schedule, prefill_chunk=args.prefill_chunk, kv_layout=args.kv_layout,
                       dtype=args.dtype, stream=not args.json, timeout_s=args.timeout_s, tokenizer=args.tokenizer)
     if launched_by_torchrun():
         from .distributed import comm

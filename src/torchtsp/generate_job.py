@@ -34,6 +34,7 @@ class GenerateJob:
     tokenizer: str | None = None  # --tokenizer DIR: overrides the model source's own tokenizer
     schedule: str = "auto"
     prefill_chunk: int | None = None
+    kv_layout: str = "auto"  # infer/layouts.py
     dtype: str = "float32"
     stream: bool = True
     timeout_s: float = COLLECTIVE_TIMEOUT_S
@@ -84,6 +85,14 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
 
     cfg = get_preset(location)
     return cfg, (ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None), None
+
+
+def check_kv_layout(requested: str, cfg, scheme: str, degrees: dict) -> str:
+    """The KV-cache layout ``generate`` will use for ``--kv-layout``; the engine's one-line ValueError, before any
+    rank starts, for one the model does not allow on the scheme's ranks."""
+    from .infer.layouts import resolve_kv_layout
+
+    return resolve_kv_layout(requested, cfg.n_kv_heads, degrees.get("tsp", 1), scheme)
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -169,7 +178,7 @@ def run_generate(job: GenerateJob) -> dict:
     result, peak = measure_peak(lambda: generate(
         model, job.prompts, job.max_new_tokens, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
         seed=job.seed, stop_token_ids=job.stop_token_ids, eos_token_id=job.eos_token_id, schedule=job.schedule,
-        prefill_chunk=job.prefill_chunk, on_step=stream if single else None), model)
+        prefill_chunk=job.prefill_chunk, on_step=stream if single else None, kv_layout=job.kv_layout), model)
     if single:
         print(flush=True)
     elif job.stream and rank0:
@@ -180,7 +189,7 @@ def run_generate(job: GenerateJob) -> dict:
     summary = {"tokens": result.tokens, "prefill_s": result.prefill_s,
                "decode_s_per_token": result.decode_s_per_token,
                "peak_mem_bytes_per_rank": per_rank[:, 0].tolist(), "kv_cache_bytes_per_rank": per_rank[:, 1].tolist(),
-               "schedule": result.schedule, "scheme": job.scheme, "mesh": job.degrees}
+               "schedule": result.schedule, "kv_layout": result.kv_layout, "scheme": job.scheme, "mesh": job.degrees}
     if tokenizer is not None:
         summary["text"] = [tokenizer.decode(t) for t in result.tokens]
     return summary

@@ -414,3 +414,135 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
                          embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total,
                          routed=sparse * (routed_fwd + routed_bwd), routed_forward=sparse * routed_fwd,
                          forward=(cfg.n_layers - sparse) * layer_fwd + sparse * sparse_fwd + emb_fwd)
+
+
+# ---------------------------------------------------------------- decode: cache layouts and traffic per step
+
+
+KV_LAYOUT_CHOICES = ("auto", "heads", "grouped", "sequence")
+# The --kv-layout flag's help (generate, serve, bench --mode infer, plan --mode infer).
+KV_LAYOUT_HELP = ("tsp: how decode lays out the KV cache over the D ranks, for a model of n_kv KV heads: heads "
+                  "(n_kv %% D == 0; each rank caches every token of its own KV heads and decodes as TP does), grouped "
+                  "(D %% n_kv == 0, D > n_kv; the D/n_kv ranks sharing a KV head split its tokens), sequence (any; "
+                  "each rank caches every head for 1/D of the tokens); auto picks heads, else grouped, else sequence "
+                  "(default: auto)")
+
+
+def has_kv_layouts(scheme: str) -> bool:
+    """Whether ``scheme``'s decode cache layout is chosen (``kv_layout``): the schemes whose weights split by head
+    group over the tsp axis; every other scheme has one layout of its own."""
+    return "tsp" in get_scheme(scheme).weight_axes
+
+
+def tsp_kv_layouts(n_kv: int, ranks: int) -> tuple[str, ...]:
+    """The KV-cache layouts of a TSP decode that a model with ``n_kv`` KV heads allows on ``ranks`` ranks, in
+    ``auto``'s order of preference: the rule of ``infer.layouts.allowed_kv_layouts``, without its filter on the
+    engines built so far (this module stays torch-free for ``torchtsp plan``)."""
+    allowed = ["heads"] if n_kv % ranks == 0 else []
+    if ranks % n_kv == 0 and ranks > n_kv:
+        allowed.append("grouped")
+    return (*allowed, "sequence")
+
+
+def tsp_kv_layout(requested: str, n_kv: int, ranks: int) -> str:
+    """The TSP layout ``requested`` ("auto", "heads", "grouped", "sequence") means for this model; ValueError (one
+    line, naming n_kv and D) for one it does not allow."""
+    allowed = tsp_kv_layouts(n_kv, ranks)
+    if requested == "auto":
+        return allowed[0]
+    if requested not in ("heads", "grouped", "sequence"):
+        raise ValueError(f"unknown kv_layout {requested!r}; choose one of: auto, heads, grouped, sequence")
+    if requested not in allowed:
+        rule = {"heads": "n_kv % D == 0", "grouped": "D % n_kv == 0 with D > n_kv"}[requested]
+        raise ValueError(f"kv_layout={requested!r} needs {rule}, but the model has n_kv={n_kv} KV heads on D={ranks} "
+                         f"ranks; use one of: {', '.join(('auto', *allowed))}")
+    return requested
+
+
+# ``infer.engine.sum_over_ranks``: on a point-to-point backend, partial sums up to this many bytes per rank are
+# all-gathered (one exchange) and summed locally; larger ones, and collective backends, all-reduce.
+SUM_BY_GATHER_MAX_BYTES = 64 * 1024
+FP32_BYTES = 4  # the (O, LSE) partials travel in float32
+
+
+@dataclass(frozen=True)
+class DecodeTraffic:
+    """What one rank issues and receives in one decode step (``Engine.decode``: the embedding and every layer; the
+    token choice is not counted). ``calls`` and ``recv``: per operation kind, as ``CommStats.calls`` and
+    ``CommStats.bytes_recv`` count them."""
+
+    calls: dict
+    recv: dict
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(self.recv.values())
+
+
+class _Ops:
+    """Operations counted the way ``distributed.comm.AxisComm`` counts them (a one-rank comm counts the call of an
+    all-gather or all-to-all, with no bytes)."""
+
+    def __init__(self):
+        self.calls, self.recv = {}, {}
+
+    def add(self, op: str, nbytes: int, times: int = 1) -> None:
+        self.calls[op] = self.calls.get(op, 0) + times
+        self.recv[op] = self.recv.get(op, 0) + times * nbytes
+
+    def all_gather(self, nbytes: int, ranks: int, times: int = 1) -> None:
+        self.add("all_gather", (ranks - 1) * nbytes, times)
+
+    def all_to_all(self, slice_bytes: int, ranks: int, times: int = 1) -> None:
+        self.add("all_to_all", (ranks - 1) * slice_bytes, times)
+
+    def sum_over_ranks(self, nbytes: int, ranks: int, point_to_point: bool, times: int = 1) -> None:
+        """``infer.engine.sum_over_ranks`` of a partial of ``nbytes`` bytes per rank."""
+        if ranks == 1:
+            return
+        if point_to_point and nbytes <= SUM_BY_GATHER_MAX_BYTES:
+            self.all_gather(nbytes, ranks, times)
+        else:
+            self.add("all_reduce", _all_reduce(nbytes, ranks), times)
+
+
+def decode_step_traffic(scheme: str, cfg: ModelConfig, batch: int, ranks: int, kv_layout: str = "auto",
+                        e: int = 4, point_to_point: bool = False) -> DecodeTraffic:
+    """Collectives one rank issues and bytes it receives in one decode step of ``batch`` sequences, weights in
+    place (TSP's activations-move decode, ``schedule="auto"`` below the crossover; TP's only step).
+
+    Every scheme sums the embedding's vocabulary-slice partials [B, h] over the ranks, and per layer:
+    - tp, and tsp with ``heads``: the sums of the ``wo`` and MLP partials (2 per layer);
+    - tsp ``sequence`` (infer/tsp.py ``decode_activations``): the all-gather of every head group's q/k/v, the
+      all-to-all of the packed (O, LSE) partials (float32, hq·(d + 1) per sequence and rank), the two sums;
+    - tsp ``grouped``: the all-gather of q and the (O, LSE) all-to-all inside the c = D/n_kv ranks sharing a KV
+      head (each member stores the tokens it owns with its own copy of the head), the two sums over all D.
+    A sum is ``infer.engine.sum_over_ranks``: on a point-to-point backend (``point_to_point``, gloo) a partial of at
+    most ``SUM_BY_GATHER_MAX_BYTES`` is all-gathered, (D-1)·B·h·e bytes, not all-reduced, 2(D-1)/D·B·h·e.
+    ``e``: bytes per element of the model dtype.
+    """
+    spec = get_scheme(scheme)
+    axis = spec.weight_axes[0] if spec.inference is not None and len(spec.weight_axes) == 1 else None
+    if axis not in ("tp", "tsp"):
+        raise ValueError(f"decode_step_traffic models the decode of weights split by heads over tp or tsp, not of "
+                         f"{scheme!r}")
+    L, h, d = cfg.n_layers, cfg.dim, cfg.head_dim
+    layout = tsp_kv_layout(kv_layout, cfg.n_kv_heads, ranks) if has_kv_layouts(scheme) else "heads"
+    hq = cfg.n_heads // ranks
+    hkv = cfg.n_kv_heads // min(cfg.n_kv_heads, ranks)  # a rank's KV heads (a copy of one when n_kv < D)
+    ops, partial = _Ops(), batch * h * e  # a [B, 1, h] partial output
+    ops.sum_over_ranks(partial, ranks, point_to_point)  # the embedding
+    if layout == "sequence":
+        ops.all_gather(batch * (hq + 2 * hkv) * d * e, ranks, times=L)
+        ops.all_to_all(batch * hq * (d + 1) * FP32_BYTES, ranks, times=L)
+    elif layout == "grouped":
+        group = ranks // cfg.n_kv_heads
+        ops.all_gather(batch * hq * d * e, group, times=L)
+        ops.all_to_all(batch * hq * (d + 1) * FP32_BYTES, group, times=L)
+    ops.sum_over_ranks(partial, ranks, point_to_point, times=2 * L)  # wo and the MLP
+    return DecodeTraffic(calls=ops.calls, recv=ops.recv)
+

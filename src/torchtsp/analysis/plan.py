@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
-from .comm_model import predict_comm, tsp_tp_crossover_tokens
+from .comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP, has_kv_layouts, predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
 from .table import count, gb, render
@@ -68,8 +68,16 @@ class Row:
     fits: bool = False
     state_zero0: int | None = None  # weights + gradients + optimizer state without the distributed optimizer
 
+    @property
+    def label(self) -> str:
+        """The layout's label, with TSP's decode cache layout in infer mode (e.g. "TSP8 [heads]")."""
+        kv = self.memory.kv_layout if self.memory is not None else ""
+        return f"{self.layout.label} [{kv}]" if kv else self.layout.label
+
     def to_dict(self) -> dict:
         out = {"layout": self.layout.label, "scheme": self.layout.scheme, **self.layout.degrees()}
+        if self.memory is not None and self.memory.kv_layout:
+            out["kv_layout"] = self.memory.kv_layout
         if self.error:
             return {**out, "error": self.error, "fits": False}
         return {**out, "fits": self.fits, "memory_bytes": self.memory.to_dict(), "comm_bytes": self.comm.to_dict(),
@@ -93,16 +101,18 @@ def layouts(gpus: int) -> list[Layout]:
 
 
 def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str, gpu_mem_gb: float,
-             dtype_bytes: int, recompute: bool, zero: int = 0) -> list[Row]:
+             dtype_bytes: int, recompute: bool, zero: int = 0, kv_layout: str = "auto") -> list[Row]:
     """Every layout's predicted memory and traffic; with ``zero`` (the distributed optimizer, on layouts with dp >
-    1 whose scheme has it), also its model state without it (``Row.state_zero0``)."""
+    1 whose scheme has it), also its model state without it (``Row.state_zero0``). ``kv_layout``: TSP's decode
+    cache layout in infer mode (the other schemes have their own)."""
     rows = []
     for lay in layouts(gpus):
         row = Row(lay)
         level = zero if lay.dp > 1 and get_scheme(lay.scheme).zero else 0
+        kv = {"kv_layout": kv_layout} if mode == "infer" and has_kv_layouts(lay.scheme) else {}
         try:
             memory = functools.partial(predict_memory, lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes,
-                                       recompute=recompute, mode=mode,
+                                       recompute=recompute, mode=mode, **kv,
                                        optimizer="adamw" if mode == "train" else None, **lay.degrees())
             row.memory = memory(zero=level)
             plain = memory(zero=0) if level else row.memory
@@ -128,12 +138,12 @@ def recommend(rows: list[Row], gpu_mem_gb: float) -> dict:
         least = min(r.comm.total for r in fitting)
         best = [r for r in fitting if r.comm.total == least]
         best.sort(key=lambda r: r.memory.total)
-        return {"layouts": [r.layout.label for r in best], "fits": True,
+        return {"layouts": [r.label for r in best], "fits": True,
                 "reason": f"fits in {gpu_mem_gb:g} GB with the least traffic per step ({least / GB:.2f} GB received "
                           f"per GPU)"}
     least = min(r.memory.total for r in valid)
     best = [r for r in valid if r.memory.total == least]
-    return {"layouts": [r.layout.label for r in best], "fits": False,
+    return {"layouts": [r.label for r in best], "fits": False,
             "reason": f"nothing fits in {gpu_mem_gb:g} GB; this needs the least memory ({least / GB:.1f} GB); "
                       f"try --recompute, more GPUs or a shorter sequence"}
 
@@ -179,6 +189,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step, all GPUs together (default: 1)")
     parser.add_argument("--mode", choices=["train", "infer"], default="train",
                         help="train: one AdamW step; infer: one prefill with its KV cache (default: train)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto",
+                        help="--mode infer, the TSP rows: " + KV_LAYOUT_HELP)
     parser.add_argument("--gpu-mem", type=float, default=80.0, metavar="GB", help="memory per GPU in GB (default: 80)")
     parser.add_argument("--dtype", type=dtype, choices=list(DTYPE_BYTES), default="bfloat16",
                         help="model dtype, as train --dtype (bf16, fp32: the same); bfloat16 adds fp32 master "
@@ -208,6 +220,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args) -> ModelConfig:
     cfg = get_preset(args.preset)
+    if getattr(args, "kv_layout", "auto") != "auto" and args.mode != "infer":
+        raise ValueError(f"--kv-layout applies to --mode infer (a prefill's KV cache), not --mode {args.mode}")
     for name in ("seq_len", "gpus", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -218,8 +232,8 @@ def _check_args(args) -> ModelConfig:
 
 def _inputs(args) -> dict:
     return {"preset": args.preset, "seq_len": args.seq_len, "gpus": args.gpus, "batch_size": args.batch_size,
-            "mode": args.mode, "gpu_mem_gb": args.gpu_mem, "dtype": args.dtype, "recompute": args.recompute,
-            "zero": _zero(args)}
+            "mode": args.mode, "kv_layout": getattr(args, "kv_layout", "auto"), "gpu_mem_gb": args.gpu_mem,
+            "dtype": args.dtype, "recompute": args.recompute, "zero": _zero(args)}
 
 
 def _zero(args) -> int:
@@ -255,7 +269,7 @@ def _table_row(r: Row, train: bool, zero: int) -> list[str]:
     m, c = r.memory, r.comm
     first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
     plain = [gb(r.state_zero0)] if zero else []
-    return [r.layout.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
+    return [r.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
             gb(c.layer_forward, 2), m.phase]
 
 
@@ -306,13 +320,14 @@ def _sweep(cfg, args) -> list[dict]:
     out = []
     for S in SWEEP_LENGTHS:
         rows = evaluate(cfg, args.gpus, args.batch_size, S, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                        dtype_bytes=DTYPE_BYTES[args.dtype], recompute=args.recompute, zero=_zero(args))
+                        dtype_bytes=DTYPE_BYTES[args.dtype], recompute=args.recompute, zero=_zero(args),
+                        kv_layout=getattr(args, "kv_layout", "auto"))
         out.append({"seq_len": S, "rows": rows, "recommendation": recommend(rows, args.gpu_mem)})
     return out
 
 
 def _print_sweep(cfg, args, sweep) -> None:
-    labels = [r.layout.label for r in sweep[0]["rows"]]
+    labels = [r.label for r in sweep[0]["rows"]]
     print(f"torchtsp plan --sweep: {args.preset}, {args.mode}, B={args.batch_size}, {args.gpus} GPUs of "
           f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}: peak GB per GPU "
           f"('-': cannot split; '*': does not fit)")
@@ -354,7 +369,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 _print_paper(paper)
         return 0
     rows = evaluate(cfg, args.gpus, args.batch_size, args.seq_len, mode=args.mode, gpu_mem_gb=args.gpu_mem,
-                    dtype_bytes=dtype_bytes, recompute=args.recompute, zero=_zero(args))
+                    dtype_bytes=dtype_bytes, recompute=args.recompute, zero=_zero(args),
+                    kv_layout=getattr(args, "kv_layout", "auto"))
     rec = recommend(rows, args.gpu_mem)
     if args.json:
         print(dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),

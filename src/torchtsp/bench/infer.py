@@ -13,6 +13,7 @@ import functools
 import statistics
 from dataclasses import asdict, dataclass
 
+from ..analysis.comm_model import has_kv_layouts
 from ..schemes import SCHEMES, inference_schemes
 from ..timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -31,6 +32,7 @@ class InferCell:
     schedule: str = "auto"
     prefill_chunk: int | None = None
     timeout_s: float = COLLECTIVE_TIMEOUT_S
+    kv_layout: str = "auto"  # tsp's KV-cache layout (infer/layouts.py); the other schemes take only "auto"
 
 
 def _build(cell: InferCell):
@@ -40,6 +42,7 @@ def _build(cell: InferCell):
 
     from ..config import ModelConfig
     from ..distributed.mesh import init_mesh
+    from ..infer.layouts import resolve_kv_layout
     from ..layout import Layout
     from ..model import Transformer
     from ..parallel import parallelize
@@ -48,6 +51,7 @@ def _build(cell: InferCell):
                                                            cell.prompt_len + cell.new_tokens)})
     try:
         layout = Layout.resolve(cell.scheme, cell.world, cfg=cfg)
+        resolve_kv_layout(cell.kv_layout, cfg.n_kv_heads, layout.sizes.get("tsp", 1), cell.scheme)
     except ValueError as e:
         return str(e)
     mesh = init_mesh(layout, timeout_s=cell.timeout_s)
@@ -55,7 +59,7 @@ def _build(cell: InferCell):
     model = parallelize(Transformer(cfg, device="meta"), mesh, layout, timeout_s=cell.timeout_s)
     g = torch.Generator().manual_seed(cell.seed)
     prompts = torch.randint(cfg.vocab_size, (cell.batch, cell.prompt_len), generator=g).tolist()
-    return model, prompts, dict(schedule=cell.schedule, prefill_chunk=cell.prefill_chunk)
+    return model, prompts, dict(schedule=cell.schedule, prefill_chunk=cell.prefill_chunk, kv_layout=cell.kv_layout)
 
 
 def infer_on_rank(cell: InferCell) -> dict:
@@ -71,7 +75,7 @@ def infer_on_rank(cell: InferCell) -> dict:
     generate(model, [p[:8] for p in prompts], 2, **options)  # warm-up: first calls of kernels and collectives
     result, peak = measure_peak(lambda: generate(model, prompts, cell.new_tokens, **options), model)
     return {"ttft_s": result.prefill_s, "tpot_s": result.decode_s_per_token, "peak_bytes": peak,
-            "kv_bytes": result.kv_cache_bytes, "schedule": result.schedule}
+            "kv_bytes": result.kv_cache_bytes, "schedule": result.schedule, "kv_layout": result.kv_layout}
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def interleaved_on_rank(job: InferRound) -> list[dict]:
         run = functools.partial(generate, model, prompts, job.cells[i].new_tokens, **options)
         result, peak = measure_peak(run, model)
         figures[i] = {"peak_bytes": peak, "kv_bytes": result.kv_cache_bytes, "schedule": result.schedule,
-                      "runs": [None] * job.repeats}
+                      "kv_layout": result.kv_layout, "runs": [None] * job.repeats}
     for r in range(job.repeats):
         for i in live if r % 2 == 0 else reversed(live):
             model, prompts, options = built[i]
@@ -122,7 +126,8 @@ def interleaved_on_rank(job: InferRound) -> list[dict]:
         runs = [(max(r[2 + 2 * k] for r in per_rank), max(r[3 + 2 * k] for r in per_rank)) for k in range(job.repeats)]
         rows.append(aggregate(cell, [{"ttft_s": statistics.median(t for t, _ in runs),
                                       "tpot_s": statistics.median(t for _, t in runs), "peak_bytes": int(r[0]),
-                                      "kv_bytes": int(r[1]), "schedule": figures[i]["schedule"]} for r in per_rank],
+                                      "kv_bytes": int(r[1]), "schedule": figures[i]["schedule"],
+                                      "kv_layout": figures[i]["kv_layout"]} for r in per_rank],
                               runs=runs))
     return rows
 
@@ -141,12 +146,13 @@ def infer_cell_on_rank(cell: InferCell) -> dict:
                            dtype=torch.float64)
     rows = AxisComm.world(cell.timeout_s).all_gather(numbers, label="bench.infer").tolist()
     return aggregate(cell, [{"ttft_s": r[0], "tpot_s": r[1], "peak_bytes": int(r[2]), "kv_bytes": int(r[3]),
-                             "schedule": mine["schedule"]} for r in rows])
+                             "schedule": mine["schedule"], "kv_layout": mine["kv_layout"]} for r in rows])
 
 
 def aggregate(cell: InferCell, per_rank: list[dict], runs: list[tuple[float, float]] | None = None) -> dict:
     """One row: the cell's settings, the slowest rank's times, the largest per-rank peak and KV bytes, and the
-    analytic model's prediction of the peak and the KV bytes (``torchtsp.analysis``, mode infer). ``runs``:
+    analytic model's prediction of the peak and the KV bytes (``torchtsp.analysis``, mode infer, for the KV-cache
+    layout the engine used: ``kv_layout``). ``runs``:
     (TTFT, TPOT) of each interleaved run (the times are then their medians), kept with their ranges."""
     from ..analysis import predict_memory
     from ..config import ModelConfig
@@ -157,8 +163,10 @@ def aggregate(cell: InferCell, per_rank: list[dict], runs: list[tuple[float, flo
         return {**row, "error": per_rank[0]["error"]}
     cfg = ModelConfig(**{**cell.model, "max_seq_len": max(cell.model.get("max_seq_len", 0),
                                                            cell.prompt_len + cell.new_tokens)})
+    used = per_rank[0]["kv_layout"]
     predicted = predict_memory(cell.scheme, cfg, cell.batch, cell.prompt_len, mode="infer", optimizer=None,
                                new_tokens=cell.new_tokens, schedule=cell.schedule, prefill_chunk=cell.prefill_chunk,
+                               kv_layout=used if has_kv_layouts(cell.scheme) else "auto",
                                **Layout.resolve(cell.scheme, cell.world).sizes)
     peak = max(r["peak_bytes"] for r in per_rank)
     return {**row, "ttft_s": max(r["ttft_s"] for r in per_rank),
@@ -169,20 +177,22 @@ def aggregate(cell: InferCell, per_rank: list[dict], runs: list[tuple[float, flo
             "predicted_peak_bytes": predicted and predicted.total,
             "predicted_kv_bytes": predicted and predicted.kv_cache,
             "peak_error_pct": predicted and 100.0 * (predicted.total - peak) / peak,
-            "schedule": per_rank[0]["schedule"]}
+            "schedule": per_rank[0]["schedule"], "kv_layout": used}
 
 
 def run_infer_bench(model: dict, world: int, prompt_lens, run, schemes=INFER_SCHEMES, new_tokens: int = 32,
-                    batch: int = 1, repeats: int = 3, progress=None, **cell_options) -> list[dict]:
+                    batch: int = 1, repeats: int = 3, progress=None, kv_layout: str = "auto",
+                    **cell_options) -> list[dict]:
     """Every scheme at every prompt length on ``world`` ranks: per prompt length the schemes are built side by side
     and timed interleaved, ``repeats`` runs each (``interleaved_on_rank``); rows carry the medians, every run and
     the TPOT range, and the TSP row its per-run TPOT ratio to TP (``tpot_vs_tp``). ``run(fn, job)`` runs
     ``fn(job)`` on every rank and returns rank 0's result (``bench.run``'s runner, or a ``WorkerPool``'s
-    ``run`` taking rank 0)."""
+    ``run`` taking rank 0). ``kv_layout``: the tsp rows' KV-cache layout (the other schemes keep their own); every
+    row carries the layout its engine used."""
     rows = []
     for prompt_len in prompt_lens:
-        cells = tuple(InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options)
-                      for scheme in schemes)
+        cells = tuple(InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options,
+                                kv_layout=kv_layout if has_kv_layouts(scheme) else "auto") for scheme in schemes)
         found = run(interleaved_on_rank, InferRound(cells, repeats))
         by = {r["scheme"]: r for r in found if "error" not in r}
         for name, row in by.items():  # TSP against TP: the baseline its registry entry names
@@ -198,14 +208,16 @@ def run_infer_bench(model: dict, world: int, prompt_lens, run, schemes=INFER_SCH
 
 
 def max_context_under(model: dict, world: int, budget_bytes: int, run, schemes=INFER_SCHEMES, new_tokens: int = 32,
-                      batch: int = 1, start: int = 256, limit: int = 1 << 20, progress=None,
+                      batch: int = 1, start: int = 256, limit: int = 1 << 20, progress=None, kv_layout: str = "auto",
                       **cell_options) -> dict:
     """Per scheme, the longest prompt (a multiple of ``start``) whose per-rank peak stays within the budget
-    while prefilling it and decoding ``new_tokens``: doubling, then bisection. None if even ``start`` fails."""
+    while prefilling it and decoding ``new_tokens``: doubling, then bisection. None if even ``start`` fails.
+    ``kv_layout``: tsp's KV-cache layout."""
     found = {}
 
     def fits(scheme, prompt_len):
-        row = run(infer_cell_on_rank, InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options))
+        row = run(infer_cell_on_rank, InferCell(scheme, world, model, prompt_len, new_tokens, batch, **cell_options,
+                                                kv_layout=kv_layout if has_kv_layouts(scheme) else "auto"))
         if progress:
             progress(scheme, prompt_len)
         return "error" not in row and row["peak_bytes_per_rank"] <= budget_bytes
@@ -245,7 +257,7 @@ def ratio_text(r: dict) -> str:
 def format_infer_table(rows: list[dict]) -> str:
     """A plain-text table of ``run_infer_bench`` rows (TPOT: median [range] over the interleaved runs)."""
     lines = [f"{'prompt':>7} {'scheme':<6} {'TTFT ms':>9} {'TPOT ms [range]':>22} {'peak MiB/rank':>14} "
-             f"{'KV MiB/rank':>12}  {'TPOT/TP [range]':<18} schedule"]
+             f"{'KV MiB/rank':>12}  {'TPOT/TP [range]':<18} {'KV layout':<9} schedule"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['prompt_len']:>7} {r['scheme']:<6}  {r['error']}")
@@ -253,5 +265,5 @@ def format_infer_table(rows: list[dict]) -> str:
         sched = "/".join(dict.fromkeys(r["schedule"].values()))
         lines.append(f"{r['prompt_len']:>7} {r['scheme']:<6} {r['ttft_s'] * 1e3:>9.1f} {tpot_text(r):>22} "
                      f"{r['peak_bytes_per_rank'] / 2**20:>14.2f} {r['kv_bytes_per_rank'] / 2**20:>12.3f}  "
-                     f"{ratio_text(r):<18} {sched}")
+                     f"{ratio_text(r):<18} {r.get('kv_layout', ''):<9} {sched}")
     return "\n".join(lines)

@@ -416,15 +416,16 @@ def infer_markdown(result: dict) -> str:
         lines += [f"| {s} | {n if n is not None else 'none'} |" for s, n in mc["longest_prompt"].items()]
         return "\n".join(lines) + "\n"
     lines += ["| prompt | scheme | TTFT ms | TPOT ms [range] | TPOT/TP [range] | peak MiB/rank | predicted MiB | "
-              "error | KV MiB/rank | schedule |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "error | KV MiB/rank | KV layout | schedule |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in sorted(result["infer"], key=lambda r: (r["prompt_len"], _rank(r["scheme"]))):
         if "error" in r:
-            lines.append(f"| {r['prompt_len']} | {r['scheme']} | n/a: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['prompt_len']} | {r['scheme']} | n/a: {r['error']} | | | | | | | | |")
             continue
         sched = "/".join(dict.fromkeys(r["schedule"].values()))
         lines.append(f"| {r['prompt_len']} | {r['scheme']} | {r['ttft_s'] * 1e3:.0f} | {tpot_text(r)} | "
                      f"{ratio_text(r)} | {_mib(r['peak_bytes_per_rank'])} | {_mib(r.get('predicted_peak_bytes'))} | "
-                     f"{_pct(r.get('peak_error_pct'))} | {_mib(r['kv_bytes_per_rank'])} | {sched} |")
+                     f"{_pct(r.get('peak_error_pct'))} | {_mib(r['kv_bytes_per_rank'])} | {r.get('kv_layout', '')} | "
+                     f"{sched} |")
     return "\n".join(lines) + "\n"
 
 

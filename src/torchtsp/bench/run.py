@@ -127,6 +127,21 @@ def _check_args(args) -> None:
         raise ValueError(f"--max-seq-start {args.max_seq_start} exceeds --max-seq-cap {args.max_seq_cap}")
 
 
+def _check_kv_layout(args, cfg: ModelConfig) -> None:
+    """--kv-layout: --mode infer's, and one the model allows on the tsp rows' ranks, refused before any rank starts."""
+    layout = getattr(args, "kv_layout", "auto")
+    if layout == "auto":
+        return
+    if args.mode != "infer":
+        raise ValueError(f"--kv-layout applies to --mode infer (generate's KV cache), not --mode {args.mode}")
+    from ..analysis.comm_model import has_kv_layouts
+    from ..infer.layouts import resolve_kv_layout
+
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc or 4  # as _Runner's
+    for scheme in filter(has_kv_layouts, args.schemes):
+        resolve_kv_layout(layout, cfg.n_kv_heads, Layout.resolve(scheme, world, cfg=cfg).sizes["tsp"], scheme)
+
+
 def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
     """One cell's record for results.json: measured, predicted, and how they compare."""
     base = {"scheme": spec.scheme, "mesh": mesh_label(spec.degrees), "degrees": spec.degrees,
@@ -371,11 +386,12 @@ def _infer(args, cfg: ModelConfig, runner: _Runner) -> dict:
         if args.max_context_under is not None:
             budget = int(args.max_context_under * GiB)
             found = max_context_under(model, runner.world, budget, runner, schemes=schemes, new_tokens=args.new_tokens,
-                                      batch=args.batch_size, progress=progress, timeout_s=args.timeout_s)
+                                      batch=args.batch_size, progress=progress, timeout_s=args.timeout_s,
+                                      kv_layout=args.kv_layout)
             return {"max_context": {"budget_gib": args.max_context_under, "longest_prompt": found}}
         rows = run_infer_bench(model, runner.world, args.prompt_lens, runner, schemes=schemes,
                                new_tokens=args.new_tokens, batch=args.batch_size, repeats=args.steps,
-                               progress=progress, timeout_s=args.timeout_s)
+                               progress=progress, timeout_s=args.timeout_s, kv_layout=args.kv_layout)
         return {"infer": rows}
     finally:
         bar.close()
@@ -393,6 +409,7 @@ def run_bench(args) -> int:
         return run_serve_bench(args)
     _check_args(args)
     cfg = _model_config(args)
+    _check_kv_layout(args, cfg)
     runner = _Runner(args)
     if getattr(args, "pp", None) is not None:
         from .pipeline import run_pipeline_bench

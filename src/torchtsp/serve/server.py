@@ -123,6 +123,7 @@ class _Launch:
     api_key: str | None
     max_model_len: int
     torchrun: bool
+    kv_layout: str = "sequence"  # the KV-cache layout the engine decodes with (infer/layouts.py)
 
 
 def cmd_serve(args) -> int:
@@ -139,7 +140,7 @@ def cmd_serve(args) -> int:
 
 def _prepare(args) -> _Launch:
     """Flags, model source, tokenizer, chat template and mesh, refused in one line before any rank starts."""
-    from ..generate_job import GenerateJob, model_config_and_tokenizer
+    from ..generate_job import GenerateJob, check_kv_layout, model_config_and_tokenizer
     from ..layout import Layout
     from ..runenv import launched_by_torchrun
 
@@ -153,13 +154,14 @@ def _prepare(args) -> _Launch:
     torchrun = launched_by_torchrun()
     world = int(os.environ.get("WORLD_SIZE", 1)) if torchrun else args.nproc
     layout = Layout.resolve(args.scheme, world, **flags, cfg=cfg)
+    kv_layout = check_kv_layout(args.kv_layout, cfg, args.scheme, layout.sizes)
     load = GenerateJob(source=source, location=location, prompts=[], max_new_tokens=1, scheme=args.scheme,
                        degrees=layout.sizes, seed=args.seed, dtype=args.dtype, timeout_s=args.timeout_s,
                        tokenizer=args.tokenizer)
     settings = dict(max_batch=args.max_batch, max_model_len=max_model_len, prefill_chunk=args.prefill_chunk,
-                    schedule=args.schedule, eos_token_id=eos)
+                    schedule=args.schedule, eos_token_id=eos, kv_layout=args.kv_layout)
     return _Launch(load, settings, cfg, tokenizer, template, layout, _model_name(args, source, location), api_key,
-                   max_model_len, torchrun)
+                   max_model_len, torchrun, kv_layout)
 
 
 def _serve(args, launch: _Launch) -> int:
@@ -181,7 +183,8 @@ def _serve(args, launch: _Launch) -> int:
     engine = _Engine(job, client, launch.layout.world, args.timeout_s, launch.torchrun)
     engine.thread.start()
     world = launch.layout.world
-    print(f"torchtsp: serving {launch.name!r} ({args.scheme}, {world} rank{'s' * (world > 1)}) on "
+    print(f"torchtsp: serving {launch.name!r} ({args.scheme}, {world} rank{'s' * (world > 1)}, KV cache by "
+          f"{launch.kv_layout}) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = create_app(state)
     try:

@@ -429,8 +429,9 @@ class CompletionService:
     def model_card(self, model_id: str | None = None) -> dict:
         """The served model as ``/v1/models`` lists it (404 for another id)."""
         self.check_model(model_id)
+        layout = getattr(self.state.client, "info", {}).get("kv_layout")  # the engine's, once it is ready
         return {"id": self.state.model_name, "object": "model", "created": 0, "owned_by": "torchtsp",
-                "max_model_len": self.state.max_model_len}
+                "max_model_len": self.state.max_model_len, **({"kv_layout": layout} if layout else {})}
 
     def tokenizer_info(self) -> dict:
         """What a client needs to tokenize as the server does (lm-evaluation-harness reads it with /tokenize)."""

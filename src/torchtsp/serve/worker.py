@@ -30,6 +30,7 @@ class ServeJob:
     prefill_chunk: int = 512
     schedule: str = "auto"
     eos_token_id: int | None = None
+    kv_layout: str = "auto"  # infer/layouts.py; checked by the launcher (generate_job.check_kv_layout)
     info: dict = field(default_factory=dict)
 
 
@@ -121,8 +122,8 @@ def run_serve_rank(job: ServeJob) -> dict:
     cfg, tokenizer, _ = model_config_and_tokenizer(load.source, load.location, load.tokenizer)
     mesh = init_mesh(**load.degrees, timeout_s=load.timeout_s)
     model = _load_model(load, cfg, mesh)
-    runner = BatchRunner(make_engine(model), job.max_batch, job.max_model_len, job.prefill_chunk, job.schedule,
-                         job.eos_token_id, Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
+    runner = BatchRunner(make_engine(model, job.kv_layout), job.max_batch, job.max_model_len, job.prefill_chunk,
+                         job.schedule, job.eos_token_id, Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
     capacity = control.all_gather(torch.tensor([runner.capacity * runner.max_batch]), label="serve.ready")
     rank0 = control.rank == 0
@@ -132,7 +133,8 @@ def run_serve_rank(job: ServeJob) -> dict:
 
         conn = Client(tuple(job.address), authkey=job.authkey)
         conn.send(("ready", {"kv_slots_per_rank": capacity.flatten().tolist(), "row_slots": runner.capacity,
-                             "world": control.size, "engine": runner.engine.scheme}))
+                             "world": control.size, "engine": runner.engine.scheme,
+                             "kv_layout": runner.engine.kv_layout}))
         scheduler = Scheduler(runner, conn)
     step, steps = 0, 0
     try:
