@@ -4,7 +4,7 @@ bytes of a decode step against the analytic model. Bench model by default (dim 2
 vocab 257), CPU ranks over gloo.
 
 Every engine (TP, and TSP with each layout of ``--kv-layouts``, by default every layout the model allows on these
-ranks: ``infer.layouts.allowed_kv_layouts``) is built side by side. Each prefills the same prompts twice, from a fresh
+ranks: ``kv_layouts.allowed_kv_layouts``) is built side by side. Each prefills the same prompts twice, from a fresh
 cache each time: under the live-tensor tracker (prefill peak: weights, cache and working set), then timed (TTFT, from
 a barrier to the first token's ids on every rank). One decode step runs under the tracker (decode peak: that step's
 working set on top of the weights, plus the whole cache), counting the step's collectives and received bytes
@@ -140,7 +140,7 @@ def summarise(times: dict, kinds, runs: int) -> dict:
 
 def _kinds(layouts: str | None, n_kv: int, ranks: int) -> list[str]:
     """TP first, then TSP with each requested layout (default: every layout the model allows on these ranks)."""
-    from torchtsp.infer.layouts import allowed_kv_layouts, resolve_kv_layout
+    from torchtsp.kv_layouts import allowed_kv_layouts, resolve_kv_layout
 
     wanted = layouts.split(",") if layouts else list(allowed_kv_layouts(n_kv, ranks))
     return [BASELINE] + [f"tsp:{resolve_kv_layout(w.strip(), n_kv, ranks)}" for w in wanted]

@@ -1,13 +1,14 @@
 """One decode step's collectives and bytes, counted on the ranks (``AxisComm.counting``), against the analytic
 model ``analysis.comm_model.decode_step_traffic``, for TP and every TSP cache layout that has an engine; and the
-model against arithmetic written here from the engines' descriptions (infer/layouts.py, issue 35)."""
+model against arithmetic written here from the engines' descriptions (kv_layouts.py, issue 35)."""
 
 from __future__ import annotations
 
 import pytest
 
 import torchtsp
-from torchtsp.analysis.comm_model import SUM_BY_GATHER_MAX_BYTES, decode_step_traffic, tsp_kv_layout, tsp_kv_layouts
+from torchtsp.analysis.comm_model import SUM_BY_GATHER_MAX_BYTES, decode_step_traffic
+from torchtsp.kv_layouts import allowed_kv_layouts, resolve_kv_layout
 
 PROMPT = 8
 
@@ -26,24 +27,23 @@ def test_the_sum_threshold_is_the_engines():
     assert SUM_BY_GATHER_MAX_BYTES == engine.SUM_BY_GATHER_MAX_BYTES
 
 
-def test_torch_free_layout_rule_is_infer_layouts_rule_once_every_engine_exists(monkeypatch):
-    from torchtsp.infer import layouts
+# (n_kv, D) -> what auto picks and what an explicit layout the model does not allow names (issue 35's rule).
+AUTO = {(4, 4): "heads", (8, 4): "heads", (4, 2): "heads", (2, 4): "grouped", (1, 2): "grouped", (1, 4): "grouped",
+        (4, 1): "heads", (4, 8): "grouped", (6, 4): "sequence", (3, 2): "sequence"}
 
-    monkeypatch.setattr(layouts, "TSP_ENGINES", {k: "x:y" for k in ("heads", "grouped", "sequence")})
-    for n_kv in (1, 2, 3, 4, 6, 8):
-        for D in (1, 2, 3, 4, 8):
-            if n_kv % D and D % n_kv:
-                continue  # TSP cannot split such a model (schemes.check_model)
-            assert tsp_kv_layouts(n_kv, D) == layouts.allowed_kv_layouts(n_kv, D), (n_kv, D)
-            for requested in ("auto", "heads", "grouped", "sequence"):
-                try:
-                    want = layouts.resolve_kv_layout(requested, n_kv, D)
-                except ValueError as e:
-                    with pytest.raises(ValueError, match=f"n_kv={n_kv} KV heads on D={D} ranks"):
-                        tsp_kv_layout(requested, n_kv, D)
-                    assert f"n_kv={n_kv}" in str(e)
-                else:
-                    assert tsp_kv_layout(requested, n_kv, D) == want
+
+@pytest.mark.parametrize("n_kv,D", sorted(AUTO))
+def test_auto_picks_heads_else_grouped_else_sequence(n_kv, D):
+    from torchtsp.schemes import get_scheme
+
+    engines = dict(get_scheme("tsp").kv_layouts)
+    if AUTO[(n_kv, D)] not in engines:
+        pytest.skip(f"no TSP engine for kv_layout={AUTO[(n_kv, D)]!r} in the registry yet")
+    assert resolve_kv_layout("auto", n_kv, D) == AUTO[(n_kv, D)]
+    for refused in {"heads", "grouped"} - {AUTO[(n_kv, D)]} - ({"grouped"} if D % n_kv == 0 and D > n_kv else set()):
+        with pytest.raises(ValueError, match=f"n_kv={n_kv} KV heads on D={D} ranks"):
+            resolve_kv_layout(refused, n_kv, D)
+    assert resolve_kv_layout("sequence", n_kv, D) == "sequence"
 
 
 @pytest.mark.parametrize("p2p", [True, False])
@@ -121,11 +121,11 @@ CASES = [("tp", 4, "auto"), ("tsp", 4, "heads"), ("tsp", 2, "grouped"), ("tsp", 
 @pytest.mark.parametrize("scheme,n_kv,kv_layout", CASES, ids=[f"{s}-kv{n}-{k}" for s, n, k in CASES])
 @pytest.mark.parametrize("batch", [2, SUM_BY_GATHER_MAX_BYTES // (128 * 4) + 1], ids=["gathered", "all-reduced"])
 def test_one_decode_step_moves_what_the_model_says(pools, D, scheme, n_kv, kv_layout, batch):
-    from torchtsp.infer.layouts import TSP_ENGINES
+    from torchtsp.schemes import get_scheme
 
-    if scheme == "tsp" and kv_layout not in TSP_ENGINES:
-        pytest.skip(f"no TSP engine for kv_layout={kv_layout!r} yet (infer/layouts.py TSP_ENGINES)")
-    if scheme == "tsp" and kv_layout not in tsp_kv_layouts(n_kv, D):
+    if scheme == "tsp" and kv_layout not in dict(get_scheme("tsp").kv_layouts):
+        pytest.skip(f"no TSP engine for kv_layout={kv_layout!r} in the registry yet")
+    if scheme == "tsp" and kv_layout not in allowed_kv_layouts(n_kv, D):
         pytest.skip(f"n_kv={n_kv} on D={D} does not allow kv_layout={kv_layout!r}")
     for calls, recv, used, p2p in pools(D).run(decode_counts_on_rank, scheme, n_kv, batch, kv_layout):
         assert used == ("heads" if scheme == "tp" else kv_layout) and p2p

@@ -111,9 +111,8 @@ def test_bench_rows_carry_the_layout_used(pools):
     rows = run_infer_bench(MODEL, 2, [32], new_tokens=3, repeats=1, kv_layout="sequence",
                            run=lambda fn, cell: pools(2).run(fn, cell)[0])
     by = {r["scheme"]: r for r in rows}
-    # (dp's engine is TP's on one rank: it reports "heads", while layouts.OWN_LAYOUT names "sequence" for dp; both
-    # mean the whole cache there.)
-    assert {s: by[s]["kv_layout"] for s in ("tsp", "tp", "sp")} == {"tsp": "sequence", "tp": "heads", "sp": "sequence"}
+    assert {s: by[s]["kv_layout"] for s in ("tsp", "tp", "sp", "dp")} == {"tsp": "sequence", "tp": "heads",
+                                                                          "sp": "sequence", "dp": "heads"}
     for r in rows:
         assert r["predicted_kv_bytes"] == r["kv_bytes_per_rank"], r["scheme"]
     assert "sequence" in format_infer_table(rows).splitlines()[1]

@@ -416,7 +416,7 @@ def test_api_key(server):
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert models["data"][0]["id"] == "tiny-llama"
     # The engine's KV-cache layout (2 KV heads on tsp=2: auto's first layout with an engine, heads once it has one).
-    from torchtsp.infer.layouts import allowed_kv_layouts
+    from torchtsp.kv_layouts import allowed_kv_layouts
 
     assert models["data"][0]["kv_layout"] == allowed_kv_layouts(2, 2)[0]
 

@@ -10,10 +10,10 @@ import signal
 import sys
 import time
 
-from .analysis.comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP
 from .argtypes import length
 from .config import PRESETS, get_preset
 from .errors import Interrupted, RankFailedError
+from .kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from .layout import Layout
 from .runenv import launched_by_torchrun
 from .schemes import AXES, INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
@@ -181,7 +181,7 @@ def add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     add("--schedule", choices=INFERENCE_SCHEDULES, default="auto",
         help="tsp: weights move or activations move; auto picks per phase by tokens in flight (default)")
     add("--prefill-chunk", type=length, help="prefill at most this many tokens per prompt at a time (bounds memory)")
-    add("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto", help=KV_LAYOUT_HELP)
+    add("--kv-layout", choices=KV_LAYOUTS, default="auto", help=KV_LAYOUT_HELP)
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")
     add("--json", action="store_true", help="print one JSON object (tokens, text, timings, memory) as the last line")
     add("--timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S, help=COLLECTIVE_TIMEOUT_HELP)

@@ -34,7 +34,7 @@ class GenerateJob:
     tokenizer: str | None = None  # --tokenizer DIR: overrides the model source's own tokenizer
     schedule: str = "auto"
     prefill_chunk: int | None = None
-    kv_layout: str = "auto"  # infer/layouts.py
+    kv_layout: str = "auto"  # kv_layouts.py
     dtype: str = "float32"
     stream: bool = True
     timeout_s: float = COLLECTIVE_TIMEOUT_S
@@ -90,7 +90,7 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
 def check_kv_layout(requested: str, cfg, scheme: str, degrees: dict) -> str:
     """The KV-cache layout ``generate`` will use for ``--kv-layout``; the engine's one-line ValueError, before any
     rank starts, for one the model does not allow on the scheme's ranks."""
-    from .infer.layouts import resolve_kv_layout
+    from .kv_layouts import resolve_kv_layout
 
     return resolve_kv_layout(requested, cfg.n_kv_heads, degrees.get("tsp", 1), scheme)
 

@@ -70,6 +70,8 @@ class Scheme:
     reading the registry imports no torch:
     ``model``: its ``ParallelTransformer`` class (what ``parallelize`` builds).
     ``inference``: its inference engine class in ``torchtsp.infer`` (None: ``generate`` does not run it).
+    ``kv_layouts``: (layout, engine class) pairs when its decode cache layout is chosen (``kv_layouts.py``), in
+    ``auto``'s order of preference; ``own_kv_layout``: the one layout of a scheme that lists none.
     ``traffic``: its per-step traffic formula (``analysis.comm_model``), ``memory_walk``: its memory model
     (``analysis.memory_model``); None for both: not modelled (its traffic is not counted by our comm layer).
     ``step_cost``: which of its step's communication the GEMMs hide (``analysis.hardware``; None: not priced).
@@ -94,6 +96,8 @@ class Scheme:
     zero: bool = True
     rows_over_dp: bool = False
     inference: str | None = None
+    kv_layouts: tuple[tuple[str, str], ...] = ()
+    own_kv_layout: str = "heads"
     traffic: str | None = None
     memory_walk: str | None = None
     step_cost: str | None = None
@@ -279,6 +283,8 @@ SCHEMES.add(Scheme(
     axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp", options=("recompute",),
     kv_replication=True, pipeline=True, weight_schedules=True, model="torchtsp.parallel.tsp:TSPTransformer",
     inference="torchtsp.infer.tsp:TSPEngine", traffic=f"{_COMM}:tsp_step_traffic",
+    kv_layouts=(("grouped", "torchtsp.infer.tsp_grouped:TSPGroupedEngine"),
+                ("sequence", "torchtsp.infer.tsp:TSPEngine")),
     memory_walk=f"{_MEMORY}:TSP_WALK", step_cost=f"{_HW}:overlapped_exposed_s", color="#d62728", marker="o",
     decode_baseline="tp"))
 SCHEMES.add(Scheme(
@@ -291,7 +297,7 @@ SCHEMES.add(Scheme(
 SCHEMES.add(Scheme(
     "sp", "SP", "sequence (context) parallelism: replicated weights, zigzag tokens, K/V all-gather",
     axes=("sp",), token_axes=("sp",), free_axis="sp", options=("recompute",), pipeline=True,
-    model="torchtsp.parallel.sp:SPTransformer", inference="torchtsp.infer.sp:SPEngine",
+    model="torchtsp.parallel.sp:SPTransformer", inference="torchtsp.infer.sp:SPEngine", own_kv_layout="sequence",
     traffic=f"{_COMM}:sp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:serial_exposed_s",
     color="#2ca02c", marker="^"))
 SCHEMES.add(Scheme(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
+from ..kv_layouts import resolve_kv_layout
 from ..schemes import get_scheme
 
 
@@ -419,46 +420,6 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step
 
 
-KV_LAYOUT_CHOICES = ("auto", "heads", "grouped", "sequence")
-# The --kv-layout flag's help (generate, serve, bench --mode infer, plan --mode infer).
-KV_LAYOUT_HELP = ("tsp: how decode lays out the KV cache over the D ranks, for a model of n_kv KV heads: heads "
-                  "(n_kv %% D == 0; each rank caches every token of its own KV heads and decodes as TP does), grouped "
-                  "(D %% n_kv == 0, D > n_kv; the D/n_kv ranks sharing a KV head split its tokens), sequence (any; "
-                  "each rank caches every head for 1/D of the tokens); auto picks heads, else grouped, else sequence "
-                  "(default: auto)")
-
-
-def has_kv_layouts(scheme: str) -> bool:
-    """Whether ``scheme``'s decode cache layout is chosen (``kv_layout``): the schemes whose weights split by head
-    group over the tsp axis; every other scheme has one layout of its own."""
-    return "tsp" in get_scheme(scheme).weight_axes
-
-
-def tsp_kv_layouts(n_kv: int, ranks: int) -> tuple[str, ...]:
-    """The KV-cache layouts of a TSP decode that a model with ``n_kv`` KV heads allows on ``ranks`` ranks, in
-    ``auto``'s order of preference: the rule of ``infer.layouts.allowed_kv_layouts``, without its filter on the
-    engines built so far (this module stays torch-free for ``torchtsp plan``)."""
-    allowed = ["heads"] if n_kv % ranks == 0 else []
-    if ranks % n_kv == 0 and ranks > n_kv:
-        allowed.append("grouped")
-    return (*allowed, "sequence")
-
-
-def tsp_kv_layout(requested: str, n_kv: int, ranks: int) -> str:
-    """The TSP layout ``requested`` ("auto", "heads", "grouped", "sequence") means for this model; ValueError (one
-    line, naming n_kv and D) for one it does not allow."""
-    allowed = tsp_kv_layouts(n_kv, ranks)
-    if requested == "auto":
-        return allowed[0]
-    if requested not in ("heads", "grouped", "sequence"):
-        raise ValueError(f"unknown kv_layout {requested!r}; choose one of: auto, heads, grouped, sequence")
-    if requested not in allowed:
-        rule = {"heads": "n_kv % D == 0", "grouped": "D % n_kv == 0 with D > n_kv"}[requested]
-        raise ValueError(f"kv_layout={requested!r} needs {rule}, but the model has n_kv={n_kv} KV heads on D={ranks} "
-                         f"ranks; use one of: {', '.join(('auto', *allowed))}")
-    return requested
-
-
 # ``infer.engine.sum_over_ranks``: on a point-to-point backend, partial sums up to this many bytes per rank are
 # all-gathered (one exchange) and summed locally; larger ones, and collective backends, all-reduce.
 SUM_BY_GATHER_MAX_BYTES = 64 * 1024
@@ -531,7 +492,7 @@ def decode_step_traffic(scheme: str, cfg: ModelConfig, batch: int, ranks: int, k
         raise ValueError(f"decode_step_traffic models the decode of weights split by heads over tp or tsp, not of "
                          f"{scheme!r}")
     L, h, d = cfg.n_layers, cfg.dim, cfg.head_dim
-    layout = tsp_kv_layout(kv_layout, cfg.n_kv_heads, ranks) if has_kv_layouts(scheme) else "heads"
+    layout = resolve_kv_layout(kv_layout, cfg.n_kv_heads, ranks, spec) if spec.kv_layouts else spec.own_kv_layout
     hq = cfg.n_heads // ranks
     hkv = cfg.n_kv_heads // min(cfg.n_kv_heads, ranks)  # a rank's KV heads (a copy of one when n_kv < D)
     ops, partial = _Ops(), batch * h * e  # a [B, 1, h] partial output

@@ -55,7 +55,7 @@ class MemoryBreakdown:
     total: int
     phase: str
     # Inference only: the peak of a decode step (weights, the whole cache, one step's working set), and TSP's
-    # decode cache layout (infer/layouts.py; "" for the other schemes).
+    # decode cache layout (kv_layouts.py; "" for the other schemes).
     decode_peak: int = 0
     kv_layout: str = ""
 
@@ -604,12 +604,12 @@ class _Cache:
 
 
 def _kv_layout(spec: Scheme, cfg: ModelConfig, w: int, requested: str) -> str | None:
-    """TSP's decode cache layout (``comm_model.tsp_kv_layout``); None for the other schemes, which have one
+    """TSP's decode cache layout (``kv_layouts.resolve_kv_layout``); None for the other schemes, which have one
     layout each and accept only "auto"."""
-    from .comm_model import has_kv_layouts, tsp_kv_layout
+    from ..kv_layouts import resolve_kv_layout
 
-    if has_kv_layouts(spec.name):
-        return tsp_kv_layout(requested, cfg.n_kv_heads, w)
+    if spec.kv_layouts:
+        return resolve_kv_layout(requested, cfg.n_kv_heads, w, spec)
     if requested != "auto":
         raise ValueError(f"kv_layout={requested!r} is a TSP layout; {spec.name} has its own KV cache layout "
                          f"(use kv_layout='auto')")
@@ -617,7 +617,7 @@ def _kv_layout(spec: Scheme, cfg: ModelConfig, w: int, requested: str) -> str | 
 
 
 def _tsp_cache(layout: str, cfg: ModelConfig, S: int, new_tokens: int, D: int) -> _Cache:
-    """TSP's cache per layout (infer/layouts.py): ``heads``: n_kv/D heads, every token; ``grouped``: one KV head,
+    """TSP's cache per layout (kv_layouts.py): ``heads``: n_kv/D heads, every token; ``grouped``: one KV head,
     1/c of the tokens (c = D/n_kv ranks share the head: the prompt split among them, decoded tokens in turn);
     ``sequence``: every head, 1/D of the tokens. At D = 1 heads and sequence are the whole cache."""
     decoded, n_kv = max(new_tokens - 1, 0), cfg.n_kv_heads

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
+from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
-from .comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP, has_kv_layouts, predict_comm, tsp_tp_crossover_tokens
+from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
 from .table import count, gb, render
@@ -189,7 +190,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step, all GPUs together (default: 1)")
     parser.add_argument("--mode", choices=["train", "infer"], default="train",
                         help="train: one AdamW step; infer: one prefill with its KV cache (default: train)")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto",
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="auto",
                         help="--mode infer, the TSP rows: " + KV_LAYOUT_HELP)
     parser.add_argument("--gpu-mem", type=float, default=80.0, metavar="GB", help="memory per GPU in GB (default: 80)")
     parser.add_argument("--dtype", type=dtype, choices=list(DTYPE_BYTES), default="bfloat16",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..analysis.comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP
 from ..argtypes import length, length_list
 from ..config import PRESETS
+from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 from ..timeouts import BENCH_CELL_TIMEOUT_S
 
@@ -78,7 +78,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt-lens", type=length_list, default=length_list("256,512,1024,2048"), metavar="LIST",
         help="--mode infer: comma-separated prompt lengths (default: 256,512,1024,2048)")
     add("--new-tokens", type=length, default=32, metavar="N", help="--mode infer: tokens generated (default: 32)")
-    add("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto",
+    add("--kv-layout", choices=KV_LAYOUTS, default="auto",
         help="--mode infer, the tsp rows (the other schemes keep their own): " + KV_LAYOUT_HELP)
     add("--max-context-under", type=_positive_float, metavar="GB",
         help="--mode infer, instead of the sweep: per scheme, the longest prompt whose measured per-rank peak "

@@ -13,7 +13,7 @@ import functools
 import statistics
 from dataclasses import asdict, dataclass
 
-from ..analysis.comm_model import has_kv_layouts
+from ..kv_layouts import has_kv_layouts
 from ..schemes import SCHEMES, inference_schemes
 from ..timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -32,7 +32,7 @@ class InferCell:
     schedule: str = "auto"
     prefill_chunk: int | None = None
     timeout_s: float = COLLECTIVE_TIMEOUT_S
-    kv_layout: str = "auto"  # tsp's KV-cache layout (infer/layouts.py); the other schemes take only "auto"
+    kv_layout: str = "auto"  # tsp's KV-cache layout (kv_layouts.py); the other schemes take only "auto"
 
 
 def _build(cell: InferCell):
@@ -42,7 +42,7 @@ def _build(cell: InferCell):
 
     from ..config import ModelConfig
     from ..distributed.mesh import init_mesh
-    from ..infer.layouts import resolve_kv_layout
+    from ..kv_layouts import resolve_kv_layout
     from ..layout import Layout
     from ..model import Transformer
     from ..parallel import parallelize

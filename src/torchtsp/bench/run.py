@@ -134,8 +134,7 @@ def _check_kv_layout(args, cfg: ModelConfig) -> None:
         return
     if args.mode != "infer":
         raise ValueError(f"--kv-layout applies to --mode infer (generate's KV cache), not --mode {args.mode}")
-    from ..analysis.comm_model import has_kv_layouts
-    from ..infer.layouts import resolve_kv_layout
+    from ..kv_layouts import has_kv_layouts, resolve_kv_layout
 
     world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nproc or 4  # as _Runner's
     for scheme in filter(has_kv_layouts, args.schemes):

@@ -7,15 +7,14 @@ of the model's mesh calls ``generate`` with the same arguments and gets the same
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes
+from ..kv_layouts import layout_engine, resolve_kv_layout
+from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes, resolve
 from .engine import Engine
-from .layouts import TSP_ENGINES, resolve_kv_layout
 from .sampling import TokenSelector, check_sampling
 
 SCHEDULES = INFERENCE_SCHEDULES
@@ -47,12 +46,12 @@ class GenerationResult:
 
 def make_engine(model, kv_layout: str = "auto") -> Engine:
     """The inference engine of a reference ``Transformer`` or a model from ``parallelize``; ``kv_layout``: how a
-    TSP engine lays out its KV cache (``layouts.py``; ValueError for one the model does not allow)."""
+    TSP engine lays out its KV cache (``kv_layouts.py``; ValueError for one the model does not allow)."""
     from ..model import Transformer
     from .reference import ReferenceEngine
 
     if isinstance(model, Transformer):
-        resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, 1, "reference")
+        resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, 1, None)
         return ReferenceEngine(model)
     scheme = getattr(model, "scheme", None)
     spec = SCHEMES.get(scheme)
@@ -60,11 +59,8 @@ def make_engine(model, kv_layout: str = "auto") -> Engine:
         raise ValueError(f"generate supports the reference Transformer and the {', '.join(inference_schemes())} "
                          f"schemes, not {scheme or type(model).__name__!r}")
     view = model.shard_view()
-    layout = resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, view.comm.size, scheme)
-    if scheme == "tsp":
-        module, name = TSP_ENGINES[layout].split(":")
-        return getattr(importlib.import_module(module), name)(view)
-    return spec.load("inference")(view)  # the engine the scheme's registry entry names
+    layout = resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, view.comm.size, spec)
+    return resolve(layout_engine(spec, layout))(view)  # the engine the scheme's registry entry names
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:
@@ -115,7 +111,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     prefill at most this many tokens per sequence at a time (bounds prefill activations; the cache
     still holds every token). ``on_step(t, ids)`` is called with each step's new ids [B_local] (-1 for
     finished sequences), e.g. to stream text. ``kv_layout`` (tsp): "auto", "heads", "grouped" or "sequence", the
-    KV-cache layout decode runs on (``layouts.py``); the other schemes accept "auto" or their own.
+    KV-cache layout decode runs on (``kv_layouts.py``); the other schemes accept "auto" or their own.
     """
     cfg = model.cfg
     if schedule not in SCHEDULES:

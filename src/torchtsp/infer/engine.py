@@ -69,7 +69,7 @@ class Engine:
     ``vocab_comm``, ``vocab_start`` and implement ``start``, ``prefill_chunk``, ``decode`` and ``head``."""
 
     scheme = "?"
-    kv_layout = "sequence"  # layouts.py: how this engine's KV cache is split over the ranks
+    kv_layout = "sequence"  # kv_layouts.py: how this engine's KV cache is split over the ranks
     vocab_comm: AxisComm
     vocab_start = 0
 

@@ -1,4 +1,4 @@
-"""TSP inference with the ``grouped`` KV-cache layout (layouts.py; docs/design.md, "Decode cache layouts: grouped").
+"""TSP inference with the ``grouped`` KV-cache layout (kv_layouts.py; docs/design.md, "Decode cache layouts: grouped").
 
 With fewer KV heads than ranks (D % n_kv == 0, c = D / n_kv > 1) the c consecutive ranks g·c .. g·c + c - 1 hold
 copies of KV head g's weights (``shard_math.kv_replicas`` = c). Here they also share its cache: each rank keeps

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..analysis.comm_model import KV_LAYOUT_CHOICES, KV_LAYOUT_HELP
 from ..argtypes import length
+from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from ..schemes import SCHEMES
 from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
 
@@ -43,7 +43,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     add("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S, help="on SIGTERM / SIGINT nothing new is "
         "admitted and waiting requests fail at once (503); running ones may finish for this many seconds, then end "
         f"with an error (default: {SHUTDOWN_GRACE_S:g})")
-    add("--kv-layout", choices=KV_LAYOUT_CHOICES, default="auto", help=KV_LAYOUT_HELP)
+    add("--kv-layout", choices=KV_LAYOUTS, default="auto", help=KV_LAYOUT_HELP)
     add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "
         "before the server fails (503, requests fail): a decode step takes well under a second, so that long means "
         f"a hung rank, and clients should not wait longer (default: {SERVE_TIMEOUT_S:g})")

@@ -123,7 +123,7 @@ class _Launch:
     api_key: str | None
     max_model_len: int
     torchrun: bool
-    kv_layout: str = "sequence"  # the KV-cache layout the engine decodes with (infer/layouts.py)
+    kv_layout: str = "sequence"  # the KV-cache layout the engine decodes with (kv_layouts.py)
 
 
 def cmd_serve(args) -> int:

@@ -30,7 +30,7 @@ class ServeJob:
     prefill_chunk: int = 512
     schedule: str = "auto"
     eos_token_id: int | None = None
-    kv_layout: str = "auto"  # infer/layouts.py; checked by the launcher (generate_job.check_kv_layout)
+    kv_layout: str = "auto"  # kv_layouts.py; checked by the launcher (generate_job.check_kv_layout)
     info: dict = field(default_factory=dict)
 
 
