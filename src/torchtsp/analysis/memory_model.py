@@ -24,56 +24,19 @@ This module imports no torch: ``torchtsp plan`` must start instantly.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .. import schemes
 from ..config import ModelConfig
 from ..schemes import Scheme, get_scheme
+from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held
 
-FP32 = 4
 ZERO_BUCKETS_IN_FLIGHT = 3  # train/zero.py: IN_FLIGHT reduce-scatters and the bucket being filled
 INDEX = 8  # int64 token ids and labels
 
 
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes per rank for one step.
-
-    params, grads, optimizer: the full per-rank sizes (grads in the model dtype; optimizer = AdamW
-    moments and master weights). activations: everything saved for backward when the forward ends.
-    transient: the short-lived buffers alive at the peak. kv_cache: inference only. total: the
-    predicted peak of live tensor bytes, reached during ``phase``; it counts the gradients that exist
-    at that moment, so it is usually less than the sum of the components.
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    transient: int
-    kv_cache: int
-    total: int
-    phase: str
-    # Inference only: the peak of a decode step (weights, the whole cache, one step's working set), and TSP's
-    # decode cache layout (kv_layouts.py; "" for the other schemes).
-    decode_peak: int = 0
-    kv_layout: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------- parameters
-
-
-def _kv_heads_held(spec: Scheme, cfg: ModelConfig, ways: int) -> int:
-    """KV heads the ``ways`` weight shards hold together: n_kv, or ``ways`` when the scheme copies each of
-    n_kv < ways KV heads onto ways/n_kv ranks (TSP, TP and TP x SP)."""
-    return max(cfg.n_kv_heads, ways) if spec.kv_replication else cfg.n_kv_heads
 
 
 def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) -> dict[str, int]:
@@ -479,7 +442,9 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
     n_params = sum(parts.values())
     if mode == "infer":
-        return _predict_infer(spec, cfg, batch, seq_len, degrees, e=e, params=n_params * e, new_tokens=new_tokens,
+        from .infer_memory import predict_infer
+
+        return predict_infer(spec, cfg, batch, seq_len, degrees, e=e, params=n_params * e, new_tokens=new_tokens,
                               schedule=schedule, prefill_chunk=prefill_chunk, kv_layout=kv_layout)
     s = _shape(spec, cfg, batch // dp, seq_len, degrees, e)
 
@@ -506,153 +471,3 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra
     return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,
                            kv_cache=0, total=peak, phase=phase)
-
-
-KEY_BLOCK = 1024  # keys per block of infer.cache.attend (its score buffer is [B, heads, T, KEY_BLOCK])
-
-
-def _attend_bytes(batch: int, heads: int, tokens: int, keys: int, d: int) -> int:
-    """Peak bytes of ``infer.cache.attend``, reached in the online-softmax update of a key block: the block's
-    float32 scores and its boolean mask, and five query-sized float32 buffers (the scaled queries, the
-    old and rescaled outputs, the block's contribution and their sum)."""
-    block = min(keys, KEY_BLOCK)
-    rows = batch * heads * tokens
-    return FP32 * rows * (block + 5 * d) + batch * tokens * block
-
-
-def infer_schedule(scheme: str, cfg: ModelConfig, tokens_in_flight: int, schedule: str = "auto") -> str:
-    """The schedule an inference phase of ``scheme`` runs with ``tokens_in_flight`` tokens per step
-    (``schemes.infer_schedule``, the rule ``generate`` applies)."""
-    from .comm_model import tsp_tp_crossover_tokens
-
-    return schemes.infer_schedule(scheme, tokens_in_flight, tsp_tp_crossover_tokens(cfg), schedule)
-
-
-def _predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, degrees: dict[str, int], *,
-                   e: int, params: int, new_tokens: int, schedule: str, prefill_chunk: int | None,
-                   kv_layout: str = "auto") -> MemoryBreakdown:
-    """Prefill of ``prompt_len`` tokens per sequence (then ``new_tokens`` decoded) as ``infer/`` runs it: the
-    weights, the KV cache at its full capacity, and the largest working set of one layer of the prefill
-    chunk that sees the most keys (the last one), or of a decode step (``decode_peak``) if that is larger. The
-    KV cache is preallocated, so it is counted whole.
-
-    Per schedule (docs/analysis.md, "Inference memory"): TP keeps every token with its heads and attends
-    them to all keys; SP and TSP's weights-move schedule keep 1/D of the tokens and gather K/V (SP all
-    heads, TSP one head group at a time, with the received weight shards); TSP's activations-move
-    schedule replicates the chunk's tokens and attends queries to the keys its cache layout gives it
-    (``kv_layout``, ``_tsp_cache``).
-    """
-    h, d, L = cfg.dim, cfg.head_dim, cfg.n_layers
-    n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads
-    dp = degrees.get("dp", 1)
-    B = _ceil_div(batch, dp)  # generate gives a replica ceil(B/dp) rows (some replicas may get fewer)
-    tok, w = spec.token_degree(degrees), spec.weight_degree(degrees)
-    step = 2 * tok if tok > 1 else 1  # generate pads prompts to a multiple of the zigzag's 2D
-    chunk = _round_up(min(prefill_chunk or prompt_len, prompt_len), step)
-    S = _round_up(prompt_len, chunk)  # the padded prompt; the last chunk's queries see all S keys
-    rows = _ceil_div(cfg.vocab_size, w)
-    held = _kv_heads_held(spec, cfg, w)  # KV heads the shards hold together (TSP, TP copy heads when n_kv < D)
-    layout = _kv_layout(spec, cfg, w, kv_layout)
-    if layout is not None:
-        cache = _tsp_cache(layout, cfg, S, new_tokens, tok)
-    elif tok > 1:  # the prompt 1/D per rank, then decoded tokens assigned to the ranks in turn
-        cache = _Cache(n_kv, S // tok + _ceil_div(max(new_tokens - 1, 0), tok), n_kv, 1, tok)
-    else:  # every token, this rank's KV heads (a copy of one when TP has fewer KV heads than ranks)
-        cache = _Cache(held // w, S + max(new_tokens - 1, 0), 0, 1, 1)
-    kv_cache = L * 2 * e * B * cache.heads * cache.capacity * d
-    rope = 2 * FP32 * d  # cos and sin per token
-    which = infer_schedule(spec.name, cfg, B * chunk, schedule)
-    if which == "activations":  # the chunk replicated, attended to the keys this rank's cache holds
-        T = chunk
-        attention = 4 * e * B * T * h + 2 * B * T * rope + _attended(cache, B, T, S, n_heads // w, held // w, d, e)
-        mlp = 3 * e * B * T * h + 3 * e * B * T * cfg.ffn_dim // tok
-    elif which == "weights":  # 1/D of the chunk; one head group's K/V of every token; shard double buffers
-        T, keys = chunk // tok, S
-        attn_shard = (2 * n_heads + 2 * held) * d * h * e // tok
-        kv_group = 2 * e * B * (held // tok) * keys * d
-        attention = (4 * e * B * T * h + B * T * rope + 2 * attn_shard + kv_group
-                     + _attend_bytes(B, n_heads // tok, T, keys, d))
-        mlp = 4 * e * B * T * h + 2 * 3 * h * cfg.ffn_dim * e // tok + 3 * e * B * T * cfg.ffn_dim // tok
-    else:  # Megatron (tp, the reference, dp) or SP: replicated or head-sharded weights in place
-        T, keys = chunk // tok, S
-        kv_full = 2 * e * B * n_kv * keys * d if tok > 1 else 0  # SP gathers every head's K/V
-        q = e * B * T * n_heads * d // w
-        attention = 2 * e * B * T * h + B * T * rope + q + kv_full + _attend_bytes(B, n_heads // w, T, keys, d)
-        mlp = 3 * e * B * T * h + 3 * e * B * T * cfg.ffn_dim // w
-    logits = B * rows * FP32  # the last tokens' (or the decoded tokens') logits
-    transient = max(attention, mlp) + logits
-    decode = _decode_working_set(cfg, cache, B, S + max(new_tokens - 1, 0), w, e) + logits
-    phase = f"prefill ({which})"
-    if decode > transient:
-        transient, phase = decode, "decode"
-    return MemoryBreakdown(params=params, grads=0, optimizer=0, activations=0, transient=transient,
-                           kv_cache=kv_cache, total=params + kv_cache + transient, phase=phase,
-                           decode_peak=params + kv_cache + decode, kv_layout=layout or "")
-
-
-@dataclass(frozen=True)
-class _Cache:
-    """A rank's KV cache: ``heads`` KV heads of ``capacity`` slots; in a decode step it receives the queries of
-    ``gathered`` heads from each of the other ``members`` - 1 ranks it attends for, and holds 1/``share`` of each
-    sequence's keys."""
-
-    heads: int
-    capacity: int
-    gathered: int
-    members: int
-    share: int
-
-
-def _kv_layout(spec: Scheme, cfg: ModelConfig, w: int, requested: str) -> str | None:
-    """TSP's decode cache layout (``kv_layouts.resolve_kv_layout``); None for the other schemes, which have one
-    layout each and accept only "auto"."""
-    from ..kv_layouts import resolve_kv_layout
-
-    if spec.kv_layouts:
-        return resolve_kv_layout(requested, cfg.n_kv_heads, w, spec)
-    if requested != "auto":
-        raise ValueError(f"kv_layout={requested!r} is a TSP layout; {spec.name} has its own KV cache layout "
-                         f"(use kv_layout='auto')")
-    return None
-
-
-def _tsp_cache(layout: str, cfg: ModelConfig, S: int, new_tokens: int, D: int) -> _Cache:
-    """TSP's cache per layout (kv_layouts.py): ``heads``: n_kv/D heads, every token; ``grouped``: one KV head,
-    1/c of the tokens (c = D/n_kv ranks share the head: the prompt split among them, decoded tokens in turn);
-    ``sequence``: every head, 1/D of the tokens. At D = 1 heads and sequence are the whole cache."""
-    decoded, n_kv = max(new_tokens - 1, 0), cfg.n_kv_heads
-    q = cfg.n_heads // D
-    if layout == "heads":
-        return _Cache(n_kv // D, S + decoded, 0, 1, 1)
-    if layout == "grouped":
-        c = D // n_kv
-        return _Cache(1, S // c + _ceil_div(decoded, c), q, c, c)
-    held = max(n_kv, D)  # every head group's q/k/v gathered, copied KV heads with them
-    return _Cache(n_kv, S // D + _ceil_div(decoded, D), (cfg.n_heads + 2 * held) // D, D, D)
-
-
-def _attended(cache: _Cache, B: int, T: int, S: int, hq: int, hkv: int, d: int, e: int) -> int:
-    """Activations move: the q/k/v of the chunk's T tokens this rank makes (``hq`` + 2 ``hkv`` heads) or receives
-    (every gathered head group's), and attention of the queries it answers for to the keys its cache holds."""
-    own = e * B * T * (hq + 2 * hkv) * d
-    gathered = e * B * T * cache.gathered * d * cache.members  # [members, B, T, heads, d]
-    heads = hq * cache.members  # queries attended here: its own, or every member's
-    return own + gathered + _attend_bytes(B, heads, T, S // cache.share, d)
-
-
-def _decode_working_set(cfg: ModelConfig, cache: _Cache, B: int, context: int, w: int, e: int) -> int:
-    """One decode step (one token per sequence, weights in place): the residual stream, q/k/v, the exchange
-    buffers (the gathered heads, the float32 (O, LSE) partials in and out, the summed partials of every rank)
-    and attention of the queries this rank answers for to the keys it holds."""
-    h, d, hq = cfg.dim, cfg.head_dim, cfg.n_heads // w
-    heads = hq * cache.members
-    exchange = e * B * cache.gathered * d * cache.members + 2 * FP32 * B * heads * (d + 1) * (cache.members > 1)
-    sums = e * B * h * w  # sum_over_ranks gathers [D, B, h] on a point-to-point backend
-    hkv = max(cfg.n_kv_heads, w) // w
-    attention = 4 * e * B * h + _attended(cache, B, 1, context, hq, hkv, d, e) + exchange + sums
-    mlp = 3 * e * B * h + 3 * e * B * cfg.ffn_dim // w + sums
-    return max(attention, mlp)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return _ceil_div(n, multiple) * multiple
