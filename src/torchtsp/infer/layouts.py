@@ -17,6 +17,7 @@ KV_LAYOUTS = ("auto", "heads", "grouped", "sequence")
 
 # The TSP engine of each layout (import paths, resolved on use like the scheme registry's).
 TSP_ENGINES = {
+    "heads": "torchtsp.infer.tsp_heads:TSPHeadsEngine",
     "sequence": "torchtsp.infer.tsp:TSPEngine",
 }
 
