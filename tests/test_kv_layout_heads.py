@@ -183,32 +183,58 @@ def test_a_decode_step_issues_exactly_tps_collectives(results, setup, world):
 
 
 def serve_on_rank(schedule):
-    import test_serve_batch as sb
+    from test_serve_batch import _model, serve_script
 
-    made = []
-
-    def heads_engine(model):
-        made.append(make_engine(model, "heads"))
-        return made[-1]
-
-    reference_model = sb._model()
+    reference_model = _model()
     model = torchtsp.parallelize(copy.deepcopy(reference_model), torchtsp.init_mesh(tsp=2), "tsp").eval()
-    real, sb.make_engine = sb.make_engine, heads_engine
-    try:
-        out = sb.serve_script(model, reference_model, schedule=schedule, prefill_chunk=8)
-    finally:
-        sb.make_engine = real
-    return [type(e).__name__ for e in made], out
+    return serve_script(model, reference_model, schedule=schedule, prefill_chunk=8, kv_layout="heads")
 
 
 @pytest.mark.parametrize("schedule", ["weights", "activations"])
 def test_continuous_batching_gives_each_request_its_alone_output(pools, schedule):
     from test_serve_batch import CANCEL_IN_PREFILL, _check
 
-    for engines, (served, alone, done, left) in pools(2).run(serve_on_rank, schedule):
-        assert engines == ["TSPHeadsEngine"]
+    for served, alone, done, left in pools(2).run(serve_on_rank, schedule):
         _check(served, alone, done)
         assert done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
+
+
+def long_next_to_short_on_rank():
+    """A 40-token prompt and a 1-token prompt asking for 40 tokens arrive together (max_model_len 48): prefilled in
+    one group, the short one's row would need 40 padded slots + 39 decoded ones, more than a heads row holds; the
+    scheduler must hold it for the next group. Returns (served, alone)."""
+    import multiprocessing
+
+    from test_serve_batch import _model
+    from torchtsp.serve.batch import BatchRunner
+    from torchtsp.serve.plan import Admission, Sampling
+    from torchtsp.serve.worker import Scheduler
+
+    reference_model = _model()
+    model = torchtsp.parallelize(copy.deepcopy(reference_model), torchtsp.init_mesh(tsp=2), "tsp").eval()
+    requests = [Admission(0, list(range(1, 41)), 8, Sampling()), Admission(1, [5], 40, Sampling())]
+    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests]
+    runner = BatchRunner(make_engine(model, "heads"), max_batch=2, max_model_len=48, prefill_chunk=8)
+    inbox, http = multiprocessing.Pipe()
+    scheduler = Scheduler(runner, inbox)
+    for a in requests:
+        http.send(("submit", a))
+    served, finished = {0: [], 1: []}, []
+    for step in range(200):
+        scheduler.receive(0)
+        result = runner.step(scheduler.plan(step))
+        for i, t in result.tokens:
+            served[i].append(t)
+        finished += result.finished + scheduler.dropped
+        scheduler.dropped = []
+        if len(finished) == len(requests):
+            break
+    return [served[0], served[1]], alone, finished
+
+
+def test_the_server_admits_by_the_heads_rows_real_size(pools):
+    for served, alone, finished in pools(2).run(long_next_to_short_on_rank):
+        assert served == alone and sorted(finished) == [(0, "length"), (1, "length")]
 
 
 # ---------------------------------------------------------------- a layout the model does not allow

@@ -42,6 +42,10 @@ class TSPHeadsEngine(TSPEngine):
         super().__init__(view)
         self._sums = {}  # sum_over_ranks' gather buffers, by shape (a decode step reuses them)
 
+    @property
+    def kv_token_ranks(self):
+        return 1  # every rank caches every token (of its heads)
+
     def choose_schedule(self, schedule, batch, prefill_tokens):
         super().choose_schedule(schedule, batch, prefill_tokens)
         self.schedule["decode"] = "activations"  # the only decode this layout has (module docstring)

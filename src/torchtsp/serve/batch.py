@@ -32,11 +32,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def row_slots(token_multiple: int, padded_prompt: int, max_tokens: int) -> int:
-    """Cache slots one sequence needs on every rank: a sequence-sharded cache (TSP, SP: token_multiple = 2D)
-    holds 1/D of the padded prompt and every D-th decoded token; the others hold every token."""
-    ranks = token_multiple // 2 if token_multiple > 1 else 1
-    return padded_prompt // ranks + -(-(max_tokens - 1) // ranks)
+def row_slots(token_ranks: int, padded_prompt: int, max_tokens: int) -> int:
+    """Cache slots one sequence needs on every rank: a cache whose tokens are split over ``token_ranks`` ranks
+    (``Engine.kv_token_ranks``: D for a sequence-sharded one) holds that share of the padded prompt and of the
+    decoded tokens; with 1 every token."""
+    return padded_prompt // token_ranks + -(-(max_tokens - 1) // token_ranks)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class BatchRunner:
                  schedule: str = "auto", eos_token_id: int | None = None):
         self.engine, self.cfg, self.schedule = engine, engine.cfg, schedule
         self.max_batch, self.max_model_len, self.eos = max_batch, max_model_len, eos_token_id
-        self.token_multiple = engine.token_multiple
+        self.token_multiple, self.token_ranks = engine.token_multiple, engine.kv_token_ranks
         self.prefill_chunk = round_up(max(1, prefill_chunk), self.token_multiple)
         # Rows sized for the worst single sequence (row_slots with max_model_len), plus one padding block of
         # slack for a prompt prefilled next to a longer one (the scheduler checks every admission against it).

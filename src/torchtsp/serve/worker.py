@@ -87,7 +87,7 @@ class Scheduler:
         while self.waiting and len(admit) < free and runner.prefilling is None:
             group = [*admit, self.waiting[0]]
             padded = round_up(max(len(a.prompt) for a in group), runner.token_multiple)
-            if any(row_slots(runner.token_multiple, padded, a.max_tokens) > runner.capacity for a in group):
+            if any(row_slots(runner.token_ranks, padded, a.max_tokens) > runner.capacity for a in group):
                 if not admit:  # not even alone (the HTTP checks make this impossible; never block the queue)
                     self.dropped.append((self.waiting.popleft().request_id, "too_long"))
                     continue
