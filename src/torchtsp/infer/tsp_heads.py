@@ -35,6 +35,8 @@ from .tsp import TSPEngine, _attention_weights
 
 
 class TSPHeadsEngine(TSPEngine):
+    """TSPEngine with the heads cache: its weights, schedules' prefill and LM head, its own cache and steps."""
+
     kv_layout = "heads"
 
     def __init__(self, view):
