@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..layers import attend, attention_output, positions_mask, project_heads, rope_tables
+from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
 from ..parallel.tsp.moe import tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
@@ -43,6 +44,12 @@ class TSPHeadsEngine(TSPEngine):
         resolve_kv_layout("heads", view.cfg.n_kv_heads, view.comm.size)  # the one-line error, also when built here
         super().__init__(view)
         self._sums = {}  # sum_over_ranks' gather buffers, by shape (a decode step reuses them)
+        # Each layer's own attention weights and dense FFN slice (None: experts), views of its packed shards made
+        # once: unpacking them costs a decode step as much host time as a small layer's matmuls.
+        self._own = {id(layer): (_attention_weights(view, layer, layer.attention),
+                                 None if layer.moe is not None else
+                                 dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))))
+                     for layer in view.layers}
 
     @property
     def kv_token_ranks(self):
@@ -82,12 +89,15 @@ class TSPHeadsEngine(TSPEngine):
         mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
 
         def attention(h, layer, step):
-            w = _attention_weights(self.view, layer, layer.attention)
+            w = self._own[id(layer)][0]
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
             step.write(k, v)
             return self._sum(attention_output(step.attend(q, mask)[0], w["wo"], self.dtype), "infer.attention")
 
-        mlp = lambda h, layer: self._sum(self._local_ffn(h, layer), "infer.mlp")
+        def mlp(h, layer):
+            ffn = self._own[id(layer)][1]
+            return self._sum(self._local_ffn(h, layer) if ffn is None else ffn_partial(h, ffn, self.cfg), "infer.mlp")
+
         return self._run(x, step, attention, mlp)
 
     def decode(self, ids, pos, step):
