@@ -9,6 +9,8 @@
 * seeded sampling gives the same tokens at every D and scheme as on one device; stop ids end sequences;
 * chunked prefill gives the same logits as unchunked.
 
+The tsp runs use the sequence KV layout (tsp.py); the heads layout has its own tests (test_kv_layout_heads.py).
+
 Spawning ranks costs seconds, so each world size runs ONE pool job doing every case; the tests read it.
 """
 
@@ -116,7 +118,8 @@ def checks_on_rank(world, models, batch, switch_batch, stop_case):
         cfg, state = models[name]
         mesh = meshes.setdefault(scheme, _mesh(world, scheme))
         model = torchtsp.parallelize(reference(cfg, state), mesh, scheme)
-        r = generate(model, batch, NEW, return_logits=True, **options)
+        layout = {"kv_layout": "sequence"} if scheme == "tsp" else {}  # heads: test_kv_layout_heads.py
+        r = generate(model, batch, NEW, return_logits=True, **layout, **options)
         out[run_id] = dict(tokens=r.tokens, logits=[t.clone() for t in r.logits], kv=r.kv_cache_bytes,
                            schedule=r.schedule)
     if world not in SWITCH_WORLDS:  # the GQA model's 4 KV heads do not split over 3 ranks
@@ -125,11 +128,11 @@ def checks_on_rank(world, models, batch, switch_batch, stop_case):
     cfg, state = models["gqa"]
     for sched in ("auto", "weights", "activations"):
         model = torchtsp.parallelize(reference(cfg, state), meshes.setdefault("tsp", _mesh(world, "tsp")), "tsp")
-        r = generate(model, switch_batch, 4, schedule=sched)
+        r = generate(model, switch_batch, 4, schedule=sched, kv_layout="sequence")
         out[f"switch-{sched}"] = dict(tokens=r.tokens, schedule=r.schedule)
     stop_ids, eos = stop_case
     model = torchtsp.parallelize(reference(cfg, state), meshes["tsp"], "tsp")
-    out["stop"] = generate(model, batch, NEW, stop_token_ids=stop_ids, eos_token_id=eos).tokens
+    out["stop"] = generate(model, batch, NEW, stop_token_ids=stop_ids, eos_token_id=eos, kv_layout="sequence").tokens
     return out
 
 

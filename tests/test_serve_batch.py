@@ -38,14 +38,14 @@ def _model():
     return model
 
 
-def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4):
+def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4, kv_layout="auto"):
     """Run the arrivals through the serve ``Scheduler`` and a BatchRunner (at most ``max_batch`` rows), the
     requests and cancellations sent over a pipe as the HTTP process sends them; returns (served, alone, how
     each ended, slots left)."""
     alone = [generate(reference, [p], m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                       seed=s.seed).new_tokens[0] for p, s, m in zip(PROMPTS, SAMPLING, MAX_TOKENS)]
-    runner = BatchRunner(make_engine(model), max_batch=max_batch, max_model_len=48, prefill_chunk=prefill_chunk,
-                         schedule=schedule)
+    runner = BatchRunner(make_engine(model, kv_layout), max_batch=max_batch, max_model_len=48,
+                         prefill_chunk=prefill_chunk, schedule=schedule)
     inbox, http = multiprocessing.Pipe()
     scheduler = Scheduler(runner, inbox)
     out = {i: [] for i in range(len(PROMPTS))}
@@ -91,7 +91,8 @@ def test_reference_engine_batches_rows_of_different_lengths():
 def _on_ranks(scheme, schedule):
     reference = _model()
     model = torchtsp.parallelize(copy.deepcopy(reference), torchtsp.init_mesh(**{scheme: 2}), scheme).eval()
-    return serve_script(model, reference, schedule=schedule, prefill_chunk=8)
+    layout = "sequence" if scheme == "tsp" else "auto"  # the heads layout: test_kv_layout_heads.py
+    return serve_script(model, reference, schedule=schedule, prefill_chunk=8, kv_layout=layout)
 
 
 @pytest.mark.parametrize("scheme,schedule", [("tsp", "weights"), ("tsp", "activations"), ("tp", "auto"),

@@ -78,7 +78,7 @@ class _Conn:
 
 def _runner():
     return SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB), max_model_len=64, max_batch=4, prefilling=None,
-                           token_multiple=1, capacity=64, active_ids=lambda: set())
+                           token_multiple=1, token_ranks=1, capacity=64, active_ids=lambda: set())
 
 
 @pytest.mark.parametrize("sampling,prompt", [

@@ -283,7 +283,8 @@ SCHEMES.add(Scheme(
     axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp", options=("recompute",),
     kv_replication=True, pipeline=True, weight_schedules=True, model="torchtsp.parallel.tsp:TSPTransformer",
     inference="torchtsp.infer.tsp:TSPEngine", traffic=f"{_COMM}:tsp_step_traffic",
-    kv_layouts=(("grouped", "torchtsp.infer.tsp_grouped:TSPGroupedEngine"),
+    kv_layouts=(("heads", "torchtsp.infer.tsp_heads:TSPHeadsEngine"),
+                ("grouped", "torchtsp.infer.tsp_grouped:TSPGroupedEngine"),
                 ("sequence", "torchtsp.infer.tsp:TSPEngine")),
     memory_walk=f"{_MEMORY}:TSP_WALK", step_cost=f"{_HW}:overlapped_exposed_s", color="#d62728", marker="o",
     decode_baseline="tp"))

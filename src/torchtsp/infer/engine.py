@@ -84,6 +84,12 @@ class Engine:
         """Prefill chunks must hold a multiple of this many tokens (2D for the zigzag layout)."""
         return 1
 
+    @property
+    def kv_token_ranks(self) -> int:
+        """Over how many ranks each sequence's cached tokens are split: D for a sequence-sharded cache (TSP's
+        sequence layout, SP: the zigzag's 2D token multiple), 1 where every rank caches every token."""
+        return self.token_multiple // 2 if self.token_multiple > 1 else 1
+
     def batch_rows(self, batch: int) -> slice:
         """The rows of the global batch this rank decodes (DP splits them)."""
         return slice(0, batch)

@@ -68,7 +68,10 @@ class TSPGroupedEngine(TSPEngine):
             raise ValueError(f"kv_layout='grouped' needs the model's KV-head groups of {self.c} ranks "
                              f"(shard_math.kv_comm); this model has none: build it with torchtsp.parallelize")
         self.member, self.kv_group = self.comm.rank % self.c, self.comm.rank // self.c
-        self.kv_token_ranks = self.c  # a sequence's tokens are dealt over c ranks (serve.batch.row_slots)
+
+    @property
+    def kv_token_ranks(self):
+        return self.c  # a sequence's tokens are dealt over the c ranks sharing its KV head
 
     def choose_schedule(self, schedule, batch, prefill_tokens):
         super().choose_schedule(schedule, batch, prefill_tokens)

@@ -36,13 +36,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def row_slots(token_multiple: int, padded_prompt: int, max_tokens: int, ranks: int | None = None) -> int:
-    """Cache slots one sequence needs on every rank: a sequence-sharded cache (TSP, SP: token_multiple = 2D)
-    holds 1/D of the padded prompt and every D-th decoded token; the others hold every token. ``ranks``: the
-    ranks its tokens are dealt over when that is not D (TSP's grouped layout: the c ranks sharing a KV head)."""
-    if ranks is None:
-        ranks = token_multiple // 2 if token_multiple > 1 else 1
-    return padded_prompt // ranks + -(-(max_tokens - 1) // ranks)
+def row_slots(token_ranks: int, padded_prompt: int, max_tokens: int) -> int:
+    """Cache slots one sequence needs on every rank: a cache whose tokens are split over ``token_ranks`` ranks
+    (``Engine.kv_token_ranks``: D for a sequence-sharded one) holds that share of the padded prompt and of the
+    decoded tokens; with 1 every token."""
+    return padded_prompt // token_ranks + -(-(max_tokens - 1) // token_ranks)
 
 
 @dataclass
@@ -94,7 +92,7 @@ class BatchRunner:
         self.max_batch, self.max_model_len, self.eos = max_batch, max_model_len, eos_token_id
         self.grammars = grammars  # structured.Grammars, or None: a request with a grammar is refused
         self._matchers: dict = {}  # request id -> matcher, from a plan's admissions to their rows
-        self.token_multiple = engine.token_multiple
+        self.token_multiple, self.token_ranks = engine.token_multiple, engine.kv_token_ranks
         self.prefill_chunk = round_up(max(1, prefill_chunk), self.token_multiple)
         # Rows sized for the worst single sequence (row_slots with max_model_len), plus one padding block of
         # slack for a prompt prefilled next to a longer one (the scheduler checks every admission against it).
@@ -113,9 +111,8 @@ class BatchRunner:
     # -- what the scheduler asks ------------------------------------------------------
 
     def row_slots(self, padded_prompt: int, max_tokens: int) -> int:
-        """Cache slots a sequence needs in a row of this runner's engine (``row_slots``; an engine whose tokens
-        are dealt over fewer ranks than its token multiple says, says how many: ``kv_token_ranks``)."""
-        return row_slots(self.token_multiple, padded_prompt, max_tokens, getattr(self.engine, "kv_token_ranks", None))
+        """Cache slots a sequence needs in a row of this runner's engine (``row_slots``)."""
+        return row_slots(self.token_ranks, padded_prompt, max_tokens)
 
     def slots_used(self) -> int:
         """Cache slots this rank holds for its sequences (real tokens and prompt padding; free rows hold 0)."""

@@ -74,7 +74,7 @@ class Scheduler:
             self.dropped.append((rid, "rejected"))
 
     def plan(self, step: int):
-        from .batch import round_up
+        from .batch import round_up, row_slots
         from .plan import StepPlan
 
         runner = self.runner
@@ -94,7 +94,7 @@ class Scheduler:
         while self.waiting and len(admit) < free and runner.prefilling is None:
             group = [*admit, self.waiting[0]]
             padded = round_up(max(len(a.prompt) for a in group), runner.token_multiple)
-            if any(runner.row_slots(padded, a.max_tokens) > runner.capacity for a in group):
+            if any(row_slots(runner.token_ranks, padded, a.max_tokens) > runner.capacity for a in group):
                 if not admit:  # not even alone (the HTTP checks make this impossible; never block the queue)
                     self.dropped.append((self.waiting.popleft().request_id, "too_long"))
                     continue

@@ -1,0 +1,156 @@
+"""TSP inference with the ``heads`` KV-cache layout (n_kv % D == 0; docs/design.md, "Decode cache layouts: heads").
+
+TSP's weights already split the attention by head group: rank j holds group j's packed q/k/v/o rows (hq query heads,
+hkv = n_kv/D KV heads). Here rank j also caches group j's K/V of *every* token, so a rank's cache is 1/D of the
+single-device cache, as with the ``sequence`` layout (tsp.py), but its keys are its own heads' keys.
+
+**Decode, and prefill with the activations moving:** TP's step on TSP's weight slices. The step's tokens are
+replicated; rank p projects its group's q/k/v, stores the K/V, attends its queries to its own cache and applies its
+``wo`` columns; the MLP is its FFN slice (or its experts). Per layer two sums (after ``wo``, after the MLP), plus
+the embedding's: exactly TP's collectives per step, against four exchanges per layer for the sequence layout.
+Decode with the weights moving has no reason to exist with this layout (the keys a query needs already sit with
+its group's weights; moving the weights would only add traffic), so ``decode`` always takes this step and
+``choose_schedule`` reports decode "activations".
+
+**Prefill with the weights moving** (``weights_move``; many tokens in flight): each rank holds its zigzag share of
+the chunk and the packed attention shards are broadcast group by group, as in the training forward. At group j's
+turn every rank projects its tokens, group j's K/V of the chunk are all-gathered (every rank's queries of group j
+need them) and rank j stores all of them: the cache costs prefill no traffic. The keys of earlier chunks live on
+rank j only: one broadcast from rank j brings them, the same bytes per rank as the sequence layout's gather of every
+rank's share of them. Positions are all-gathered once per chunk (every rank records every token's slot).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_layouts import resolve_kv_layout
+from ..layers import attend, attention_output, positions_mask, project_heads, rope_tables
+from ..parallel.moe import ffn_partial
+from ..parallel.tsp import broadcast_each, ring_each
+from ..parallel.tsp.moe import tsp_moe_local_tokens
+from ..parallel.tsp.rings import ring_mlp
+from .cache import FAR, CacheStep, KVCache
+from .engine import SUM_BY_GATHER_MAX_BYTES, Engine, masked_lookup, sum_over_ranks
+from .tsp import TSPEngine, _attention_weights
+
+
+class TSPHeadsEngine(TSPEngine):
+    """TSPEngine with the heads cache: its weights, schedules' prefill and LM head, its own cache and steps."""
+
+    kv_layout = "heads"
+
+    def __init__(self, view):
+        resolve_kv_layout("heads", view.cfg.n_kv_heads, view.comm.size)  # the one-line error, also when built here
+        super().__init__(view)
+        self._sums = {}  # sum_over_ranks' gather buffers, by shape (a decode step reuses them)
+        # Each layer's own attention weights and dense FFN slice (None: experts), views of its packed shards made
+        # once: unpacking them costs a decode step as much host time as a small layer's matmuls.
+        self._own = {id(layer): (_attention_weights(view, layer, layer.attention),
+                                 None if layer.moe is not None else
+                                 dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))))
+                     for layer in view.layers}
+
+    @property
+    def kv_token_ranks(self):
+        return 1  # every rank caches every token (of its heads)
+
+    def choose_schedule(self, schedule, batch, prefill_tokens):
+        super().choose_schedule(schedule, batch, prefill_tokens)
+        self.schedule["decode"] = "activations"  # the only decode this layout has (module docstring)
+
+    def start(self, batch, prompt_len, max_new_tokens):
+        cfg = self.cfg
+        self.cache = KVCache(cfg.n_layers, batch, self.view.shard_math.kv_heads, prompt_len + max_new_tokens - 1,
+                             cfg.head_dim, self.dtype, self.device)
+
+    def attach_cache(self, cache):
+        Engine.attach_cache(self, cache)  # every rank holds every token's slot: no fill counts to exchange
+
+    def _sum(self, partial, label):
+        """``sum_over_ranks``, gathering small partials (a decode step's) into buffers made once per shape."""
+        out = None
+        if self.comm.size > 1 and partial.numel() * partial.element_size() <= SUM_BY_GATHER_MAX_BYTES:
+            out = self._sums.get(partial.shape)
+            if out is None:
+                out = self._sums[partial.shape] = partial.new_empty(self.comm.size, *partial.shape)
+        return sum_over_ranks(self.comm, partial, label, out=out)
+
+    # -- replicated tokens: TP's step -------------------------------------------------------
+
+    def activations_move(self, ids, pos, valid, keep=None, counts=None):
+        """Replicated tokens ids [B, T] through the model with the weights in place; every rank stores its group's
+        K/V of all of them (``keep`` and ``counts``, the sequence layout's share, do not apply). Returns the
+        final-norm hidden states [B, T, h] (replicated)."""
+        comm, cache = self.comm, self.cache
+        x = self._sum(masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
+        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        _, _, k_pos, k_valid = cache.keys(0)
+        mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
+
+        def attention(h, layer, step):
+            w = self._own[id(layer)][0]
+            q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
+            step.write(k, v)
+            return self._sum(attention_output(step.attend(q, mask)[0], w["wo"], self.dtype), "infer.attention")
+
+        def mlp(h, layer):
+            ffn = self._own[id(layer)][1]
+            return self._sum(self._local_ffn(h, layer) if ffn is None else ffn_partial(h, ffn, self.cfg), "infer.mlp")
+
+        return self._run(x, step, attention, mlp)
+
+    def decode(self, ids, pos, step):
+        ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
+        return self.head(self.activations_move(ids, pos, torch.ones_like(ids, dtype=torch.bool))[:, 0])
+
+    # -- prefill with the weights moving ----------------------------------------------------
+
+    def weights_move(self, ids, pos, valid, counts):
+        """This rank's tokens ids [B, T_p] (its share of the chunk; every rank's share the same size) through the
+        model with the weights moving. Returns their final-norm hidden states [B, T_p, h]."""
+        cfg, comm, cache = self.cfg, self.comm, self.cache
+        if len(set(counts)) > 1:
+            raise ValueError(f"the heads layout prefills equal shares of a chunk on every rank, got {counts}")
+        B, T = ids.shape
+        x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
+        for s, w in ring_each(comm, self.embedding, "infer.embedding"):
+            found, hit = masked_lookup(ids, w, s)
+            x = torch.where(hit.unsqueeze(-1), found, x)
+        earlier = cache.filled
+        # The earlier keys' positions before this chunk takes slots (a shorter row's new slots lie below `earlier`).
+        earlier_pos = torch.where(cache.valid[:, :earlier], cache.pos[:, :earlier], FAR)
+        chunk_pos = comm.all_gather(torch.where(valid, pos, FAR), label="infer.kv.positions")
+        chunk_pos = chunk_pos.movedim(0, 1).flatten(1)  # [B, D·T], rank-major like the gathered K/V
+        key_pos = torch.cat([earlier_pos, chunk_pos], dim=1)
+        mask = positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
+        step = CacheStep(cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos, *rope_tables(pos, cfg))
+
+        def attention(h, layer, step):
+            y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
+            for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
+                w = _attention_weights(self.view, layer, w)
+                q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
+                kv = comm.all_gather(torch.stack([k, v]), label="infer.kv")  # [D, 2, B, hkv, T, d]
+                kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, hkv, D·T, d]
+                keys = torch.cat([self._earlier_keys(step.layer, earlier, j), kv], dim=3) if earlier else kv
+                if j == comm.rank:
+                    step.write(kv[0], kv[1])
+                y += attention_output(attend(q, keys[0], keys[1], mask)[0], w["wo"], self.dtype)
+            return y
+
+        def mlp(h, layer):
+            if layer.moe is not None:  # tokens travel to the experts' owners and back
+                return tsp_moe_local_tokens(h, layer.moe)
+            return ring_mlp(h, layer.mlp, self.mlp_layout, comm, "infer.mlp")
+
+        return self._run(x, step, attention, mlp)
+
+    def _earlier_keys(self, layer: int, n: int, j: int) -> torch.Tensor:
+        """Group j's K/V [2, B, hkv, n, d] of the first n slots, which rank j holds: one broadcast from it."""
+        cache = self.cache
+        if j == self.comm.rank:
+            kv = torch.stack([cache.k[layer][:, :, :n], cache.v[layer][:, :, :n]])
+        else:
+            kv = cache.k[layer].new_empty(2, *cache.k[layer][:, :, :n].shape)
+        return self.comm.broadcast(kv, src=j, label="infer.kv.earlier")
