@@ -96,6 +96,12 @@ def _refusal(raw: dict) -> APIError:
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar", "xgrammar"),
+    # vLLM's extensions torchtsp does not implement are refused, never silently ignored
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"), ({"min_p": 0.1}, "min_p", "not supported"),
+    ({"bad_words": ["x"]}, "bad_words", "not supported"), ({"allowed_token_ids": [1]}, "allowed_token_ids", "not"),
+    ({"use_beam_search": True}, "use_beam_search", "beam"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
 ])
 def test_bad_sampling_and_structured_fields_are_400_naming_them(extra, param, words):
     e = _refusal({"prompt": "hi", "max_tokens": 4, **extra})
@@ -253,6 +259,11 @@ def test_guided_choice_and_regex(client):
     streamed = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
                                          extra_body={"guided_regex": regex})
     assert re.fullmatch(regex, "".join(c.choices[0].text for c in streamed if c.choices))
+    grammar = 'root ::= ("yes" | "no") " " [0-9] [0-9]'  # an EBNF grammar (vLLM's guided_grammar)
+    for seed in (0, 1):
+        got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
+                                        extra_body={"guided_grammar": grammar})
+        assert re.fullmatch(r"(yes|no) [0-9][0-9]", got.choices[0].text), got.choices[0].text
 
 
 def _run(runner, admissions, steps=40) -> tuple[dict, dict]:

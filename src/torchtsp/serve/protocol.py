@@ -69,6 +69,15 @@ class _Sampled(BaseModel):
     guided_json: str | dict | None = None  # vLLM's extensions: structured output (structured.py)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # an EBNF grammar (xgrammar's dialect, as vLLM's xgrammar backend)
+    # vLLM's sampling extensions torchtsp does not implement: declared so that a request setting one is refused,
+    # not answered as if it had not (an ignored penalty changes the text silently).
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs name tokens "token_id:N"
 
     def refuse_unsupported(self) -> None:
@@ -79,7 +88,16 @@ class _Sampled(BaseModel):
                    ("presence_penalty", self.presence_penalty not in (None, 0), "presence_penalty is not supported"),
                    ("frequency_penalty", self.frequency_penalty not in (None, 0),
                     "frequency_penalty is not supported"),
-                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported")]
+                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+                   ("repetition_penalty", self.repetition_penalty not in (None, 1), "repetition_penalty is not "
+                    "supported"),
+                   ("min_p", self.min_p not in (None, 0), "min_p is not supported (top_p and top_k are)"),
+                   ("bad_words", bool(self.bad_words), "bad_words is not supported"),
+                   ("allowed_token_ids", bool(self.allowed_token_ids), "allowed_token_ids is not supported "
+                    "(guided_choice or guided_regex constrain the text)"),
+                   ("use_beam_search", self.use_beam_search, "beam search is not supported"),
+                   ("include_stop_str_in_output", self.include_stop_str_in_output,
+                    "include_stop_str_in_output is not supported (stop strings are trimmed)")]
         for field, bad, message in refused:
             if bad:
                 raise APIError(400, message, field, "unsupported_parameter")

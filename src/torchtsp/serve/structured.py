@@ -23,7 +23,7 @@ INSTALL = "structured output needs xgrammar: pip install 'torchtsp[structured]'"
 # JSON from a schema is compact (xgrammar's any_whitespace=False): with free whitespace between tokens a weak
 # model can emit whitespace until max_tokens and never close the object.
 COMPILER_THREADS = 2
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_CHOICES = 256
 
 
@@ -51,6 +51,8 @@ def requested_grammar(body) -> tuple[str, str, str] | None:
     field, value = asked[0], getattr(body, asked[0])
     if field == "guided_regex":
         return "regex", value, field
+    if field == "guided_grammar":
+        return "ebnf", value, field
     if field == "guided_choice":
         if not value or len(value) > MAX_CHOICES or any(c == "" for c in value):
             raise APIError(400, f"guided_choice must be 1 to {MAX_CHOICES} non-empty strings", field)
