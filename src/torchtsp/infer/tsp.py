@@ -75,6 +75,12 @@ class TSPEngine(Engine):
         super().__init__()
         self.schedule = {"prefill": "weights", "decode": "activations"}
         self._buffers = None  # decode_activations' exchange buffers
+        # Each layer's own attention weights and dense FFN slice (None: experts), views of its packed shards made
+        # once: unpacking them costs a decode step as much host time as a small layer's matmuls.
+        self._own = {id(layer): (_attention_weights(view, layer, layer.attention),
+                                 None if layer.moe is not None else
+                                 dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))))
+                     for layer in view.layers}
 
     @property
     def token_multiple(self):
@@ -123,7 +129,7 @@ class TSPEngine(Engine):
         D, p = self.comm.size, self.comm.rank
         if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
             return ffn_partial(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
-        return ffn_partial(h, dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))), self.cfg)
+        return ffn_partial(h, self._own[id(layer)][1], self.cfg)
 
     def weights_move(self, ids, pos, valid, counts):
         """This rank's tokens ids [B, T_p] (any share; T_p may be 0) through the model with the weights moving.
@@ -168,7 +174,7 @@ class TSPEngine(Engine):
         step = CacheStep(cache, self._reserve(pos[:, keep], valid[:, keep], counts), pos, *rope_tables(pos, self.cfg))
 
         def attention(h, layer, step):
-            w = _attention_weights(self.view, layer, layer.attention)
+            w = self._own[id(layer)][0]
             q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, T, heads, d]
             qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
             qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
@@ -215,7 +221,7 @@ class TSPEngine(Engine):
         B, D = h.shape[0], comm.size
         shards = self.view.shard_math
         hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, self.cfg.head_dim
-        w = _attention_weights(self.view, layer, layer.attention)
+        w = self._own[id(layer)][0]
         q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, 1, ·, d]
         torch.cat([q, k, v], dim=2, out=buffers["qkv"])
         qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]

@@ -170,7 +170,7 @@ class TSPGroupedEngine(TSPEngine):
                          *rope_tables(pos, self.cfg))
 
         def attention(h, layer, step):
-            w = _attention_weights(self.view, layer, layer.attention)
+            w = self._own[id(layer)][0]
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
             step.write(k[:, :, keep], v[:, :, keep])
             q_group = group.all_gather(q, label="infer.q").movedim(0, 1).flatten(1, 2)  # [B, c·hq, T, d]
@@ -205,7 +205,7 @@ class TSPGroupedEngine(TSPEngine):
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, stores: bool, buffers):
         """A decode step's attention (module docstring); ``stores``: this rank stores the token's K/V."""
         B, c, hq, d = h.shape[0], self.c, self.view.shard_math.q_heads, self.cfg.head_dim
-        w = _attention_weights(self.view, layer, layer.attention)
+        w = self._own[id(layer)][0]
         q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, 1, hq, d]; k, v [B, 1, 1, d]
         if stores:
             step.write(k.transpose(1, 2), v.transpose(1, 2))

@@ -44,12 +44,6 @@ class TSPHeadsEngine(TSPEngine):
         resolve_kv_layout("heads", view.cfg.n_kv_heads, view.comm.size)  # the one-line error, also when built here
         super().__init__(view)
         self._sums = {}  # sum_over_ranks' gather buffers, by shape (a decode step reuses them)
-        # Each layer's own attention weights and dense FFN slice (None: experts), views of its packed shards made
-        # once: unpacking them costs a decode step as much host time as a small layer's matmuls.
-        self._own = {id(layer): (_attention_weights(view, layer, layer.attention),
-                                 None if layer.moe is not None else
-                                 dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))))
-                     for layer in view.layers}
 
     @property
     def kv_token_ranks(self):
