@@ -122,6 +122,9 @@ class TSPGroupedEngine(TSPEngine):
         chunk_pos = every[:, :, m:]
         masks = []
         for g in range(comm.size // c):
+            if m == 0 and masks:  # no earlier slots: every head's keys are the chunk's, one mask serves them all
+                masks.append(masks[0])
+                continue
             keys = torch.cat([every[:, g * c:(g + 1) * c, :m].flatten(1), chunk_pos.flatten(1)], dim=1)
             masks.append(positions_mask(pos, keys, torch.ones_like(keys, dtype=torch.bool)))
         return masks, chunk_pos
