@@ -36,9 +36,7 @@ AUTO = {(4, 4): "heads", (8, 4): "heads", (4, 2): "heads", (2, 4): "grouped", (1
 def test_auto_picks_heads_else_grouped_else_sequence(n_kv, D):
     from torchtsp.schemes import get_scheme
 
-    engines = dict(get_scheme("tsp").kv_layouts)
-    if AUTO[(n_kv, D)] not in engines:
-        pytest.skip(f"no TSP engine for kv_layout={AUTO[(n_kv, D)]!r} in the registry yet")
+    assert set(dict(get_scheme("tsp").kv_layouts)) == {"heads", "grouped", "sequence"}  # each with its engine
     assert resolve_kv_layout("auto", n_kv, D) == AUTO[(n_kv, D)]
     for refused in {"heads", "grouped"} - {AUTO[(n_kv, D)]} - ({"grouped"} if D % n_kv == 0 and D > n_kv else set()):
         with pytest.raises(ValueError, match=f"n_kv={n_kv} KV heads on D={D} ranks"):
@@ -113,20 +111,15 @@ def decode_counts_on_rank(scheme, n_kv, batch, kv_layout):
     return dict(stats.calls), dict(stats.bytes_recv), engine.kv_layout, engine.comm.point_to_point
 
 
-CASES = [("tp", 4, "auto"), ("tsp", 4, "heads"), ("tsp", 2, "grouped"), ("tsp", 1, "grouped"),
-         ("tsp", 4, "sequence"), ("tsp", 2, "sequence")]
+CASES = [(D, scheme, n_kv, layout) for D in (2, 4)
+         for scheme, n_kv, layout in [("tp", 4, "auto"), ("tsp", 4, "heads"), ("tsp", 2, "grouped"),
+                                      ("tsp", 1, "grouped"), ("tsp", 4, "sequence"), ("tsp", 2, "sequence")]
+         if scheme == "tp" or layout in allowed_kv_layouts(n_kv, D)]  # grouped needs D > n_kv
 
 
-@pytest.mark.parametrize("D", [2, 4])
-@pytest.mark.parametrize("scheme,n_kv,kv_layout", CASES, ids=[f"{s}-kv{n}-{k}" for s, n, k in CASES])
+@pytest.mark.parametrize("D,scheme,n_kv,kv_layout", CASES, ids=[f"D{D}-{s}-kv{n}-{k}" for D, s, n, k in CASES])
 @pytest.mark.parametrize("batch", [2, SUM_BY_GATHER_MAX_BYTES // (128 * 4) + 1], ids=["gathered", "all-reduced"])
 def test_one_decode_step_moves_what_the_model_says(pools, D, scheme, n_kv, kv_layout, batch):
-    from torchtsp.schemes import get_scheme
-
-    if scheme == "tsp" and kv_layout not in dict(get_scheme("tsp").kv_layouts):
-        pytest.skip(f"no TSP engine for kv_layout={kv_layout!r} in the registry yet")
-    if scheme == "tsp" and kv_layout not in allowed_kv_layouts(n_kv, D):
-        pytest.skip(f"n_kv={n_kv} on D={D} does not allow kv_layout={kv_layout!r}")
     for calls, recv, used, p2p in pools(D).run(decode_counts_on_rank, scheme, n_kv, batch, kv_layout):
         assert used == ("heads" if scheme == "tp" else kv_layout) and p2p
         want = decode_step_traffic(scheme, _cfg(n_kv), batch, D, kv_layout, e=4, point_to_point=True)

@@ -181,15 +181,18 @@ def test_greedy_tokens_equal_hugging_face(results, setup, world, run_id, scheme,
                          ids=[f"{w}-{r}" for w, r, *_ in _each_run()])
 def test_logits_of_every_step_equal_reference_forward(results, setup, world, run_id, scheme, name, options):
     cfg, state = setup["models"][name]
-    ref = reference(cfg, state)
-    result = results[world][0][run_id]
-    assert len(result["logits"]) == NEW
+    assert_step_logits_are_the_reference_forwards(reference(cfg, state), results[world][0][run_id], setup["batch"])
+
+
+def assert_step_logits_are_the_reference_forwards(ref, result, batch, new=NEW) -> None:
+    """Every step's logits of a generate ``result`` equal the reference forward over the sequence so far."""
+    assert len(result["logits"]) == new
     with torch.no_grad():
-        for b, prompt in enumerate(setup["batch"]):
+        for b, prompt in enumerate(batch):
             seq = result["tokens"][b]
-            for t in range(NEW):
-                expected = ref(torch.tensor([seq[:len(prompt) + t]]))[0, -1]
-                assert rel_err(result["logits"][t][b], expected) <= LOGITS_TOL, (b, t)
+            full = ref(torch.tensor([seq[:len(prompt) + new - 1]]))[0]  # causal: position i sees seq[:i + 1]
+            for t in range(new):
+                assert rel_err(result["logits"][t][b], full[len(prompt) - 1 + t]) <= LOGITS_TOL, (b, t)
 
 
 def test_kv_cache_is_one_dth_of_the_single_device_cache_up_to_padding(results, setup):

@@ -27,8 +27,7 @@ from torchtsp.serve.batch import BatchRunner
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err  # noqa: E402
-from test_infer import LOGITS_TOL, make_hf, prompts, reference  # noqa: E402
+from test_infer import assert_step_logits_are_the_reference_forwards, make_hf, prompts, reference  # noqa: E402
 from test_kv_replication import reference as biased_reference  # noqa: E402
 from test_serve_batch import CANCEL_IN_PREFILL, _check, serve_script  # noqa: E402
 from torchtsp.hf import config_from_hf, from_hf_state_dict  # noqa: E402
@@ -160,15 +159,8 @@ def test_tokens_equal_the_reference_and_transformers(results, setup, world, run_
 @pytest.mark.parametrize("world,run_id,name,options", _each(), ids=[f"{w}-{r}" for w, r, *_ in _each()])
 def test_logits_of_every_step_equal_the_reference_forward(results, setup, world, run_id, name, options):
     cfg, state = setup["models"][name]
-    ref = reference(cfg, state)
-    result = results[world][0][run_id]
-    assert len(result["logits"]) == NEW
-    with torch.no_grad():
-        for b, prompt in enumerate(setup["batch"]):
-            seq = result["tokens"][b]
-            full = ref(torch.tensor([seq[:-1]]))[0]
-            for t in range(NEW):
-                assert rel_err(result["logits"][t][b], full[len(prompt) - 1 + t]) <= LOGITS_TOL, (b, t)
+    assert_step_logits_are_the_reference_forwards(reference(cfg, state), results[world][0][run_id], setup["batch"],
+                                                  NEW)
 
 
 def test_auto_picks_grouped_where_n_kv_is_below_d(results):

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import torchtsp
-from helpers import rel_err
-from test_infer import LOGITS_TOL, make_hf, prompts, reference
+from test_infer import assert_step_logits_are_the_reference_forwards, make_hf, prompts, reference
 from torchtsp.infer import generate, make_engine
 
 transformers = pytest.importorskip("transformers")
@@ -139,15 +138,8 @@ def test_greedy_tokens_equal_hugging_face_and_the_reference(results, setup, worl
 @pytest.mark.parametrize("world,run_id,name,options", _cases() + _cases(sampled=True),
                          ids=[f"{w}-{r}" for w, r, *_ in _cases() + _cases(sampled=True)])
 def test_logits_of_every_step_equal_the_reference_forward(results, setup, world, run_id, name, options):
-    ref = reference(*setup["models"][name])
-    result = results[world][0][run_id]
-    assert len(result["logits"]) == NEW
-    with torch.no_grad():
-        for b, prompt in enumerate(setup["batch"]):
-            seq = result["tokens"][b]
-            for t in range(NEW):
-                expected = ref(torch.tensor([seq[:len(prompt) + t]]))[0, -1]
-                assert rel_err(result["logits"][t][b], expected) <= LOGITS_TOL, (b, t)
+    assert_step_logits_are_the_reference_forwards(reference(*setup["models"][name]), results[world][0][run_id],
+                                                  setup["batch"], NEW)
 
 
 def test_seeded_sampling_gives_the_reference_tokens(results, setup):

@@ -131,6 +131,12 @@ class TSPEngine(Engine):
             return ffn_partial(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
         return ffn_partial(h, self._own[id(layer)][1], self.cfg)
 
+    def _weights_mlp(self, h, layer: TSPLayerShards):
+        """The MLP with the weights moving: the FFN shards around the ring, or the tokens to their experts."""
+        if layer.moe is not None:  # tokens travel to the experts' owners and back
+            return tsp_moe_local_tokens(h, layer.moe)
+        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp")
+
     def weights_move(self, ids, pos, valid, counts):
         """This rank's tokens ids [B, T_p] (any share; T_p may be 0) through the model with the weights moving.
         Returns their final-norm hidden states [B, T_p, h]."""
@@ -157,12 +163,7 @@ class TSPEngine(Engine):
                 y += attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
             return y
 
-        def mlp(h, layer):
-            if layer.moe is not None:  # tokens travel to the experts' owners and back
-                return tsp_moe_local_tokens(h, layer.moe)
-            return ring_mlp(h, layer.mlp, self.mlp_layout, comm, "infer.mlp")
-
-        return self._run(x, step, attention, mlp)
+        return self._run(x, step, attention, self._weights_mlp)
 
     def activations_move(self, ids, pos, valid, keep, counts):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V

@@ -46,8 +46,6 @@ from ..distributed import zigzag
 from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv, rope_tables
 from ..parallel.tsp import broadcast_each, ring_each
 from ..parallel.tsp.model import TSPLayerShards, TSPShardView
-from ..parallel.tsp.moe import tsp_moe_local_tokens
-from ..parallel.tsp.rings import ring_mlp
 from .cache import FAR, CacheStep, KVCache, gather_keys, merge_packed, merge_partials
 from .engine import masked_lookup, sum_over_ranks
 from .tsp import TSPEngine, _attention_weights
@@ -149,11 +147,6 @@ class TSPGroupedEngine(TSPEngine):
                     kv = torch.cat([past[:, :, :, g * c * m:(g + 1) * c * m], kv], dim=3)
             y += attention_output(attend(q, kv[0], kv[1], masks[g])[0], w["wo"], self.dtype)
         return y
-
-    def _weights_mlp(self, h, layer: TSPLayerShards):
-        if layer.moe is not None:  # tokens travel to the experts' owners and back
-            return tsp_moe_local_tokens(h, layer.moe)
-        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp")
 
     def _member_share(self, T: int, device) -> torch.Tensor:
         """Indices into a chunk of T tokens of those this member keeps: the zigzag shares of its ranks."""

@@ -28,8 +28,6 @@ from ..kv_layouts import resolve_kv_layout
 from ..layers import attend, attention_output, positions_mask, project_heads, rope_tables
 from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
-from ..parallel.tsp.moe import tsp_moe_local_tokens
-from ..parallel.tsp.rings import ring_mlp
 from .cache import FAR, CacheStep, KVCache
 from .engine import SUM_BY_GATHER_MAX_BYTES, Engine, masked_lookup, sum_over_ranks
 from .tsp import TSPEngine, _attention_weights
@@ -133,12 +131,7 @@ class TSPHeadsEngine(TSPEngine):
                 y += attention_output(attend(q, keys[0], keys[1], mask)[0], w["wo"], self.dtype)
             return y
 
-        def mlp(h, layer):
-            if layer.moe is not None:  # tokens travel to the experts' owners and back
-                return tsp_moe_local_tokens(h, layer.moe)
-            return ring_mlp(h, layer.mlp, self.mlp_layout, comm, "infer.mlp")
-
-        return self._run(x, step, attention, mlp)
+        return self._run(x, step, attention, self._weights_mlp)
 
     def _earlier_keys(self, layer: int, n: int, j: int) -> torch.Tensor:
         """Group j's K/V [2, B, hkv, n, d] of the first n slots, which rank j holds: one broadcast from it."""
