@@ -83,7 +83,7 @@ def _prepare(kind, cfg, world, batch, prompt, steps):
         _, prefill_peak = measure_peak(prefill, model)  # also the first calls of the kernels and collectives
         ids, ttft, _ = _timed(prefill)
         with engine.comm.counting() as stats:
-            logits, decode_work = measure_peak(lambda: engine.decode(ids, lengths, 0), model)
+            logits, decode_work = measure_peak(lambda: engine.decode(ids, lengths), model)
         with engine.comm.counting() as choice:
             ids = select(logits)
     model_traffic = None
@@ -103,7 +103,7 @@ def _prepare(kind, cfg, world, batch, prompt, steps):
 def _step(built, ids, t):
     """Decode step t of one prepared engine: the next ids."""
     engine, _, lengths, select, _ = built
-    return select(engine.decode(ids, lengths + t, t))
+    return select(engine.decode(ids, lengths + t))
 
 
 def on_rank(kinds, cfg_fields, batch, prompt, steps):

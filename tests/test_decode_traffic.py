@@ -105,9 +105,9 @@ def decode_counts_on_rank(scheme, n_kv, batch, kv_layout):
                            None, None, 0, engine.device)
     with torch.inference_mode():
         ids = select(engine.prefill(tokens, lengths, PROMPT))
-        ids = select(engine.decode(ids, lengths, 0))
+        ids = select(engine.decode(ids, lengths))
         with engine.comm.counting() as stats:
-            engine.decode(ids, lengths + 1, 1)
+            engine.decode(ids, lengths + 1)
     return dict(stats.calls), dict(stats.bytes_recv), engine.kv_layout, engine.comm.point_to_point
 
 

@@ -95,7 +95,7 @@ def _decode_step_transfers(model, batch):
     with torch.inference_mode():
         engine.prefill(tokens, lengths, S)
         with model.comm.counting() as stats:
-            engine.decode(torch.tensor([1] * B), lengths, 0)
+            engine.decode(torch.tensor([1] * B), lengths)
     return [(t.group, t.op, t.label) for t in stats.transfers], dict(stats.bytes_sent)
 
 

@@ -77,7 +77,7 @@ def decode_step_traffic(model, batch):
     with torch.inference_mode():
         engine.prefill(tokens, lengths, 16)
         with engine.comm.counting() as stats:
-            engine.decode(tokens[:, 0], lengths, 0)
+            engine.decode(tokens[:, 0], lengths)
     return dict(stats.calls), dict(stats.bytes_recv)
 
 

@@ -38,16 +38,40 @@ def _model():
     return model
 
 
+def serving(model, num_blocks=64, block_size=4, max_num_seqs=3, budget=16, prefill_chunk=4, schedule="auto",
+            kv_layout="auto", max_model_len=48, prefix_caching=True):
+    """The serving core of one rank as ``worker.run_serve_rank`` builds it: a BatchRunner over a pool of
+    ``num_blocks`` blocks and rank 0's Scheduler over their block manager, fed through a pipe as the HTTP process
+    feeds it; returns (runner, scheduler, the HTTP end of the pipe)."""
+    from torchtsp.serve.blocks import KVBlockManager
+
+    runner = BatchRunner(make_engine(model, kv_layout), num_blocks, block_size, schedule=schedule)
+    inbox, http = multiprocessing.Pipe()
+    blocks = KVBlockManager(num_blocks, runner.block_tokens, prefix_caching)
+    scheduler = Scheduler(runner, inbox, blocks, budget, max_num_seqs, max_model_len, prefill_chunk)
+    return runner, scheduler, http
+
+
+def run_steps(runner, scheduler, outputs: dict, ended: dict, steps: int = 1) -> None:
+    """``steps`` engine steps of the serve loop: plan, run, tell the scheduler; tokens and ends collected."""
+    for _ in range(steps):
+        scheduler.receive(0)
+        result = runner.step(scheduler.plan(0))
+        scheduler.after(result)
+        for i, t in result.tokens:
+            outputs.setdefault(i, []).append(t)
+        ended.update(result.finished + scheduler.dropped)
+        scheduler.dropped = []
+
+
 def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4, kv_layout="auto"):
-    """Run the arrivals through the serve ``Scheduler`` and a BatchRunner (at most ``max_batch`` rows), the
+    """Run the arrivals through the serve ``Scheduler`` and a BatchRunner (at most ``max_batch`` sequences), the
     requests and cancellations sent over a pipe as the HTTP process sends them; returns (served, alone, how
-    each ended, slots left)."""
+    each ended, blocks still held)."""
     alone = [generate(reference, [p], m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                       seed=s.seed).new_tokens[0] for p, s, m in zip(PROMPTS, SAMPLING, MAX_TOKENS)]
-    runner = BatchRunner(make_engine(model, kv_layout), max_batch=max_batch, max_model_len=48,
-                         prefill_chunk=prefill_chunk, schedule=schedule)
-    inbox, http = multiprocessing.Pipe()
-    scheduler = Scheduler(runner, inbox)
+    runner, scheduler, http = serving(model, max_num_seqs=max_batch, prefill_chunk=prefill_chunk, schedule=schedule,
+                                      kv_layout=kv_layout)
     out = {i: [] for i in range(len(PROMPTS))}
     done = {}
     cancelled_in_prefill = False
@@ -56,20 +80,16 @@ def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4
             http.send(("submit", Admission(i, PROMPTS[i], MAX_TOKENS[i], SAMPLING[i])))
         if step in CANCEL_AT and CANCEL_AT[step] not in done:
             http.send(("cancel", CANCEL_AT[step]))
-        group = runner.prefilling
-        if group is not None and group.done and CANCEL_IN_PREFILL in [s.request_id for s in group.seqs]:
+        seq = scheduler.paged.seqs.get(CANCEL_IN_PREFILL)
+        if seq is not None and 0 < seq.num_computed < seq.prompt_len and not cancelled_in_prefill:
             http.send(("cancel", CANCEL_IN_PREFILL))
             cancelled_in_prefill = True
-        scheduler.receive(0)
-        result = runner.step(scheduler.plan(step))
-        for i, t in result.tokens:
-            out[i].append(t)
-        done.update(result.finished + scheduler.dropped)
-        scheduler.dropped = []
+        run_steps(runner, scheduler, out, done)
         if len(done) == len(PROMPTS):
             break
     assert cancelled_in_prefill
-    return [out[i] for i in range(len(PROMPTS))], alone, done, runner.slots_used()
+    return [out[i] for i in range(len(PROMPTS))], alone, done, scheduler.paged.blocks.pool.total - \
+        scheduler.paged.blocks.pool.num_free
 
 
 def _check(served, alone, done):

@@ -157,7 +157,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             if t + 1 == max_new_tokens or (stops and bool(done.all())):
                 break
             t0 = time.perf_counter()
-            logits = engine.decode(ids, lengths + t, t)
+            logits = engine.decode(ids, lengths + t)
             ids = select(logits)
             _sync(device)
             decode_s, steps = decode_s + time.perf_counter() - t0, steps + 1

@@ -1,16 +1,23 @@
-"""The KV cache of one rank, attention against it, and the exact merge of per-rank partial attention.
+"""The KV cache of one rank as a pool of blocks, attention against it, and the exact merge of per-rank partial
+attention.
 
-Every scheme keeps its cache in the same shape: per layer K and V ``[B, heads, slots, d]``, plus, per
-slot and sequence, the token's global position and whether the slot holds a real token. Slots are
-filled in the order tokens arrive on this rank; attention never relies on slot order, only on the
-positions (causality) and the validity mask (prompt padding, slots of other sequences' lengths).
-That is what lets TSP and SP keep an arbitrary 1/D share of the tokens (the zigzag share of the
-prompt, then decoded tokens assigned to ranks in turn) while TP keeps its heads of every token.
+**Storage.** Per layer K and V are a pool of ``num_blocks`` blocks of ``block_size`` slots (``KVPool``), plus
+one spare slot where tokens this rank does not keep are written and never read. A sequence owns a block
+table; its token at position p lives at a place fixed by p alone (docs/design.md, "Paged cache"): a cache
+whose tokens are split over R ranks (``Engine.kv_token_ranks``: 1 for a head-sharded cache, D for TSP's
+sequence layout and SP, c for the grouped one) keeps p on member ``p mod R``, in block ``table[p // (R·bs)]``
+at slot ``(p mod R·bs) // R``. So a block id names a *virtual* block of R·bs consecutive tokens, each member
+storing its bs of them under the same id, and a block's content depends only on the tokens before it: prefix
+caching can hand it to another sequence, and a chunk may start anywhere. Which rank computes a token (a
+zigzag share, a replicated step) is the engine's business; it writes every token it has to ``reserve``'s slots
+and the tokens it does not keep land in the spare slot.
 
-Each sequence (row) has its own count of used slots. ``generate`` moves every row in step, so the
-counts stay equal and a step's tokens go to one slot range of every row. A server (``torchtsp.serve``)
-runs rows that joined at different times: each row then writes after its own last slot, and
-``rows(a, b)`` is a view of some rows (sharing the storage) that an engine can run on alone.
+**Reading.** ``KVCache`` is the view an engine runs on: the step's block tables [B, n] and each sequence's
+cached length. Keys are gathered from the sequences' blocks (never the whole pool) with their positions,
+which the rule gives without storing them; slots past a sequence's length are masked.
+
+``generate`` gives each sequence one block of its whole length; the server (``torchtsp.serve``) deals blocks
+from rank 0's block manager and sends the tables with every step.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 
 @dataclass(frozen=True)
 class CacheStep:
-    """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache, the layer, the slots this
-    step's tokens take (``KVCache.reserve``), their positions [B, T] and RoPE tables."""
+    """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache view, the layer, the slots this
+    step's tokens are written to (``KVCache.reserve``), their positions [B, T] and RoPE tables."""
 
     cache: KVCache
-    slots: slice | torch.Tensor
+    slots: torch.Tensor
     pos: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -47,75 +54,118 @@ class CacheStep:
     def attend(self, q: torch.Tensor, mask=None):
         """(out, lse) of queries q [B, Hq, T, d] against this rank's cache of this layer; ``mask``: the keys' mask
         if already built, else that of this step's positions against the cached ones."""
-        k, v, k_pos, k_valid = self.cache.keys(self.layer)
-        return attend(q, k, v, positions_mask(self.pos, k_pos, k_valid) if mask is None else mask)
+        k, v = self.cache.keys(self.layer)
+        return attend(q, k, v, self.cache.mask(self.pos) if mask is None else mask)
 
 
-class KVCache:
-    """Preallocated K/V of ``n_layers`` layers for ``heads`` KV heads and up to ``capacity`` tokens per sequence."""
+class KVPool:
+    """One rank's K/V storage: per layer [num_blocks · block_size + 1 (the spare slot), heads, d]."""
 
-    def __init__(self, n_layers: int, batch: int, heads: int, capacity: int, head_dim: int, dtype, device):
-        shape = (batch, heads, capacity, head_dim)
+    def __init__(self, n_layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int, dtype, device,
+                 token_ranks: int = 1, member: int = 0):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs at least one block of at least one slot, got {num_blocks} blocks of "
+                             f"{block_size}: raise the cache budget")
+        shape = (num_blocks * block_size + 1, heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.row_fill = torch.zeros(batch, dtype=torch.long)  # slots used by each row (host: read every step)
-        self.capacity = capacity
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.token_ranks, self.member = token_ranks, member  # R, and which of the R ranks sharing tokens this is
+        self.spare = num_blocks * block_size
 
     @property
-    def filled(self) -> int:
-        """Slots used by the fullest row: attention reads this many."""
-        return int(self.row_fill.max()) if len(self.row_fill) else 0
-
-    def rows(self, start: int, stop: int) -> KVCache:
-        """The rows [start, stop) as a cache of their own, sharing this one's storage (writes go through)."""
-        view = object.__new__(KVCache)
-        view.k, view.v = [t[start:stop] for t in self.k], [t[start:stop] for t in self.v]
-        view.pos, view.valid, view.row_fill = self.pos[start:stop], self.valid[start:stop], self.row_fill[start:stop]
-        view.capacity = self.capacity
-        return view
+    def block_tokens(self) -> int:
+        """Tokens of a sequence one block id covers (each of the R members stores block_size of them)."""
+        return self.block_size * self.token_ranks
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V held (the preallocated storage, every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes of K and V held (every layer; the spare slot not counted)."""
+        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return per_slot * self.spare
 
-    def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> slice | torch.Tensor:
-        """Claim slots for tokens at positions ``pos`` [B, T] (``valid`` [B, T]); returns where they go: one
-        slot range when every row has used the same slots, else each row's slot indices [B, T].
+    def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
+        """The view of the sequences with block tables ``tables`` [B, n] that hold ``lengths`` [B] tokens so far."""
+        return KVCache(self, tables.to(self.device), lengths.to(self.device))
 
-        T may be 0 (this rank stores none of the step's tokens)."""
-        T = pos.shape[1]
-        low, high = (int(self.row_fill.min()), self.filled) if len(self.row_fill) else (0, 0)
-        if high + T > self.capacity:
-            raise ValueError(f"KV cache full: {high} + {T} tokens exceed its {self.capacity} slots")
-        if low == high or T == 0:
-            slots = slice(high, high + T) if T else slice(0, 0)
-            self.pos[:, slots] = pos
-            self.valid[:, slots] = valid
-        else:  # rows of different lengths: each continues after its own last slot
-            slots = (self.row_fill.unsqueeze(1) + torch.arange(T)).to(self.pos.device)
-            self.pos.scatter_(1, slots, pos)
-            self.valid.scatter_(1, slots, valid)
-        self.row_fill += T
-        return slots
 
-    def write(self, layer: int, slots: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              heads: slice = slice(None)):
-        """Store k, v [B, h, T, d] of the given heads in the reserved slots."""
-        if isinstance(slots, slice):
-            self.k[layer][:, heads, slots] = k
-            self.v[layer][:, heads, slots] = v
-            return
-        index = slots[:, None, :, None].expand(k.shape)
-        self.k[layer][:, heads].scatter_(2, index, k)
-        self.v[layer][:, heads].scatter_(2, index, v)
+class KVCache:
+    """The sequences one engine step runs on: their block tables and cached lengths over a ``KVPool``."""
 
-    def keys(self, layer: int, heads: slice = slice(None)):
-        """(K, V, positions, valid) of the filled slots (views)."""
-        n = self.filled
-        return self.k[layer][:, heads, :n], self.v[layer][:, heads, :n], self.pos[:, :n], self.valid[:, :n]
+    def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
+        self.pool, self.tables, self.lengths = pool, tables, lengths
+        self.before = lengths  # the lengths before this step's tokens (``reserve``)
+        self._index = {}  # (before?) -> (slot index [B, S], key positions [B, S], valid [B, S])
+        self.capacity = tables.shape[1] * pool.block_tokens  # tokens each sequence's table covers
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def local_slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """Index into a sequence's own slots (its table's blocks, in order) of position ``pos`` on the member
+        that keeps it."""
+        R, bs = self.pool.token_ranks, self.pool.block_size
+        return pos // (R * bs) * bs + pos % (R * bs) // R
+
+    def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Take this step's tokens at ``pos`` [B, T] (``valid`` [B, T]; any order, any share of the step: every
+        rank passes the positions of the tokens it will write) and return the pool slots to write them to; tokens
+        this rank does not keep, and padding, go to the spare slot. Grows the lengths to cover the valid ones."""
+        new = torch.where(valid, pos + 1, 0).amax(dim=1) if pos.shape[1] else torch.zeros_like(self.lengths)
+        grown = torch.maximum(self.lengths, new)
+        longest = int(grown.max()) if len(grown) else 0
+        if longest > self.capacity:
+            raise ValueError(f"KV cache full: a sequence reaches {longest} tokens, its blocks hold {self.capacity}")
+        self.before, self.lengths, self._index = self.lengths, grown, {}
+        return self.slots_of(pos, valid)
+
+    def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Pool slots [B, T] of the tokens at ``pos`` that this rank keeps; the spare slot for the others."""
+        pool = self.pool
+        kept = valid & (pos % pool.token_ranks == pool.member)
+        pos = torch.where(kept, pos, 0)
+        block = self.tables.gather(1, pos // pool.block_tokens)
+        slots = block * pool.block_size + pos % pool.block_tokens // pool.token_ranks
+        return torch.where(kept, slots, pool.spare)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
+        """Store k, v [B, h, T, d] of the given heads at ``slots`` [B, T]."""
+        index = slots.flatten()
+        self.pool.k[layer][index, heads] = k.transpose(1, 2).flatten(0, 1)
+        self.pool.v[layer][index, heads] = v.transpose(1, 2).flatten(0, 1)
+
+    def _slots(self, before: bool, member: int | None = None):
+        """(pool slot index [B, S], key positions [B, S], valid [B, S]) of the first S own slots of every sequence,
+        S covering the longest one's tokens (before this step's, or after). ``member``: the positions as another
+        member of the R ranks sees its own slots (they are the same slots of the same blocks)."""
+        key = (before, member)
+        if key not in self._index:
+            pool, lengths = self.pool, self.before if before else self.lengths
+            bs, R = pool.block_size, pool.token_ranks
+            longest = int(lengths.max()) if len(lengths) else 0
+            S = int(self.local_slot(torch.tensor(longest - 1))) + 1 if longest else 0
+            s = torch.arange(S, device=pool.device)
+            index = self.tables[:, s // bs] * bs + s % bs
+            positions = s // bs * (R * bs) + s % bs * R + (pool.member if member is None else member)
+            positions = positions.expand(len(lengths), S)
+            self._index[key] = index, positions, positions < lengths.unsqueeze(1)
+        return self._index[key]
+
+    def keys(self, layer: int, heads: slice = slice(None), before: bool = False):
+        """K and V [B, h, S, d] of ``heads`` in this rank's slots of the sequences (a copy of their blocks)."""
+        index = self._slots(before)[0]
+        return tuple(t[layer][index, heads].transpose(1, 2) for t in (self.pool.k, self.pool.v))
+
+    def key_positions(self, before: bool = False, member: int | None = None) -> torch.Tensor:
+        """Positions [B, S] of ``keys``' slots, ``FAR`` where a slot holds no token (yet)."""
+        _, positions, valid = self._slots(before, member)
+        return torch.where(valid, positions, FAR)
+
+    def mask(self, pos: torch.Tensor):
+        """The mask of queries at ``pos`` [B, T] against this rank's keys (after this step's tokens)."""
+        _, positions, valid = self._slots(False)
+        return positions_mask(pos, positions, valid)
 
 
 def merge_packed(parts: torch.Tensor) -> torch.Tensor:
@@ -154,16 +204,39 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
     return comm.reduce_scatter(per_group, label="infer.attention.merge")
 
 
-def gathered_keys_mask(comm, cache: KVCache, pos: torch.Tensor, filled: int, label: str):
-    """The positional mask of queries at ``pos`` against the first ``filled`` slots of every rank's cache, rank-major
-    (as ``gather_keys`` lays them out); an empty slot sits at ``FAR``, after every query."""
-    key_pos = comm.all_gather(torch.where(cache.valid[:, :filled], cache.pos[:, :filled], FAR), label=label)
-    key_pos = key_pos.movedim(0, 1).flatten(1)  # [B, D·m], rank-major like the K/V of gather_keys
-    return positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
+def gathered_positions(comm, pos: torch.Tensor, valid: torch.Tensor, label: str) -> torch.Tensor:
+    """Every rank's ``pos`` [B, T] (``FAR`` where not ``valid``), rank-major [B, D·T], as ``all_gather`` lays out the
+    ranks' tokens."""
+    return comm.all_gather(torch.where(valid, pos, FAR), label=label).movedim(0, 1).flatten(1)
 
 
-def gather_keys(comm, cache: KVCache, layer: int, filled: int, label: str, heads: slice = slice(None)):
-    """K and V [2, B, h, D·m, d] of ``heads`` in the first ``filled`` slots of every rank's cache, rank-major."""
-    kv = torch.stack([cache.k[layer][:, heads, :filled], cache.v[layer][:, heads, :filled]])
-    kv = comm.all_gather(kv, label=label)  # [D, 2, B, h, m, d]
-    return kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+class SequenceShardedPrefill:
+    """A prefill chunk whose tokens are split over the ranks (each rank its zigzag share) against a cache split
+    the same way (TSP's sequence layout, SP): per layer (and KV head group) ONE all-gather brings every rank's
+    earlier slots and its share of the chunk's K/V; each rank keeps the chunk tokens the cache rule gives it.
+    Rank r is member r mod R of the cache (R = D here), which gives its earlier slots' positions."""
+
+    def __init__(self, comm, cache: KVCache, pos: torch.Tensor, valid: torch.Tensor, label: str):
+        self.comm, self.cache = comm, cache
+        chunk_pos = gathered_positions(comm, pos, valid, label + ".positions")  # [B, D·T]
+        self.slots = cache.reserve(chunk_pos, chunk_pos != FAR)
+        earlier = [cache.key_positions(before=True, member=r % cache.pool.token_ranks) for r in range(comm.size)]
+        key_pos = torch.cat([*earlier, chunk_pos], dim=1)
+        self.mask = positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
+        self.earlier_slots = earlier[0].shape[1]
+        self.label = label
+
+    def keys(self, layer: int, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> torch.Tensor:
+        """This rank's share k, v [B, h, T, d] of ``heads`` -> every rank's earlier keys then every rank's share of
+        the chunk, [2, B, h, D·(S + T), d] in the order of ``mask``; this rank's kept chunk tokens are stored."""
+        mine = torch.stack([k, v])
+        if self.earlier_slots:
+            mine = torch.cat([torch.stack(self.cache.keys(layer, heads, before=True)), mine], dim=3)
+        every = self.comm.all_gather(mine, label=self.label)  # [D, 2, B, h, S + T, d]
+        S = self.earlier_slots
+        chunk = every[:, :, :, :, S:].permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, h, D·T, d]
+        self.cache.write(layer, self.slots, chunk[0], chunk[1], heads)
+        if not S:
+            return chunk
+        earlier = every[:, :, :, :, :S].permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+        return torch.cat([earlier, chunk], dim=3)

@@ -2,7 +2,8 @@
 
 An engine runs on one rank and owns that rank's KV cache. ``generate`` (api.py) drives it:
 ``start`` (allocate the cache), ``prefill`` (the padded prompts; returns this rank's slice of the
-logits at each sequence's last real token), then ``decode`` once per new token.
+logits at each sequence's last real token), then ``decode`` once per new token. A server makes the pool
+(``kv_pool``) and gives the engine each step's sequences (``attach_cache``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..layers import block_forward, rms_norm
 from ..parallel.shards import vocab_slice_index
+from .cache import KVPool
 
 # sum_over_ranks: partial sums up to this many bytes per rank are gathered and summed locally on a point-to-point
 # backend (a decode step's hidden states: B x h).
@@ -90,6 +92,23 @@ class Engine:
         sequence layout, SP: the zigzag's 2D token multiple), 1 where every rank caches every token."""
         return self.token_multiple // 2 if self.token_multiple > 1 else 1
 
+    @property
+    def kv_member(self) -> int:
+        """Which of the ``kv_token_ranks`` ranks sharing a sequence's tokens this one is (it keeps positions
+        p with p mod kv_token_ranks == kv_member)."""
+        return self.comm.rank % self.kv_token_ranks
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this rank caches for each token it keeps."""
+        return self.cfg.n_kv_heads
+
+    def kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        """This rank's KV storage: ``num_blocks`` blocks of ``block_size`` slots (cache.py)."""
+        cfg = self.cfg
+        return KVPool(cfg.n_layers, num_blocks, self.kv_heads_per_rank, block_size, cfg.head_dim, self.dtype,
+                      self.device, self.kv_token_ranks, self.kv_member)
+
     def batch_rows(self, batch: int) -> slice:
         """The rows of the global batch this rank decodes (DP splits them)."""
         return slice(0, batch)
@@ -111,11 +130,14 @@ class Engine:
         return rms_norm(x, self.norm, self.cfg.norm_eps)
 
     def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
-        raise NotImplementedError
+        """A cache for ``generate``: ``batch`` sequences of a (padded) prompt and ``max_new_tokens``, one block each
+        (the last chosen token is never fed back, so it takes no slot)."""
+        tokens = prompt_len + max_new_tokens - 1
+        pool = self.kv_pool(batch, max(1, -(-tokens // self.kv_token_ranks)))
+        self.cache = pool.rows(torch.arange(batch).unsqueeze(1), torch.zeros(batch, dtype=torch.long))
 
     def attach_cache(self, cache) -> None:
-        """Run the next steps on ``cache`` (a server's rows, ``KVCache.rows``; rows may differ in length).
-        Collective: every rank of the engine calls it with its own rows of the same sequences."""
+        """Run the next steps on ``cache`` (a server's sequences, ``KVPool.rows``; they may differ in length)."""
         self.cache = cache
 
     def prefill_chunk(self, ids, pos, valid, lengths, all_positions: list[int] | None = None):
@@ -132,7 +154,7 @@ class Engine:
         """Final-norm hidden states [B, h] -> this rank's float32 logits slice [B, cols]."""
         raise NotImplementedError
 
-    def decode(self, ids: torch.Tensor, pos: torch.Tensor, step: int) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Feed one token per sequence (ids, positions [B]); returns the logits slice of the next one."""
         raise NotImplementedError
 

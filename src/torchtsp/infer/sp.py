@@ -1,10 +1,10 @@
 """SP inference: replicated weights, sequence-sharded KV cache (rank p: all heads of its own tokens).
 
 Prefill: each rank runs its zigzag share of every prompt chunk with the full weights and all-gathers
-the K/V of every rank's cache per layer (the training forward of SP). Decode: the new token is
-replicated, every rank computes its full q/k/v (no communication), the token's K/V is stored on rank
-t mod D, every rank attends to its own cache and the partials are merged exactly by log-sum-exp
-(all-reduce form: ``wo`` is replicated, so every rank needs every head). The LM head is local.
+the K/V of every rank's cache and chunk share per layer (the training forward of SP). Decode: the new token
+is replicated, every rank computes its full q/k/v (no communication), the token's K/V is stored on rank
+p mod D (p its position: cache.py), every rank attends to its own cache and the partials are merged
+exactly by log-sum-exp (all-reduce form: ``wo`` is replicated, so every rank needs every head). The LM head is local.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..layers import (
 )
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
-from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_partials
+from .cache import CacheStep, SequenceShardedPrefill, merge_partials
 from .engine import Engine, gather_positions, select_last, vocab_logits
 
 
@@ -41,11 +41,6 @@ class SPEngine(Engine):
     def token_multiple(self):
         return 2 * self.comm.size
 
-    def start(self, batch, prompt_len, max_new_tokens):
-        D, cfg = self.comm.size, self.cfg
-        capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
-        self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
-
     def _placement(self, w, attention) -> Placement:
         """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
         return Placement.rms(w["attention_norm"], lambda h, step: attention(h, w, step), w["ffn_norm"],
@@ -56,18 +51,16 @@ class SPEngine(Engine):
 
     def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
         """This rank's zigzag share of the chunk, attending to the K/V of every rank's cache, all-gathered."""
-        comm, cache = self.comm, self.cache
+        comm = self.comm
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
         x = F.embedding(ids, self.embedding)
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
-        m = cache.filled  # the same on every rank during prefill
-        mask = gathered_keys_mask(comm, cache, pos, m, "sp.kv.positions")
+        chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "sp.kv")
+        step = CacheStep(self.cache, chunk.slots, pos, *rope_tables(pos, self.cfg))
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
-            step.write(k, v)
-            kv = gather_keys(comm, cache, step.layer, m, "sp.kv")
-            return attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
+            kv = chunk.keys(step.layer, k, v)
+            return attention_output(attend(q, kv[0], kv[1], chunk.mask)[0], w["wo"], self.dtype)
 
         z = self._run(x, step, attention)
         last = select_last(z, pos, lengths)
@@ -79,19 +72,18 @@ class SPEngine(Engine):
     def head(self, z):
         return vocab_logits(z, self.head_rows, 0, self.cfg.vocab_size)
 
-    def decode(self, ids, pos, step):
-        """The replicated token against every rank's own cache; rank step mod D stores its K/V; the partial
-        attentions merged exactly."""
+    def decode(self, ids, pos):
+        """The replicated token against every rank's own cache; the rank the cache rule names stores its K/V; the
+        partial attentions merged exactly."""
         comm, cache = self.comm, self.cache
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        keep = torch.arange(1 if step % comm.size == comm.rank else 0, device=ids.device)
         x = F.embedding(ids, self.embedding)
-        slots = cache.reserve(pos[:, keep], torch.ones_like(pos[:, keep], dtype=torch.bool))
+        slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
         cache_step = CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg))
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
-            step.write(k[:, :, keep], v[:, :, keep])
+            step.write(k, v)
             return attention_output(merge_partials(comm, *step.attend(q)), w["wo"], self.dtype)
 
         return self.head(self._run(x, cache_step, attention)[:, 0])

@@ -20,7 +20,7 @@ from ..layers import (
 )
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
-from .cache import CacheStep, KVCache
+from .cache import CacheStep
 from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
@@ -38,11 +38,9 @@ class MegatronEngine(Engine):
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
 
-    def start(self, batch, prompt_len, max_new_tokens):
-        cfg = self.cfg
-        heads = max(cfg.n_kv_heads // self.comm.size, 1)  # a copy of one KV head when n_kv < T
-        self.cache = KVCache(cfg.n_layers, batch, heads, prompt_len + max_new_tokens - 1, cfg.head_dim, self.dtype,
-                             self.device)
+    @property
+    def kv_heads_per_rank(self):
+        return max(self.cfg.n_kv_heads // self.comm.size, 1)  # a copy of one KV head when n_kv < T
 
     def _sum(self, partial, label):
         return sum_over_ranks(self.comm, partial, label)
@@ -74,6 +72,6 @@ class MegatronEngine(Engine):
     def head(self, z):
         return vocab_logits(z, self.head_rows, self.vocab_start, self.cfg.vocab_size)
 
-    def decode(self, ids, pos, step):
+    def decode(self, ids, pos):
         valid = torch.ones_like(ids, dtype=torch.bool).unsqueeze(1)
         return self.head(self.forward(ids.unsqueeze(1), pos.unsqueeze(1), valid)[:, 0])

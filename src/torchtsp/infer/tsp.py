@@ -1,9 +1,9 @@
 """TSP inference: one layout (weights 1/D by head group, FFN slice and vocabulary slice; tokens and KV cache
 1/D by sequence), two schedules (docs/design.md, "Inference: two schedules on one layout").
 
-**KV cache.** Rank p keeps the K/V of *all* KV heads for *its own* tokens: the zigzag share of each
-prompt chunk, then decoded token t on rank t mod D. Its cache is 1/D of the single-device cache
-whatever the number of KV heads (also with n_kv < D, where D/n_kv consecutive head groups share one
+**KV cache** (the ``sequence`` layout). Rank p keeps the K/V of *all* KV heads for *its own* tokens: those
+at positions t with t mod D == p (cache.py's rule, whoever computed them). Its cache is 1/D of the
+single-device cache whatever the number of KV heads (also with n_kv < D, where D/n_kv consecutive head groups share one
 KV head: their K/V is computed, stored and gathered once, for the first of them).
 
 Model features travel with the packed shard (q/k/v biases) or are replicated (q/k norm weights), as in
@@ -11,10 +11,11 @@ training; ``layers.project_qkv`` applies them.
 
 **Weights move** (the training forward; many tokens in flight, e.g. a long prefill). Each rank holds
 its share of the step's tokens. Per layer the packed attention shards are broadcast head group by head
-group: every rank projects its tokens with group j's weights, stores their K/V in its cache (group j's
-heads), all-gathers group j's K/V of every rank's cache (1/D of the layer's cache) and attends its
-queries to it; the gated MLP and the embedding take the weight ring. Only the hidden states of each
-sequence's last real token are then gathered, for the vocabulary-sharded LM head.
+group: every rank projects its tokens with group j's weights, all-gathers group j's K/V of every rank's
+earlier slots and share of the chunk (``cache.SequenceShardedPrefill``: 1/D of the layer's cache each),
+keeps its own tokens' and attends its queries to them; the gated MLP and the embedding take the weight
+ring. Only the hidden states of each sequence's last real token are then gathered, for the
+vocabulary-sharded LM head.
 
 **Activations move, weights stay** (few tokens in flight, e.g. decode). The step's hidden states are
 replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
@@ -39,7 +40,6 @@ from ..layers import (
     Placement,
     attend,
     attention_output,
-    positions_mask,
     project_heads,
     project_qkv,
     rope_tables,
@@ -50,7 +50,7 @@ from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule
-from .cache import CacheStep, KVCache, gather_keys, gathered_keys_mask, merge_packed, merge_partials
+from .cache import CacheStep, SequenceShardedPrefill, merge_packed, merge_partials
 from .engine import Engine, gather_positions, masked_lookup, select_last, sum_over_ranks, vocab_logits
 
 
@@ -93,28 +93,7 @@ class TSPEngine(Engine):
         pick = lambda tokens: infer_schedule(self.scheme, tokens, crossover, schedule)
         self.schedule = {"prefill": pick(batch * prefill_tokens), "decode": pick(batch)}
 
-    def start(self, batch, prompt_len, max_new_tokens):
-        D, cfg = self.comm.size, self.cfg
-        self.fills = [0] * D  # slots used on every rank (known everywhere: the assignment is deterministic)
-        capacity = prompt_len // D + -(-(max_new_tokens - 1) // D)
-        self.cache = KVCache(cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim, self.dtype, self.device)
-
-    def attach_cache(self, cache):
-        super().attach_cache(cache)
-        # weights_move gathers max(fills) slots of every rank: the fullest rank's, which rows of different
-        # lengths make unknowable from here. One tiny all-gather, only when that schedule may run.
-        if "weights" in self.schedule.values() and self.comm.size > 1:
-            self.fills = self.comm.all_gather(torch.tensor([cache.filled], device=self.device),
-                                              label="infer.kv.fills").flatten().tolist()
-        else:
-            self.fills = [cache.filled] * self.comm.size
-
     # -- the two schedules ---------------------------------------------------------------
-
-    def _reserve(self, pos, valid, counts):
-        """Claim this rank's slots for its tokens (counts: tokens stored by each rank this step)."""
-        self.fills = [f + c for f, c in zip(self.fills, counts)]
-        return self.cache.reserve(pos, valid)
 
     def _placement(self, layer: TSPLayerShards, attention, mlp) -> Placement:
         """Layer ``layer``'s block: ``attention(h, layer, step)`` and ``mlp(h, layer)`` of one schedule."""
@@ -137,42 +116,44 @@ class TSPEngine(Engine):
             return tsp_moe_local_tokens(h, layer.moe)
         return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp")
 
-    def weights_move(self, ids, pos, valid, counts):
-        """This rank's tokens ids [B, T_p] (any share; T_p may be 0) through the model with the weights moving.
-        Returns their final-norm hidden states [B, T_p, h]."""
-        cfg, comm, cache = self.cfg, self.comm, self.cache
-        B, T = ids.shape
-        x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
-        for s, w in ring_each(comm, self.embedding, "infer.embedding"):
+    def embed_moving(self, ids):
+        """Embeddings [B, T, h] of this rank's tokens ids [B, T] with the vocabulary slices around the ring."""
+        x = torch.zeros(*ids.shape, self.cfg.dim, dtype=self.dtype, device=self.device)
+        for s, w in ring_each(self.comm, self.embedding, "infer.embedding"):
             found, hit = masked_lookup(ids, w, s)
             x = torch.where(hit.unsqueeze(-1), found, x)
-        step = CacheStep(cache, self._reserve(pos, valid, counts), pos, *rope_tables(pos, cfg))
-        m = max(self.fills)  # gather every rank's slots up to the fullest rank's
-        mask = gathered_keys_mask(comm, cache, pos, m, "infer.kv.positions")
+        return x
+
+    def weights_move(self, ids, pos, valid):
+        """This rank's tokens ids [B, T] (its share of the step; the same T on every rank) through the model with the
+        weights moving. Returns their final-norm hidden states [B, T, h]."""
+        cfg, comm = self.cfg, self.comm
+        x = self.embed_moving(ids)
+        chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "infer.kv")
+        step = CacheStep(self.cache, chunk.slots, pos, *rope_tables(pos, cfg))
         replicas, hkv = self.view.shard_math.kv_replicas, self.view.shard_math.kv_heads
 
         def attention(h, layer, step):
-            y, i = torch.zeros(h.shape, dtype=self.dtype, device=h.device), step.layer
+            y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
             for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
                 w = _attention_weights(self.view, layer, w)
                 q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
                 if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
                     group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
-                    step.write(k, v, heads=group)
-                    kv = gather_keys(comm, cache, i, m, "infer.kv", heads=group)  # [2, B, hkv, D·m, d]
-                y += attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
+                    kv = chunk.keys(step.layer, k, v, heads=group)  # [2, B, hkv, D·(S + T), d]
+                y += attention_output(attend(q, kv[0], kv[1], chunk.mask)[0], w["wo"], self.dtype)
             return y
 
         return self._run(x, step, attention, self._weights_mlp)
 
-    def activations_move(self, ids, pos, valid, keep, counts):
+    def activations_move(self, ids, pos, valid):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
-        of tokens ``keep`` (indices into T). Returns the final-norm hidden states [B, T, h] (replicated)."""
+        of those the cache rule gives it. Returns the final-norm hidden states [B, T, h] (replicated)."""
         comm, cache = self.comm, self.cache
         shards = self.view.shard_math
         hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep(cache, self._reserve(pos[:, keep], valid[:, keep], counts), pos, *rope_tables(pos, self.cfg))
+        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
 
         def attention(h, layer, step):
             w = self._own[id(layer)][0]
@@ -183,7 +164,7 @@ class TSPEngine(Engine):
             q_all, k_all, v_all = (qkv[:, :, ::every, a:b].flatten(2, 3).transpose(1, 2)
                                    for a, b, every in ((0, hq, 1), (hq, hq + hkv, replicas),
                                                        (hq + hkv, hq + 2 * hkv, replicas)))
-            step.write(k_all[:, :, keep], v_all[:, :, keep])
+            step.write(k_all, v_all)
             group = slice(comm.rank * hq, (comm.rank + 1) * hq)
             mine = merge_partials(comm, *step.attend(q_all), heads=group)  # head group p's, over every rank's keys
             return sum_over_ranks(comm, attention_output(mine, w["wo"], self.dtype), "infer.attention")
@@ -191,9 +172,9 @@ class TSPEngine(Engine):
         mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp")
         return self._run(x, step, attention, mlp)
 
-    def decode_activations(self, ids, pos, owner: int):
-        """One decode step with the weights in place: ids, pos [B, 1] replicated; rank ``owner`` stores the
-        token's K/V. Returns the final-norm hidden states [B, h] (replicated).
+    def decode_activations(self, ids, pos):
+        """One decode step with the weights in place: ids, pos [B, 1] replicated; each token's K/V is stored by the
+        rank the cache rule names. Returns the final-norm hidden states [B, h] (replicated).
 
         Per layer four exchanges, the fewest this placement allows (docs/design.md: q of group j is made on rank
         j and read by every rank's keys; the partials of group j meet ``wo``'s columns on rank j; every rank's
@@ -201,23 +182,20 @@ class TSPEngine(Engine):
         group's q/k/v; one all-to-all that hands each head group's partial attention (O_p, LSE_p) of every rank
         to its owner, who merges them exactly by log-sum-exp; the sum of the ``wo`` partials; the MLP's sum
         (``sum_over_ranks``). The keys' mask is built once per step, the exchange buffers once per generation;
-        no host synchronisation (the owner is the host's step count).
+        every rank writes every token's K/V to ``reserve``'s slots (the spare one for the tokens it does not keep).
         """
         comm, cache = self.comm, self.cache
-        B, D, p = ids.shape[0], comm.size, comm.rank
+        B, p = ids.shape[0], comm.rank
         buffers = self._decode_buffers(B)
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, p)[0], "infer.embedding", out=buffers["sum"])
-        mine = slice(0, 1 if p == owner else 0)
-        slots = self._reserve(pos[:, mine], torch.ones_like(pos[:, mine], dtype=torch.bool),
-                              [int(r == owner) for r in range(D)])
-        _, _, k_pos, k_valid = cache.keys(0)
-        mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
-        attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, p == owner, buffers)
+        slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
+        mask = cache.mask(pos)  # the same keys in every layer
+        attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
         mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
         return self._run(x, CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg)), attention, mlp)[:, 0]
 
-    def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, owner: bool, buffers):
-        """A decode step's attention (see ``decode_activations``); ``owner``: this rank stores the token's K/V."""
+    def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
+        """A decode step's attention (see ``decode_activations``)."""
         comm = self.comm
         B, D = h.shape[0], comm.size
         shards = self.view.shard_math
@@ -228,9 +206,9 @@ class TSPEngine(Engine):
         qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]
         # [D, B, hq + 2hkv, d] -> queries [B, Hq, 1, d] in global head order (group r's heads at r).
         q_all = qkv[:, :, :hq].transpose(0, 1).reshape(B, D * hq, 1, d)
-        if owner:  # a KV head copied on several ranks is taken from the first of them
-            kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
-            step.write(*(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
+        # A KV head copied on several ranks is taken from the first of them.
+        kv = qkv[::replicas, :, hq:].transpose(0, 1).reshape(B, D // replicas, 2, hkv, d)
+        step.write(*(kv[:, :, j].reshape(B, -1, 1, d) for j in (0, 1)))
         out, lse = step.attend(q_all, mask)  # this rank's keys, every head: [B, Hq, 1, d], [B, Hq, 1]
         partial = buffers["partial"]  # [D, B, hq, d + 1]: slice r holds head group r's (O_p, LSE_p)
         partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
@@ -256,16 +234,14 @@ class TSPEngine(Engine):
 
     def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
         D, p = self.comm.size, self.comm.rank
-        counts = [ids.shape[1] // D] * D
         if self.schedule["prefill"] == "weights":
             share = lambda t: zigzag.shard(t, D, p, dim=1)
-            z = self.weights_move(share(ids), share(pos), share(valid), counts)
+            z = self.weights_move(share(ids), share(pos), share(valid))
             last = select_last(z, pos=share(pos), lengths=lengths)
             if all_positions is None:
                 return last
             return last, gather_positions(self.comm, z, all_positions, "infer.prompt_hidden")
-        keep = zigzag.shard(torch.arange(ids.shape[1], device=ids.device), D, p, dim=0)
-        z = self.activations_move(ids, pos, valid, keep, counts)  # replicated: every position is here
+        z = self.activations_move(ids, pos, valid)  # replicated: every position is here
         last = select_last(z, pos, lengths)
         return last if all_positions is None else (last, z[all_positions])
 
@@ -277,13 +253,10 @@ class TSPEngine(Engine):
     def head(self, z):
         return vocab_logits(z, self.head_rows, self.vocab_start, self.cfg.vocab_size)
 
-    def decode(self, ids, pos, step):
-        D, p = self.comm.size, self.comm.rank
-        owner = step % D  # decoded tokens go to the ranks in turn
+    def decode(self, ids, pos):
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        if self.schedule["decode"] == "weights":
-            mine = slice(0, 1) if p == owner else slice(0, 0)
-            valid = torch.ones_like(ids[:, mine], dtype=torch.bool)
-            z = self.weights_move(ids[:, mine], pos[:, mine], valid, [int(r == owner) for r in range(D)]).sum(dim=1)
+        if self.schedule["decode"] == "weights":  # each token on the rank that keeps its K/V; the others idle
+            mine = pos % self.comm.size == self.comm.rank
+            z = torch.where(mine.unsqueeze(-1), self.weights_move(ids, pos, mine), 0.0).sum(dim=1)
             return self.head(self.comm.all_reduce(z, label="infer.last_hidden"))
-        return self.head(self.decode_activations(ids, pos, owner))
+        return self.head(self.decode_activations(ids, pos))

@@ -27,9 +27,9 @@ import torch
 from ..kv_layouts import resolve_kv_layout
 from ..layers import attend, attention_output, positions_mask, project_heads, rope_tables
 from ..parallel.moe import ffn_partial
-from ..parallel.tsp import broadcast_each, ring_each
-from .cache import FAR, CacheStep, KVCache
-from .engine import SUM_BY_GATHER_MAX_BYTES, Engine, masked_lookup, sum_over_ranks
+from ..parallel.tsp import broadcast_each
+from .cache import FAR, CacheStep, gathered_positions
+from .engine import SUM_BY_GATHER_MAX_BYTES, masked_lookup, sum_over_ranks
 from .tsp import TSPEngine, _attention_weights
 
 
@@ -51,13 +51,9 @@ class TSPHeadsEngine(TSPEngine):
         super().choose_schedule(schedule, batch, prefill_tokens)
         self.schedule["decode"] = "activations"  # the only decode this layout has (module docstring)
 
-    def start(self, batch, prompt_len, max_new_tokens):
-        cfg = self.cfg
-        self.cache = KVCache(cfg.n_layers, batch, self.view.shard_math.kv_heads, prompt_len + max_new_tokens - 1,
-                             cfg.head_dim, self.dtype, self.device)
-
-    def attach_cache(self, cache):
-        Engine.attach_cache(self, cache)  # every rank holds every token's slot: no fill counts to exchange
+    @property
+    def kv_heads_per_rank(self):
+        return self.view.shard_math.kv_heads  # its head group's, of every token
 
     def _sum(self, partial, label):
         """``sum_over_ranks``, gathering small partials (a decode step's) into buffers made once per shape."""
@@ -77,8 +73,7 @@ class TSPHeadsEngine(TSPEngine):
         comm, cache = self.comm, self.cache
         x = self._sum(masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
         step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
-        _, _, k_pos, k_valid = cache.keys(0)
-        mask = positions_mask(pos, k_pos, k_valid)  # the same keys in every layer
+        mask = cache.mask(pos)  # the same keys in every layer
 
         def attention(h, layer, step):
             w = self._own[id(layer)][0]
@@ -92,31 +87,23 @@ class TSPHeadsEngine(TSPEngine):
 
         return self._run(x, step, attention, mlp)
 
-    def decode(self, ids, pos, step):
+    def decode(self, ids, pos):
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
         return self.head(self.activations_move(ids, pos, torch.ones_like(ids, dtype=torch.bool))[:, 0])
 
     # -- prefill with the weights moving ----------------------------------------------------
 
-    def weights_move(self, ids, pos, valid, counts):
-        """This rank's tokens ids [B, T_p] (its share of the chunk; every rank's share the same size) through the
-        model with the weights moving. Returns their final-norm hidden states [B, T_p, h]."""
+    def weights_move(self, ids, pos, valid):
+        """This rank's tokens ids [B, T] (its share of the chunk; the same T on every rank) through the model with
+        the weights moving. Returns their final-norm hidden states [B, T, h]."""
         cfg, comm, cache = self.cfg, self.comm, self.cache
-        if len(set(counts)) > 1:
-            raise ValueError(f"the heads layout prefills equal shares of a chunk on every rank, got {counts}")
-        B, T = ids.shape
-        x = torch.zeros(B, T, cfg.dim, dtype=self.dtype, device=self.device)
-        for s, w in ring_each(comm, self.embedding, "infer.embedding"):
-            found, hit = masked_lookup(ids, w, s)
-            x = torch.where(hit.unsqueeze(-1), found, x)
-        earlier = cache.filled
-        # The earlier keys' positions before this chunk takes slots (a shorter row's new slots lie below `earlier`).
-        earlier_pos = torch.where(cache.valid[:, :earlier], cache.pos[:, :earlier], FAR)
-        chunk_pos = comm.all_gather(torch.where(valid, pos, FAR), label="infer.kv.positions")
-        chunk_pos = chunk_pos.movedim(0, 1).flatten(1)  # [B, D·T], rank-major like the gathered K/V
+        x = self.embed_moving(ids)
+        chunk_pos = gathered_positions(comm, pos, valid, "infer.kv.positions")  # [B, D·T], like the gathered K/V
+        step = CacheStep(cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos, *rope_tables(pos, cfg))
+        earlier_pos = cache.key_positions(before=True)  # the chunk's own positions are masked there
+        earlier = earlier_pos.shape[1]
         key_pos = torch.cat([earlier_pos, chunk_pos], dim=1)
         mask = positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
-        step = CacheStep(cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos, *rope_tables(pos, cfg))
 
         def attention(h, layer, step):
             y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
@@ -134,10 +121,11 @@ class TSPHeadsEngine(TSPEngine):
         return self._run(x, step, attention, self._weights_mlp)
 
     def _earlier_keys(self, layer: int, n: int, j: int) -> torch.Tensor:
-        """Group j's K/V [2, B, hkv, n, d] of the first n slots, which rank j holds: one broadcast from it."""
+        """Group j's K/V [2, B, hkv, n, d] of the earlier tokens (n slots), which rank j holds: one broadcast."""
         cache = self.cache
         if j == self.comm.rank:
-            kv = torch.stack([cache.k[layer][:, :, :n], cache.v[layer][:, :, :n]])
+            kv = torch.stack(cache.keys(layer, before=True))
         else:
-            kv = cache.k[layer].new_empty(2, *cache.k[layer][:, :, :n].shape)
+            pool = cache.pool.k[layer]
+            kv = pool.new_empty(2, len(cache.lengths), pool.shape[1], n, pool.shape[2])
         return self.comm.broadcast(kv, src=j, label="infer.kv.earlier")

@@ -1,21 +1,21 @@
-"""The running batch on one rank: continuous batching over any inference engine's KV cache.
+"""The sequences on one rank: rank 0's step plans run on any inference engine over a paged KV pool.
 
 Every rank holds the same ``BatchRunner`` state and applies the same step plans in the same order, so the
-rows, the cache slots and the tokens chosen agree everywhere without more messages. The running
-sequences occupy cache rows [0, n): a sequence that leaves hands its row to the last one (a local copy of
-that row's slots), so an engine always runs on one contiguous view of the cache (``KVCache.rows``).
+sequences, their tokens and the tokens chosen agree everywhere without more messages. The KV cache is a pool
+of blocks (``infer.cache.KVPool``) sized by the server's budget; rank 0's scheduler (``paged_scheduler``)
+owns the block tables and sends each step's with the plan, so a rank never decides where a token goes.
 
-A step: sequences cancelled by the plan leave; admitted ones become the prefill group, in the rows after the
-running ones (right padded to the longest prompt); the group runs one chunk of at most ``prefill_chunk``
-tokens per sequence (so a long prompt does not stall the others' decoding); when its last chunk is done
-its sequences get their first token and join the running rows; then every running sequence decodes one
-token; sequences that reached a stop id or ``max_tokens`` leave. One group prefills at a time.
-Rows hold sequences of different lengths: each row writes after its own last slot and attention reads
-positions and validity, never slot order (cache.py), so a sequence computes what it would alone.
+A step: requests cancelled by the plan are forgotten (their blocks are already free on rank 0); admitted ones
+get their state (sampler, grammar); the plan's prefill chunks run as one batch, each sequence from its own
+first position (a chunk after a cached prefix, a prompt's next chunk, or a preempted sequence's recompute of
+its prompt and generated tokens), padded to a common length; a sequence whose chunk reaches its last token
+gets its next token; then every decoding sequence feeds its last token and gets the next one. Attention reads
+positions through the block tables (cache.py), so a sequence computes what it would alone.
 
 Token choice is per sequence: greedy rows take the argmax; a sampling row draws its Gumbel noise from its
 own generator seeded by the request's seed (the draw ``generate`` makes for a one-prompt batch), so a
-request's tokens never depend on what else is in the batch.
+request's tokens never depend on what else is in the batch, nor on a preemption (the generator lives with
+the sequence's state, which a preemption keeps).
 
 Before the choice, each rank masks its own columns of the logits: the ids that would end a sequence (EOS, its
 stop ids) while it has fewer than ``min_tokens`` tokens, and what a sequence's grammar forbids (structured.py).
@@ -36,47 +36,34 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def row_slots(token_ranks: int, padded_prompt: int, max_tokens: int) -> int:
-    """Cache slots one sequence needs on every rank: a cache whose tokens are split over ``token_ranks`` ranks
-    (``Engine.kv_token_ranks``: D for a sequence-sharded one) holds that share of the padded prompt and of the
-    decoded tokens; with 1 every token."""
-    return padded_prompt // token_ranks + -(-(max_tokens - 1) // token_ranks)
-
-
 @dataclass
 class Sequence:
     request: Admission
-    row: int
-    generated: int = 0  # tokens chosen so far
-    last: int = -1  # the last chosen token: the next decode's input
+    tokens: list[int]  # the prompt, then the tokens chosen so far
     sampler: TokenSelector | None = None  # its noise generator (sampling only)
     matcher: object | None = None  # its xgrammar GrammarMatcher (structured output only)
     finish: str | None = None
+    started: bool = False  # its first token was chosen (a recompute after a preemption is not a start)
     prompt_logprobs: list = field(default_factory=list)  # (logprob, top) of prompt tokens 1.. (echo), so far
 
     @property
     def request_id(self) -> int:
         return self.request.request_id
 
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
 
-@dataclass
-class PrefillGroup:
-    """Sequences being prefilled together in rows [first, first + k), one chunk per step."""
-
-    seqs: list[Sequence]
-    first: int
-    tokens: torch.Tensor  # [k, padded prompt]
-    lengths: torch.Tensor  # [k]
-    last: torch.Tensor  # [k, dim]: this rank's share of each last prompt token's hidden state so far
-    done: int = 0  # prompt positions prefilled
-    cancelled: set = field(default_factory=set)  # leave as soon as the prefill ends
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
 
 
 @dataclass
 class StepResult:
     tokens: list[tuple[int, int]] = field(default_factory=list)  # (request id, token), in order of choice
-    finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "cancelled")
-    admitted: list[int] = field(default_factory=list)
+    finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "bad_grammar")
+    admitted: list[int] = field(default_factory=list)  # requests whose prefill ended (first token chosen)
     # (request id, logprob, [(id, logprob)] top first) of each chosen token whose request asks for logprobs
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)
     # (request id, [None, (logprob, top), ...]) of each prompt token, when a request's prefill ends (echo)
@@ -84,91 +71,50 @@ class StepResult:
 
 
 class BatchRunner:
-    """Continuous batching of up to ``max_batch`` sequences of at most ``max_model_len`` tokens each."""
+    """The engine, its KV pool of ``num_blocks`` blocks of ``block_size`` slots, and the sequences' state."""
 
-    def __init__(self, engine, max_batch: int, max_model_len: int, prefill_chunk: int = 512,
-                 schedule: str = "auto", eos_token_id: int | None = None, grammars=None):
-        self.engine, self.cfg, self.schedule = engine, engine.cfg, schedule
-        self.max_batch, self.max_model_len, self.eos = max_batch, max_model_len, eos_token_id
+    def __init__(self, engine, num_blocks: int, block_size: int, schedule: str = "auto",
+                 eos_token_id: int | None = None, grammars=None):
+        self.engine, self.cfg, self.schedule, self.eos = engine, engine.cfg, schedule, eos_token_id
         self.grammars = grammars  # structured.Grammars, or None: a request with a grammar is refused
-        self._matchers: dict = {}  # request id -> matcher, from a plan's admissions to their rows
-        self.token_multiple, self.token_ranks = engine.token_multiple, engine.kv_token_ranks
-        self.prefill_chunk = round_up(max(1, prefill_chunk), self.token_multiple)
-        # Rows sized for the worst single sequence (row_slots with max_model_len), plus one padding block of
-        # slack for a prompt prefilled next to a longer one (the scheduler checks every admission against it).
-        engine.start(max_batch, round_up(max_model_len, self.token_multiple) + self.token_multiple,
-                     self.token_multiple + 1)
-        self.cache = engine.cache
-        self.capacity = self.cache.capacity
-        self.rows: list[Sequence] = []  # running (decoding) sequences, in rows [0, n)
-        self.prefilling: PrefillGroup | None = None
-        self.decode_steps = 0  # decoded token t of the batch goes to rank t mod D (TSP, SP)
-        device = engine.device
-        self.device = device
+        self._matchers: dict = {}  # request id -> matcher, from a plan's admissions to their state
+        self.token_multiple = engine.token_multiple
+        self.pool = engine.kv_pool(num_blocks, block_size)
+        self.seqs: dict[int, Sequence] = {}
+        self.device = engine.device
         self.greedy = TokenSelector(engine.vocab_comm, self.cfg.vocab_size, engine.vocab_start, 1, slice(0, 1),
-                                    0.0, None, None, 0, device)
+                                    0.0, None, None, 0, self.device)
 
-    # -- what the scheduler asks ------------------------------------------------------
-
-    def row_slots(self, padded_prompt: int, max_tokens: int) -> int:
-        """Cache slots a sequence needs in a row of this runner's engine (``row_slots``)."""
-        return row_slots(self.token_ranks, padded_prompt, max_tokens)
-
-    def slots_used(self) -> int:
-        """Cache slots this rank holds for its sequences (real tokens and prompt padding; free rows hold 0)."""
-        return int(self.cache.row_fill.sum())
-
-    def active_ids(self) -> set[int]:
-        """Requests with a row: running or being prefilled."""
-        group = self.prefilling.seqs if self.prefilling is not None else []
-        return {s.request_id for s in (*self.rows, *group)}
+    @property
+    def block_tokens(self) -> int:
+        """Tokens of a sequence one block id covers (block_size x the ranks sharing its tokens)."""
+        return self.pool.block_tokens
 
     # -- one step, on every rank --------------------------------------------------------
 
     def step(self, plan: StepPlan) -> StepResult:
         result = StepResult()
-        cancel = set(plan.cancel)
         with torch.inference_mode():
-            for seq in [s for s in self.rows if s.request_id in cancel]:
-                self._leave(seq)
-                result.finished.append((seq.request_id, "cancelled"))
-            if self.prefilling is not None:
-                self.prefilling.cancelled |= cancel
-            admit = self._with_grammars(plan.admit, result)
-            if admit:
-                self._admit(admit)
-            if self.prefilling is not None:
-                self._prefill_chunk(result)
-            if self.rows:
-                self._decode(result)
+            for rid in plan.cancel:
+                self.seqs.pop(rid, None)
+            for a in self._with_grammars(plan.admit, result):
+                self.seqs[a.request_id] = Sequence(a, list(a.prompt), sampler=self._sampler(a),
+                                                   matcher=self._matchers.pop(a.request_id, None))
+            prefill = [(self.seqs[r], start, n) for r, start, n in plan.prefill if r in self.seqs]
+            if prefill:
+                self._prefill(prefill, plan.tables, result)
+            decode = [self.seqs[r] for r in plan.decode if r in self.seqs]
+            if decode:
+                self._decode(decode, plan.tables, result)
         return result
 
-    def _move_row(self, src: int, dst: int) -> None:
-        """Row src's used slots to row dst (a local copy); row src is then free."""
-        if src == dst:
-            return
-        cache, n = self.cache, int(self.cache.row_fill[src])
-        for k in (*cache.k, *cache.v):
-            k[dst, :, :n] = k[src, :, :n]
-        cache.pos[dst] = cache.pos[src]
-        cache.valid[dst] = cache.valid[src]
-        cache.row_fill[dst] = cache.row_fill[src]
-        self._clear_row(src)
-
-    def _clear_row(self, row: int) -> None:
-        self.cache.valid[row] = False  # slots past a row's count must read as empty when the row is reused
-        self.cache.row_fill[row] = 0
-
-    def _leave(self, seq: Sequence) -> None:
-        """Free a running sequence's row; the last running row moves into it."""
-        last = len(self.rows) - 1
-        moved = self.rows[last]
-        if seq.row != last:
-            self._move_row(last, seq.row)
-            self.rows[seq.row], moved.row = moved, seq.row
-        else:
-            self._clear_row(last)
-        self.rows.pop()
+    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int]) -> None:
+        """Give the engine the sequences' block tables and how many tokens each has cached."""
+        rows = [tables[s.request_id] for s in seqs]
+        index = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+        for i, r in enumerate(rows):
+            index[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
 
     def _with_grammars(self, admitted: list[Admission], result: StepResult) -> list[Admission]:
         """The admissions whose grammar compiles (each gets its matcher); the others finish "bad_grammar" at once.
@@ -187,67 +133,53 @@ class BatchRunner:
                 result.finished.append((a.request_id, "bad_grammar"))
         return kept
 
-    def _admit(self, admitted: list[Admission]) -> None:
-        first = len(self.rows)
-        if self.prefilling is not None or first + len(admitted) > self.max_batch:
-            raise RuntimeError(f"step plan admits {len(admitted)} sequences to {first} running of at most "
-                               f"{self.max_batch} (or while a group prefills); the scheduler and the ranks disagree")
-        prompts = [a.prompt for a in admitted]
-        padded = round_up(max(len(p) for p in prompts), self.token_multiple)
-        tokens = torch.zeros(len(prompts), padded, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p, device=self.device)
-        self.prefilling = PrefillGroup(
-            [Sequence(a, first + i, sampler=self._sampler(a), matcher=self._matchers.pop(a.request_id, None))
-             for i, a in enumerate(admitted)], first, tokens,
-            torch.tensor([len(p) for p in prompts], device=self.device),
-            torch.zeros(len(prompts), self.cfg.dim, dtype=self.engine.dtype, device=self.device))
-
-    def _prefill_chunk(self, result: StepResult) -> None:
-        """The group's next chunk (the last may be shorter: still a multiple of token_multiple); after the last
-        one, its first tokens, and the group joins the running rows."""
-        engine, g = self.engine, self.prefilling
-        k, padded = g.tokens.shape
-        c0, c1 = g.done, min(g.done + self.prefill_chunk, padded)
-        engine.choose_schedule(self.schedule, k, c1 - c0)
-        engine.attach_cache(self.cache.rows(g.first, g.first + k))
-        pos = torch.arange(c0, c1, device=self.device).expand(k, c1 - c0)
-        echo = [i for i, s in enumerate(g.seqs) if s.request.prompt_logprobs is not None]
-        last = engine.prefill_chunk(g.tokens[:, c0:c1], pos, pos < g.lengths.unsqueeze(1), g.lengths,
+    def _prefill(self, work: list[tuple[Sequence, int, int]], tables: dict, result: StepResult) -> None:
+        """The plan's chunks (sequence, first position, tokens) as one batch, right padded to a common multiple of
+        the engine's token multiple; the sequences whose chunk ends at their last token get their next token."""
+        engine, seqs = self.engine, [s for s, _, _ in work]
+        T = round_up(max(n for _, _, n in work), self.token_multiple)
+        ids = torch.zeros(len(work), T, dtype=torch.long)
+        for i, (seq, start, n) in enumerate(work):
+            ids[i, :n] = torch.tensor(seq.tokens[start:start + n])
+        starts = torch.tensor([start for _, start, _ in work])
+        counts = torch.tensor([n for _, _, n in work])
+        pos = (starts.unsqueeze(1) + torch.arange(T)).to(self.device)
+        valid = (torch.arange(T) < counts.unsqueeze(1)).to(self.device)
+        engine.choose_schedule(self.schedule, len(work), T)
+        self._attach(seqs, tables, starts.tolist())
+        echo = [i for i, (seq, start, _) in enumerate(work) if seq.request.prompt_logprobs is not None
+                and len(seq.prompt_logprobs) < len(seq.request.prompt) - 1]
+        last = engine.prefill_chunk(ids.to(self.device), pos, valid, (starts + counts).to(self.device),
                                     all_positions=echo or None)
         if echo:
             last, hidden = last
-            self._prompt_logprobs([g.seqs[i] for i in echo], g.tokens[echo], hidden, c0)
-        g.last += last
-        g.done = c1
-        if c1 < padded:
+            for j, i in enumerate(echo):
+                self._prompt_logprobs(seqs[i], hidden[j], work[i][1])
+        done = [i for i, (seq, start, n) in enumerate(work) if start + n == len(seq.tokens)]
+        if not done:
             return
-        logits = engine.head(engine.finish_last(g.last))
-        self.prefilling = None
-        for i, seq in enumerate(g.seqs):  # down to the rows right after the running ones
-            self._move_row(g.first + i, len(self.rows))
-            seq.row = len(self.rows)
-            self.rows.append(seq)
-        result.admitted += [s.request_id for s in g.seqs]
-        result.prompt_logprobs += [(g.seqs[i].request_id, [None, *g.seqs[i].prompt_logprobs]) for i in echo]
-        self._take(g.seqs, logits, result)
-        for seq in [s for s in g.seqs if s.request_id in g.cancelled and s.finish is None]:
-            self._leave(seq)
-            result.finished.append((seq.request_id, "cancelled"))
+        logits = engine.head(engine.finish_last(last))[done]
+        ending = [seqs[i] for i in done]
+        for seq in [s for s in ending if not s.started]:
+            result.admitted.append(seq.request_id)
+            if seq.request.prompt_logprobs is not None:
+                result.prompt_logprobs.append((seq.request_id, [None, *seq.prompt_logprobs]))
+        self._take(ending, logits, result)
 
-    def _prompt_logprobs(self, seqs: list[Sequence], tokens: torch.Tensor, hidden: torch.Tensor, c0: int) -> None:
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, c0: int) -> None:
         """The log-probabilities of the prompt tokens that positions c0.. of this chunk predict (position t's
-        hidden state, hidden [n, T, h], predicts token t + 1), appended to each sequence's. Collective: one
-        ``vocab_logprobs`` per sequence with such a token in the chunk (the same on every rank: the lengths are
-        the plan's), over its real positions only."""
-        engine = self.engine
-        for j, seq in enumerate(seqs):
-            end = min(c0 + hidden.shape[1], len(seq.request.prompt) - 1)  # the last position predicts a new token
-            if end <= c0:
-                continue
-            lp, top_lp, top_ids = vocab_logprobs(engine.head(hidden[j, :end - c0]), tokens[j, c0 + 1:end + 1],
-                                                 engine.vocab_start, engine.vocab_comm, seq.request.prompt_logprobs)
-            seq.prompt_logprobs += _entries(lp, top_ids, top_lp)
+        hidden state, hidden [T, h], predicts token t + 1), appended to the sequence's, from the first position
+        it has none for (a recompute after a preemption does not count them twice). Collective: every rank runs
+        it for the same sequences and chunks (they are the plan's)."""
+        begin = max(c0, len(seq.prompt_logprobs))
+        end = min(c0 + hidden.shape[0], len(seq.request.prompt) - 1)  # the last position predicts a new token
+        if end <= begin:
+            return
+        engine, prompt = self.engine, seq.request.prompt
+        targets = torch.tensor(prompt[begin + 1:end + 1], device=self.device)
+        lp, top_lp, top_ids = vocab_logprobs(engine.head(hidden[begin - c0:end - c0]), targets, engine.vocab_start,
+                                             engine.vocab_comm, seq.request.prompt_logprobs)
+        seq.prompt_logprobs += _entries(lp, top_ids, top_lp)
 
     def _token_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, chosen: list[int],
                         result: StepResult) -> None:
@@ -264,15 +196,13 @@ class BatchRunner:
         for i, (lp, top) in zip(want, entries):
             result.logprobs.append((seqs[i].request_id, lp, top[:seqs[i].request.logprobs]))
 
-    def _decode(self, result: StepResult) -> None:
-        engine, rows = self.engine, self.rows
-        ids = torch.tensor([s.last for s in rows], device=self.device)
-        pos = torch.tensor([len(s.request.prompt) + s.generated - 1 for s in rows], device=self.device)
-        engine.choose_schedule(self.schedule, len(rows), 1)
-        engine.attach_cache(self.cache.rows(0, len(rows)))
-        logits = engine.decode(ids, pos, self.decode_steps)
-        self.decode_steps += 1
-        self._take(list(rows), logits, result)
+    def _decode(self, seqs: list[Sequence], tables: dict, result: StepResult) -> None:
+        engine = self.engine
+        ids = torch.tensor([s.last for s in seqs], device=self.device)
+        pos = [len(s.tokens) - 1 for s in seqs]
+        engine.choose_schedule(self.schedule, len(seqs), 1)
+        self._attach(seqs, tables, pos)
+        self._take(seqs, engine.decode(ids, torch.tensor(pos, device=self.device)), result)
 
     def _sampler(self, a: Admission) -> TokenSelector | None:
         s = a.sampling
@@ -346,11 +276,13 @@ class BatchRunner:
         # tokens actually emitted (a row whose grammar allows nothing ends without one).
         emitting = [i for i in range(len(growing)) if i not in ended]
         self._token_logprobs([growing[i] for i in emitting], logits[emitting], [chosen[i] for i in emitting], result)
+        for s in seqs:
+            s.started = True
         for i, (s, token) in enumerate(zip(growing, chosen)):
             if i in ended:
                 s.finish = "stop"
                 continue
-            s.last, s.generated = token, s.generated + 1
+            s.tokens.append(token)
             result.tokens.append((s.request_id, token))
             if s.matcher is not None and (not s.matcher.accept_token(token) or s.matcher.is_terminated()):
                 s.finish = "stop"  # the grammar is complete (or, never expected, refused the token it allowed)
@@ -359,7 +291,7 @@ class BatchRunner:
             elif s.generated >= s.request.max_tokens:
                 s.finish = "length"
         for s in [s for s in seqs if s.finish is not None]:
-            self._leave(s)
+            del self.seqs[s.request_id]
             result.finished.append((s.request_id, s.finish))
 
 

@@ -197,12 +197,13 @@ class KVBlockManager:
             blocks.append(block)
         return blocks
 
-    def allocate(self, seq: int, tokens: Sequence[int], n_tokens: int) -> int | None:
-        """Start ``seq`` (prompt ``tokens``) with slots for its first ``n_tokens`` past its cached prefix;
-        returns how many tokens the cache already holds, or None (nothing changed) when blocks are short."""
+    def allocate(self, seq: int, tokens: Sequence[int], n_tokens: int, use_cache: bool = True) -> int | None:
+        """Start ``seq`` (prompt ``tokens``) with slots for its first ``n_tokens`` past its cached prefix (none
+        without ``use_cache``); returns how many tokens the cache already holds, or None (nothing changed) when
+        blocks are short."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq} already has blocks")
-        hit = self.cached_prefix(tokens)
+        hit = self.cached_prefix(tokens) if use_cache else []
         cached = len(hit) * self.block_tokens
         need = self.blocks_for(cached + n_tokens) - len(hit)
         if need + sum(self.pool.ref[b] == 0 for b in hit) > self.pool.num_free:

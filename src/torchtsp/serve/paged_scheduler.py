@@ -30,6 +30,7 @@ class SeqState:
     arrival: int
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = "waiting"  # waiting | running | preempted | finished
+    use_prefix_cache: bool = True  # False: every position is computed (a request for its prompt's logprobs)
 
     @property
     def num_generated(self) -> int:
@@ -61,12 +62,13 @@ class PagedScheduler:
     """FIFO admission by free blocks, a per-step token budget and a sequence cap; preemption of the newest."""
 
     def __init__(self, blocks: KVBlockManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, max_prefill_chunk: int | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
                              f"({max_num_seqs}) must be >= 1")
         self.blocks, self.eos_token_id = blocks, eos_token_id
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_prefill_chunk = max_prefill_chunk  # tokens of one prompt per step at most (None: the budget)
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []  # in admission order: the last is the newest
         self.seqs: dict[int, SeqState] = {}
@@ -76,20 +78,22 @@ class PagedScheduler:
         self._step = 0
         self._pending: PagedPlan | None = None  # scheduled, not yet updated
 
-    def add_request(self, seq_id: int, prompt: Sequence[int], max_tokens: int) -> None:
-        """Queue a request, or refuse one that could never fit the whole cache, even alone."""
+    def add_request(self, seq_id: int, prompt: Sequence[int], max_tokens: int, use_prefix_cache: bool = True) -> None:
+        """Queue a request, or refuse one that could never fit the whole cache, even alone. max_tokens 0: the
+        prompt only (its logprobs), which the caller finishes after the prefill."""
         if seq_id in self.seqs:
             raise ValueError(f"request id {seq_id} is already scheduled")
-        if not prompt or max_tokens < 1:
-            raise ValueError(f"a request needs a prompt and max_tokens >= 1 (got {len(prompt)} tokens, "
+        if not prompt or max_tokens < 0:
+            raise ValueError(f"a request needs a prompt and max_tokens >= 0 (got {len(prompt)} tokens, "
                              f"max_tokens {max_tokens})")
-        need = len(prompt) + max_tokens - 1  # the last sampled token is never written to the cache
+        need = len(prompt) + max(max_tokens, 1) - 1  # the last sampled token is never written to the cache
         if not self.blocks.fits_ever(need):
             raise RequestTooLong(
                 f"request needs {need} tokens of KV cache (prompt {len(prompt)} + max_tokens {max_tokens} - 1) "
                 f"but the whole cache holds {self.blocks.capacity_tokens} tokens; shorten the prompt or "
                 f"max_tokens, or raise --kv-cache-mb")
-        seq = SeqState(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals)
+        seq = SeqState(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals,
+                       use_prefix_cache=use_prefix_cache)
         self._arrivals += 1
         self.seqs[seq_id] = seq
         self.waiting.append(seq)
@@ -129,7 +133,7 @@ class PagedScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.tokens) - seq.num_computed, budget)
+            n = self._chunk(len(seq.tokens) - seq.num_computed, budget)
             while not self.blocks.append_slots(seq.seq_id, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -144,9 +148,10 @@ class PagedScheduler:
     def _schedule_waiting(self, plan: PagedPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = len(self.blocks.cached_prefix(seq.tokens)) * self.blocks.block_tokens
-            n = min(len(seq.tokens) - cached, budget)
-            if self.blocks.allocate(seq.seq_id, seq.tokens, n) is None:
+            hit = self.blocks.cached_prefix(seq.tokens) if seq.use_prefix_cache else []
+            cached = len(hit) * self.blocks.block_tokens
+            n = self._chunk(len(seq.tokens) - cached, budget)
+            if self.blocks.allocate(seq.seq_id, seq.tokens, n, seq.use_prefix_cache) is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it (no starvation)
             self.waiting.popleft()
             seq.num_computed, seq.status = cached, "running"
@@ -154,6 +159,10 @@ class PagedScheduler:
             plan.cached_tokens[seq.seq_id] = cached
             plan.prefill.append((seq.seq_id, cached, n))  # a (re)admitted sequence always starts as a prefill
             budget -= n
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens a sequence with ``remaining`` to compute runs this step."""
+        return min(remaining, budget, self.max_prefill_chunk or remaining)
 
     def _add(self, plan: PagedPlan, seq: SeqState, n: int) -> None:
         if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:
@@ -169,15 +178,16 @@ class PagedScheduler:
         plan.preempted.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] = ()) -> None:
+    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] | dict[int, str] = ()) -> None:
         """After the ranks ran ``plan``: advance every scheduled sequence; one that computed its last token
-        takes its sampled token and finishes at EOS, ``max_tokens`` or when the caller ``stopped`` it (stop
-        strings). Full blocks just computed join the prefix cache."""
+        takes its sampled token (if it has one) and finishes at EOS, ``max_tokens`` or when the caller
+        ``stopped`` it (ids, or ids with their reason: the ranks decide stop ids, grammars, min_tokens). Full
+        blocks just computed join the prefix cache."""
         if plan is not self._pending:
             raise RuntimeError(f"update of step {plan.step}, but the step in flight is "
                                f"{getattr(self._pending, 'step', None)}")
         self._pending = None
-        stopped = set(stopped)
+        reasons = stopped if isinstance(stopped, dict) else dict.fromkeys(stopped, "stop")
         for seq_id, n in plan.scheduled().items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status != "running":
@@ -185,11 +195,15 @@ class PagedScheduler:
             seq.num_computed += n
             self.blocks.cache_blocks(seq_id, seq.tokens, seq.num_computed)
             if seq.num_computed < len(seq.tokens):
+                if seq_id in reasons:  # the caller ended it mid-prefill (a grammar that does not compile)
+                    self.running.remove(seq)
+                    self._finish(seq, reasons[seq_id])
                 continue  # a prefill chunk short of the last token: nothing sampled
-            token = sampled[seq_id]
-            seq.tokens.append(token)
-            reason = ("stop" if token == self.eos_token_id or seq_id in stopped
-                      else "length" if seq.num_generated >= seq.max_tokens else None)
+            token = sampled.get(seq_id)
+            if token is not None:
+                seq.tokens.append(token)
+            reason = ("stop" if token is not None and token == self.eos_token_id else reasons.get(seq_id)
+                      or ("length" if seq.num_generated >= seq.max_tokens else None))
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)

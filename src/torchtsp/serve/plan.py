@@ -1,9 +1,10 @@
 """The step plan: what rank 0's scheduler tells every rank before each engine step, and how it travels.
 
 A plan is a few integers (requests that join, with their prompts, sampling values and seeds; requests that
-leave; whether to stop), so it travels as int64 tensors over the CPU control group, not as a pickle: a
-fixed-size header broadcast every step (the ranks stay in lockstep even when it says "nothing to do"),
-then, when the header says so, one payload tensor of the announced length. Floats travel as their
+leave; the step's prefill chunks and decodes with their block tables; whether to stop), so it travels as
+int64 tensors over the CPU control group, not as a pickle: a fixed-size header broadcast every step (the
+ranks stay in lockstep even when it says "nothing to do"), then one payload tensor of the announced
+length. Floats travel as their
 IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process checked.
 """
 
@@ -50,10 +51,19 @@ class Admission:
 
 @dataclass
 class StepPlan:
+    """One engine step. ``admit``: requests the ranks see for the first time (their state starts here);
+    ``cancel``: requests the ranks drop; ``prefill`` (request id, first position, tokens) and ``decode``
+    (request ids): the work of the step; ``tables``: the block table of every request with work;
+    ``preempted``: requests whose blocks rank 0 took back (they recompute from position 0 later)."""
+
     step: int
     admit: list[Admission] = field(default_factory=list)
     cancel: list[int] = field(default_factory=list)
     stop: bool = False
+    prefill: list[tuple[int, int, int]] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    preempted: list[int] = field(default_factory=list)
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")  # travel as 1 + their index (0: none)
@@ -135,6 +145,10 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     payload = list(plan.cancel)
     for a in plan.admit:
         payload += _admission_values(a)
+    payload += [len(plan.prefill), *[v for work in plan.prefill for v in work], len(plan.decode), *plan.decode,
+                len(plan.preempted), *plan.preempted]
+    for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
+        payload += [len(plan.tables[rid]), *plan.tables[rid]]
     header = [MAGIC, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit), len(payload)]
     return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
 
@@ -162,6 +176,16 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
                                                                        None if top_p < 0 else top_p, seed), stops,
                                    bool(ignore_eos), min_tokens, grammar, logprobs=_from_optional(logprobs),
                                    prompt_logprobs=_from_optional(prompt_logprobs)))
+    n = values[at]
+    plan.prefill = [tuple(values[at + 1 + 3 * i:at + 4 + 3 * i]) for i in range(n)]
+    at += 1 + 3 * n
+    plan.decode = values[at + 1:at + 1 + values[at]]
+    at += 1 + values[at]
+    plan.preempted = values[at + 1:at + 1 + values[at]]
+    at += 1 + values[at]
+    for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
+        plan.tables[rid] = values[at + 1:at + 1 + values[at]]
+        at += 1 + values[at]
     return plan
 
 
@@ -176,8 +200,6 @@ def exchange(comm, plan: StepPlan | None) -> StepPlan:
         header, payload = torch.zeros(HEADER, dtype=torch.long), None
     comm.broadcast(header, 0, label="serve.plan")
     length = int(header[-1])
-    if length == 0:
-        return plan if comm.rank == 0 else decode(header, torch.zeros(0, dtype=torch.long))
     if comm.rank != 0:
         payload = torch.zeros(length, dtype=torch.long)
     comm.broadcast(payload, 0, label="serve.plan")

@@ -1,21 +1,23 @@
 """What every rank of ``torchtsp serve`` runs: load the model, then engine steps until told to stop.
 
 Rank 0 also owns the scheduler: it takes requests and cancellations from the HTTP process over one
-authenticated local connection, decides each step's plan (cancellations, then admissions in arrival order
-while rows and cache slots allow), broadcasts it to every rank (``plan.exchange``; even when empty, every
-``IDLE_S`` when idle, so the ranks stay in lockstep and a dead rank shows up within the collective
-timeout), runs the step like every rank, and sends the step's tokens and figures back.
+authenticated local connection, decides each step's plan with the paged scheduler (``paged_scheduler``:
+admission by free blocks, a token budget per step and a sequence cap; chunked prefills beside the decodes;
+preemption of the newest sequence when blocks run out; prefix caching), broadcasts it to every rank
+(``plan.exchange``; even when empty, every ``IDLE_S`` when idle, so the ranks stay in lockstep and a dead rank
+shows up within the collective timeout), runs the step like every rank, and sends the step's tokens and
+figures back.
 """
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 from dataclasses import dataclass, field
 
 IDLE_S = 0.05  # an idle engine still steps (an empty plan) this often: a heartbeat for /health
-PREFILL_GROUP_TOKENS = 4096  # padded prompt tokens of one prefill group at most (a longer prompt still runs alone)
+CPU_KV_CACHE_MB = 256.0  # the KV pool per rank when --kv-cache-mb is not given, on a CPU
+GPU_KV_CACHE_SHARE = 0.9  # ... on a GPU: this share of the memory free once the weights are loaded
 
 
 @dataclass
@@ -25,9 +27,13 @@ class ServeJob:
     load: object  # a generate_job.GenerateJob naming the model source, scheme, degrees, dtype, timeout
     address: tuple
     authkey: bytes
-    max_batch: int = 16
+    max_num_seqs: int = 16
     max_model_len: int = 2048
-    prefill_chunk: int = 512
+    kv_cache_mb: float | None = None  # MiB per rank (None: CPU_KV_CACHE_MB, or GPU_KV_CACHE_SHARE of free memory)
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefill_chunk: int | None = None  # tokens of one prompt per step at most (None: only the budget)
     schedule: str = "auto"
     eos_token_id: int | None = None
     kv_layout: str = "auto"  # kv_layouts.py; checked by the launcher (generate_job.check_kv_layout)
@@ -35,15 +41,32 @@ class ServeJob:
 
 
 class Scheduler:
-    """Rank 0: the waiting queue, the cancellations, and each step's plan."""
+    """Rank 0: the requests from the HTTP process, the paged scheduler over the block manager, each step's plan.
 
-    def __init__(self, runner, conn):
-        self.runner, self.conn = runner, conn
-        self.waiting: collections.deque = collections.deque()
+    ``blocks``: the ``blocks.KVBlockManager`` of the pool every rank holds. Request ids the ranks have seen
+    (``known``) are cancelled in the plan; the others never reach them. Every request that ends without the
+    ranks' word (cancelled, refused, too long, the server stopping) is reported in ``dropped``."""
+
+    def __init__(self, runner, conn, blocks, max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
+                 max_model_len: int = 2048, prefill_chunk: int | None = None):
+        from .paged_scheduler import PagedScheduler
+
+        self.runner, self.conn, self.max_model_len = runner, conn, max_model_len
+        self.paged = PagedScheduler(blocks, max_num_batched_tokens, max_num_seqs, None, prefill_chunk)
+        self.admissions: dict = {}  # request id -> Admission, queued and not yet sent to the ranks
+        self.known: set[int] = set()
         self.cancelled: set[int] = set()
         self.stopping = False
         self.draining = False  # shutting down: running requests go on, nothing waiting is admitted
-        self.dropped: list[tuple[int, str]] = []  # (request id, reason): left the queue without reaching a rank
+        self.dropped: list[tuple[int, str]] = []  # (request id, reason): ended without the ranks' word
+        self._pending = None  # the paged plan of the step in flight
+
+    @property
+    def waiting(self) -> list:
+        return self.paged.waiting
+
+    def has_work(self) -> bool:
+        return self.paged.has_work()
 
     def receive(self, timeout: float) -> None:
         while self.conn.poll(timeout):
@@ -59,54 +82,85 @@ class Scheduler:
                 self.draining = True
 
     def _queue(self, admission) -> None:
+        from .paged_scheduler import RequestTooLong
         from .plan import admission_problem
 
-        vocab_size, max_model_len = self.runner.cfg.vocab_size, self.runner.max_model_len
+        rid = getattr(admission, "request_id", -1)
         try:
-            problem = admission_problem(admission, vocab_size, max_model_len)
+            problem = admission_problem(admission, self.runner.cfg.vocab_size, self.max_model_len)
+            if problem is None:
+                self.paged.add_request(rid, admission.prompt, admission.max_tokens,
+                                       use_prefix_cache=admission.prompt_logprobs is None)
+                self.admissions[rid] = admission
+                return
+            reason = "rejected"
+        except RequestTooLong as e:
+            problem, reason = str(e), "too_long"
         except Exception as e:  # noqa: BLE001 - not even an Admission's shape: that request fails, not the ranks
-            problem = f"{type(e).__name__}: {e}"
-        if problem is None:
-            self.waiting.append(admission)
-        else:
-            rid = getattr(admission, "request_id", -1)
-            print(f"torchtsp: the engine refused request {rid}: {problem}"[:300], file=sys.stderr, flush=True)
-            self.dropped.append((rid, "rejected"))
+            problem, reason = f"{type(e).__name__}: {e}", "rejected"
+        print(f"torchtsp: the engine refused request {rid}: {problem}"[:300], file=sys.stderr, flush=True)
+        self.dropped.append((rid, reason))
+
+    def _cancel(self, rids) -> list[int]:
+        """Drop requests wherever they are (their blocks free at once); the ids the ranks know, to forget."""
+        forget = []
+        for rid in rids:
+            if self.paged.cancel(rid):
+                self.dropped.append((rid, "cancelled"))
+                self.admissions.pop(rid, None)
+                if rid in self.known:
+                    self.known.discard(rid)
+                    forget.append(rid)
+        return sorted(forget)
 
     def plan(self, step: int):
-        from .batch import round_up, row_slots
         from .plan import StepPlan
 
-        runner = self.runner
-        running = runner.active_ids()
         if self.stopping:
-            return StepPlan(step, cancel=sorted(running), stop=True)
-        if self.draining:
-            self.dropped += [(a.request_id, "cancelled") for a in self.waiting]
-            self.waiting.clear()
-        cancel = sorted(running & self.cancelled)
-        for a in [a for a in self.waiting if a.request_id in self.cancelled]:
-            self.waiting.remove(a)
-            self.dropped.append((a.request_id, "cancelled"))
-        self.cancelled.clear()  # running ones leave in this plan; ids of finished requests are forgotten
-        free = runner.max_batch - (len(running) - len(cancel))
-        admit: list = []
-        while self.waiting and len(admit) < free and runner.prefilling is None:
-            group = [*admit, self.waiting[0]]
-            padded = round_up(max(len(a.prompt) for a in group), runner.token_multiple)
-            if any(row_slots(runner.token_ranks, padded, a.max_tokens) > runner.capacity for a in group):
-                if not admit:  # not even alone (the HTTP checks make this impossible; never block the queue)
-                    self.dropped.append((self.waiting.popleft().request_id, "too_long"))
-                    continue
-                break  # prefilled next to a longer prompt it would not fit its row: it waits for the next group
-            if admit and padded * len(group) > PREFILL_GROUP_TOKENS:
-                break
-            admit.append(self.waiting.popleft())
-        return StepPlan(step, admit=admit, cancel=cancel)
+            return StepPlan(step, cancel=self._cancel(list(self.paged.seqs)), stop=True)
+        if self.draining:  # the requests no rank has seen yet fail now
+            self.cancelled |= set(self.admissions)
+        cancel = self._cancel(self.cancelled)
+        self.cancelled.clear()
+        paged = self.paged.schedule()
+        self.paged.finished.clear()  # ends are reported from the ranks' results and ``dropped``
+        self._pending = paged
+        scheduled = [*(r for r, _, _ in paged.prefill), *paged.decode]
+        admit = [self.admissions.pop(r) for r in scheduled if r not in self.known]
+        self.known.update(a.request_id for a in admit)
+        return StepPlan(step, admit=admit, cancel=cancel, prefill=paged.prefill, decode=paged.decode,
+                        tables=paged.block_tables, preempted=paged.preempted)
+
+    def after(self, result) -> None:
+        """The step's outcome: sequences advance, chosen tokens join them, ended ones free their blocks."""
+        if self._pending is None:
+            return
+        reasons = dict(result.finished)
+        self.paged.update(self._pending, dict(result.tokens), reasons)
+        self._pending = None
+        self.known.difference_update(reasons)
+
+    def figures(self) -> dict:
+        blocks = self.paged.blocks
+        return {"running": len(self.paged.running), "waiting": len(self.paged.waiting), "kv_usage": blocks.usage,
+                "num_preemptions": self.paged.num_preemptions, "prefix_queries": blocks.prefix_queries,
+                "prefix_hits": blocks.prefix_hits}
+
+
+def kv_cache_budget_bytes(kv_cache_mb: float | None, device) -> int:
+    """The KV pool's bytes on this rank: the flag's, else the documented default for the device."""
+    import torch
+
+    if kv_cache_mb is not None:
+        return int(kv_cache_mb * 2**20)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_CACHE_SHARE)
+    return int(CPU_KV_CACHE_MB * 2**20)
 
 
 def run_serve_rank(job: ServeJob) -> dict:
-    """On every rank: load, parallelize, then engine steps until the plan says stop."""
+    """On every rank: load, parallelize, size the KV pool, then engine steps until the plan says stop."""
     import torch
 
     from ..distributed import comm
@@ -115,51 +169,65 @@ def run_serve_rank(job: ServeJob) -> dict:
     from ..generate_job import _load_model, model_config_and_tokenizer
     from ..infer.api import make_engine
     from .batch import BatchRunner
-    from .plan import exchange
+    from .blocks import KVBlockManager, bytes_per_block
     from .structured import Grammars
 
     load = job.load
     cfg, tokenizer, _ = model_config_and_tokenizer(load.source, load.location, load.tokenizer)
     mesh = init_mesh(**load.degrees, timeout_s=load.timeout_s)
     model = _load_model(load, cfg, mesh)
-    runner = BatchRunner(make_engine(model, job.kv_layout), job.max_batch, job.max_model_len, job.prefill_chunk,
-                         job.schedule, job.eos_token_id, Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
+    engine = make_engine(model, job.kv_layout)
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
-    capacity = control.all_gather(torch.tensor([runner.capacity * runner.max_batch]), label="serve.ready")
-    rank0 = control.rank == 0
+    per_block = bytes_per_block(cfg.n_layers, engine.kv_heads_per_rank, cfg.head_dim, engine.dtype.itemsize,
+                                job.block_size)
+    budget = kv_cache_budget_bytes(job.kv_cache_mb, engine.device)
+    blocks = control.all_gather(torch.tensor([budget // per_block]), label="serve.ready").min().item()
+    if blocks < 1:
+        raise ValueError(f"--kv-cache-mb {budget / 2**20:.3g} holds no block of {job.block_size} tokens "
+                         f"({per_block} bytes per rank); raise --kv-cache-mb or lower --block-size")
+    runner = BatchRunner(engine, blocks, job.block_size, job.schedule, job.eos_token_id,
+                         Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     conn = scheduler = None
-    if rank0:
+    if control.rank == 0:
         from multiprocessing.connection import Client
 
+        manager = KVBlockManager(blocks, runner.block_tokens, job.enable_prefix_caching)
         conn = Client(tuple(job.address), authkey=job.authkey)
-        conn.send(("ready", {"kv_slots_per_rank": capacity.flatten().tolist(), "row_slots": runner.capacity,
-                             "world": control.size, "engine": runner.engine.scheme,
-                             "kv_layout": runner.engine.kv_layout}))
-        scheduler = Scheduler(runner, conn)
-    step, steps = 0, 0
+        conn.send(("ready", {"world": control.size, "engine": engine.scheme, "kv_layout": engine.kv_layout,
+                             "num_blocks": blocks, "block_size": job.block_size, "block_tokens": runner.block_tokens,
+                             "kv_capacity_tokens": manager.capacity_tokens,
+                             "kv_cache_bytes_per_rank": runner.pool.nbytes, "max_model_len": job.max_model_len}))
+        scheduler = Scheduler(runner, conn, manager, job.max_num_batched_tokens, job.max_num_seqs,
+                              job.max_model_len, job.prefill_chunk)
     try:
-        while True:
-            if rank0:
-                scheduler.receive(0 if (runner.rows or runner.prefilling or scheduler.waiting) else IDLE_S)
-                plan = scheduler.plan(step)
-            else:
-                plan = None
-            t0 = time.perf_counter()
-            plan = exchange(control, plan)
-            result = runner.step(plan)
-            used = control.all_gather(torch.tensor([runner.slots_used()]), label="serve.slots").flatten().tolist()
-            if rank0:
-                finished = result.finished + scheduler.dropped
-                scheduler.dropped = []
-                conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
-                                    "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
-                                    "kv_slots_used": used, "running": len(runner.rows),
-                                    "waiting": len(scheduler.waiting), "step_s": time.perf_counter() - t0}))
-            steps += bool(plan.admit) or bool(runner.rows) or runner.prefilling is not None or bool(result.finished)
-            if plan.stop:
-                break
-            step += 1
+        return _step_loop(control, runner, scheduler, conn)
     finally:
         if conn is not None:
             conn.close()
-    return {"steps": steps}
+
+
+def _step_loop(control, runner, scheduler, conn) -> dict:
+    """Engine steps in lockstep until a plan says stop (rank 0 plans, reports, and waits for work when idle)."""
+    from .plan import exchange
+
+    step, steps = 0, 0
+    while True:
+        if scheduler is not None:
+            scheduler.receive(0 if scheduler.has_work() else IDLE_S)
+            plan = scheduler.plan(step)
+        else:
+            plan = None
+        t0 = time.perf_counter()
+        plan = exchange(control, plan)
+        result = runner.step(plan)
+        if scheduler is not None:
+            scheduler.after(result)
+            finished = result.finished + scheduler.dropped
+            scheduler.dropped = []
+            conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
+                                "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
+                                **scheduler.figures(), "step_s": time.perf_counter() - t0}))
+        steps += bool(plan.prefill or plan.decode or plan.admit or result.finished)
+        if plan.stop:
+            return {"steps": steps}
+        step += 1
