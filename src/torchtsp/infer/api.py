@@ -124,7 +124,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     rows = engine.batch_rows(B)
     local = [prompts[i] if i < B else prompts[0] for i in range(rows.start, rows.stop)]  # DP pads its last share
     device = engine.device
-    lengths = torch.tensor([len(p) for p in local], device=device)
+    host_lengths = torch.tensor([len(p) for p in local])
+    lengths = host_lengths.to(device)
     longest = max(len(p) for p in local)
     chunk = _round_up(min(prefill_chunk or longest, longest), engine.token_multiple)
     tokens = torch.zeros(len(local), _round_up(longest, chunk), dtype=torch.long, device=device)
@@ -141,7 +142,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     with torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
-        logits = engine.prefill(tokens, lengths, chunk)
+        logits = engine.prefill(tokens, lengths, chunk, host_lengths)
         ids = select(logits)
         _sync(device)
         prefill_s = time.perf_counter() - t0
@@ -157,6 +158,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             if t + 1 == max_new_tokens or (stops and bool(done.all())):
                 break
             t0 = time.perf_counter()
+            engine.cache.expect(host_lengths + t + 1)
             logits = engine.decode(ids, lengths + t)
             ids = select(logits)
             _sync(device)

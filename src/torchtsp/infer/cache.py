@@ -85,18 +85,32 @@ class KVPool:
         return per_slot * self.spare
 
     def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
-        """The view of the sequences with block tables ``tables`` [B, n] that hold ``lengths`` [B] tokens so far."""
-        return KVCache(self, tables.to(self.device), lengths.to(self.device))
+        """The view of the sequences with block tables ``tables`` [B, n] that hold ``lengths`` [B] tokens so far
+        (host tensors: the driver knows them)."""
+        return KVCache(self, tables.cpu(), lengths.cpu())
 
 
 class KVCache:
-    """The sequences one engine step runs on: their block tables and cached lengths over a ``KVPool``."""
+    """The sequences one engine step runs on: their block tables and cached lengths over a ``KVPool``.
+
+    Shapes (how many slots to read) come from the lengths, which the host knows: the driver of the steps
+    (``generate``, the server's runner) says what they will be after each step (``expect``), so a step never
+    reads the device; without it ``reserve`` reads them back (tests, benchmarks driving an engine directly)."""
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
-        self.pool, self.tables, self.lengths = pool, tables, lengths
-        self.before = lengths  # the lengths before this step's tokens (``reserve``)
-        self._index = {}  # (before?) -> (slot index [B, S], key positions [B, S], valid [B, S])
+        self.pool = pool
+        self.tables, self.lengths = tables.to(pool.device), lengths.to(pool.device)
+        self.host_lengths = lengths.clone()
+        self.before, self.host_before = self.lengths, self.host_lengths  # before this step's tokens (``reserve``)
+        self._next: torch.Tensor | None = None  # host lengths after the next step (``expect``)
+        self._index = {}  # (before?, member) -> (slot index [B, S], key positions [B, S], valid [B, S])
         self.capacity = tables.shape[1] * pool.block_tokens  # tokens each sequence's table covers
+        # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
+        self.one_block_each = tables.shape[1] == 1 and bool((tables[:, 0] == torch.arange(len(tables))).all())
+
+    def expect(self, lengths) -> None:
+        """The sequences' lengths after the next step's tokens (host values; ``reserve`` then reads none back)."""
+        self._next = torch.as_tensor(lengths, dtype=torch.long).cpu()
 
     @property
     def nbytes(self) -> int:
@@ -114,10 +128,12 @@ class KVCache:
         this rank does not keep, and padding, go to the spare slot. Grows the lengths to cover the valid ones."""
         new = torch.where(valid, pos + 1, 0).amax(dim=1) if pos.shape[1] else torch.zeros_like(self.lengths)
         grown = torch.maximum(self.lengths, new)
-        longest = int(grown.max()) if len(grown) else 0
+        host = grown.cpu() if self._next is None else torch.maximum(self.host_lengths, self._next)
+        longest = int(host.max()) if len(host) else 0
         if longest > self.capacity:
             raise ValueError(f"KV cache full: a sequence reaches {longest} tokens, its blocks hold {self.capacity}")
-        self.before, self.lengths, self._index = self.lengths, grown, {}
+        self.before, self.host_before, self._index, self._next = self.lengths, self.host_lengths, {}, None
+        self.lengths, self.host_lengths = grown, host
         return self.slots_of(pos, valid)
 
     def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -143,7 +159,7 @@ class KVCache:
         if key not in self._index:
             pool, lengths = self.pool, self.before if before else self.lengths
             bs, R = pool.block_size, pool.token_ranks
-            longest = int(lengths.max()) if len(lengths) else 0
+            longest = int((self.host_before if before else self.host_lengths).max()) if len(lengths) else 0
             S = int(self.local_slot(torch.tensor(longest - 1))) + 1 if longest else 0
             s = torch.arange(S, device=pool.device)
             index = self.tables[:, s // bs] * bs + s % bs
@@ -153,8 +169,13 @@ class KVCache:
         return self._index[key]
 
     def keys(self, layer: int, heads: slice = slice(None), before: bool = False):
-        """K and V [B, h, S, d] of ``heads`` in this rank's slots of the sequences (a copy of their blocks)."""
+        """K and V [B, h, S, d] of ``heads`` in this rank's slots of the sequences (a copy of their blocks, or a
+        view where each sequence is one block)."""
         index = self._slots(before)[0]
+        if self.one_block_each:
+            B, S, bs = len(self.tables), index.shape[1], self.pool.block_size
+            return tuple(t[layer][:B * bs].unflatten(0, (B, bs))[:, :S, heads].transpose(1, 2)
+                         for t in (self.pool.k, self.pool.v))
         return tuple(t[layer][index, heads].transpose(1, 2) for t in (self.pool.k, self.pool.v))
 
     def key_positions(self, before: bool = False, member: int | None = None) -> torch.Tensor:

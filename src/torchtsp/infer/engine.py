@@ -158,11 +158,15 @@ class Engine:
         """Feed one token per sequence (ids, positions [B]); returns the logits slice of the next one."""
         raise NotImplementedError
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int) -> torch.Tensor:
-        """Prompts [B, S_pad] (right padded; S_pad a multiple of ``chunk``) -> logits slice at the last real tokens."""
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, chunk: int,
+                host_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Prompts [B, S_pad] (right padded; S_pad a multiple of ``chunk``) -> logits slice at the last real tokens.
+        ``host_lengths``: the prompt lengths on the host (then no step reads the device)."""
         B, S = tokens.shape
         last = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
         for c0 in range(0, S, chunk):
+            if host_lengths is not None:
+                self.cache.expect(host_lengths.clamp(max=c0 + chunk))
             pos = torch.arange(c0, c0 + chunk, device=self.device).expand(B, chunk)
             last += self.prefill_chunk(tokens[:, c0:c0 + chunk], pos, pos < lengths.unsqueeze(1), lengths)
         return self.head(self.finish_last(last))

@@ -108,13 +108,15 @@ class BatchRunner:
                 self._decode(decode, plan.tables, result)
         return result
 
-    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int]) -> None:
-        """Give the engine the sequences' block tables and how many tokens each has cached."""
+    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:
+        """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
+        step."""
         rows = [tables[s.request_id] for s in seqs]
         index = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
         for i, r in enumerate(rows):
             index[i, :len(r)] = torch.tensor(r, dtype=torch.long)
         self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
+        self.engine.cache.expect(after)
 
     def _with_grammars(self, admitted: list[Admission], result: StepResult) -> list[Admission]:
         """The admissions whose grammar compiles (each gets its matcher); the others finish "bad_grammar" at once.
@@ -146,7 +148,7 @@ class BatchRunner:
         pos = (starts.unsqueeze(1) + torch.arange(T)).to(self.device)
         valid = (torch.arange(T) < counts.unsqueeze(1)).to(self.device)
         engine.choose_schedule(self.schedule, len(work), T)
-        self._attach(seqs, tables, starts.tolist())
+        self._attach(seqs, tables, starts.tolist(), (starts + counts).tolist())
         echo = [i for i, (seq, start, _) in enumerate(work) if seq.request.prompt_logprobs is not None
                 and len(seq.prompt_logprobs) < len(seq.request.prompt) - 1]
         last = engine.prefill_chunk(ids.to(self.device), pos, valid, (starts + counts).to(self.device),
@@ -201,7 +203,7 @@ class BatchRunner:
         ids = torch.tensor([s.last for s in seqs], device=self.device)
         pos = [len(s.tokens) - 1 for s in seqs]
         engine.choose_schedule(self.schedule, len(seqs), 1)
-        self._attach(seqs, tables, pos)
+        self._attach(seqs, tables, pos, [p + 1 for p in pos])
         self._take(seqs, engine.decode(ids, torch.tensor(pos, device=self.device)), result)
 
     def _sampler(self, a: Admission) -> TokenSelector | None:
