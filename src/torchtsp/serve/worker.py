@@ -25,9 +25,13 @@ class ServeJob:
     load: object  # a generate_job.GenerateJob naming the model source, scheme, degrees, dtype, timeout
     address: tuple
     authkey: bytes
-    max_batch: int = 16
+    max_num_seqs: int = 16
     max_model_len: int = 2048
-    prefill_chunk: int = 512
+    kv_cache_mb: float | None = None  # MiB per rank; None: decided on the ranks (CPU 256, CUDA 90% of free memory)
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefill_chunk: int | None = None  # a per-prompt cap per step; None: only the token budget
     schedule: str = "auto"
     eos_token_id: int | None = None
     kv_layout: str = "auto"  # kv_layouts.py; checked by the launcher (generate_job.check_kv_layout)
@@ -122,8 +126,9 @@ def run_serve_rank(job: ServeJob) -> dict:
     cfg, tokenizer, _ = model_config_and_tokenizer(load.source, load.location, load.tokenizer)
     mesh = init_mesh(**load.degrees, timeout_s=load.timeout_s)
     model = _load_model(load, cfg, mesh)
-    runner = BatchRunner(make_engine(model, job.kv_layout), job.max_batch, job.max_model_len, job.prefill_chunk,
-                         job.schedule, job.eos_token_id, Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
+    runner = BatchRunner(make_engine(model, job.kv_layout), job.max_num_seqs, job.max_model_len,
+                         job.prefill_chunk or 512, job.schedule, job.eos_token_id,
+                         Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
     capacity = control.all_gather(torch.tensor([runner.capacity * runner.max_batch]), label="serve.ready")
     rank0 = control.rank == 0
@@ -132,9 +137,12 @@ def run_serve_rank(job: ServeJob) -> dict:
         from multiprocessing.connection import Client
 
         conn = Client(tuple(job.address), authkey=job.authkey)
-        conn.send(("ready", {"kv_slots_per_rank": capacity.flatten().tolist(), "row_slots": runner.capacity,
-                             "world": control.size, "engine": runner.engine.scheme,
-                             "kv_layout": runner.engine.kv_layout}))
+        slots = int(capacity.flatten()[0])
+        conn.send(("ready", {"world": control.size, "engine": runner.engine.scheme,
+                             "kv_layout": runner.engine.kv_layout,
+                             "num_blocks": slots, "block_size": 1, "block_tokens": runner.token_ranks,
+                             "kv_capacity_tokens": slots * runner.token_ranks,
+                             "kv_cache_bytes_per_rank": runner.cache.nbytes, "max_model_len": job.max_model_len}))
         scheduler = Scheduler(runner, conn)
     step, steps = 0, 0
     try:
@@ -153,8 +161,10 @@ def run_serve_rank(job: ServeJob) -> dict:
                 scheduler.dropped = []
                 conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
                                     "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
-                                    "kv_slots_used": used, "running": len(runner.rows),
-                                    "waiting": len(scheduler.waiting), "step_s": time.perf_counter() - t0}))
+                                    "running": len(runner.rows), "waiting": len(scheduler.waiting),
+                                    "kv_usage": max(used) / max(1, runner.capacity * runner.max_batch),
+                                    "num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0,
+                                    "step_s": time.perf_counter() - t0}))
             steps += bool(plan.admit) or bool(runner.rows) or runner.prefilling is not None or bool(result.finished)
             if plan.stop:
                 break
