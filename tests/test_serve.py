@@ -454,6 +454,20 @@ def test_tokenizer_info_model_card_and_the_completion_default(server, client, ch
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 128  # chat: the rest of the context
 
 
+def test_the_start_up_line_says_the_cache_capacity_that_metrics_shows(server):
+    import re
+
+    lines = re.findall(r"torchtsp: KV cache (\d+) tokens \((\d+) blocks of (\d+) tokens.*?, ([\d.]+) MiB per rank, "
+                       r"layout (\w+)\)", server.log.read_text())
+    assert len(lines) == 1, server.log.read_text()[-3000:]
+    tokens, blocks, block_tokens, mib, layout = lines[0]
+    from torchtsp.kv_layouts import allowed_kv_layouts
+
+    assert int(tokens) == int(blocks) * int(block_tokens) and float(mib) > 0
+    assert layout == allowed_kv_layouts(2, 2)[0]  # auto's, as /v1/models says
+    assert _metrics(server)["torchtsp:kv_cache_capacity_tokens"] == int(tokens)
+
+
 def test_disconnect_frees_the_slots_on_every_rank(server, client):
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}
