@@ -81,4 +81,4 @@ def test_the_server_queues_every_request_of_the_run():
 
     command = serve_command(["--preset", "tiny"], "tsp", 2, 8000, 64, 16, 1000, 60.0)
     args = build_parser().parse_args(command[command.index("serve"):])
-    assert args.max_queue >= 1000 and args.max_batch == 16 and args.scheme == "tsp"
+    assert args.max_queue >= 1000 and args.max_num_seqs == 16 and args.scheme == "tsp"

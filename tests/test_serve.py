@@ -158,12 +158,18 @@ def _post(server, path, body, key=KEY, raw=None):
 
 
 def _metrics(server) -> dict:
+    """The exposed samples, parsed by prometheus_client's own reader, keyed ``name{label="value",...}`` without
+    the model_name label, which every sample must carry (the served model's name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(server.url + "/metrics", timeout=10).text
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == "tiny-llama", sample
+            shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
     return out
 
 
@@ -448,6 +454,20 @@ def test_tokenizer_info_model_card_and_the_completion_default(server, client, ch
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 128  # chat: the rest of the context
 
 
+def test_the_start_up_line_says_the_cache_capacity_that_metrics_shows(server):
+    import re
+
+    lines = re.findall(r"torchtsp: KV cache (\d+) tokens \((\d+) blocks of (\d+) tokens.*?, ([\d.]+) MiB per rank, "
+                       r"layout (\w+)\)", server.log.read_text())
+    assert len(lines) == 1, server.log.read_text()[-3000:]
+    tokens, blocks, block_tokens, mib, layout = lines[0]
+    from torchtsp.kv_layouts import allowed_kv_layouts
+
+    assert int(tokens) == int(blocks) * int(block_tokens) and float(mib) > 0
+    assert layout == allowed_kv_layouts(2, 2)[0]  # auto's, as /v1/models says
+    assert _metrics(server)["torchtsp:kv_cache_capacity_tokens"] == int(tokens)
+
+
 def test_disconnect_frees_the_slots_on_every_rank(server, client):
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -456,15 +476,14 @@ def test_disconnect_frees_the_slots_on_every_rank(server, client):
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         next(lines), next(lines)
         m = _metrics(server)
-        assert m['torchtsp_running_sequences'] == 1 and m['torchtsp_kv_slots_used{rank="1"}'] > 0
+        assert m["torchtsp:num_requests_running"] == 1 and m["torchtsp:kv_cache_usage_perc"] > 0
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = _metrics(server)
-        if m["torchtsp_running_sequences"] == 0:
+        if m["torchtsp:num_requests_running"] == 0:
             break
         time.sleep(0.1)
-    assert m["torchtsp_running_sequences"] == 0
-    assert m['torchtsp_kv_slots_used{rank="0"}'] == 0 and m['torchtsp_kv_slots_used{rank="1"}'] == 0
+    assert m["torchtsp:num_requests_running"] == 0 and m["torchtsp:kv_cache_usage_perc"] == 0
     assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=3).usage.completion_tokens >= 1
 
 
@@ -486,7 +505,7 @@ def test_full_queue_is_429_and_the_server_stays_up(servers):
                     assert c.json()["error"]["code"] == "queue_full", c.text
                     assert httpx.get(doomed.url + "/health", timeout=10).status_code == 200
         deadline = time.monotonic() + 20  # A and B leave at the next step boundaries (B may still be queued)
-        busy = ("torchtsp_running_sequences", "torchtsp_queue_length")
+        busy = ("torchtsp:num_requests_running", "torchtsp:num_requests_waiting")
         while any(_metrics(doomed)[k] for k in busy) and time.monotonic() < deadline:
             time.sleep(0.05)
         if statuses[-1] == 429:

@@ -143,7 +143,7 @@ def test_text_stream_holds_back_stop_strings():
 
 @pytest.mark.parametrize("flags,words", [
     (["--max-model-len", "100000"], "--max-model-len must be in"),
-    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-batch", "0"], "--max-num-seqs must be >= 1"),  # --max-batch is its alias
     (["--port", "0"], "--port must be in"),
     (["--timeout-s", "nan"], "--timeout-s"),
     (["--chat-template", "/nonexistent/template.jinja"], "--chat-template"),

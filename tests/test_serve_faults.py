@@ -80,14 +80,16 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        assert _wait_for(server, "torchtsp_running_sequences", 1)["torchtsp_running_sequences"] == 1
+        assert _wait_for(server, "torchtsp:num_requests_running", 1)["torchtsp:num_requests_running"] == 1
     left = time.monotonic()
-    after = _wait_for(server, "torchtsp_running_sequences", 0)
-    assert after["torchtsp_running_sequences"] == 0 and time.monotonic() - left < 10
-    generated = after["torchtsp_generation_tokens_total"] - before["torchtsp_generation_tokens_total"]
+    after = _wait_for(server, "torchtsp:num_requests_running", 0)
+    assert after["torchtsp:num_requests_running"] == 0 and time.monotonic() - left < 10
+    generated = after["torchtsp:generation_tokens_total"] - before["torchtsp:generation_tokens_total"]
     assert generated < LONG, generated
-    assert after['torchtsp_kv_slots_used{rank="0"}'] == 0 and after['torchtsp_kv_slots_used{rank="1"}'] == 0
-    ok = 'torchtsp_requests_total{endpoint="/v1/completions",status="200"}'
+    assert after["torchtsp:kv_cache_usage_perc"] == 0
+    assert after['torchtsp:request_success_total{finished_reason="abort"}'] == \
+        before['torchtsp:request_success_total{finished_reason="abort"}'] + 1
+    ok = 'torchtsp:http_requests_total{endpoint="/v1/completions",status="200"}'
     assert after.get(ok, 0) == before.get(ok, 0)  # never answered: nobody was there to read it
 
 
@@ -139,11 +141,11 @@ def test_sigterm_under_load_drains_the_queue_then_ends_running_streams_and_exits
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
             running_log, queued_log = [], []
             running = [asyncio.ensure_future(_stream(c, body, running_log)) for _ in range(MAX_BATCH)]
-            await asyncio.to_thread(_wait_for, server, "torchtsp_running_sequences", MAX_BATCH)
+            await asyncio.to_thread(_wait_for, server, "torchtsp:num_requests_running", MAX_BATCH)
             queued = [asyncio.ensure_future(_stream(c, body, queued_log)) for _ in range(queued_n)]
             plain = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            m = await asyncio.to_thread(_wait_for, server, "torchtsp_queue_length", queued_n + 1)
-            figures = (m["torchtsp_running_sequences"], m["torchtsp_queue_length"])
+            m = await asyncio.to_thread(_wait_for, server, "torchtsp:num_requests_waiting", queued_n + 1)
+            figures = (m["torchtsp:num_requests_running"], m["torchtsp:num_requests_waiting"])
             assert figures == (MAX_BATCH, queued_n + 1), (figures, [o["data"][-2:] for o in running_log])
             server.proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()

@@ -81,10 +81,10 @@ class _CountAndAuthorize:
             return
         app, path = scope["app"], scope["path"]
         state = app.state.service.state
-        requests = state.metrics.requests.labels
+        count = state.metrics.http_request
         label = path if path in app.state.paths else "other"
         if state.api_key is not None and path not in PUBLIC and not _authorized(scope, state.api_key):
-            requests(endpoint=label, status="401").inc()
+            count(label, 401)
             await JSONResponse(APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer "
                                              "KEY'", None, "invalid_api_key").body(), status_code=401)(
                 scope, receive, send)
@@ -103,7 +103,7 @@ class _CountAndAuthorize:
             if not status:  # once the answer has started, the log line is all that is left to do
                 status.append(response.status_code)
                 await response(scope, receive, send)
-        requests(endpoint=label, status=str(status[0] if status else 499)).inc()
+        count(label, status[0] if status else 499)
 
 
 def _authorized(scope, key: str) -> bool:

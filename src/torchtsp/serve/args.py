@@ -29,15 +29,23 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "TORCHTSP_API_KEY environment variable; none: no key)")
     add("--served-model-name", metavar="NAME", help="the model's name in the API (default: the checkpoint "
         "folder's or preset's name)")
-    add("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
+    add("--max-num-seqs", type=int, default=16, help="sequences in the running batch at most (default: 16)")
+    add("--max-batch", type=int, dest="max_num_seqs", default=argparse.SUPPRESS, help="alias of --max-num-seqs")
+    add("--max-num-batched-tokens", type=length, default=2048, help="tokens one engine step runs at most: prompt "
+        "chunks plus one per decoding sequence (default: 2048)")
+    add("--kv-cache-mb", type=float, metavar="MIB", help="KV cache per rank, in MiB (default: 256 on CPU; on GPU "
+        "90%% of the device memory free after the weights)")
+    add("--block-size", type=int, default=16, help="tokens per KV cache block on each rank (default: 16)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse the cached "
+        "blocks of a prompt's longest cached prefix (default: on)")
     add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256); a "
         "request with more prompts than this gets 400")
     add("--max-model-len", type=length, help="prompt + new tokens per request at most (default: the model's "
-        "max_seq_len); the KV cache holds --max-batch such sequences")
+        "max_seq_len); a request must also fit the whole KV cache (--kv-cache-mb)")
     add("--chat-template", metavar="FILE", help="jinja2 chat template (default: the tokenizer's chat_template.jinja, "
         "else tokenizer_config.json's)")
-    add("--prefill-chunk", type=length, default=512, help="prefill at most this many tokens per prompt at a time "
-        "(default: 512)")
+    add("--prefill-chunk", type=length, help="prefill at most this many tokens of one prompt per step (default: "
+        "no cap but --max-num-batched-tokens)")
     add("--schedule", choices=schedules, default="auto", help="tsp: weights move or activations move; auto picks "
         "per phase by tokens in flight (default)")
     add("--shutdown-grace-s", type=float, default=SHUTDOWN_GRACE_S, help="on SIGTERM / SIGINT nothing new is "

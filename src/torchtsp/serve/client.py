@@ -46,7 +46,7 @@ class EngineClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.state, self.error = "loading", None
         self.info: dict = {}
-        self.figures = {"running": 0, "waiting": 0, "kv_slots_used": []}
+        self.figures = {"running": 0, "waiting": 0, "kv_usage": 0.0}
         self.last_step_at = 0.0
         self._streams: dict[int, RequestStream] = {}
         self._waiting: set[int] = set()  # submitted, not yet in the running batch
@@ -55,6 +55,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self.on_step = None  # called with each step's message (metrics)
+        self.on_ready = None  # called once with the ready message (the cache's capacity: metrics, the start-up line)
         self._reader = threading.Thread(target=self._read, name="torchtsp-serve-engine", daemon=True)
         self._reader.start()
 
@@ -96,6 +97,8 @@ class EngineClient:
                 kind, body = self._conn.recv()
                 if kind == "ready":
                     self.info, self.state, self.last_step_at = body, "ready", time.monotonic()
+                    if self.on_ready is not None:
+                        self.on_ready(body)
                 elif kind == "step":
                     self._dispatch(body)
         except (EOFError, OSError) as e:
@@ -114,7 +117,7 @@ class EngineClient:
 
     def _dispatch(self, body: dict) -> None:
         self.last_step_at = time.monotonic()
-        self.figures = {k: body[k] for k in ("running", "waiting", "kv_slots_used")}
+        self.figures = {k: body[k] for k in ("running", "waiting", "kv_usage")}
         with self._lock:
             for rid in body["admitted"]:
                 self._waiting.discard(rid)

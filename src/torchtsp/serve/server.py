@@ -43,10 +43,13 @@ def _check_flags(args, cfg) -> int:
     if args.scheme not in servable:
         raise ValueError(f"serve runs the {', '.join(servable)} schemes, not {args.scheme!r} (data-parallel "
                          f"replicas decode separate rows; run several servers behind a load balancer instead)")
-    for flag in ("max_batch", "max_queue", "prefill_chunk"):  # every request waits in the queue for a step
+    # --max-queue 0: every request waits in the queue for a step; --prefill-chunk: None is "no cap"
+    for flag in ("max_num_seqs", "max_queue", "max_num_batched_tokens", "block_size", "prefill_chunk"):
         value = getattr(args, flag)
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.kv_cache_mb is not None and not (math.isfinite(args.kv_cache_mb) and args.kv_cache_mb > 0):
+        raise ValueError(f"--kv-cache-mb must be a finite number of MiB > 0, got {args.kv_cache_mb}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
@@ -158,7 +161,9 @@ def _prepare(args) -> _Launch:
     load = GenerateJob(source=source, location=location, prompts=[], max_new_tokens=1, scheme=args.scheme,
                        degrees=layout.sizes, seed=args.seed, dtype=args.dtype, timeout_s=args.timeout_s,
                        tokenizer=args.tokenizer)
-    settings = dict(max_batch=args.max_batch, max_model_len=max_model_len, prefill_chunk=args.prefill_chunk,
+    settings = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, kv_cache_mb=args.kv_cache_mb,
+                    block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.prefill_chunk,
                     schedule=args.schedule, eos_token_id=eos, kv_layout=args.kv_layout)
     return _Launch(load, settings, cfg, tokenizer, template, layout, _model_name(args, source, location), api_key,
                    max_model_len, torchrun, kv_layout)
@@ -176,6 +181,7 @@ def _serve(args, launch: _Launch) -> int:
     job = ServeJob(load=launch.load, address=client.address, authkey=client.authkey, **launch.settings)
     metrics = Metrics(launch.name)
     client.on_step = metrics.on_step
+    client.on_ready = lambda info: _on_ready(metrics, info)
     state = ServerState(client=client, tokenizer=launch.tokenizer, template=launch.template, model_name=launch.name,
                         max_model_len=launch.max_model_len, vocab_size=launch.cfg.vocab_size,
                         eos_token_id=launch.settings["eos_token_id"], api_key=launch.api_key,
@@ -199,6 +205,21 @@ def _serve(args, launch: _Launch) -> int:
     if signum:
         print(f"torchtsp: stopped by {signal.Signals(signum).name}", file=sys.stderr)
     return 0
+
+
+def _on_ready(metrics, info: dict) -> None:
+    metrics.on_ready(info)
+    print(ready_line(info), file=sys.stderr, flush=True)
+
+
+def ready_line(info: dict) -> str:
+    """The start-up line of the ready engine: what its KV cache holds. A block id covers ``block_tokens`` tokens:
+    ``block_size`` on each of the ranks that share a sequence's tokens (the sequence and grouped layouts)."""
+    size, tokens = info["block_size"], info["block_tokens"]
+    shared = f" ({size} per rank)" if tokens != size else ""
+    return (f"torchtsp: KV cache {info['kv_capacity_tokens']} tokens ({info['num_blocks']} blocks of {tokens} "
+            f"tokens{shared}, {info['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB per rank, layout "
+            f"{info['kv_layout']})")
 
 
 class _Engine:

@@ -94,6 +94,20 @@ def _prompt_tokens(choices: list[Choice]) -> int:
     return sum(len(c.prompt) for c in choices if c.sample == 0)
 
 
+def _cache_exceeded(cache: int, n: int, max_tokens: int, param: str) -> APIError:
+    """A sequence whose prompt and new tokens (all but the last, which is never cached) outgrow the whole KV
+    cache could never run, however long it waited."""
+    if n > cache:
+        return APIError(400, f"the prompt has {n} tokens, more than the server's whole KV cache holds ({cache} "
+                             f"tokens); shorten it, or restart the server with a larger --kv-cache-mb", param,
+                        "context_length_exceeded")
+    need = n + max_tokens - 1
+    return APIError(400, f"this request needs {need} tokens of KV cache (a prompt of {n} tokens and max_tokens "
+                         f"{max_tokens}), more than the server's whole KV cache holds ({cache} tokens); lower "
+                         f"max_tokens to at most {cache + 1 - n}, or restart the server with a larger --kv-cache-mb",
+                    "max_tokens", "context_length_exceeded")
+
+
 def _ids_text(ids) -> str:
     return " ".join(map(str, ids))
 
@@ -101,8 +115,8 @@ def _ids_text(ids) -> str:
 # Engine outcomes that fail the request rather than end it.
 _FAILED = {
     "cancelled": (503, "the request was stopped: the server is shutting down", None, "server_shutdown"),
-    "too_long": (400, "the prompt and max_tokens do not fit a KV cache row; lower max_tokens", "max_tokens",
-                 "context_length_exceeded"),
+    "too_long": (400, "the prompt and max_tokens do not fit the KV cache; lower max_tokens, or restart the server "
+                      "with a larger --kv-cache-mb", "max_tokens", "context_length_exceeded"),
     "rejected": (500, "the engine refused this request's values (a check of the HTTP side let them pass); the "
                       "server is still up", None, "engine_rejected"),
     "bad_grammar": (400, "the engine could not compile this request's grammar for the model's tokenizer", None,
@@ -165,8 +179,10 @@ class CompletionService:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {n} "
                                 f"tokens, which leaves no room for a new one", param, "context_length_exceeded")
         self.check_ids(prompt, param)
-        if max_tokens is None:
-            max_tokens = limit - n if default_max_tokens is None else min(default_max_tokens, limit - n)
+        cache = self.kv_capacity()
+        if max_tokens is None:  # the room left in the context, and in the whole KV cache (prompt + max_tokens - 1)
+            room = limit - n if cache is None else max(1, min(limit - n, cache + 1 - n))
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         echo = getattr(body, "echo", False)
         if max_tokens < (0 if echo else 1):
             raise APIError(400, f"max_tokens must be >= {0 if echo else '1 (0 only with echo)'}, got "
@@ -175,6 +191,8 @@ class CompletionService:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {n} "
                                 f"tokens and max_tokens asks for {max_tokens} ({n + max_tokens} in all)",
                            "max_tokens", "context_length_exceeded")
+        if cache is not None and n + max(max_tokens, 1) - 1 > cache:
+            raise _cache_exceeded(cache, n, max_tokens, param)
         temperature, top_k, top_p, seed = body.sampling_values(self.state.vocab_size)
         stop_ids = body.stop_ids(self.state.vocab_size)
         seed = secrets.randbelow(2**63) if seed is None else seed
@@ -187,6 +205,10 @@ class CompletionService:
         return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
                       body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       tokens_as_ids=body.return_tokens_as_token_ids)
+
+    def kv_capacity(self) -> int | None:
+        """Tokens the engine's whole KV cache holds, once its ready message has said (None before)."""
+        return getattr(self.client, "info", {}).get("kv_capacity_tokens")
 
     async def grammar(self, body) -> tuple[str, str] | None:
         """The structured output a request asks for, checked by xgrammar off the event loop (None: plain text)."""
@@ -289,19 +311,21 @@ class CompletionService:
         skip = set(c.stop_token_ids) | ({eos} if eos is not None and not c.ignore_eos else set())
         tokenizer = self.state.tokenizer
         text = TextStream(tokenizer.decode if tokenizer is not None else _ids_text, c.stop_strings, skip)
-        tokens, first_at, ended = 0, None, False
+        tokens, first_at, last_at, reason = 0, None, None, None  # reason None: not ended (the client left)
         pending: list = []  # logprobs of tokens not yet in an event
         try:
             while True:
                 kind, *value = await stream.next()
                 if kind == "token":
-                    tokens += 1
-                    first_at = first_at or time.monotonic()
+                    tokens, now = tokens + 1, time.monotonic()
+                    if last_at is not None:
+                        self.metrics.itl.observe(now - last_at)
+                    first_at, last_at = first_at or now, now
                     delta = text.add(value[0])
                     if c.logprobs is not None and len(value) > 1 and value[1] is not None:
                         pending.append((value[0], *value[1]))
                     if text.stopped:
-                        ended = True
+                        reason = "stop"
                         self.client.cancel(stream)
                         await out.put(Event(index, delta, "stop", tokens, pending))
                         return
@@ -313,28 +337,30 @@ class CompletionService:
                         entries = [(t, None, None) if e is None else (t, *e) for t, e in zip(c.prompt, value[0])]
                         await out.put(Event(index, c.echo_text, None, 0, entries))
                 elif kind == "finished":
-                    ended = True
+                    reason = value[0]
                     if value[0] in _FAILED:
                         raise APIError(*_FAILED[value[0]])
                     await out.put(Event(index, text.finish(), value[0], tokens, pending))
                     return
                 elif kind == "error":
-                    ended = True
+                    reason = "error"
                     raise APIError(500, f"the engine failed while running this request: {value[0]}", None,
                                    "engine_failed")
         finally:
-            if not ended:
-                self.client.cancel(stream)  # the client went away: free its row and slots at the next step
-            self._observe(c, tokens, first_at, arrival)
+            if reason is None:
+                self.client.cancel(stream)  # the client went away: free its blocks at the next step
+            self._observe(c, tokens, first_at, arrival, reason or "abort")
 
-    def _observe(self, c: Choice, tokens: int, first_at: float | None, arrival: float) -> None:
+    def _observe(self, c: Choice, tokens: int, first_at: float | None, arrival: float, reason: str) -> None:
         metrics, now = self.metrics, time.monotonic()
         if first_at is not None:
             metrics.ttft.observe(first_at - arrival)
             if tokens > 1:
                 metrics.tpot.observe((now - first_at) / (tokens - 1))
+        metrics.e2e.observe(now - arrival)
         metrics.generation_tokens.inc(tokens)
         metrics.prompt_tokens.inc(len(c.prompt))
+        metrics.finished(reason)
 
     async def events(self, choices: list[Choice], streams: list, disconnected):
         """Every choice's events as they come (the choices run concurrently); ends early when the awaitable
