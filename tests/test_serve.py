@@ -118,13 +118,17 @@ def servers(checkpoint, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     main = Server(folder, logs / "main.log", "--api-key", KEY, "--max-batch", "16", "--timeout-s", "60")
     doomed = Server(folder, logs / "doomed.log", "--timeout-s", "20", "--max-batch", "1", "--max-queue", "1")
+    # The tiny Llama at D = 2 (heads layout): 2 layers x K and V x 1 KV head of 16 floats = 256 bytes per token
+    # per rank, so 1/16 MiB is 256 tokens in 64 blocks of 4: an eighth of 16 rows of --max-model-len 128.
+    small = Server(folder, logs / "small.log", "--kv-cache-mb", "0.0625", "--block-size", "4", "--max-num-seqs", "16",
+                   "--max-num-batched-tokens", "64", "--timeout-s", "60")
     try:
-        main.wait_ready()
-        doomed.wait_ready()
-        yield {"main": main, "doomed": doomed}
+        for s in (main, doomed, small):
+            s.wait_ready()
+        yield {"main": main, "doomed": doomed, "small": small}
     finally:
-        main.close()
-        doomed.close()
+        for s in (main, doomed, small):
+            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -468,6 +472,34 @@ def test_the_start_up_line_says_the_cache_capacity_that_metrics_shows(server):
     assert _metrics(server)["torchtsp:kv_cache_capacity_tokens"] == int(tokens)
 
 
+def test_requests_beyond_the_cache_capacity_queue_or_are_preempted_and_each_gets_its_alone_text(servers):
+    """16 concurrent requests that need about three times the 256 tokens the small server's cache holds: they are
+    admitted by free blocks, the newest preempted when blocks run out and recomputed, and every one returns the
+    text it returns alone (greedy and seeded sampling); the cache's capacity and the preemptions are in /metrics."""
+    small = servers["small"]
+    prompts = [" ".join((PROMPTS[i % 4] + " the mat and the park").split()[: 3 + i % 9]) for i in range(16)]
+    sampling = [dict(temperature=0) if i % 3 else dict(temperature=0.9, seed=100 + i) for i in range(16)]
+
+    async def one(c, i):
+        r = await c.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=40, extra_body={
+            "ignore_eos": True}, **sampling[i])
+        return r.choices[0].text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0, timeout=300) as c:
+            alone = [await one(c, i) for i in range(16)]
+            before = _metrics(small)["torchtsp:num_preemptions_total"]
+            together = await asyncio.gather(*(one(c, i) for i in range(16)))
+            return alone, list(together), before
+
+    alone, together, before = asyncio.run(run())
+    assert together == alone
+    m = _metrics(small)
+    assert m["torchtsp:kv_cache_capacity_tokens"] == 256
+    assert m["torchtsp:num_preemptions_total"] > before  # 16 x ~48 tokens against 256: blocks ran out
+    assert m["torchtsp:kv_cache_usage_perc"] == 0 and m["torchtsp:num_requests_running"] == 0
+
+
 def test_disconnect_frees_the_slots_on_every_rank(server, client):
     body = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -496,7 +528,8 @@ def test_full_queue_is_429_and_the_server_stays_up(servers):
     statuses = []
     for _ in range(12):
         with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as a:
-            next(line for line in a.iter_lines() if line.startswith("data: "))  # A runs
+            lines = a.iter_lines()  # kept: a dropped line iterator closes the response, and A would be cancelled
+            next(line for line in lines if line.startswith("data: "))  # A runs
             with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as b:
                 assert b.status_code == 200  # B waits for A's row
                 c = httpx.post(doomed.url + "/v1/completions", json={"prompt": "the", "max_tokens": 1}, timeout=60)
