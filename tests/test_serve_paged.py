@@ -199,6 +199,17 @@ def test_requests_sharing_a_prefix_reuse_its_blocks_and_give_what_they_give_with
     check_alone(runs[0], model, [a for w in prefix_waves() for a in w])
 
 
+def test_a_prompt_made_of_cached_full_blocks_still_computes_its_last_token():
+    # The 16-token prefix is 4 cached blocks; a prompt of exactly those tokens reuses 3 and computes the 4th
+    # block's tokens, the last of which gives its first token.
+    model = _model()
+    again = Admission(1, list(PREFIX), 5, Sampling())
+    waves = [[shared(0, [1, 2, 3])], [again]]
+    got = serve(model, waves, num_blocks=32, block_size=BS)
+    assert first_starts(got) == {0: 0, 1: 12} and got["hits_after_wave"][2] == 12
+    check_alone(got, model, [a for w in waves for a in w])
+
+
 def _prefix_on_ranks() -> tuple:
     reference = _model()
     model = torchtsp.parallelize(copy.deepcopy(reference), torchtsp.init_mesh(tsp=2), "tsp").eval()
