@@ -4,7 +4,8 @@
   D = 4 (n_kv = 1 and 2), ragged prompts, both prefill schedules, chunked prefill; every step's logits equal
   the reference model's forward; q/k/v biases with q/k norms, and a mixture of experts, against the reference;
 * seeded sampling gives the reference's tokens;
-* the server's continuous batching (``BatchRunner``) gives each request what it gets alone;
+* the server's continuous batching (``BatchRunner``) gives each request what it gets alone; a block id covers
+  block_size x c tokens;
 * KV bytes per rank are 1/D of the single-device cache where TP's (copying KV heads) are 1/n_kv;
 * a decode step's collectives are counted: the embedding's sum, then per layer the q all-gather and the
   (O, LSE) all-to-all inside the KV-head group and two sums over the D ranks, with the in-group bytes of the
@@ -23,7 +24,6 @@ import torch
 
 import torchtsp
 from torchtsp.infer import generate, make_engine
-from torchtsp.serve.batch import BatchRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -240,39 +240,35 @@ def test_grouped_needs_fewer_kv_heads_than_ranks(pools):
 
 
 def _scheduler_on_ranks():
-    """A long prompt and a short one with many tokens to make, on the grouped layout at D = 4 (c = 2): the short
-    one fits its row alone but not padded next to the long one (in c-rank slots; it would in D-rank slots)."""
-    import multiprocessing
-
-    from test_serve_batch import _model
+    """On the grouped layout at D = 4 with n_kv = 2 (c = 2 ranks share a KV head and split its tokens), blocks of
+    2 slots per rank: a block id covers 2 x 2 = 4 tokens, a pool of 9 blocks 36. Requests of 20 + 4 - 1 = 23
+    slots (6 blocks) and 3 + 10 - 1 = 12 (3 blocks) fill it exactly, together; 30 + 8 - 1 = 37 never fits."""
+    from test_serve_batch import _model, run_steps, serving
     from torchtsp.serve.plan import Admission
-    from torchtsp.serve.worker import Scheduler
 
     reference_model = _model()
     model = torchtsp.parallelize(copy.deepcopy(reference_model), torchtsp.init_mesh(tsp=4), "tsp").eval()
-    runner = BatchRunner(make_engine(model), max_batch=2, max_model_len=40, prefill_chunk=64)
-    inbox, http = multiprocessing.Pipe()
-    scheduler = Scheduler(runner, inbox)
-    requests = [Admission(0, [(5 * i) % 101 for i in range(30)], 4), Admission(1, [3, 1, 4], 30)]
+    runner, scheduler, http = serving(model, num_blocks=9, block_size=2, max_num_seqs=3, prefill_chunk=8,
+                                      max_model_len=64)
+    requests = [Admission(0, [(5 * i) % 101 for i in range(20)], 4), Admission(1, [3, 1, 4], 10),
+                Admission(2, [(3 * i) % 101 for i in range(30)], 8)]
     for a in requests:
         http.send(("submit", a))
-    out, plans = {0: [], 1: []}, []
-    for step in range(100):
-        scheduler.receive(0)
-        plan = scheduler.plan(step)
-        plans.append([a.request_id for a in plan.admit])
-        for i, t in runner.step(plan).tokens:
-            out[i].append(t)
-        if not (scheduler.waiting or runner.rows or runner.prefilling is not None):
+    out, ended, together = {0: [], 1: []}, {}, 0
+    for _ in range(100):
+        run_steps(runner, scheduler, out, ended)
+        together = max(together, len(scheduler.paged.running))
+        if len(ended) == len(requests):
             break
-    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests]
-    fits = [runner.row_slots(32, 4), runner.row_slots(8, 30), runner.row_slots(32, 30), runner.capacity]
-    return plans, [out[0], out[1]], alone, fits
+    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests[:2]]
+    paged = scheduler.paged
+    figures = (runner.engine.kv_layout, runner.block_tokens, paged.blocks.capacity_tokens, paged.num_preemptions,
+               together)
+    return figures, ended, [out[0], out[1]], alone
 
 
-def test_the_scheduler_sizes_grouped_rows_by_the_ranks_sharing_a_kv_head(pools):
-    for plans, served, alone, (long_alone, short_alone, short_padded, capacity) in pools(4).run(_scheduler_on_ranks):
-        assert (long_alone, short_alone, short_padded) == (32 // 2 + 2, 8 // 2 + 15, 32 // 2 + 15)
-        assert long_alone <= capacity and short_alone <= capacity < short_padded
-        assert [p for p in plans if p] == [[0], [1]]  # the short one waits for the next group
+def test_the_scheduler_sizes_grouped_blocks_by_the_ranks_sharing_a_kv_head(pools):
+    for figures, ended, served, alone in pools(4).run(_scheduler_on_ranks):
+        assert figures == ("grouped", 2 * 2, 9 * 2 * 2, 0, 2)  # both ran at once, with no preemption
+        assert ended == {0: "length", 1: "length", 2: "too_long"}
         assert served == alone

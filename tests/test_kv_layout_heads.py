@@ -7,7 +7,8 @@
 * seeded sampling gives the reference's tokens;
 * KV bytes per rank: n_kv/D heads of every slot, 1/D of the single-device cache of the same slots;
 * one decode step issues exactly TP's collectives and bytes on the same model and ranks;
-* the server's continuous batching (serve/batch.py) gives each request its alone-output;
+* the server's continuous batching (serve/batch.py) gives each request its alone-output; the paged pool's blocks
+  hold block_size tokens of every sequence (no sharing of tokens between ranks);
 * kv_layout="heads" where n_kv % D != 0 is a one-line error naming n_kv and D.
 
 Each world size runs ONE pool job doing every case; the tests read it.
@@ -192,41 +193,37 @@ def test_continuous_batching_gives_each_request_its_alone_output(pools, schedule
 
 
 def long_next_to_short_on_rank():
-    """A 40-token prompt and a 1-token prompt asking for 40 tokens arrive together (max_model_len 48): prefilled in
-    one group, the short one's row would need 40 padded slots + 39 decoded ones, more than a heads row holds; the
-    scheduler must hold it for the next group. Returns (served, alone)."""
-    import multiprocessing
-
-    from test_serve_batch import _model
-    from torchtsp.serve.batch import BatchRunner
+    """A 40-token prompt asking for 8 tokens (47 cache slots), a 1-token prompt asking for 40 (40 slots) and one of
+    41 + 9 - 1 = 49 slots, on the heads layout over a pool of 12 blocks of 4: every rank keeps every token of its
+    heads, so a block id covers 4 tokens and the pool 48. The first two fit alone, not together (the newer is
+    preempted and recomputed); the third never fits. Returns (served, alone, how each ended, figures)."""
+    from test_serve_batch import _model, run_steps, serving
     from torchtsp.serve.plan import Admission, Sampling
-    from torchtsp.serve.worker import Scheduler
 
     reference_model = _model()
     model = torchtsp.parallelize(copy.deepcopy(reference_model), torchtsp.init_mesh(tsp=2), "tsp").eval()
-    requests = [Admission(0, list(range(1, 41)), 8, Sampling()), Admission(1, [5], 40, Sampling())]
-    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests]
-    runner = BatchRunner(make_engine(model, "heads"), max_batch=2, max_model_len=48, prefill_chunk=8)
-    inbox, http = multiprocessing.Pipe()
-    scheduler = Scheduler(runner, inbox)
+    requests = [Admission(0, list(range(1, 41)), 8, Sampling()), Admission(1, [5], 40, Sampling()),
+                Admission(2, list(range(41)), 9, Sampling())]
+    alone = [generate(reference_model, [a.prompt], a.max_tokens).new_tokens[0] for a in requests[:2]]
+    runner, scheduler, http = serving(model, num_blocks=12, block_size=4, prefill_chunk=8, kv_layout="heads",
+                                      max_model_len=64)
     for a in requests:
         http.send(("submit", a))
-    served, finished = {0: [], 1: []}, []
-    for step in range(200):
-        scheduler.receive(0)
-        result = runner.step(scheduler.plan(step))
-        for i, t in result.tokens:
-            served[i].append(t)
-        finished += result.finished + scheduler.dropped
-        scheduler.dropped = []
-        if len(finished) == len(requests):
+    served, ended = {0: [], 1: []}, {}
+    for _ in range(200):
+        run_steps(runner, scheduler, served, ended)
+        if len(ended) == len(requests):
             break
-    return [served[0], served[1]], alone, finished
+    paged = scheduler.paged
+    figures = (runner.block_tokens, paged.blocks.capacity_tokens, paged.num_preemptions, paged.blocks.pool.num_free)
+    return [served[0], served[1]], alone, ended, figures
 
 
-def test_the_server_admits_by_the_heads_rows_real_size(pools):
-    for served, alone, finished in pools(2).run(long_next_to_short_on_rank):
-        assert served == alone and sorted(finished) == [(0, "length"), (1, "length")]
+def test_the_server_admits_by_the_heads_blocks_real_size(pools):
+    for served, alone, ended, (block_tokens, capacity, preemptions, free) in pools(2).run(long_next_to_short_on_rank):
+        assert (block_tokens, capacity) == (4, 12 * 4)
+        assert served == alone and ended == {0: "length", 1: "length", 2: "too_long"}
+        assert preemptions > 0 and free == 12
 
 
 # ---------------------------------------------------------------- a layout the model does not allow
