@@ -39,13 +39,14 @@ def _model():
 
 
 def serving(model, num_blocks=64, block_size=4, max_num_seqs=3, budget=16, prefill_chunk=4, schedule="auto",
-            kv_layout="auto", max_model_len=48, prefix_caching=True):
+            kv_layout="auto", max_model_len=48, prefix_caching=True, eos_token_id=None, grammars=None):
     """The serving core of one rank as ``worker.run_serve_rank`` builds it: a BatchRunner over a pool of
     ``num_blocks`` blocks and rank 0's Scheduler over their block manager, fed through a pipe as the HTTP process
     feeds it; returns (runner, scheduler, the HTTP end of the pipe)."""
     from torchtsp.serve.blocks import KVBlockManager
 
-    runner = BatchRunner(make_engine(model, kv_layout), num_blocks, block_size, schedule=schedule)
+    runner = BatchRunner(make_engine(model, kv_layout), num_blocks, block_size, schedule=schedule,
+                         eos_token_id=eos_token_id, grammars=grammars)
     inbox, http = multiprocessing.Pipe()
     blocks = KVBlockManager(num_blocks, runner.block_tokens, prefix_caching)
     scheduler = Scheduler(runner, inbox, blocks, budget, max_num_seqs, max_model_len, prefill_chunk)
@@ -62,6 +63,30 @@ def run_steps(runner, scheduler, outputs: dict, ended: dict, steps: int = 1) -> 
             outputs.setdefault(i, []).append(t)
         ended.update(result.finished + scheduler.dropped)
         scheduler.dropped = []
+
+
+def drive(runner, scheduler, http, admissions, steps: int = 100) -> dict:
+    """Submit ``admissions`` together and step until each has ended; per request id: its tokens, their logprobs, the
+    prompt's logprobs and how it ended (with ``scheduler.dropped``)."""
+    out = {a.request_id: {"tokens": [], "logprobs": [], "prompt": None, "finish": None} for a in admissions}
+    for a in admissions:
+        http.send(("submit", a))
+    for step in range(steps):
+        scheduler.receive(0)
+        result = runner.step(scheduler.plan(step))
+        scheduler.after(result)
+        for rid, token in result.tokens:
+            out[rid]["tokens"].append(token)
+        for rid, lp, top in result.logprobs:
+            out[rid]["logprobs"].append((lp, top))
+        for rid, entries in result.prompt_logprobs:
+            out[rid]["prompt"] = entries
+        for rid, reason in result.finished + scheduler.dropped:
+            out[rid]["finish"] = reason
+        scheduler.dropped = []
+        if all(o["finish"] for o in out.values()):
+            return out
+    raise AssertionError(f"the requests did not end in {steps} steps: {out}")
 
 
 def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4, kv_layout="auto"):
@@ -125,7 +150,8 @@ def test_parallel_engines_batch_rows_of_different_lengths(pools, scheme, schedul
 
 def test_plan_round_trip():
     plan = StepPlan(7, [Admission(3, [5, 6, 7], 9, Sampling(0.7, 40, 0.95, 2**62 + 1), [2, 4], True),
-                        Admission(4, [1], 1, Sampling())], cancel=[1, 2])
+                        Admission(4, [1], 1, Sampling())], cancel=[1, 2], prefill=[(3, 0, 3), (9, 16, 5)],
+                    decode=[4, 8], tables={3: [7], 9: [0, 5, 2, 11, 6], 4: [1], 8: []}, preempted=[12])
     again = decode(*encode(plan))
     assert again == plan
     assert decode(*encode(StepPlan(8, stop=True))) == StepPlan(8, stop=True)

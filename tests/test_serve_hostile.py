@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +19,6 @@ from torchtsp.serve.plan import Admission, Sampling, StepPlan, encode  # noqa: E
 from torchtsp.serve.protocol import APIError, CompletionRequest, parse  # noqa: E402
 from torchtsp.serve.service import CompletionService, ServerState  # noqa: E402
 from torchtsp.serve.template import ChatTemplate  # noqa: E402
-from torchtsp.serve.worker import Scheduler  # noqa: E402
 
 VOCAB = 257  # the byte tokenizer's
 
@@ -65,22 +63,6 @@ def test_deeply_nested_bodies_are_400_not_recursion_errors(raw):
 # ---------------------------------------------------------------- rank 0's second check
 
 
-class _Conn:
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    def poll(self, timeout):
-        return bool(self.messages)
-
-    def recv(self):
-        return self.messages.pop(0)
-
-
-def _runner():
-    return SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB), max_model_len=64, max_batch=4, prefilling=None,
-                           token_multiple=1, token_ranks=1, capacity=64, active_ids=lambda: set())
-
-
 @pytest.mark.parametrize("sampling,prompt", [
     (Sampling(1.0, 2**63, None, 0), [1, 2]),  # the probe that took a server down: int64 overflow in the plan
     (Sampling(1.0, VOCAB + 5, None, 0), [1, 2]),  # torch.topk would fail on every rank
@@ -92,7 +74,11 @@ def _runner():
 ])
 def test_rank_0_refuses_a_request_that_would_break_the_step_alone(sampling, prompt):
     bad, good = Admission(1, prompt, 2, sampling), Admission(2, [3, 4], 2, Sampling())
-    scheduler = Scheduler(_runner(), _Conn([("submit", bad), ("submit", good), ("submit", "not an admission")]))
+    from test_serve_batch import _model, serving
+
+    _, scheduler, http = serving(_model())  # the real serving core; its model's vocabulary is smaller than VOCAB
+    for message in (("submit", bad), ("submit", good), ("submit", "not an admission")):
+        http.send(message)
     scheduler.receive(0)
     plan = scheduler.plan(0)
     assert [a.request_id for a in plan.admit] == [2]

@@ -16,8 +16,6 @@ import torch
 
 import torchtsp
 from torchtsp.config import ModelConfig
-from torchtsp.infer import make_engine
-from torchtsp.serve.batch import BatchRunner
 from torchtsp.serve.plan import Admission, Sampling, StepPlan
 
 TOL = 1e-4
@@ -44,23 +42,12 @@ def _model() -> torchtsp.Transformer:
 
 
 def _serve(model, schedule: str = "auto") -> dict:
-    """The three requests admitted together through a BatchRunner; per request: tokens, their logprobs, the
-    prompt logprobs, how it ended."""
-    runner = BatchRunner(make_engine(model), max_batch=3, max_model_len=48, prefill_chunk=8, schedule=schedule)
-    out = {a.request_id: {"tokens": [], "logprobs": [], "prompt": None, "finish": None} for a in ENGINE_REQUESTS}
-    for step in range(40):
-        result = runner.step(StepPlan(step, admit=ENGINE_REQUESTS if step == 0 else []))
-        for rid, token in result.tokens:
-            out[rid]["tokens"].append(token)
-        for rid, lp, top in result.logprobs:
-            out[rid]["logprobs"].append((lp, top))
-        for rid, entries in result.prompt_logprobs:
-            out[rid]["prompt"] = entries
-        for rid, reason in result.finished:
-            out[rid]["finish"] = reason
-        if all(o["finish"] for o in out.values()):
-            return out
-    raise AssertionError(f"the requests did not end: {out}")
+    """The three requests submitted together to the serving core (test_serve_batch.serving); per request: tokens,
+    their logprobs, the prompt logprobs, how it ended."""
+    from test_serve_batch import drive, serving
+
+    return drive(*serving(model, max_num_seqs=3, budget=64, prefill_chunk=8, schedule=schedule), ENGINE_REQUESTS,
+                 steps=40)
 
 
 def _on_ranks(scheme: str, schedule: str) -> dict:

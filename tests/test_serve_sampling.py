@@ -266,34 +266,29 @@ def test_guided_choice_and_regex(client):
         assert re.fullmatch(r"(yes|no) [0-9][0-9]", got.choices[0].text), got.choices[0].text
 
 
-def _run(runner, admissions, steps=40) -> tuple[dict, dict]:
-    tokens, finished = {a.request_id: [] for a in admissions}, {}
-    for step in range(steps):
-        result = runner.step(StepPlan(step, admit=admissions if step == 0 else []))
-        for rid, t in result.tokens:
-            tokens[rid].append(t)
-        finished.update(result.finished)
-        if len(finished) == len(admissions):
-            break
-    return tokens, finished
+def _run(core, admissions, steps=40) -> tuple[dict, dict]:
+    """``core``: (runner, scheduler, pipe) of test_serve_batch.serving; each request's tokens and how it ended."""
+    from test_serve_batch import drive
+
+    out = drive(*core, admissions, steps)
+    return {rid: o["tokens"] for rid, o in out.items()}, {rid: o["finish"] for rid, o in out.items()}
 
 
 def test_a_complete_grammar_ends_the_sequence_even_under_min_tokens():
     """One rank, the byte vocabulary's first 101 ids: a regex of three letters, then only EOS is allowed, which
     min_tokens would forbid: the grammar wins and the text ends ("stop") after it; a request whose grammar cannot
     be compiled fails alone ("bad_grammar") and its neighbour runs."""
-    from test_serve_batch import _model
+    from test_serve_batch import _model, serving
     from torchtsp.data.tokenizers import ByteTokenizer
-    from torchtsp.infer import make_engine
-    from torchtsp.serve.batch import BatchRunner
 
     eos = 10
-    runner = BatchRunner(make_engine(_model()), max_batch=4, max_model_len=32, eos_token_id=eos,
-                         grammars=structured.Grammars(ByteTokenizer(), 101, eos))
+    core = serving(_model(), max_num_seqs=4, budget=64, max_model_len=32, eos_token_id=eos,
+                   grammars=structured.Grammars(ByteTokenizer(), 101, eos))
     guided = Admission(1, [1, 2, 3], 8, Sampling(0.9, None, None, 4), min_tokens=6, grammar=("regex", "[a-c]{3}"))
     broken = Admission(2, [4, 5], 8, grammar=("regex", "[a-"))
     plain = Admission(3, [6, 7], 5, min_tokens=5)
-    tokens, finished = _run(runner, [guided, broken, plain])
+    tokens, finished = _run(core, [guided, broken, plain])
     assert finished == {1: "stop", 2: "bad_grammar", 3: "length"}
     assert re.fullmatch("[a-c]{3}", bytes(tokens[1][:3]).decode()) and tokens[1][3:] == [eos]
-    assert tokens[2] == [] and len(tokens[3]) == 5 and runner.slots_used() == 0
+    assert tokens[2] == [] and len(tokens[3]) == 5 and core[1].paged.blocks.usage == 0
+    assert not core[0].seqs  # every rank forgot every request

@@ -115,9 +115,9 @@ class TSPGroupedEngine(TSPEngine):
             q, k, v = project_heads(h, w, cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
             g = j // c
             if j % c == 0:  # the next c - 1 groups read the same KV head
-                chunk = comm.all_gather(torch.stack([k, v]), label="infer.kv")  # [D, 2, B, 1, T, d]
-                chunk = chunk.permute(1, 2, 3, 0, 4, 5)  # [2, B, 1, D, T, d]
-                kv = chunk.flatten(3, 4)
+                # [D, 2, B, 1, T, d] gathered -> [2, B, 1, D·T, d], rank-major (a copy: the gathered buffer is freed
+                # at once, not held beside it through the head's attention)
+                kv = comm.all_gather(torch.stack([k, v]), label="infer.kv").permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
                 if g == self.kv_group:  # this rank's head: it keeps its member's tokens (step.slots)
                     step.write(kv[0], kv[1])
                 if past is not None:
