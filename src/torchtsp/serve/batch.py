@@ -112,6 +112,10 @@ class BatchRunner:
         """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
         step."""
         rows = [tables[s.request_id] for s in seqs]
+        short = [s.request_id for s, r, n in zip(seqs, rows, after) if len(r) * self.block_tokens < n]
+        if short:  # a token would land in another sequence's block (tables are padded with block 0)
+            raise RuntimeError(f"the plan's block tables of requests {short} do not cover this step's tokens; rank "
+                               f"0's scheduler and the ranks disagree")
         index = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
         for i, r in enumerate(rows):
             index[i, :len(r)] = torch.tensor(r, dtype=torch.long)
