@@ -68,7 +68,7 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     pytest.importorskip("httpx")
     cmd = [sys.executable, "-m", "torchtsp", "bench", "--mode", "serve", "--preset", "tiny", "--schemes", "tsp,dp",
            "--nproc", "2", "--num-prompts", "4", "--input-len", "12", "--output-len", "6", "--request-rates", "inf",
-           "--goodput", "ttft:60000", "--out", str(tmp_path), "--no-plots"]
+           "--goodput", "ttft:60000", "--kv-cache-mb", "1", "--block-size", "8", "--out", str(tmp_path), "--no-plots"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "serve.json").read_text())
@@ -85,6 +85,11 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     assert tsp["p50_tpot_ms"] == pytest.approx(1000 * np.percentile(tpots, 50))
     assert tsp["goodput"] == pytest.approx(tsp["request_throughput"])  # a 60 s TTFT SLO is met by all
     assert "| tsp | inf | 4/4 |" in (tmp_path / "serve.md").read_text()
+    # The cache flags reached the server: tiny (2 layers, 4 KV heads of 16) at tsp 2 keeps 2 heads of every token
+    # per rank, K and V in float32: 512 bytes a token, so 1 MiB holds 2**20 // (8 * 512) blocks of 8 tokens.
+    assert tsp["kv_capacity_tokens"] == 2**20 // (8 * 2 * 2 * 2 * 16 * 4) * 8 == 2048
+    assert 1 <= tsp["peak_num_requests_running"] <= 4 and tsp["preemptions"] == 0
+    assert tsp["prefix_cache_queries"] == 4 * 12  # the run's prompts, not the warm-up's before it
 
 
 def test_the_server_queues_every_request_of_the_run():
