@@ -9,7 +9,19 @@ import sys
 import numpy as np
 import pytest
 
-from torchtsp.bench.serve import RequestResult, arrival_times, parse_goodput, percentile, serve_command, summarize
+from torchtsp.bench.serve import (
+    MetricsWatch,
+    RequestResult,
+    arrival_times,
+    cache_flags,
+    make_prompts,
+    parse_goodput,
+    percentile,
+    read_metrics,
+    serve_command,
+    summarize,
+    warmup_prompt,
+)
 
 
 def test_arrivals_are_a_seeded_poisson_process():
@@ -56,7 +68,7 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     pytest.importorskip("httpx")
     cmd = [sys.executable, "-m", "torchtsp", "bench", "--mode", "serve", "--preset", "tiny", "--schemes", "tsp,dp",
            "--nproc", "2", "--num-prompts", "4", "--input-len", "12", "--output-len", "6", "--request-rates", "inf",
-           "--goodput", "ttft:60000", "--out", str(tmp_path), "--no-plots"]
+           "--goodput", "ttft:60000", "--kv-cache-mb", "1", "--block-size", "8", "--out", str(tmp_path), "--no-plots"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "serve.json").read_text())
@@ -73,6 +85,11 @@ def test_a_real_run_reports_what_its_requests_measured(tmp_path):
     assert tsp["p50_tpot_ms"] == pytest.approx(1000 * np.percentile(tpots, 50))
     assert tsp["goodput"] == pytest.approx(tsp["request_throughput"])  # a 60 s TTFT SLO is met by all
     assert "| tsp | inf | 4/4 |" in (tmp_path / "serve.md").read_text()
+    # The cache flags reached the server: tiny (2 layers, 4 KV heads of 16) at tsp 2 keeps 2 heads of every token
+    # per rank, K and V in float32: 512 bytes a token, so 1 MiB holds 2**20 // (8 * 512) blocks of 8 tokens.
+    assert tsp["kv_capacity_tokens"] == 2**20 // (8 * 2 * 2 * 2 * 16 * 4) * 8 == 2048
+    assert 1 <= tsp["peak_num_requests_running"] <= 4 and tsp["preemptions"] == 0
+    assert tsp["prefix_cache_queries"] == 4 * 12  # the run's prompts, not the warm-up's before it
 
 
 def test_the_server_queues_every_request_of_the_run():
@@ -82,3 +99,116 @@ def test_the_server_queues_every_request_of_the_run():
     command = serve_command(["--preset", "tiny"], "tsp", 2, 8000, 64, 16, 1000, 60.0)
     args = build_parser().parse_args(command[command.index("serve"):])
     assert args.max_queue >= 1000 and args.max_num_seqs == 16 and args.scheme == "tsp"
+
+
+def _bench_args(*flags):
+    from torchtsp.cli import build_parser
+
+    return build_parser().parse_args(["bench", "--mode", "serve", *flags])
+
+
+def _served(bench_flags, max_batch=16):
+    """The server's parsed flags for a bench command line (the command the bench starts, read by serve's parser)."""
+    from torchtsp.cli import build_parser
+
+    command = serve_command(["--preset", "tiny"], "tsp", 2, 8000, 64, max_batch, 8, 60.0, cache_flags(bench_flags))
+    assert "--max-batch" not in command  # the canonical name: --max-batch is only its alias
+    return build_parser().parse_args(command[command.index("serve"):])
+
+
+def test_the_cache_flags_reach_the_server():
+    args = _bench_args("--kv-cache-mb", "1.5", "--block-size", "8", "--max-num-batched-tokens", "1k",
+                       "--no-enable-prefix-caching", "--max-concurrency", "5")
+    served = _served(args, max_batch=args.max_concurrency)
+    assert (served.kv_cache_mb, served.block_size, served.max_num_batched_tokens) == (1.5, 8, 1024)
+    assert served.enable_prefix_caching is False and served.max_num_seqs == 5
+    defaults = _served(_bench_args())  # unset: the server's own defaults, prefix caching on
+    assert defaults.enable_prefix_caching is True and defaults.kv_cache_mb is None
+    assert (defaults.block_size, defaults.max_num_batched_tokens) == (16, 2048)
+
+
+def _exposition():
+    """A real server's /metrics text: the server's own Metrics, fed as its engine feeds it."""
+    from torchtsp.serve.metrics import Metrics
+
+    m = Metrics("bench")
+    m.on_ready({"kv_capacity_tokens": 4096})
+    m.on_step({"running": 3, "waiting": 5, "kv_usage": 0.25, "num_preemptions": 2, "prefix_queries": 300,
+               "prefix_hits": 256})
+    m.ttft.observe(0.2)
+    m.finished("length")
+    return m
+
+
+def test_the_metrics_reader_reads_a_real_metrics_text():
+    text = _exposition().render().decode()
+    assert "torchtsp:num_preemptions_total{model_name=\"bench\"} 2.0" in text  # the exposition it reads
+    values = read_metrics(text)
+    assert values["torchtsp:kv_cache_capacity_tokens"] == 4096
+    assert values["torchtsp:num_requests_running"] == 3 and values["torchtsp:num_requests_waiting"] == 5
+    assert values["torchtsp:kv_cache_usage_perc"] == 0.25 and values["torchtsp:num_preemptions_total"] == 2
+    assert values["torchtsp:prefix_cache_queries_total"] == 300 and values["torchtsp:prefix_cache_hits_total"] == 256
+    assert values["torchtsp:time_to_first_token_seconds_count"] == 1
+    assert not any("bucket" in name or "request_success" in name for name in values)  # labelled beyond model_name
+
+
+def test_a_runs_cache_figures_are_what_grew_during_it_and_the_peaks_polled():
+    """/metrics served over HTTP while the 'run' changes the gauges: before/after differences and polled peaks."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    m = _exposition()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = m.render()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with MetricsWatch(f"http://127.0.0.1:{server.server_port}") as watch:
+            m.on_step({"running": 16, "waiting": 0, "kv_usage": 0.9, "num_preemptions": 5, "prefix_queries": 700,
+                       "prefix_hits": 512})
+            time.sleep(0.4)  # several polls
+            m.on_step({"running": 0, "waiting": 0, "kv_usage": 0.0, "num_preemptions": 5, "prefix_queries": 700,
+                       "prefix_hits": 512})
+    finally:
+        server.shutdown()
+    figures = watch.figures()
+    assert figures["kv_capacity_tokens"] == 4096
+    assert figures["peak_num_requests_running"] == 16 and figures["peak_num_requests_waiting"] == 5
+    assert figures["preemptions"] == 3  # 5 - 2 seen before the run
+    assert (figures["prefix_cache_queries"], figures["prefix_cache_hits"]) == (400, 256)
+    assert figures["prefix_cache_hit_rate"] == 256 / 400
+
+
+def test_random_prefix_prompts_share_exactly_n_leading_ids():
+    import os
+
+    args = _bench_args("--random-prefix-len", "24", "--input-len", "8", "--num-prompts", "16")
+    prompts = [p for p, _ in make_prompts(args, 257)]
+    assert all(len(p) == 32 and all(1 <= t < 257 for t in p) for p in prompts)
+    assert len(os.path.commonprefix(prompts)) == 24  # not 25: the own ids start right after
+    assert len({tuple(p[24:]) for p in prompts}) == 16
+    plain = [p for p, _ in make_prompts(_bench_args("--input-len", "8", "--num-prompts", "16"), 257)]
+    assert len(os.path.commonprefix(plain)) == 0
+    # Another rate's prompts, and the warm-up, share nothing with these: no run finds its prefix cached.
+    other = [p for p, _ in make_prompts(args, 257, seed=1)]
+    assert len(os.path.commonprefix([prompts[0], other[0]])) == 0 and len(os.path.commonprefix(other)) == 24
+    (warm, n), = warmup_prompt(args, 257, make_prompts(args, 257))
+    assert len(warm) == 32 and n == args.output_len and len(os.path.commonprefix([warm, prompts[0]])) == 0
+
+
+def test_a_random_prefix_with_a_dataset_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="--random-prefix-len applies to random prompts"):
+        make_prompts(_bench_args("--dataset", str(data), "--random-prefix-len", "4"), 257)

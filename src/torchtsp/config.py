@@ -234,6 +234,9 @@ PRESETS: dict[str, ModelConfig] = {
     # The tiny model with 4 experts (top-2) and a shared expert in every layer: tests and the MoE demo.
     "tiny-moe": ModelConfig(n_experts=4, moe_top_k=2, moe_ffn_dim=192, shared_expert_ffn_dim=128,
                             router_aux_loss_coef=0.01),
+    # The tiny model with one KV head (MQA): at D = 2 TP keeps a copy of it on both ranks, TSP half of its tokens on
+    # each, so the same cache budget holds twice the tokens under TSP (bench --mode serve's capacity figure).
+    "tiny-mqa": ModelConfig(n_kv_heads=1),
     "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
     # The paper's 7B reference: h=4096, 32 layers, 32 query and 32 KV heads, ffn = 4h.
     "paper-7b": ModelConfig(

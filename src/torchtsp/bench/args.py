@@ -133,7 +133,26 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "{\"prompt\": text or ids, \"output_len\"?: N} per line")
     add("--request-rates", type=_rate_list, default=[math.inf], metavar="LIST", help="--mode serve: Poisson "
         "arrival rates in requests/s, comma-separated; inf sends every request at once (default: inf)")
+    add("--random-prefix-len", type=length, default=0, metavar="N", help="--mode serve: every random prompt starts "
+        "with the same N seeded random ids, then its --input-len own (vllm bench's meaning; default: 0)")
     add("--max-concurrency", type=int, metavar="N", help="--mode serve: requests in flight at most (default: all; "
-        "the server's --max-batch is this, or 16)")
+        "the server's --max-num-seqs is this, or 16)")
+    add_serve_cache_arguments(parser)
     add("--goodput", nargs="+", metavar="NAME:MS", help="--mode serve: SLOs for goodput, e.g. ttft:500 tpot:50 "
         "(milliseconds; names ttft, tpot, e2el)")
+
+
+def add_serve_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The paged cache's flags of every server ``--mode serve`` starts, named as ``torchtsp serve`` (and vLLM)
+    names them; unset, the server's own defaults hold."""
+    add = parser.add_argument
+    add("--max-model-len", type=length, metavar="N", help="--mode serve: the server's --max-model-len (default: "
+        "the run's longest request, prompt + output)")
+    add("--kv-cache-mb", type=_positive_float, metavar="MIB", help="--mode serve: the server's KV cache per rank "
+        "in MiB (default: the server's)")
+    add("--block-size", type=int, metavar="N", help="--mode serve: the server's tokens per KV cache block on each "
+        "rank (default: the server's, 16)")
+    add("--max-num-batched-tokens", type=length, metavar="N", help="--mode serve: the server's tokens per engine "
+        "step at most (default: the server's)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="--mode serve: the "
+        "server reuses cached blocks of shared prompt prefixes (default: on, as the server)")

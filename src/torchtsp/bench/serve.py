@@ -14,6 +14,13 @@ Poisson process of ``--request-rate`` per second (``inf``: all at once), optiona
 reported as mean, p50 and p99, with request and output-token throughput over the run's duration and goodput
 (requests per second that meet every ``--goodput`` SLO). Every request's raw times are kept in the JSON, so each
 figure can be recomputed from them.
+
+The server's paged cache is read from its ``/metrics`` before and after each run, and polled during it: the
+cache's capacity in tokens, the most requests running at once, the preemptions and the prefix cache's hit rate
+(tokens) of the run. The server's ``--max-model-len`` is the run's longest request unless given. Each rate
+sends its own seeded prompts (the warm-up yet others): the prefix cache, on by default, would otherwise serve a
+rate's prompts from the blocks the rate before left. ``--dataset`` prompts are the same at every rate, so give
+one rate per run, or ``--no-enable-prefix-caching``, to keep rates apart.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +44,8 @@ from ..schemes import SCHEMES
 SERVE_START_S = 300.0  # loading a model on every rank and starting its process group, on a loaded CPU host
 REQUEST_TIMEOUT_S = 600.0  # one request's whole stream; a slower one is a failed request
 PERCENTILES = (50, 99)
+METRICS_POLL_S = 0.05  # /metrics during a run: a running batch lasts many engine steps, each well over this
+PREFIX = "torchtsp:"
 
 
 @dataclass
@@ -81,10 +91,13 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def make_prompts(args, vocab: int) -> list[tuple[list[int] | str, int]]:
-    """(prompt, output length) per request: a jsonl's {"prompt": text or ids, "output_len"?} lines, or seeded
-    random ids (never 0, which many tokenizers reserve)."""
+def make_prompts(args, vocab: int, seed: int | str | None = None) -> list[tuple[list[int] | str, int]]:
+    """(prompt, output length) per request: a jsonl's {"prompt": text or ids, "output_len"?} lines, or random ids
+    (never 0, which many tokenizers reserve) seeded by ``seed`` (default ``args.seed``): ``--random-prefix-len``
+    ids shared by every prompt, then ``--input-len`` of its own."""
     if args.dataset:
+        if args.random_prefix_len:
+            raise ValueError("--random-prefix-len applies to random prompts: drop it, or --dataset")
         path = Path(args.dataset)
         if not path.is_file():
             raise FileNotFoundError(f"--dataset {path} does not exist")
@@ -99,9 +112,19 @@ def make_prompts(args, vocab: int) -> list[tuple[list[int] | str, int]]:
                 raise ValueError(f"--dataset {path}:{number}: expected {{\"prompt\": ..., \"output_len\"?: N}} "
                                  f"({e})") from None
         return prompts[:args.num_prompts]
-    rng = random.Random(args.seed)
-    return [([rng.randrange(1, vocab) for _ in range(args.input_len)], args.output_len)
+    rng = random.Random(args.seed if seed is None else seed)
+    prefix = [rng.randrange(1, vocab) for _ in range(args.random_prefix_len)]
+    return [(prefix + [rng.randrange(1, vocab) for _ in range(args.input_len)], args.output_len)
             for _ in range(args.num_prompts)]
+
+
+def warmup_prompt(args, vocab: int, prompts) -> list:
+    """The untimed first request: as long as the run's first, sharing no prefix with any run's prompts (random
+    ids of their own seed), so that no run starts with its prefix already cached."""
+    if args.dataset:
+        return prompts[:1]
+    ids = random.Random(f"{args.seed}/warm-up")
+    return [([ids.randrange(1, vocab) for _ in prompts[0][0]], prompts[0][1])]
 
 
 def arrival_times(count: int, rate: float, seed: int) -> list[float]:
@@ -207,23 +230,108 @@ def _free_port() -> int:
 
 
 def serve_command(model_flags: list[str], scheme: str, nproc: int, port: int, max_len: int, max_batch: int,
-                  requests: int, timeout_s: float) -> list[str]:
+                  requests: int, timeout_s: float, cache_flags: list[str] = ()) -> list[str]:
     """The server's command line. Its queue holds every request of the run: at rate inf they all arrive at once,
     and vLLM's queue, which the benchmark's conventions assume, has no bound (a 429 would count as a failure)."""
     return [sys.executable, "-m", "torchtsp", "serve", *model_flags, "--scheme", scheme, "--nproc", str(nproc),
-            "--port", str(port), "--max-model-len", str(max_len), "--max-batch", str(max_batch), "--max-queue",
-            str(max(256, max_batch, requests)), "--served-model-name", "bench", "--timeout-s", str(timeout_s)]
+            "--port", str(port), "--max-model-len", str(max_len), "--max-num-seqs", str(max_batch), "--max-queue",
+            str(max(256, max_batch, requests)), "--served-model-name", "bench", "--timeout-s", str(timeout_s),
+            *cache_flags]
+
+
+def cache_flags(args) -> list[str]:
+    """The bench's paged-cache flags, as the server reads them; those not given keep the server's defaults."""
+    flags = []
+    for name in ("kv_cache_mb", "block_size", "max_num_batched_tokens"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), f"{value:g}" if isinstance(value, float) else str(value)]
+    return flags + ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+
+
+def read_metrics(text: str) -> dict[str, float]:
+    """The ``torchtsp:`` samples of a /metrics text by name, those labelled by ``model_name`` alone (one model per
+    server; a histogram's buckets and request_success's reasons are left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith(PREFIX) and set(sample.labels) == {"model_name"}}
+
+
+PEAKS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+
+
+def cache_figures(before: dict, after: dict, peaks: dict) -> dict:
+    """One run's paged-cache figures from /metrics read before and after it and the gauges' peaks during it."""
+    def grown(name):
+        return after.get(PREFIX + name, 0.0) - before.get(PREFIX + name, 0.0)
+
+    queries, hits = grown("prefix_cache_queries_total"), grown("prefix_cache_hits_total")
+    capacity = after.get(PREFIX + "kv_cache_capacity_tokens")
+    return {"kv_capacity_tokens": None if capacity is None else int(capacity),
+            **{f"peak_{name}": peaks.get(name) for name in PEAKS},
+            "preemptions": int(grown("num_preemptions_total")), "prefix_cache_queries": int(queries),
+            "prefix_cache_hits": int(hits), "prefix_cache_hit_rate": hits / queries if queries else None}
+
+
+class MetricsWatch:
+    """The server's /metrics before and after a run, and every ``METRICS_POLL_S`` during it from a thread, for the
+    peaks of its gauges (a request's whole life can fall between the before and the after)."""
+
+    def __init__(self, url: str):
+        self.url = url + "/metrics"
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="bench-metrics", daemon=True)
+
+    def _read(self, client) -> dict[str, float]:
+        values = read_metrics(client.get(self.url, timeout=10).text)
+        for name in PEAKS:
+            if PREFIX + name in values:
+                self.peaks[name] = max(self.peaks.get(name, -math.inf), values[PREFIX + name])
+        return values
+
+    def _poll(self) -> None:
+        import httpx
+
+        with httpx.Client() as client:
+            while not self._stop.wait(METRICS_POLL_S):
+                try:
+                    self._read(client)
+                except httpx.HTTPError:  # a busy server answers the next poll; before and after are not skipped
+                    pass
+
+    def __enter__(self):
+        import httpx
+
+        with httpx.Client() as client:
+            self.before = self._read(client)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        import httpx
+
+        self._stop.set()
+        self._thread.join()
+        with httpx.Client() as client:
+            self.after = self._read(client)
+
+    def figures(self) -> dict:
+        return cache_figures(self.before, self.after, self.peaks)
 
 
 class ServerProcess:
     """``torchtsp serve`` for one scheme, as a user starts it, on 127.0.0.1; stopped by SIGTERM on exit."""
 
     def __init__(self, model_flags: list[str], scheme: str, nproc: int, max_len: int, max_batch: int, log: Path,
-                 timeout_s: float, requests: int = 1):
+                 timeout_s: float, requests: int = 1, cache: list[str] = ()):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = serve_command(model_flags, scheme, nproc, self.port, max_len, max_batch, requests, timeout_s)
+        command = serve_command(model_flags, scheme, nproc, self.port, max_len, max_batch, requests, timeout_s,
+                                cache)
         self.proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -270,15 +378,22 @@ def _model(args) -> tuple[list[str], int]:
 def run_serve_bench(args) -> int:
     """Entry point of ``bench --mode serve``: every scheme, every rate, one report (table, JSON, plot)."""
     slos = parse_goodput(args.goodput)
-    for flag in ("input_len", "output_len", "num_prompts", "max_concurrency", "nproc"):
+    for flag in ("input_len", "output_len", "num_prompts", "max_concurrency", "nproc", "block_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     model_flags, vocab = _model(args)
-    prompts = make_prompts(args, vocab)
+    # One prompt set per rate (see the module's docstring); every set has the same lengths.
+    prompt_sets = [make_prompts(args, vocab, args.seed + i) for i in range(len(args.request_rates))]
+    prompts = prompt_sets[0]
     if not prompts:
         raise ValueError("no prompts: --num-prompts must be >= 1 and --dataset must hold at least one line")
     max_len = max((len(p) if isinstance(p, list) else 4 * len(p)) + n for p, n in prompts)
+    if args.max_model_len is not None:  # a server sized for longer requests than this run's (its cache is not)
+        if args.max_model_len < max_len:
+            raise ValueError(f"--max-model-len {args.max_model_len} is shorter than the run's longest request "
+                             f"({max_len} tokens, prompt + output): raise it, or drop it")
+        max_len = args.max_model_len
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, raw = [], {}
@@ -288,7 +403,7 @@ def run_serve_bench(args) -> int:
                          "status": f"n/a: serve runs {', '.join(SCHEMES.servable())}"} for rate in args.request_rates)
             continue
         server = ServerProcess(model_flags, scheme, args.nproc or 2, max_len, args.max_concurrency or 16,
-                               out / f"serve-{scheme}.log", args.timeout_s, len(prompts))
+                               out / f"serve-{scheme}.log", args.timeout_s, len(prompts), cache_flags(args))
         try:
             server.__enter__()
         except (RuntimeError, TimeoutError) as e:  # a scheme the server refuses is a row, not the end of the run
@@ -297,23 +412,34 @@ def run_serve_bench(args) -> int:
                         for rate in args.request_rates)
             continue
         try:
-            asyncio.run(_send_all(server.url, "bench", prompts[:1], math.inf, 1, args.seed))  # warm-up, untimed
-            for rate in args.request_rates:
-                print(f"bench serve: {scheme} at {_rate(rate)} requests/s, {len(prompts)} requests", file=sys.stderr)
-                results, duration = asyncio.run(_send_all(server.url, "bench", prompts, rate,
-                                                          args.max_concurrency, args.seed))
-                rows.append({"scheme": scheme, "request_rate": _json_rate(rate), **summarize(results, duration, slos)})
-                raw[f"{scheme}@{_rate(rate)}"] = [asdict(r) for r in results]
+            rows += _run_rates(server, scheme, args, prompt_sets, warmup_prompt(args, vocab, prompts), slos, raw)
         finally:
             server.__exit__()
-    result = {"meta": {"model": model_flags, "nproc": args.nproc or 2, "num_prompts": len(prompts),
-                       "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-                       "max_concurrency": args.max_concurrency, "goodput_slos_s": slos}, "rows": rows,
-              "requests": raw}
-    files = write_serve(result, out, plots=args.plots)
+    meta = {"model": model_flags, "nproc": args.nproc or 2, "num_prompts": len(prompts),
+            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+            "max_concurrency": args.max_concurrency, "goodput_slos_s": slos,
+            "random_prefix_len": 0 if args.dataset else args.random_prefix_len,
+            "server_flags": ["--max-model-len", str(max_len), "--max-num-seqs", str(args.max_concurrency or 16),
+                             *cache_flags(args)]}
+    files = write_serve({"meta": meta, "rows": rows, "requests": raw}, out, plots=args.plots)
     print((out / "serve.md").read_text())
     print("wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _run_rates(server, scheme: str, args, prompt_sets, warmup, slos: dict, raw: dict) -> list[dict]:
+    """Every rate's run against one started server: a row each, with the cache's figures from its /metrics."""
+    asyncio.run(_send_all(server.url, "bench", warmup, math.inf, 1, args.seed))  # untimed
+    rows = []
+    for rate, prompts in zip(args.request_rates, prompt_sets):
+        print(f"bench serve: {scheme} at {_rate(rate)} requests/s, {len(prompts)} requests", file=sys.stderr)
+        with MetricsWatch(server.url) as watch:
+            results, duration = asyncio.run(_send_all(server.url, "bench", prompts, rate,
+                                                      args.max_concurrency, args.seed))
+        rows.append({"scheme": scheme, "request_rate": _json_rate(rate), **summarize(results, duration, slos),
+                     **watch.figures()})
+        raw[f"{scheme}@{_rate(rate)}"] = [asdict(r) for r in results]
+    return rows
 
 
 def _json_rate(rate: float):
@@ -332,27 +458,42 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def _cache_cells(r: dict) -> str:
+    """KV cache capacity, peak running, preemptions and prefix hit rate (hits / queries, tokens) of a row."""
+    def count(key):
+        return "-" if r.get(key) is None else f"{r[key]:g}"
+
+    rate = r.get("prefix_cache_hit_rate")
+    hits = "-" if rate is None else f"{100 * rate:.0f}% ({r['prefix_cache_hits']}/{r['prefix_cache_queries']})"
+    return " | ".join((count("kv_capacity_tokens"), count("peak_num_requests_running"), count("preemptions"), hits))
+
+
 def serve_markdown(result: dict) -> str:
     meta = result["meta"]
     slos = meta["goodput_slos_s"]
+    prefix = meta.get("random_prefix_len") or 0
+    shared = f" ({prefix} of them shared by every prompt)" if prefix else ""
+    server = f" Server flags: `{' '.join(meta['server_flags'])}`." if meta.get("server_flags") else ""
     lines = [f"# torchtsp bench: serving ({meta['nproc']} ranks, model {' '.join(meta['model'])})", "",
-             f"{meta['num_prompts']} requests per cell, {meta['input_len']} prompt tokens, {meta['output_len']} "
-             f"output tokens each (ignore_eos, greedy), streamed; schemes one after another on the same ranks. "
-             "Times in ms: mean / p50 / p99." + _slo_text(slos),
+             f"{meta['num_prompts']} requests per cell, {prefix + meta['input_len']} prompt tokens{shared}, "
+             f"{meta['output_len']} output tokens each (ignore_eos, greedy), streamed; schemes one after another on "
+             "the same ranks. Times in ms: mean / p50 / p99. KV cache: the server's capacity in tokens; peak "
+             "running: the most requests running at once (/metrics, polled); preemptions and prefix-cache hits "
+             "(tokens) during the run." + server + _slo_text(slos),
              "",
-             "| scheme | rate (req/s) | done | req/s | output tok/s | TTFT | TPOT | ITL | E2EL |"
-             + (" goodput (req/s) |" if slos else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if slos else "")]
+             "| scheme | rate (req/s) | done | KV cache (tokens) | peak running | preemptions | prefix hits | req/s | "
+             "output tok/s | TTFT | TPOT | ITL | E2EL |" + (" goodput (req/s) |" if slos else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if slos else "")]
     for r in result["rows"]:
         if "status" in r:  # the server refused the scheme or failed
-            blanks = " |" * (7 + bool(slos))
+            blanks = " |" * (11 + bool(slos))
             lines.append(f"| {r['scheme']} | {_rate(r['request_rate'])} | {r['status']} |{blanks}")
             continue
         cells = [" / ".join(_ms(r[f"{k}_{n}_ms"]) for k in ("mean", "p50", "p99"))
                  for n in ("ttft", "tpot", "itl", "e2el")]
         done = f"{r['completed']}/{r['completed'] + r['failed']}"
-        line = (f"| {r['scheme']} | {_rate(r['request_rate'])} | {done} | {r['request_throughput']:.2f} | "
-                f"{r['output_throughput']:,.1f} | {' | '.join(cells)} |")
+        line = (f"| {r['scheme']} | {_rate(r['request_rate'])} | {done} | {_cache_cells(r)} | "
+                f"{r['request_throughput']:.2f} | {r['output_throughput']:,.1f} | {' | '.join(cells)} |")
         lines.append(line + (f" {r['goodput']:.2f} |" if slos else ""))
     return "\n".join(lines) + "\n"
 
