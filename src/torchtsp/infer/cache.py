@@ -1,8 +1,10 @@
 """The KV cache of one rank as a pool of blocks, attention against it, and the exact merge of per-rank partial
 attention.
 
-**Storage.** Per layer K and V are a pool of ``num_blocks`` blocks of ``block_size`` slots (``KVPool``), plus
-one spare slot where tokens this rank does not keep are written and never read. A sequence owns a block
+**Storage.** Per layer K and V are a pool of ``num_blocks`` blocks [heads, block_size, d] (``KVPool``), plus
+a spare place where tokens this rank does not keep are written and never read: one more block in a server's
+pool, one more slot per block in ``generate``'s (its blocks are whole sequences: a spare block would be one
+more sequence). A sequence owns a block
 table; its token at position p lives at a place fixed by p alone (docs/design.md, "Paged cache"): a cache
 whose tokens are split over R ranks (``Engine.kv_token_ranks``: 1 for a head-sharded cache, D for TSP's
 sequence layout and SP, c for the grouped one) keeps p on member ``p mod R``, in block ``table[p // (R·bs)]``
@@ -59,19 +61,24 @@ class CacheStep:
 
 
 class KVPool:
-    """One rank's K/V storage: per layer [num_blocks · block_size + 1 (the spare slot), heads, d]."""
+    """One rank's K/V storage: per layer [num_blocks (+ 1: a spare block), heads, block_size (+ 1: a spare slot),
+    d]. Head-major inside a block, so a sequence that is one block (``generate``) is read as [heads, tokens, d]
+    matrices with no copy, as the attention kernel's batched products want them."""
 
     def __init__(self, n_layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int, dtype, device,
-                 token_ranks: int = 1, member: int = 0):
+                 token_ranks: int = 1, member: int = 0, spare_slots: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one slot, got {num_blocks} blocks of "
                              f"{block_size}: raise the cache budget")
-        shape = (num_blocks * block_size + 1, heads, head_dim)
+        # Slots per stored block: block_size, and with ``spare_slots`` one more that no position maps to.
+        self.stride = block_size + int(spare_slots)
+        shape = (num_blocks + int(not spare_slots), heads, self.stride, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
         self.token_ranks, self.member = token_ranks, member  # R, and which of the R ranks sharing tokens this is
-        self.spare = num_blocks * block_size
+        # The spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra block.
+        self.spare = block_size if spare_slots else num_blocks * self.stride
 
     @property
     def block_tokens(self) -> int:
@@ -80,9 +87,9 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K and V held (every layer; the spare slot not counted)."""
-        per_slot = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
-        return per_slot * self.spare
+        """Bytes of K and V the blocks hold for tokens (every layer; the spare place not counted)."""
+        per_slot = sum(t[0, :, 0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return per_slot * self.num_blocks * self.block_size
 
     def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
         """The view of the sequences with block tables ``tables`` [B, n] that hold ``lengths`` [B] tokens so far
@@ -103,7 +110,7 @@ class KVCache:
         self.host_lengths = lengths.clone()
         self.before, self.host_before = self.lengths, self.host_lengths  # before this step's tokens (``reserve``)
         self._next: torch.Tensor | None = None  # host lengths after the next step (``expect``)
-        self._index = {}  # (before?, member) -> (slot index [B, S], key positions [B, S], valid [B, S])
+        self._index = {}  # (before?, member) -> (key positions [B, S], valid [B, S])
         self.capacity = tables.shape[1] * pool.block_tokens  # tokens each sequence's table covers
         # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
         self.one_block_each = tables.shape[1] == 1 and bool((tables[:, 0] == torch.arange(len(tables))).all())
@@ -137,24 +144,26 @@ class KVCache:
         return self.slots_of(pos, valid)
 
     def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Pool slots [B, T] of the tokens at ``pos`` that this rank keeps; the spare slot for the others."""
+        """Pool slots [B, T] (block · stride + offset) of the tokens at ``pos`` that this rank keeps; the spare
+        block's first slot for the others."""
         pool = self.pool
         kept = valid & (pos % pool.token_ranks == pool.member)
         pos = torch.where(kept, pos, 0)
         block = self.tables.gather(1, pos // pool.block_tokens)
-        slots = block * pool.block_size + pos % pool.block_tokens // pool.token_ranks
+        slots = block * pool.stride + pos % pool.block_tokens // pool.token_ranks
         return torch.where(kept, slots, pool.spare)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
         """Store k, v [B, h, T, d] of the given heads at ``slots`` [B, T]."""
-        index = slots.flatten()
-        self.pool.k[layer][index, heads] = k.transpose(1, 2).flatten(0, 1)
-        self.pool.v[layer][index, heads] = v.transpose(1, 2).flatten(0, 1)
+        stride = self.pool.stride
+        block, offset = slots.flatten() // stride, slots.flatten() % stride
+        self.pool.k[layer][block, heads, offset] = k.transpose(1, 2).flatten(0, 1)
+        self.pool.v[layer][block, heads, offset] = v.transpose(1, 2).flatten(0, 1)
 
     def _slots(self, before: bool, member: int | None = None):
-        """(pool slot index [B, S], key positions [B, S], valid [B, S]) of the first S own slots of every sequence,
-        S covering the longest one's tokens (before this step's, or after). ``member``: the positions as another
-        member of the R ranks sees its own slots (they are the same slots of the same blocks)."""
+        """(key positions [B, S], valid [B, S]) of the first S own slots of every sequence (its table's blocks in
+        order), S covering the longest one's tokens (before this step's, or after). ``member``: the positions as
+        another member of the R ranks sees its own slots (they are the same slots of the same blocks)."""
         key = (before, member)
         if key not in self._index:
             pool, lengths = self.pool, self.before if before else self.lengths
@@ -162,30 +171,30 @@ class KVCache:
             longest = int((self.host_before if before else self.host_lengths).max()) if len(lengths) else 0
             S = int(self.local_slot(torch.tensor(longest - 1))) + 1 if longest else 0
             s = torch.arange(S, device=pool.device)
-            index = self.tables[:, s // bs] * bs + s % bs
             positions = s // bs * (R * bs) + s % bs * R + (pool.member if member is None else member)
             positions = positions.expand(len(lengths), S)
-            self._index[key] = index, positions, positions < lengths.unsqueeze(1)
+            self._index[key] = positions, positions < lengths.unsqueeze(1)
         return self._index[key]
 
     def keys(self, layer: int, heads: slice = slice(None), before: bool = False):
-        """K and V [B, h, S, d] of ``heads`` in this rank's slots of the sequences (a copy of their blocks, or a
-        view where each sequence is one block)."""
-        index = self._slots(before)[0]
+        """K and V [B, h, S, d] of ``heads`` in this rank's slots of the sequences: a view where each sequence is
+        one block, else a copy of the sequences' blocks (never of the whole pool)."""
+        B, S = self._slots(before)[0].shape
+        bs = self.pool.block_size
         if self.one_block_each:
-            B, S, bs = len(self.tables), index.shape[1], self.pool.block_size
-            return tuple(t[layer][:B * bs].unflatten(0, (B, bs))[:, :S, heads].transpose(1, 2)
-                         for t in (self.pool.k, self.pool.v))
-        return tuple(t[layer][index, heads].transpose(1, 2) for t in (self.pool.k, self.pool.v))
+            return tuple(t[layer][:B, heads, :S] for t in (self.pool.k, self.pool.v))
+        blocks = self.tables[:, :-(-S // bs)]  # [B, n]: the blocks holding the first S slots
+        return tuple(t[layer][blocks][:, :, heads, :bs].transpose(1, 2).flatten(2, 3)[:, :, :S]
+                     for t in (self.pool.k, self.pool.v))
 
     def key_positions(self, before: bool = False, member: int | None = None) -> torch.Tensor:
         """Positions [B, S] of ``keys``' slots, ``FAR`` where a slot holds no token (yet)."""
-        _, positions, valid = self._slots(before, member)
+        positions, valid = self._slots(before, member)
         return torch.where(valid, positions, FAR)
 
     def mask(self, pos: torch.Tensor):
         """The mask of queries at ``pos`` [B, T] against this rank's keys (after this step's tokens)."""
-        _, positions, valid = self._slots(False)
+        positions, valid = self._slots(False)
         return positions_mask(pos, positions, valid)
 
 

@@ -103,11 +103,12 @@ class Engine:
         """KV heads this rank caches for each token it keeps."""
         return self.cfg.n_kv_heads
 
-    def kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        """This rank's KV storage: ``num_blocks`` blocks of ``block_size`` slots (cache.py)."""
+    def kv_pool(self, num_blocks: int, block_size: int, spare_slots: bool = False) -> KVPool:
+        """This rank's KV storage: ``num_blocks`` blocks of ``block_size`` slots (cache.py; ``spare_slots``: the
+        spare place is one more slot per block, for blocks that are whole sequences)."""
         cfg = self.cfg
         return KVPool(cfg.n_layers, num_blocks, self.kv_heads_per_rank, block_size, cfg.head_dim, self.dtype,
-                      self.device, self.kv_token_ranks, self.kv_member)
+                      self.device, self.kv_token_ranks, self.kv_member, spare_slots)
 
     def batch_rows(self, batch: int) -> slice:
         """The rows of the global batch this rank decodes (DP splits them)."""
@@ -133,7 +134,7 @@ class Engine:
         """A cache for ``generate``: ``batch`` sequences of a (padded) prompt and ``max_new_tokens``, one block each
         (the last chosen token is never fed back, so it takes no slot)."""
         tokens = prompt_len + max_new_tokens - 1
-        pool = self.kv_pool(batch, max(1, -(-tokens // self.kv_token_ranks)))
+        pool = self.kv_pool(batch, max(1, -(-tokens // self.kv_token_ranks)), spare_slots=True)
         self.cache = pool.rows(torch.arange(batch).unsqueeze(1), torch.zeros(batch, dtype=torch.long))
 
     def attach_cache(self, cache) -> None:

@@ -127,5 +127,5 @@ class TSPHeadsEngine(TSPEngine):
             kv = torch.stack(cache.keys(layer, before=True))
         else:
             pool = cache.pool.k[layer]
-            kv = pool.new_empty(2, len(cache.lengths), pool.shape[1], n, pool.shape[2])
+            kv = pool.new_empty(2, len(cache.lengths), pool.shape[1], n, pool.shape[3])
         return self.comm.broadcast(kv, src=j, label="infer.kv.earlier")
