@@ -102,3 +102,18 @@ def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0, max_p
                                          tie_word_embeddings=False)
     transformers.LlamaForCausalLM(hf_config).save_pretrained(folder)
     return eos
+
+
+def metric_samples(text: str, model_name: str) -> dict:
+    """A /metrics text's samples, parsed by prometheus_client's own reader, keyed ``name{label="value",...}`` without
+    the model_name label, which every sample must carry (the served model's name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None) == model_name, sample
+            shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
+    return out

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_hf_llama
+from helpers import metric_samples, tiny_hf_llama
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -162,19 +162,8 @@ def _post(server, path, body, key=KEY, raw=None):
 
 
 def _metrics(server) -> dict:
-    """The exposed samples, parsed by prometheus_client's own reader, keyed ``name{label="value",...}`` without
-    the model_name label, which every sample must carry (the served model's name)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = dict(sample.labels)
-            assert labels.pop("model_name", None) == "tiny-llama", sample
-            shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-            out[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
-    return out
+    """The server's /metrics samples (helpers.metric_samples: every one labelled with the served model's name)."""
+    return metric_samples(httpx.get(server.url + "/metrics", timeout=10).text, "tiny-llama")
 
 
 # ---------------------------------------------------------------- correctness

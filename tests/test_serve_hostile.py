@@ -104,12 +104,13 @@ class _Stream:
 
 
 class _FakeClient:
-    """The engine as the service sees it: each request answers the bytes of "ok" then "length"."""
+    """The engine as the service sees it: each request answers the bytes of "ok" then "length"; ``info``: its ready
+    message (the cache's capacity)."""
 
     state, error, waiting, healthy = "ready", None, 0, True
 
-    def __init__(self):
-        self.submitted = []
+    def __init__(self, info: dict | None = None):
+        self.info, self.submitted = info or {}, []
 
     def submit(self, prompt, max_tokens, sampling, stop_token_ids, ignore_eos=False, **options):
         self.submitted.append((prompt, max_tokens, sampling))
