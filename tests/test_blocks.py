@@ -200,7 +200,7 @@ class Engine:
                 self.store[table[p // bt], p % bt] = seq.tokens[p]
             if seq.num_computed + n == len(seq.tokens):
                 sampled[seq_id] = model([self.store[table[p // bt], p % bt] for p in range(len(seq.tokens))])
-        self.sched.update(plan, sampled)
+        self.sched.update(plan, sampled, written=plan.scheduled())
         return sampled
 
 

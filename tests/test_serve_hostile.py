@@ -163,6 +163,26 @@ def test_a_request_refused_by_rank_0_fails_alone():
     assert e.value.status == 500 and "still up" in e.value.message
 
 
+@pytest.mark.parametrize("ending,status,param", [
+    ("bad_grammar", 400, "guided_regex"),  # the ranks refused its grammar: the field that asked for it is named
+    ("error", 500, None),  # the step it ran in failed (the ranks then exit): it fails at once, not at a timeout
+])
+def test_a_request_the_ranks_end_early_fails_alone_naming_its_field(ending, status, param):
+    pytest.importorskip("xgrammar")
+    client = _FakeClient()
+    client.submit = lambda *a, **k: _Stream([("finished", ending)])
+    service = CompletionService(_state(client))
+
+    async def run():
+        body = b'{"prompt": "hi", "max_tokens": 2, "guided_regex": "[a-z]+"}'
+        choices = await service.completion_choices(parse(CompletionRequest, body))
+        return await service.complete(choices, service.submit(choices), False, _never)
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(run())
+    assert e.value.status == status and e.value.param == param, e.value
+
+
 class _CountingTokenizer(ByteTokenizer):
     def __init__(self):
         self.texts = []

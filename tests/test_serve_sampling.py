@@ -97,6 +97,13 @@ def _refusal(raw: dict) -> APIError:
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
     ({"guided_grammar": "root ::= "}, "guided_grammar", "xgrammar"),
+    # xgrammar parses these; only a compile against the served vocabulary refuses them (before admission, so the
+    # ranks never see a grammar they cannot compile)
+    ({"guided_grammar": "root ::= Token(999999)"}, "guided_grammar", "vocabulary"),
+    ({"guided_grammar": "root ::= ExcludeToken(5, 999999)"}, "guided_grammar", "vocabulary"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": -3}}}}, "response_format", "does not compile"),
+    ({"guided_json": {"type": "string", "minLength": -3}}, "guided_json", "does not compile"),
     # vLLM's extensions torchtsp does not implement are refused, never silently ignored
     ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"), ({"min_p": 0.1}, "min_p", "not supported"),
     ({"bad_words": ["x"]}, "bad_words", "not supported"), ({"allowed_token_ids": [1]}, "allowed_token_ids", "not"),
@@ -264,6 +271,34 @@ def test_guided_choice_and_regex(client):
         got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=seed,
                                         extra_body={"guided_grammar": grammar})
         assert re.fullmatch(r"(yes|no) [0-9][0-9]", got.choices[0].text), got.choices[0].text
+
+
+@pytest.mark.multirank
+def test_a_grammar_the_ranks_could_not_compile_is_a_400_and_leaves_the_prefix_cache_right(client, checkpoint):
+    """The reproduction of a wrong-answer bug: a grammar the HTTP side parsed but the ranks refused left the
+    blocks of its 50-token prompt in the prefix cache unwritten, and the same prompt sent next, greedy, reused
+    them. Now the HTTP side compiles it against the served vocabulary and names the field; the next request gets
+    transformers' greedy tokens."""
+    openai = pytest.importorskip("openai")
+    transformers = pytest.importorskip("transformers")
+    folder, eos = checkpoint
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(50)]
+    bad = [({"guided_grammar": "root ::= Token(999999)"}, "guided_grammar"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+               "type": "string", "minLength": -3}}}}, "response_format")]
+    for extra, field in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body=extra)
+        assert e.value.body["param"] == field, e.value.body
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=eos)[0, len(prompt):].tolist()
+    for _ in range(2):  # the second run reads the first one's blocks from the prefix cache
+        got = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert [int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens] == want
 
 
 def _run(core, admissions, steps=40) -> tuple[dict, dict]:

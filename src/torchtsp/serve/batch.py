@@ -63,6 +63,9 @@ class Sequence:
 class StepResult:
     tokens: list[tuple[int, int]] = field(default_factory=list)  # (request id, token), in order of choice
     finished: list[tuple[int, str]] = field(default_factory=list)  # (request id, "stop" | "length" | "bad_grammar")
+    # Requests whose tokens of the step this rank ran, so their K/V are in the cache: only these advance on rank
+    # 0's scheduler and may give it blocks for the prefix cache (a refused request's blocks hold nothing).
+    written: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # requests whose prefill ended (first token chosen)
     # (request id, logprob, [(id, logprob)] top first) of each chosen token whose request asks for logprobs
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)
@@ -103,9 +106,11 @@ class BatchRunner:
             prefill = [(self.seqs[r], start, n) for r, start, n in plan.prefill if r in self.seqs]
             if prefill:
                 self._prefill(prefill, plan.tables, result)
+                result.written += [s.request_id for s, _, _ in prefill]
             decode = [self.seqs[r] for r in plan.decode if r in self.seqs]
             if decode:
                 self._decode(decode, plan.tables, result)
+                result.written += [s.request_id for s in decode]
         return result
 
     def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:

@@ -178,24 +178,35 @@ class PagedScheduler:
         plan.preempted.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] | dict[int, str] = ()) -> None:
-        """After the ranks ran ``plan``: advance every scheduled sequence; one that computed its last token
-        takes its sampled token (if it has one) and finishes at EOS, ``max_tokens`` or when the caller
-        ``stopped`` it (ids, or ids with their reason: the ranks decide stop ids, grammars, min_tokens). Full
-        blocks just computed join the prefix cache."""
+    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] | dict[int, str] = (), *,
+               written: Iterable[int]) -> None:
+        """After the ranks ran ``plan``: advance the scheduled sequences whose tokens the ranks ``written`` (their
+        K/V are in the cache now); one that computed its last token takes its sampled token (if it has one) and
+        finishes at EOS, ``max_tokens`` or when the caller ``stopped`` it (ids, or ids with their reason: the ranks
+        decide stop ids, grammars, min_tokens). Full blocks just written join the prefix cache.
+
+        A block enters the prefix cache only once the ranks say they wrote it: a scheduled sequence the ranks
+        did not run (they refused it at admission, or forgot it) advances nothing and ends with their reason
+        ("rejected" if they gave none), its blocks freed uncached, so no later request reuses a block that
+        holds nothing."""
         if plan is not self._pending:
             raise RuntimeError(f"update of step {plan.step}, but the step in flight is "
                                f"{getattr(self._pending, 'step', None)}")
         self._pending = None
         reasons = stopped if isinstance(stopped, dict) else dict.fromkeys(stopped, "stop")
+        written = set(written)
         for seq_id, n in plan.scheduled().items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status != "running":
                 continue  # cancelled while the step ran
+            if seq_id not in written:
+                self.running.remove(seq)
+                self._finish(seq, reasons.get(seq_id, "rejected"))
+                continue
             seq.num_computed += n
             self.blocks.cache_blocks(seq_id, seq.tokens, seq.num_computed)
             if seq.num_computed < len(seq.tokens):
-                if seq_id in reasons:  # the caller ended it mid-prefill (a grammar that does not compile)
+                if seq_id in reasons:  # the caller ended it mid-prefill
                     self.running.remove(seq)
                     self._finish(seq, reasons[seq_id])
                 continue  # a prefill chunk short of the last token: nothing sampled
@@ -207,6 +218,22 @@ class PagedScheduler:
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)
+
+    def abandon(self, plan: PagedPlan, reason: str = "error") -> list[int]:
+        """The ranks failed while running ``plan``: nothing of it counts as written. Every sequence it scheduled
+        ends with ``reason``, its blocks freed and none of this step's blocks cached; returns their ids."""
+        if plan is not self._pending:
+            raise RuntimeError(f"abandon of step {plan.step}, but the step in flight is "
+                               f"{getattr(self._pending, 'step', None)}")
+        self._pending = None
+        ended = []
+        for seq_id in plan.scheduled():
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.status == "running":
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                ended.append(seq_id)
+        return ended
 
     def _finish(self, seq: SeqState, reason: str) -> None:
         self.blocks.free(seq.seq_id)

@@ -21,7 +21,7 @@ from .client import EngineClient
 from .metrics import Metrics
 from .plan import Sampling
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _short, check_token_ids
-from .structured import check_grammar, requested_grammar
+from .structured import GrammarCheck, requested_grammar
 from .template import ChatTemplate
 from .text import TextStream
 
@@ -58,6 +58,7 @@ class Choice:
     echo_text: str = ""
     min_tokens: int = 0
     grammar: tuple[str, str] | None = None  # (kind, source): structured output
+    grammar_field: str | None = None  # the request field that asked for it (named by a refusal)
     sample: int = 0  # which of its prompt's n choices
     logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # per prompt token (echo with logprobs)
@@ -121,6 +122,7 @@ _FAILED = {
                       "server is still up", None, "engine_rejected"),
     "bad_grammar": (400, "the engine could not compile this request's grammar for the model's tokenizer", None,
                     "bad_grammar"),
+    "error": (500, "the engine failed while running this request's step", None, "engine_failed"),
 }
 
 
@@ -131,6 +133,7 @@ class CompletionService:
         self.state, self.client, self.metrics = state, state.client, state.metrics
         self.max_text_chars = _max_text_chars(state.tokenizer, state.max_model_len)
         self._token_texts: dict[int, str] = {}
+        self.grammar_check = GrammarCheck(state.tokenizer, state.vocab_size, state.eos_token_id)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -210,17 +213,18 @@ class CompletionService:
         """Tokens the engine's whole KV cache holds, once its ready message has said (None before)."""
         return getattr(self.client, "info", {}).get("kv_capacity_tokens")
 
-    async def grammar(self, body) -> tuple[str, str] | None:
-        """The structured output a request asks for, checked by xgrammar off the event loop (None: plain text)."""
+    async def grammar(self, body) -> tuple[str, str, str] | None:
+        """(kind, source, field) of the structured output a request asks for, compiled for the served vocabulary
+        off the event loop (None: plain text)."""
         asked = requested_grammar(body)
         if asked is None:
             return None
         if self.state.tokenizer is None:
             raise APIError(400, "structured output needs the model's tokenizer; this model has none", asked[2])
-        await asyncio.to_thread(check_grammar, *asked)
-        return asked[:2]
+        await self.grammar_check.check(*asked)
+        return asked
 
-    def samples(self, body, choices: list[Choice], grammar: tuple[str, str] | None) -> list[Choice]:
+    def samples(self, body, choices: list[Choice], grammar: tuple[str, str, str] | None) -> list[Choice]:
         """Each prompt's ``body.n`` choices, in index order (prompt-major). Choice i of a prompt samples with seed
         (seed + i) mod 2^63, where seed is the request's, or a random one per prompt: n = 1 is the request itself,
         and choice i is what a single request with seed + i gives."""
@@ -228,7 +232,7 @@ class CompletionService:
             raise APIError(400, f"n ({body.n}) times the prompts ({len(choices)}) is more than the server's queue "
                                 f"ever holds ({self.state.max_queue}, --max-queue); ask for fewer", "n")
         return [dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, seed=(c.sampling.seed + i) % 2**63),
-                                    grammar=grammar, sample=i)
+                                    grammar=grammar and grammar[:2], grammar_field=grammar and grammar[2], sample=i)
                 for c in choices for i in range(body.n)]
 
     def admit(self, choices: list[Choice]) -> None:
@@ -338,6 +342,9 @@ class CompletionService:
                         await out.put(Event(index, c.echo_text, None, 0, entries))
                 elif kind == "finished":
                     reason = value[0]
+                    if value[0] == "bad_grammar":
+                        status, message, _, code = _FAILED["bad_grammar"]
+                        raise APIError(status, f"{c.grammar_field}: {message}", c.grammar_field, code)
                     if value[0] in _FAILED:
                         raise APIError(*_FAILED[value[0]])
                     await out.put(Event(index, text.finish(), value[0], tokens, pending))

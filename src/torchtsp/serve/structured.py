@@ -11,8 +11,11 @@ columns of the logits before the token is chosen: the full logits are never gath
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import re
+import threading
 
 import torch
 
@@ -23,6 +26,12 @@ INSTALL = "structured output needs xgrammar: pip install 'torchtsp[structured]'"
 # JSON from a schema is compact (xgrammar's any_whitespace=False): with free whitespace between tokens a weak
 # model can emit whitespace until max_tokens and never close the object.
 COMPILER_THREADS = 2
+COMPILE_CACHE_BYTES = 256 << 20  # compiled grammars kept per process: distinct grammars sent in a loop stay bounded
+# The HTTP process compiles each grammar against the served vocabulary before admission (so that no grammar it
+# accepts is refused by the ranks), on a pool of its own: a slow grammar never waits behind prompt tokenization
+# nor holds it up. One that has not compiled by the deadline fails its own request.
+CHECK_THREADS = 2
+CHECK_DEADLINE_S = 10.0
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_CHOICES = 256
 
@@ -92,6 +101,36 @@ def check_grammar(kind: str, source: str, field: str) -> None:
         raise APIError(400, f"{field}: xgrammar cannot use it: {_why(e)}", field) from None
 
 
+class GrammarCheck:
+    """The HTTP process's grammar check: xgrammar parses the grammar, then compiles it with the served tokenizer's
+    vocabulary exactly as every rank will (``Grammars``), on a bounded pool of its own with a deadline. A grammar
+    that passes compiles on the ranks too; one that fails is a 400 naming its field."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None, deadline_s: float = CHECK_DEADLINE_S):
+        self.grammars = Grammars(tokenizer, vocab_size, eos)
+        self.deadline_s = deadline_s
+        self.pool = concurrent.futures.ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="grammar-check")
+
+    def _compile(self, kind: str, source: str, field: str) -> None:
+        check_grammar(kind, source, field)
+        try:
+            self.grammars.matcher(kind, source)
+        except Exception as e:  # noqa: BLE001 - xgrammar's C++ errors (a token id outside the vocabulary, ...)
+            raise APIError(400, f"{field}: the grammar does not compile for this model's vocabulary: {_why(e)}",
+                           field) from None
+
+    async def check(self, kind: str, source: str, field: str) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self._compile, kind, source, field)
+        try:
+            await asyncio.wait_for(future, self.deadline_s)
+        except TimeoutError:
+            raise APIError(400, f"{field}: the grammar did not compile within {self.deadline_s:g} s; simplify it",
+                           field) from None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def tokenizer_info(tokenizer, vocab_size: int, eos: int | None):
     """xgrammar's view of the served tokenizer, over the model's ``vocab_size`` ids (ids past the tokenizer's
     vocabulary are never allowed). A tokenizers-library tokenizer (HFTokenizer) or the byte tokenizer."""
@@ -117,6 +156,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos: int | None):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos
         self.compiler = None
+        self._lock = threading.Lock()  # the HTTP process's check compiles on several threads
 
     def matcher(self, kind: str, source: str):
         """A fresh GrammarMatcher for one sequence; raises (the same on every rank) when it cannot be built."""
@@ -125,9 +165,11 @@ class Grammars:
             raise RuntimeError(INSTALL)
         if self.tokenizer is None:
             raise RuntimeError("structured output needs the model's tokenizer")
-        if self.compiler is None:
-            info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos)
-            self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS)
+        with self._lock:
+            if self.compiler is None:
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.eos)
+                self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS,
+                                                     cache_limit_bytes=COMPILE_CACHE_BYTES)
         if kind == "json_object":
             compiled = self.compiler.compile_builtin_json_grammar()
         elif kind == "json_schema":

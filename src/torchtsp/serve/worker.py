@@ -60,6 +60,7 @@ class Scheduler:
         self.draining = False  # shutting down: running requests go on, nothing waiting is admitted
         self.dropped: list[tuple[int, str]] = []  # (request id, reason): ended without the ranks' word
         self._pending = None  # the paged plan of the step in flight
+        self.forget: set[int] = set()  # requests rank 0 ended that the ranks still hold (a failed step's)
 
     @property
     def waiting(self) -> list:
@@ -120,8 +121,9 @@ class Scheduler:
             return StepPlan(step, cancel=self._cancel(list(self.paged.seqs)), stop=True)
         if self.draining:  # the requests no rank has seen yet fail now
             self.cancelled |= set(self.admissions)
-        cancel = self._cancel(self.cancelled)
+        cancel = sorted({*self._cancel(self.cancelled), *self.forget})
         self.cancelled.clear()
+        self.forget.clear()
         paged = self.paged.schedule()
         self.paged.finished.clear()  # ends are reported from the ranks' results and ``dropped``
         self._pending = paged
@@ -136,9 +138,20 @@ class Scheduler:
         if self._pending is None:
             return
         reasons = dict(result.finished)
-        self.paged.update(self._pending, dict(result.tokens), reasons)
+        self.paged.update(self._pending, dict(result.tokens), reasons, written=result.written)
         self._pending = None
         self.known.difference_update(reasons)
+
+    def step_failed(self) -> None:
+        """The step in flight raised: its requests fail ("error", reported in ``dropped``), nothing of it enters
+        the prefix cache, and the next plan has the ranks forget them."""
+        if self._pending is None:
+            return
+        for rid in self.paged.abandon(self._pending):
+            self.dropped.append((rid, "error"))
+            if rid in self.known:
+                self.known.discard(rid)
+                self.forget.add(rid)  # the ranks hold its state: the next plan's cancel clears it
 
     def figures(self) -> dict:
         blocks = self.paged.blocks
@@ -219,7 +232,14 @@ def _step_loop(control, runner, scheduler, conn) -> dict:
             plan = None
         t0 = time.perf_counter()
         plan = exchange(control, plan)
-        result = runner.step(plan)
+        try:
+            result = runner.step(plan)
+        except BaseException:
+            if scheduler is not None:  # the step's requests fail now, none of its blocks cached; then the rank exits
+                scheduler.step_failed()
+                conn.send(("step", {"tokens": [], "finished": scheduler.dropped, "admitted": [], "logprobs": [],
+                                    "prompt_logprobs": [], **scheduler.figures(), "step_s": time.perf_counter() - t0}))
+            raise
         if scheduler is not None:
             scheduler.after(result)
             finished = result.finished + scheduler.dropped
