@@ -277,8 +277,7 @@ def test_tsp_recompute_matches_reference(pools):
 
 def test_tsp_refuses_experts_not_divisible_by_d():
     with pytest.raises(ValueError, match="n_experts=4 divisible by 3"):
-        torchtsp.schemes.get_scheme("tsp").validate(_tiny(n_heads=6, n_kv_heads=6, dim=48, ffn_dim=48), 1, 12,
-                                                    {"tsp": 3})
+        torchtsp.layout.Layout.of_degrees("tsp", _tiny(n_heads=6, n_kv_heads=6, dim=48, ffn_dim=48), 1, 12, tsp=3)
 
 
 def expert_traffic_on_rank(world):

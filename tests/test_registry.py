@@ -11,6 +11,7 @@ import torch
 
 import torchtsp
 from helpers import run_against_reference
+from torchtsp.layout import Layout
 from torchtsp.schemes import SCHEMES, get_scheme
 
 CFG = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=101, n_layers=2)
@@ -41,21 +42,23 @@ def test_degrees_that_do_not_fit_the_world_are_refused():
         get_scheme("tsp").degrees(4, tsp=0)
 
 
-def test_validate_raises_the_layout_errors_a_run_would():
-    tsp = get_scheme("tsp")
-    tsp.validate(CFG, 2, 32, tsp.degrees(2))
-    tsp.validate(CFG, 2, 32, tsp.degrees(4))  # 2 KV heads over 4 ranks: each copied on 2
-    get_scheme("tp").validate(CFG, 2, 32, get_scheme("tp").degrees(4))  # TP copies KV heads too
+def test_the_one_layout_resolution_raises_the_errors_a_run_would():
+    def resolve(scheme, batch, seq_len, cfg=CFG, **degrees):
+        return Layout.of_degrees(scheme, cfg, batch, seq_len, **degrees)
+
+    resolve("tsp", 2, 32, tsp=2)
+    resolve("tsp", 2, 32, tsp=4)  # 2 KV heads over 4 ranks: each copied on 2
+    resolve("tp", 2, 32, tp=4)  # TP copies KV heads too
     with pytest.raises(ValueError, match="n_kv_heads=2 divisible by 4; .* torch_tp cannot replicate KV heads"):
-        get_scheme("torch_tp").validate(CFG, 2, 32, get_scheme("torch_tp").degrees(4))
+        resolve("torch_tp", 2, 32, tp=4)
     with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
-        tsp.validate(CFG.replace(n_heads=12, n_kv_heads=3, dim=96), 2, 32, tsp.degrees(4))
+        resolve("tsp", 2, 32, CFG.replace(n_heads=12, n_kv_heads=3, dim=96), tsp=4)
     with pytest.raises(ValueError, match=r"divisible by 2\*D = 4 for zigzag"):
-        tsp.validate(CFG, 2, 30, tsp.degrees(2))
+        resolve("tsp", 2, 30, tsp=2)
     with pytest.raises(ValueError, match="divisible by the DP degree 2"):
-        tsp.validate(CFG, 3, 32, tsp.degrees(4, dp=2))
-    with pytest.raises(ValueError, match="applies to tp and torch_tp"):
-        get_scheme("sp").validate(CFG, 2, 32, get_scheme("sp").degrees(2), sequence_parallel=True)
+        resolve("tsp", 3, 32, tsp=2, dp=2)
+    with pytest.raises(ValueError, match="scheme 'sp' does not support sequence_parallel"):
+        Layout.of_degrees("sp", CFG, 2, 32, sp=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="unknown scheme 'pp'"):
         get_scheme("pp")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import signal
@@ -11,7 +10,7 @@ import sys
 import time
 
 from .argtypes import length
-from .config import PRESETS, get_preset
+from .config import PRESETS
 from .errors import Interrupted, RankFailedError
 from .kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from .layout import Layout
@@ -41,16 +40,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         finally:
             comm.destroy_process_group()
     else:
-        # A mesh the scheme cannot use, or a pipeline it cannot split, is refused here, before any rank starts.
-        # The model sees one micro-batch of --grad-accum at a time (check_before_launch names a bad split).
-        resolve = functools.partial(Layout.resolve, cfg.scheme, cfg.nproc, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
-                                    sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                    cfg=get_preset(cfg.preset) if cfg.pp > 1 and not cfg.init_from_hf else None)
-        layout = resolve(batch=cfg.batch_size)
-        # The model's tokenizer and data, checked here once (ranks skip the scans): a bad dataset is refused
-        # before any rank starts.
-        data = check_before_launch(cfg, layout.sizes)
-        resolve(batch=cfg.batch_size // cfg.grad_accum)
+        # A mesh the scheme cannot use, a model or batch it cannot split, a bad dataset: refused here, before any
+        # rank starts, by the resolution each rank makes again (ranks skip the data scans).
+        layout, data = check_before_launch(cfg, cfg.nproc)
         if data.notice:
             print(f"torchtsp: {data.notice}", file=sys.stderr)
         summary = run_training(cfg, True) if layout.world == 1 else _launch(cfg, layout.world)

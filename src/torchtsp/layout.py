@@ -81,6 +81,20 @@ class Layout:
         return layout
 
     @classmethod
+    def of_degrees(cls, scheme: str, cfg=None, batch: int | None = None, seq_len: int | None = None, *,
+                   dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1, sequence_parallel: bool = False,
+                   pp: int = 1, microbatches: int | None = None, schedule: str = "1f1b") -> Layout:
+        """``resolve`` with every degree given, as the analysis models and the planner take them (a degree of 1
+        on an axis the scheme lacks is no request; ``sequence_parallel`` False is no request either)."""
+        for axis, value in (("dp", dp), ("tsp", tsp), ("tp", tp), ("sp", sp)):
+            check_positive_int(f"--{axis}", value)
+        spec = get_scheme(scheme)
+        given = {a: v for a, v in (("tsp", tsp), ("tp", tp), ("sp", sp)) if a in spec.axes or v != 1}
+        return cls.resolve(scheme, pp * dp * tsp * tp * sp, dp=dp, **given, pp=pp, microbatches=microbatches,
+                           schedule=schedule, sequence_parallel=sequence_parallel or None, cfg=cfg, batch=batch,
+                           seq_len=seq_len)
+
+    @classmethod
     def of_mesh(cls, scheme: str, sizes: dict[str, int], cfg=None, **options) -> Layout:
         """The layout an existing mesh (axis name -> size, ``pp`` included) gives ``scheme``: refuses a mesh that
         lacks one of its axes or has another axis of size > 1 the scheme would ignore. ``options``: those of
@@ -113,6 +127,20 @@ class Layout:
     @property
     def sequence_parallel(self) -> bool:
         return self.option_values.get("sequence_parallel", False)
+
+    @property
+    def label(self) -> str:
+        """Display name, e.g. ``DP2xTSP4``, ``TP4+seqpar``, ``TP2xSP2`` (tables, plots)."""
+        return self.spec.label_for(self.sizes, self.sequence_parallel)
+
+    @property
+    def mesh_label(self) -> str:
+        """The mesh's axes of size > 1, e.g. ``dp=2 x tsp=4`` (``1 rank`` for none)."""
+        return " x ".join(f"{a}={n}" for a, n in self.mesh_degrees().items() if n > 1) or "1 rank"
+
+    def degree_flags(self) -> dict:
+        """Keyword arguments of the analysis models (``predict_memory``, ``predict_comm``) for this layout."""
+        return {**self.sizes, "sequence_parallel": self.sequence_parallel}
 
     def mesh_degrees(self) -> dict[str, int]:
         """Keyword arguments of ``init_mesh`` for this layout."""

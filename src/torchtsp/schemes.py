@@ -241,17 +241,6 @@ class Scheme:
                 raise ValueError(f"sequence length {seq_len} must be divisible by the TP degree T={T} with sequence "
                                  f"parallelism; pick a multiple of {T}")
 
-    def validate(self, cfg, batch: int, seq_len: int, degrees: dict[str, int], sequence_parallel: bool = False):
-        """Every check above: the clear error a run would raise, before any rank communicates."""
-        for axis, value in degrees.items():
-            if axis not in AXES or not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"degree {axis}={value!r} must be a positive integer on one of {', '.join(AXES)}")
-        self.check_mesh({a: degrees.get(a, 1) for a in AXES})
-        self.check_model(cfg, degrees)
-        self.check_batch(batch, seq_len, degrees, sequence_parallel)
-        if sequence_parallel and getattr(cfg, "moe", False):
-            raise ValueError("mixture-of-experts models run under tp without Megatron-SP; drop sequence_parallel")
-
 
 class Registry(dict):
     """The registered schemes by name, in the order tables and plots show them."""

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 from ..kv_layouts import resolve_kv_layout
+from ..layout import Layout
 from ..schemes import get_scheme
 
 
@@ -383,7 +384,7 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     and the updated weights all-gathered in the model dtype, dp - 1 chunks of ceil(rows/dp) whole rows each.
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    get_scheme(scheme).validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
+    Layout.of_degrees(scheme, cfg, batch, seq_len, **degrees, sequence_parallel=sequence_parallel)  # layout.py
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel, seq_rank)

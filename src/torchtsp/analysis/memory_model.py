@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..layout import Layout
 from ..schemes import Scheme, get_scheme
 from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held
 
@@ -425,11 +426,11 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    if mode == "infer":  # generate pads prompts and gives replicas unequal rows: only the layout must split
-        spec.check_mesh({a: degrees.get(a, 1) for a in degrees})
-        spec.check_model(cfg, degrees)
-    else:
-        spec.validate(cfg, batch, seq_len, degrees, sequence_parallel=sequence_parallel)
+    # The one resolution train, bench, generate and serve use (layout.py), with its errors. Inference pads
+    # prompts and gives replicas unequal rows: only the model must split, not the batch.
+    train = mode != "infer"
+    Layout.of_degrees(scheme, cfg, batch if train else None, seq_len if train else None, **degrees,
+                      sequence_parallel=sequence_parallel)
     if spec.memory_walk is None:
         raise ValueError(f"no memory model for scheme {scheme!r}")
     if mode not in ("train", "infer"):

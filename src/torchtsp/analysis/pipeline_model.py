@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
-from ..schemes import check_pipeline, get_scheme, stages_per_rank
+from ..layout import Layout
+from ..schemes import stages_per_rank
 from .comm_model import predict_comm
 from .memory_model import FP32, param_elements, predict_memory
 
@@ -62,9 +63,10 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
                      microbatches: int | None = None, schedule: str = "1f1b", dtype_bytes: int = 2,
                      recompute: bool = False, foreach: bool = True) -> PipelinePlan:
     """Per-stage peak memory, bubble and traffic of ``pp`` TSP stages (B = ``batch`` global rows)."""
-    scheme = get_scheme("tsp")
-    degrees = {"dp": dp, "tsp": tsp, "tp": 1, "sp": 1}
-    M = check_pipeline(scheme, cfg, pp, microbatches, batch, degrees, schedule)
+    # The one resolution train, bench, generate and serve use (layout.py): pipeline, model and batch checks.
+    layout = Layout.of_degrees("tsp", cfg, batch, seq_len, dp=dp, tsp=tsp, pp=pp, microbatches=microbatches,
+                               schedule=schedule)
+    M = layout.microbatches if pp > 1 else microbatches or 1  # one stage: microbatches are gradient accumulation
     v = stages_per_rank(schedule)
     n_stages = pp * v
     per = cfg.n_layers // n_stages

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
+from ..layout import Layout
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
@@ -39,28 +40,6 @@ PAPER_ASSUMPTIONS = dict(batch=1, dtype_bytes=2, optimizer="adamw", recompute=Tr
 
 
 @dataclass
-class Layout:
-    """One way to spread the model over the GPUs: a registered scheme and its mesh degrees."""
-
-    scheme: str
-    dp: int = 1
-    tsp: int = 1
-    tp: int = 1
-    sp: int = 1
-    sequence_parallel: bool = False
-
-    @property
-    def label(self) -> str:
-        return get_scheme(self.scheme).label_for(self.mesh(), self.sequence_parallel)
-
-    def mesh(self) -> dict:
-        return dict(dp=self.dp, tsp=self.tsp, tp=self.tp, sp=self.sp)
-
-    def degrees(self) -> dict:
-        return dict(**self.mesh(), sequence_parallel=self.sequence_parallel)
-
-
-@dataclass
 class Row:
     layout: Layout
     memory: object = None  # MemoryBreakdown
@@ -76,7 +55,7 @@ class Row:
         return f"{self.layout.label} [{kv}]" if kv else self.layout.label
 
     def to_dict(self) -> dict:
-        out = {"layout": self.layout.label, "scheme": self.layout.scheme, **self.layout.degrees()}
+        out = {"layout": self.layout.label, "scheme": self.layout.scheme, **self.layout.degree_flags()}
         if self.memory is not None and self.memory.kv_layout:
             out["kv_layout"] = self.memory.kv_layout
         if self.error:
@@ -92,12 +71,12 @@ def layouts(gpus: int) -> list[Layout]:
     check_gpus(gpus)
     modelled = [s for s in SCHEMES.values() if s.memory_walk is not None and s.axes]
     # The baseline rows: the registry's whole-model data parallelism (a modelled scheme with no model axis).
-    out = [Layout(s.name, dp=gpus) for s in SCHEMES.values() if s.memory_walk is not None and not s.axes]
+    out = [Layout.of_degrees(s.name, dp=gpus) for s in SCHEMES.values() if s.memory_walk is not None and not s.axes]
     for dp in (d for d in divisors(gpus) if d <= gpus // 2):
         for spec in modelled:
             for split in axis_splits(gpus // dp, spec.axes):
                 for seqpar in ((False, True) if "sequence_parallel" in spec.options and dp == 1 else (False,)):
-                    out.append(Layout(spec.name, dp=dp, sequence_parallel=seqpar, **split))
+                    out.append(Layout.of_degrees(spec.name, dp=dp, sequence_parallel=seqpar, **split))
     return out
 
 
@@ -109,20 +88,20 @@ def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str
     rows = []
     for lay in layouts(gpus):
         row = Row(lay)
-        level = zero if lay.dp > 1 and get_scheme(lay.scheme).zero else 0
+        level = zero if lay.sizes["dp"] > 1 and get_scheme(lay.scheme).zero else 0
         kv = {"kv_layout": kv_layout} if mode == "infer" and has_kv_layouts(lay.scheme) else {}
         try:
             memory = functools.partial(predict_memory, lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes,
                                        recompute=recompute, mode=mode, **kv,
-                                       optimizer="adamw" if mode == "train" else None, **lay.degrees())
+                                       optimizer="adamw" if mode == "train" else None, **lay.degree_flags())
             row.memory = memory(zero=level)
             plain = memory(zero=0) if level else row.memory
             row.state_zero0 = plain.params + plain.grads + plain.optimizer
             row.comm = predict_comm(lay.scheme, cfg, batch, seq_len, dtype_bytes=dtype_bytes, mode=mode,
-                                    recompute=recompute, zero=level, **lay.degrees())
+                                    recompute=recompute, zero=level, **lay.degree_flags())
             row.fits = row.memory.total <= gpu_mem_gb * GB
         except ValueError as e:
-            if lay.dp > 1 and get_scheme(lay.scheme).axes:
+            if lay.sizes["dp"] > 1 and get_scheme(lay.scheme).axes:
                 continue  # data parallelism over a scheme that this batch cannot feed: not a candidate
             row.error = str(e)
         rows.append(row)

@@ -48,13 +48,13 @@ GiB = 2**30
 
 
 def scheme_degrees(scheme: str, world: int) -> dict[str, int]:
-    """Mesh degrees of ``scheme`` on ``world`` ranks, from the registry (all ranks on the scheme's axes)."""
-    return get_scheme(scheme).degrees(world)
+    """Mesh degrees of ``scheme`` on ``world`` ranks (all ranks on the scheme's axes), as every command resolves
+    them (``Layout.resolve``)."""
+    return Layout.resolve(scheme, world).sizes
 
 
-def mesh_label(degrees: dict[str, int]) -> str:
-    used = [f"{k}={v}" for k, v in degrees.items() if v > 1]
-    return " x ".join(used) or "1 rank"
+def mesh_label(scheme: str, degrees: dict[str, int]) -> str:
+    return Layout.of_degrees(scheme, **degrees).mesh_label
 
 
 def scheme_options(scheme: str, sequence_parallel: bool, recompute: bool = False) -> dict:
@@ -143,7 +143,7 @@ def _check_kv_layout(args, cfg: ModelConfig) -> None:
 
 def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
     """One cell's record for results.json: measured, predicted, and how they compare."""
-    base = {"scheme": spec.scheme, "mesh": mesh_label(spec.degrees), "degrees": spec.degrees,
+    base = {"scheme": spec.scheme, "mesh": mesh_label(spec.scheme, spec.degrees), "degrees": spec.degrees,
             "seq_len": spec.seq_len, "batch": spec.batch, "options": spec.options}
     if result.get("error"):
         return {**base, "status": f"n/a: {result['error']}"}
@@ -295,7 +295,7 @@ def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
             masked = dataclasses.replace(plain, documents=args.documents)
             why = layout_error(plain)
             result = {"error": why} if why else runner(paired_on_rank, [plain, masked], True)
-            row = {"scheme": scheme, "mesh": mesh_label(plain.degrees), "seq_len": S, "batch": args.batch_size,
+            row = {"scheme": scheme, "mesh": mesh_label(scheme, plain.degrees), "seq_len": S, "batch": args.batch_size,
                    "mean_document_len": args.documents, "status": f"n/a: {result['error']}" if result["error"]
                    else "ok"}
             if not result["error"]:
@@ -365,7 +365,7 @@ def _max_seq(args, cfg: ModelConfig, runner: _Runner) -> dict:
                 stop = f"S={spec.seq_len} measured {rec['peak_bytes'] / MiB:.1f} MiB > budget"
                 break
             longest = spec.seq_len
-        out["schemes"][scheme] = {"mesh": mesh_label(degrees), "longest_seq_len": longest, "stopped": stop,
+        out["schemes"][scheme] = {"mesh": mesh_label(scheme, degrees), "longest_seq_len": longest, "stopped": stop,
                                   "tried": tried}
         bar.update(1)
     bar.close()

@@ -98,11 +98,23 @@ def build_optimizer(model, cfg: TrainConfig, dp: int):
     return ReplicatedAdamW(model, cfg.lr, cfg.weight_decay, master_weights=master_weights)
 
 
-def check_before_launch(cfg: TrainConfig, degrees: dict[str, int]) -> TrainData:
-    """Every refusal that needs no rank: the model's shape against its data and the loop's options."""
+def resolve_train_layout(cfg: TrainConfig, model_cfg, world: int) -> Layout:
+    """The run's layout through the one resolution every command uses (``Layout.resolve``): degrees, pipeline,
+    options, model and batch against each other, and the loop's own splits (``check_batch_split``). The model
+    sees one micro-batch of accumulation at a time. The launcher calls it before any rank starts; each rank again."""
+    resolve = functools.partial(Layout.resolve, cfg.scheme, world, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp,
+                                pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
+                                recompute=cfg.recompute or None, cfg=model_cfg, seq_len=cfg.seq_len)
+    check_batch_split(cfg, resolve(batch=cfg.batch_size).sizes, model_cfg.moe)
+    return resolve(batch=cfg.batch_size // cfg.grad_accum)
+
+
+def check_before_launch(cfg: TrainConfig, world: int | None) -> tuple[Layout, TrainData]:
+    """Every refusal that needs no rank: the layout (``resolve_train_layout``), the model's shape against its data
+    and the loop's options."""
     model_cfg, _ = model_config_and_weights(cfg)
-    check_batch_split(cfg, degrees, model_cfg.moe)
-    return TrainData(cfg, model_cfg.vocab_size, check=True)
+    layout = resolve_train_layout(cfg, model_cfg, world)
+    return layout, TrainData(cfg, model_cfg.vocab_size, check=True)
 
 
 class Trainer:
@@ -110,14 +122,9 @@ class Trainer:
         """``data_checked``: the launcher has already run ``check_before_launch`` (ranks skip the scans)."""
         self.cfg = cfg
         self.model_cfg, weights = model_config_and_weights(cfg)
-        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks. Every
-        # check of degrees, model and batch against each other, before any communication; the model sees one
-        # micro-batch of accumulation at a time.
-        layout = functools.partial(Layout.resolve, cfg.scheme, comm.world_size(), dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp,
-                                   sp=cfg.sp, pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                   recompute=cfg.recompute or None, cfg=self.model_cfg, seq_len=cfg.seq_len)
-        check_batch_split(cfg, layout(batch=cfg.batch_size).sizes, self.model_cfg.moe)
-        self.layout = layout(batch=cfg.batch_size // cfg.grad_accum)
+        # Pipeline stages wrap the scheme from outside: the scheme's degrees split one stage's ranks. Every check,
+        # before any communication.
+        self.layout = resolve_train_layout(cfg, self.model_cfg, comm.world_size())
         self.degrees = self.layout.sizes
         self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
