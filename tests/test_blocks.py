@@ -18,7 +18,7 @@ from torchtsp.serve.blocks import (
     capacity_tokens,
     num_blocks,
 )
-from torchtsp.serve.paged_scheduler import PagedScheduler, RequestTooLong
+from torchtsp.serve.paged_scheduler import PagedScheduler, RequestTooLong, scheduled
 
 MIB = 1 << 20
 
@@ -193,28 +193,39 @@ class Engine:
     def step(self, plan):
         bt = self.sched.blocks.block_tokens
         sampled = {}
-        for seq_id, n in plan.scheduled().items():
-            seq, table = self.sched.seqs[seq_id], plan.block_tables[seq_id]
+        for seq_id, n in scheduled(plan).items():
+            seq, table = self.sched.seqs[seq_id], plan.tables[seq_id]
             assert len(table) * bt >= seq.num_computed + n
             for p in range(seq.num_computed, seq.num_computed + n):
                 self.store[table[p // bt], p % bt] = seq.tokens[p]
             if seq.num_computed + n == len(seq.tokens):
                 sampled[seq_id] = model([self.store[table[p // bt], p % bt] for p in range(len(seq.tokens))])
-        self.sched.update(plan, sampled, written=plan.scheduled())
+        self.sched.update(plan, sampled, {}, written=scheduled(plan))
         return sampled
 
 
+def num_tokens(plan) -> int:
+    return sum(scheduled(plan).values())
+
+
+def schedule(sched):
+    """The next plan, and the sequences it admits (waiting before it, scheduled in it), in admission order."""
+    waiting = [s.seq_id for s in sched.waiting]
+    plan = sched.schedule()
+    return plan, [s for s in waiting if s in scheduled(plan)]
+
+
 def drive(sched, max_steps=500, on_plan=None, engine=None):
-    """Run to completion; returns {seq id: generated tokens} and the plans."""
+    """Run to completion; returns {seq id: generated tokens} and the (plan, admitted) pairs."""
     engine, generated, plans = engine or Engine(sched), {}, []
     for _ in range(max_steps):
         if not sched.has_work():
             break
-        plan = sched.schedule()
-        plans.append(plan)
+        plan, admitted = schedule(sched)
+        plans.append((plan, admitted))
         if on_plan:
-            on_plan(plan)
-        for seq_id in list(plan.scheduled()):
+            on_plan(plan, admitted)
+        for seq_id in list(scheduled(plan)):
             generated.setdefault(seq_id, sched.seqs[seq_id])
         engine.step(plan)
     assert not sched.has_work(), "did not finish"
@@ -231,7 +242,7 @@ def test_budget_is_shared_by_chunked_prefills_and_decodes():
     assert p0.prefill == [(0, 0, 11), (1, 0, 5)] and p0.decode == []
     engine.step(p0)
     p1 = sched.schedule()  # 0 decodes, 1 finishes its prompt, 2 starts with what is left
-    assert p1.decode == [0] and p1.prefill == [(1, 5, 6), (2, 0, 9)] and p1.num_tokens == 16
+    assert p1.decode == [0] and p1.prefill == [(1, 5, 6), (2, 0, 9)] and num_tokens(p1) == 16
     engine.step(p1)
     p2 = sched.schedule()
     assert p2.decode == [0, 1] and p2.prefill == [(2, 9, 2)]
@@ -239,7 +250,7 @@ def test_budget_is_shared_by_chunked_prefills_and_decodes():
         sched.schedule()
     engine.step(p2)
     outputs, plans = drive(sched, engine=engine)
-    assert all(p.num_tokens <= 16 for p in plans)
+    assert all(num_tokens(p) <= 16 for p, _ in plans)
     assert outputs[2] == reference(prompts[2], 3)
 
 
@@ -247,8 +258,8 @@ def test_max_num_seqs_caps_the_running_batch():
     sched = PagedScheduler(KVBlockManager(64, 4), max_num_batched_tokens=100, max_num_seqs=2)
     for i in range(4):
         sched.add_request(i, [i] * 3, 4)
-    outputs, plans = drive(sched, on_plan=lambda p: None)
-    assert all(len(p.scheduled()) <= 2 for p in plans)
+    outputs, plans = drive(sched)
+    assert all(len(scheduled(p)) <= 2 for p, _ in plans)
     assert outputs == {i: reference([i] * 3, 4) for i in range(4)}
 
 
@@ -267,19 +278,19 @@ def test_newest_is_preempted_and_recomputed_exactly():
             victim = sched.seqs[1]
             assert victim.status == "preempted" and victim.num_computed == 0
             assert [s.seq_id for s in sched.waiting] == [1, 2]  # back in front of the later request
-            assert 1 not in sched.blocks.tables and 1 not in plan.scheduled() and 0 in plan.scheduled()
+            assert 1 not in sched.blocks.tables and 1 not in scheduled(plan) and 0 in scheduled(plan)
             recompute = list(victim.tokens)
             assert recompute[:8] == prompts[1] and len(recompute) > 8  # prompt + what it generated
         engine.step(plan)
     assert seen == [1] and sched.num_preemptions >= 1
     plan = sched.schedule()
     for _ in range(50):
-        if 1 in plan.scheduled():
+        if 1 in scheduled(plan):
             break
         engine.step(plan)
         plan = sched.schedule()
     (seq_id, start, n), = [x for x in plan.prefill if x[0] == 1]
-    assert start == plan.cached_tokens[1] and start % 4 == 0 and start + n == len(recompute)
+    assert start % 4 == 0 and start + n == len(recompute)  # from its cached prefix of whole blocks on
     assert sched.seqs[1].tokens == recompute
     engine.step(plan)
     outputs, _ = drive(sched, engine=engine)
@@ -292,8 +303,8 @@ def test_outputs_match_uninterrupted_runs_under_preemption():
     for i, p in prompts.items():
         small.add_request(i, p, 9)
     outputs, plans = drive(small)
-    assert small.num_preemptions > 0 and any(p.preempted for p in plans)
-    assert all(not p.cached_tokens for p in plans if p.preempted)  # no admission in a step that preempts
+    assert small.num_preemptions > 0 and any(p.preempted for p, _ in plans)
+    assert all(not admitted for p, admitted in plans if p.preempted)  # no admission in a step that preempts
     assert outputs == {i: reference(p, 9) for i, p in prompts.items()}
     assert small.blocks.pool.num_free == 8
 
@@ -312,7 +323,7 @@ def test_fifo_admission_never_lets_a_later_request_overtake():
     sched.add_request(1, [2] * 24, 9)  # 6 blocks for its prompt, beside 0's 3: must wait for 0
     sched.add_request(2, [3] * 2, 2)  # would fit beside 0, but arrived after 1
     order = []
-    outputs, _ = drive(sched, on_plan=lambda p: order.extend(s for s in p.cached_tokens if s not in order))
+    outputs, _ = drive(sched, on_plan=lambda p, admitted: order.extend(s for s in admitted if s not in order))
     assert order == [0, 1, 2]
     assert outputs[2] == reference([3] * 2, 2)
 
@@ -335,12 +346,12 @@ def test_cancellation_frees_exactly_its_blocks(where):
     others = list(m.tables.get(0, []))
     assert sched.cancel(1)
     assert 1 not in m.tables and m.tables.get(0, []) == others and m.pool.num_free == 6 - len(others)
-    assert sched.schedule().finished == [(1, "cancelled")]
+    assert 1 not in sched.seqs and 1 not in scheduled(sched.schedule())
     sched.cancel(0)
     assert m.pool.num_free == 6 and not sched.has_work() and not sched.cancel(0)
 
 
-def check_invariants(sched, plan):
+def check_invariants(sched, plan, admitted):
     m, pool = sched.blocks, sched.blocks.pool
     holders = {}
     for seq_id, table in m.tables.items():
@@ -356,9 +367,9 @@ def check_invariants(sched, plan):
     used = sum(1 for b in range(pool.total) if pool.ref[b])
     assert pool.num_free + used == pool.total
     assert all(pool.hash[b] == h for h, b in pool.cached.items())
-    assert plan.num_tokens <= sched.max_num_batched_tokens and len(sched.running) <= sched.max_num_seqs
+    assert num_tokens(plan) <= sched.max_num_batched_tokens and len(sched.running) <= sched.max_num_seqs
     assert set(m.tables) == {s.seq_id for s in sched.running}
-    assert not (plan.preempted and plan.cached_tokens), "admitted in a step that preempted"
+    assert not (plan.preempted and admitted), "admitted in a step that preempted"
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -384,8 +395,8 @@ def test_random_runs_keep_the_invariants_and_the_outputs(seed, caching):
             sched.cancel(victim)
             cancelled.add(victim)
         if sched.has_work():
-            plan = sched.schedule()
-            check_invariants(sched, plan)
+            plan, admitted = schedule(sched)
+            check_invariants(sched, plan, admitted)
             engine.step(plan)
         elif next_id >= 30:
             break
@@ -396,3 +407,21 @@ def test_random_runs_keep_the_invariants_and_the_outputs(seed, caching):
         assert seq.tokens[len(prompt):] == reference(prompt, max_tokens)
     if caching:
         assert sched.blocks.prefix_hits > 0
+
+
+def test_a_waiting_prompt_is_hashed_once_however_long_it_waits(monkeypatch):
+    """Admission looks its prompt's blocks up in the prefix cache every step while it waits: its content addresses
+    are computed once (a prompt of 100 blocks was hashed twice per step before)."""
+    from torchtsp.serve import blocks
+
+    calls = []
+    real = blocks.block_hash
+    monkeypatch.setattr(blocks, "block_hash", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    sched = PagedScheduler(KVBlockManager(8, 4), max_num_batched_tokens=64, max_num_seqs=4)
+    sched.add_request(0, [1] * 20, 10)  # 29 tokens: 8 blocks, the whole pool, for 10 steps
+    sched.add_request(1, [2] * 17, 2)  # 4 full blocks it looks up while it waits
+    engine = Engine(sched)
+    for _ in range(6):
+        engine.step(sched.schedule())
+    # 0: its 5 full blocks looked up at admission, one more registered as it decodes; 1: its 4 looked up, once
+    assert sched.seqs[1].status == "waiting" and len(calls) == 6 + 4

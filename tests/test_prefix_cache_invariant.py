@@ -1,7 +1,7 @@
 """The prefix cache's invariant: a block enters it only once the ranks have written it.
 
 The real serving core of one rank (``test_serve_batch.serving``: a BatchRunner over a paged pool and rank 0's
-Scheduler fed through a pipe) runs prompts of three full blocks and more, and each way a sequence can end before
+StepPlanner fed through a pipe) runs prompts of three full blocks and more, and each way a sequence can end before
 or during its prefill: refused by the ranks (a grammar they cannot compile), cancelled while queued, mid-prefill,
 decoding or preempted, preempted and recomputed, and a step that raises. Afterwards two things must hold:
 

@@ -17,7 +17,7 @@ from torchtsp.infer import generate, make_engine
 from torchtsp.serve.batch import BatchRunner
 from torchtsp.serve.plan import Admission, Sampling, StepPlan, decode, encode
 from torchtsp.serve.text import TextStream
-from torchtsp.serve.worker import Scheduler
+from torchtsp.serve.worker import StepPlanner
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 23)), [7] * 7, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [42]]
 SAMPLING = [Sampling(), Sampling(0.8, 5, None, 11), Sampling(), Sampling(1.0, None, 0.9, 3), Sampling(0.7, None,
@@ -41,7 +41,7 @@ def _model():
 def serving(model, num_blocks=64, block_size=4, max_num_seqs=3, budget=16, prefill_chunk=4, schedule="auto",
             kv_layout="auto", max_model_len=48, prefix_caching=True, eos_token_id=None, grammars=None):
     """The serving core of one rank as ``worker.run_serve_rank`` builds it: a BatchRunner over a pool of
-    ``num_blocks`` blocks and rank 0's Scheduler over their block manager, fed through a pipe as the HTTP process
+    ``num_blocks`` blocks and rank 0's StepPlanner over their block manager, fed through a pipe as the HTTP process
     feeds it; returns (runner, scheduler, the HTTP end of the pipe)."""
     from torchtsp.serve.blocks import KVBlockManager
 
@@ -49,7 +49,7 @@ def serving(model, num_blocks=64, block_size=4, max_num_seqs=3, budget=16, prefi
                          eos_token_id=eos_token_id, grammars=grammars)
     inbox, http = multiprocessing.Pipe()
     blocks = KVBlockManager(num_blocks, runner.block_tokens, prefix_caching)
-    scheduler = Scheduler(runner, inbox, blocks, budget, max_num_seqs, max_model_len, prefill_chunk)
+    scheduler = StepPlanner(runner, inbox, blocks, budget, max_num_seqs, max_model_len, prefill_chunk)
     return runner, scheduler, http
 
 
@@ -90,7 +90,7 @@ def drive(runner, scheduler, http, admissions, steps: int = 100) -> dict:
 
 
 def serve_script(model, reference, schedule="auto", max_batch=3, prefill_chunk=4, kv_layout="auto"):
-    """Run the arrivals through the serve ``Scheduler`` and a BatchRunner (at most ``max_batch`` sequences), the
+    """Run the arrivals through the serve ``StepPlanner`` and a BatchRunner (at most ``max_batch`` sequences), the
     requests and cancellations sent over a pipe as the HTTP process sends them; returns (served, alone, how
     each ended, blocks still held)."""
     alone = [generate(reference, [p], m, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,

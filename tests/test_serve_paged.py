@@ -50,7 +50,7 @@ def alone(reference, a: Admission) -> list[int]:
 
 def serve(model, waves: list[list[Admission]], limit: int = 400, **options) -> dict:
     """Serve ``waves`` of requests (each wave is submitted once every earlier request has ended) through
-    ``test_serve_batch.serving``'s Scheduler and BatchRunner; returns what came back and, per plan, what the
+    ``test_serve_batch.serving``'s StepPlanner and BatchRunner; returns what came back and, per plan, what the
     growth checks need."""
     runner, scheduler, http = serving(model, **options)
     blocks = scheduler.paged.blocks

@@ -88,6 +88,16 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def extend_chain(chain: list[bytes], tokens: Sequence[int], block_tokens: int,
+                 n_blocks: int | None = None) -> list[bytes]:
+    """``chain``, the content addresses of the first full blocks of ``tokens``, extended in place to ``n_blocks``
+    (default: every full block): a growing token list is hashed once, block by block."""
+    n_blocks = len(tokens) // block_tokens if n_blocks is None else n_blocks
+    for i in range(len(chain), n_blocks):
+        chain.append(block_hash(chain[-1] if chain else None, tokens[i * block_tokens:(i + 1) * block_tokens]))
+    return chain
+
+
 class NoFreeBlocks(RuntimeError):
     pass
 
@@ -161,7 +171,10 @@ class KVBlockManager:
         self.block_tokens = block_tokens
         self.tables: dict[int, list[int]] = {}
         self.slots: dict[int, int] = {}  # tokens each sequence has slots for
-        self.hashes: dict[int, list[bytes]] = {}  # hash chain of each sequence's registered full blocks
+        # Each sequence's hash chain (the caller's list when it gave one, so nothing is hashed twice) and how many
+        # of its full blocks are registered in the prefix cache.
+        self.hashes: dict[int, list[bytes]] = {}
+        self.registered: dict[int, int] = {}
         self.prefix_queries = 0  # tokens looked up (prompts of new or recomputed sequences)
         self.prefix_hits = 0  # of them, tokens found cached
 
@@ -185,25 +198,27 @@ class KVBlockManager:
         """Whether a new sequence could get slots for ``n_tokens`` now, without counting cache hits."""
         return self.blocks_for(n_tokens) <= self.pool.num_free
 
-    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
+    def cached_prefix(self, tokens: Sequence[int], chain: list[bytes] | None = None) -> list[int]:
         """Blocks of the longest cached prefix of ``tokens`` made of full blocks, leaving at least the last
-        token to compute (its logits give the next token)."""
-        blocks, parent = [], None
-        for i in range((len(tokens) - 1) // self.block_tokens):
-            parent = block_hash(parent, tokens[i * self.block_tokens:(i + 1) * self.block_tokens])
-            block = self.pool.lookup(parent)
+        token to compute (its logits give the next token). ``chain``: its content addresses hashed so far
+        (``extend_chain``; extended here as far as needed)."""
+        n = (len(tokens) - 1) // self.block_tokens
+        blocks = []
+        for digest in extend_chain([] if chain is None else chain, tokens, self.block_tokens, n)[:n]:
+            block = self.pool.lookup(digest)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def allocate(self, seq: int, tokens: Sequence[int], n_tokens: int, use_cache: bool = True) -> int | None:
-        """Start ``seq`` (prompt ``tokens``) with slots for its first ``n_tokens`` past its cached prefix (none
-        without ``use_cache``); returns how many tokens the cache already holds, or None (nothing changed) when
-        blocks are short."""
+    def allocate(self, seq: int, tokens: Sequence[int], n_tokens: int, use_cache: bool = True,
+                 chain: list[bytes] | None = None) -> int | None:
+        """Start ``seq`` (prompt ``tokens``, ``chain`` its content addresses if hashed already) with slots for its
+        first ``n_tokens`` past its cached prefix (none without ``use_cache``); returns how many tokens the cache
+        already holds, or None (nothing changed) when blocks are short."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq} already has blocks")
-        hit = self.cached_prefix(tokens) if use_cache else []
+        hit = self.cached_prefix(tokens, chain) if use_cache else []
         cached = len(hit) * self.block_tokens
         need = self.blocks_for(cached + n_tokens) - len(hit)
         if need + sum(self.pool.ref[b] == 0 for b in hit) > self.pool.num_free:
@@ -211,7 +226,8 @@ class KVBlockManager:
         self.pool.share(hit)
         self.tables[seq] = hit + self.pool.take(need)
         self.slots[seq] = cached + n_tokens
-        self.hashes[seq] = [self.pool.hash[b] for b in hit]
+        self.hashes[seq] = [] if chain is None else chain
+        self.registered[seq] = len(hit)
         self.prefix_queries += len(tokens)
         self.prefix_hits += cached
         return cached
@@ -230,11 +246,11 @@ class KVBlockManager:
     def cache_blocks(self, seq: int, tokens: Sequence[int], num_computed: int) -> None:
         """Register the full blocks among the first ``num_computed`` tokens of ``seq`` (their K/V are now
         written), extending its hash chain."""
-        chain, table = self.hashes[seq], self.tables[seq]
-        for i in range(len(chain), num_computed // self.block_tokens):
-            chain.append(block_hash(chain[-1] if chain else None,
-                                    tokens[i * self.block_tokens:(i + 1) * self.block_tokens]))
-            self.pool.register(table[i], chain[-1])
+        chain, table, full = self.hashes[seq], self.tables[seq], num_computed // self.block_tokens
+        extend_chain(chain, tokens, self.block_tokens, full)
+        for i in range(self.registered[seq], full):
+            self.pool.register(table[i], chain[i])
+        self.registered[seq] = max(self.registered[seq], full)
 
     def free(self, seq: int) -> None:
         """Drop ``seq``'s blocks (no-op for one without blocks). Its tail goes first into the free queue, so
@@ -242,7 +258,7 @@ class KVBlockManager:
         table = self.tables.pop(seq, None)
         if table is None:
             return
-        del self.slots[seq], self.hashes[seq]
+        del self.slots[seq], self.hashes[seq], self.registered[seq]
         self.pool.release(table[::-1])
 
     def locate(self, seq: int, position: int, geometry: CacheGeometry) -> tuple[int, int, int]:

@@ -14,7 +14,8 @@ import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .blocks import KVBlockManager
+from .blocks import KVBlockManager, extend_chain
+from .plan import StepPlan
 
 
 class RequestTooLong(ValueError):
@@ -22,7 +23,10 @@ class RequestTooLong(ValueError):
 
 
 @dataclass
-class SeqState:
+class ScheduledSeq:
+    """What rank 0's scheduler knows of a sequence: its tokens and how many have K/V in the cache. (The ranks'
+    own state of it, its sampler and grammar, is ``batch.Sequence``.)"""
+
     seq_id: int
     tokens: list[int]  # prompt, then generated tokens
     prompt_len: int
@@ -31,52 +35,36 @@ class SeqState:
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = "waiting"  # waiting | running | preempted | finished
     use_prefix_cache: bool = True  # False: every position is computed (a request for its prompt's logprobs)
+    chain: list[bytes] = field(default_factory=list)  # content addresses of its full blocks, hashed once each
 
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
 
-@dataclass
-class PagedPlan:
-    """One step, as the ranks need it."""
-
-    step: int
-    prefill: list[tuple[int, int, int]] = field(default_factory=list)  # (seq id, first position, tokens)
-    decode: list[int] = field(default_factory=list)  # seq ids computing their last token
-    preempted: list[int] = field(default_factory=list)  # seq ids whose blocks were freed this step
-    finished: list[tuple[int, str]] = field(default_factory=list)  # (seq id, reason) since the last plan
-    block_tables: dict[int, list[int]] = field(default_factory=dict)  # of every scheduled sequence
-    cached_tokens: dict[int, int] = field(default_factory=dict)  # admitted this step: prefix cache hits
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, _, n in self.prefill) + len(self.decode)
-
-    def scheduled(self) -> dict[int, int]:
-        """Tokens each sequence computes this step."""
-        return {**{s: n for s, _, n in self.prefill}, **dict.fromkeys(self.decode, 1)}
+def scheduled(plan: StepPlan) -> dict[int, int]:
+    """Tokens each sequence of ``plan`` computes."""
+    return {**{s: n for s, _, n in plan.prefill}, **dict.fromkeys(plan.decode, 1)}
 
 
 class PagedScheduler:
     """FIFO admission by free blocks, a per-step token budget and a sequence cap; preemption of the newest."""
 
     def __init__(self, blocks: KVBlockManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
-                 eos_token_id: int | None = None, max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
                              f"({max_num_seqs}) must be >= 1")
-        self.blocks, self.eos_token_id = blocks, eos_token_id
+        self.blocks = blocks
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk  # tokens of one prompt per step at most (None: the budget)
-        self.waiting: collections.deque[SeqState] = collections.deque()
-        self.running: list[SeqState] = []  # in admission order: the last is the newest
-        self.seqs: dict[int, SeqState] = {}
-        self.finished: list[tuple[int, str]] = []  # reported in the next plan
+        self.waiting: collections.deque[ScheduledSeq] = collections.deque()
+        self.running: list[ScheduledSeq] = []  # in admission order: the last is the newest
+        self.seqs: dict[int, ScheduledSeq] = {}
         self.num_preemptions = 0
         self._arrivals = 0
         self._step = 0
-        self._pending: PagedPlan | None = None  # scheduled, not yet updated
+        self._pending: StepPlan | None = None  # scheduled, not yet updated
 
     def add_request(self, seq_id: int, prompt: Sequence[int], max_tokens: int, use_prefix_cache: bool = True) -> None:
         """Queue a request, or refuse one that could never fit the whole cache, even alone. max_tokens 0: the
@@ -92,7 +80,7 @@ class PagedScheduler:
                 f"request needs {need} tokens of KV cache (prompt {len(prompt)} + max_tokens {max_tokens} - 1) "
                 f"but the whole cache holds {self.blocks.capacity_tokens} tokens; shorten the prompt or "
                 f"max_tokens, or raise --kv-cache-mb")
-        seq = SeqState(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals,
+        seq = ScheduledSeq(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals,
                        use_prefix_cache=use_prefix_cache)
         self._arrivals += 1
         self.seqs[seq_id] = seq
@@ -107,29 +95,28 @@ class PagedScheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._finish(seq, "cancelled")
+        self._finish(seq)
         return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> PagedPlan:
+    def schedule(self) -> StepPlan:
         """The next step: running sequences first (oldest first; decodes and unfinished prefills), then
         waiting ones in arrival order while blocks, the token budget and the sequence cap allow."""
         if self._pending is not None:
             raise RuntimeError(f"step {self._pending.step} was scheduled but never updated: call update first")
-        plan = PagedPlan(self._step, finished=self.finished)
-        self.finished = []
+        plan = StepPlan(self._step)
         self._step += 1
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:  # blocks just ran out: admitting now would only preempt again
             self._schedule_waiting(plan, budget)
-        for seq_id in plan.scheduled():
-            plan.block_tables[seq_id] = list(self.blocks.tables[seq_id])
+        for seq_id in scheduled(plan):
+            plan.tables[seq_id] = list(self.blocks.tables[seq_id])
         self._pending = plan
         return plan
 
-    def _schedule_running(self, plan: PagedPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -145,18 +132,19 @@ class PagedScheduler:
                 i += 1
         return budget
 
-    def _schedule_waiting(self, plan: PagedPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.blocks.cached_prefix(seq.tokens) if seq.use_prefix_cache else []
+            if seq.use_prefix_cache:  # the chain is hashed once, however long the head of the queue waits
+                extend_chain(seq.chain, seq.tokens, self.blocks.block_tokens)
+            hit = self.blocks.cached_prefix(seq.tokens, seq.chain) if seq.use_prefix_cache else []
             cached = len(hit) * self.blocks.block_tokens
             n = self._chunk(len(seq.tokens) - cached, budget)
-            if self.blocks.allocate(seq.seq_id, seq.tokens, n, seq.use_prefix_cache) is None:
+            if self.blocks.allocate(seq.seq_id, seq.tokens, n, seq.use_prefix_cache, seq.chain) is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it (no starvation)
             self.waiting.popleft()
             seq.num_computed, seq.status = cached, "running"
             self.running.append(seq)
-            plan.cached_tokens[seq.seq_id] = cached
             plan.prefill.append((seq.seq_id, cached, n))  # a (re)admitted sequence always starts as a prefill
             budget -= n
 
@@ -164,13 +152,13 @@ class PagedScheduler:
         """Tokens a sequence with ``remaining`` to compute runs this step."""
         return min(remaining, budget, self.max_prefill_chunk or remaining)
 
-    def _add(self, plan: PagedPlan, seq: SeqState, n: int) -> None:
+    def _add(self, plan: StepPlan, seq: ScheduledSeq, n: int) -> None:
         if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:
             plan.decode.append(seq.seq_id)
         else:
             plan.prefill.append((seq.seq_id, seq.num_computed, n))
 
-    def _preempt(self, seq: SeqState, plan: PagedPlan) -> None:
+    def _preempt(self, seq: ScheduledSeq, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
         seq.num_computed, seq.status = 0, "preempted"
@@ -178,12 +166,13 @@ class PagedScheduler:
         plan.preempted.append(seq.seq_id)
         self.num_preemptions += 1
 
-    def update(self, plan: PagedPlan, sampled: dict[int, int], stopped: Iterable[int] | dict[int, str] = (), *,
-               written: Iterable[int]) -> None:
+    def update(self, plan: StepPlan, sampled: dict[int, int], stopped: dict[int, str], *,
+               written: Iterable[int]) -> list[tuple[int, str]]:
         """After the ranks ran ``plan``: advance the scheduled sequences whose tokens the ranks ``written`` (their
         K/V are in the cache now); one that computed its last token takes its sampled token (if it has one) and
-        finishes at EOS, ``max_tokens`` or when the caller ``stopped`` it (ids, or ids with their reason: the ranks
-        decide stop ids, grammars, min_tokens). Full blocks just written join the prefix cache.
+        finishes at ``max_tokens`` or when the ranks ``stopped`` it (id -> reason: they decide EOS, stop ids,
+        grammars, min_tokens). Full blocks just written join the prefix cache. Returns the sequences that ended
+        and why.
 
         A block enters the prefix cache only once the ranks say they wrote it: a scheduled sequence the ranks
         did not run (they refused it at admission, or forgot it) advances nothing and ends with their reason
@@ -193,33 +182,29 @@ class PagedScheduler:
             raise RuntimeError(f"update of step {plan.step}, but the step in flight is "
                                f"{getattr(self._pending, 'step', None)}")
         self._pending = None
-        reasons = stopped if isinstance(stopped, dict) else dict.fromkeys(stopped, "stop")
-        written = set(written)
-        for seq_id, n in plan.scheduled().items():
+        written, ended = set(written), []
+        for seq_id, n in scheduled(plan).items():
             seq = self.seqs.get(seq_id)
             if seq is None or seq.status != "running":
                 continue  # cancelled while the step ran
-            if seq_id not in written:
-                self.running.remove(seq)
-                self._finish(seq, reasons.get(seq_id, "rejected"))
-                continue
-            seq.num_computed += n
-            self.blocks.cache_blocks(seq_id, seq.tokens, seq.num_computed)
-            if seq.num_computed < len(seq.tokens):
-                if seq_id in reasons:  # the caller ended it mid-prefill
-                    self.running.remove(seq)
-                    self._finish(seq, reasons[seq_id])
-                continue  # a prefill chunk short of the last token: nothing sampled
-            token = sampled.get(seq_id)
-            if token is not None:
-                seq.tokens.append(token)
-            reason = ("stop" if token is not None and token == self.eos_token_id else reasons.get(seq_id)
-                      or ("length" if seq.num_generated >= seq.max_tokens else None))
+            reason = stopped.get(seq_id)
+            if seq_id in written:
+                seq.num_computed += n
+                self.blocks.cache_blocks(seq_id, seq.tokens, seq.num_computed)
+                if seq.num_computed == len(seq.tokens):  # its last token computed: a new one was sampled
+                    if seq_id in sampled:
+                        seq.tokens.append(sampled[seq_id])
+                    if seq.num_generated >= seq.max_tokens:
+                        reason = reason or "length"
+            else:
+                reason = reason or "rejected"
             if reason:
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq)
+                ended.append((seq_id, reason))
+        return ended
 
-    def abandon(self, plan: PagedPlan, reason: str = "error") -> list[int]:
+    def abandon(self, plan: StepPlan, reason: str = "error") -> list[int]:
         """The ranks failed while running ``plan``: nothing of it counts as written. Every sequence it scheduled
         ends with ``reason``, its blocks freed and none of this step's blocks cached; returns their ids."""
         if plan is not self._pending:
@@ -227,16 +212,15 @@ class PagedScheduler:
                                f"{getattr(self._pending, 'step', None)}")
         self._pending = None
         ended = []
-        for seq_id in plan.scheduled():
+        for seq_id in scheduled(plan):
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.status == "running":
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self._finish(seq)
                 ended.append(seq_id)
         return ended
 
-    def _finish(self, seq: SeqState, reason: str) -> None:
+    def _finish(self, seq: ScheduledSeq) -> None:
         self.blocks.free(seq.seq_id)
         seq.status = "finished"
         del self.seqs[seq.seq_id]
-        self.finished.append((seq.seq_id, reason))

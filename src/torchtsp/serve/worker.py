@@ -40,7 +40,7 @@ class ServeJob:
     info: dict = field(default_factory=dict)
 
 
-class Scheduler:
+class StepPlanner:
     """Rank 0: the requests from the HTTP process, the paged scheduler over the block manager, each step's plan.
 
     ``blocks``: the ``blocks.KVBlockManager`` of the pool every rank holds. Request ids the ranks have seen
@@ -52,7 +52,7 @@ class Scheduler:
         from .paged_scheduler import PagedScheduler
 
         self.runner, self.conn, self.max_model_len = runner, conn, max_model_len
-        self.paged = PagedScheduler(blocks, max_num_batched_tokens, max_num_seqs, None, prefill_chunk)
+        self.paged = PagedScheduler(blocks, max_num_batched_tokens, max_num_seqs, prefill_chunk)
         self.admissions: dict = {}  # request id -> Admission, queued and not yet sent to the ranks
         self.known: set[int] = set()
         self.cancelled: set[int] = set()
@@ -124,23 +124,29 @@ class Scheduler:
         cancel = sorted({*self._cancel(self.cancelled), *self.forget})
         self.cancelled.clear()
         self.forget.clear()
-        paged = self.paged.schedule()
-        self.paged.finished.clear()  # ends are reported from the ranks' results and ``dropped``
-        self._pending = paged
-        scheduled = [*(r for r, _, _ in paged.prefill), *paged.decode]
-        admit = [self.admissions.pop(r) for r in scheduled if r not in self.known]
-        self.known.update(a.request_id for a in admit)
-        return StepPlan(step, admit=admit, cancel=cancel, prefill=paged.prefill, decode=paged.decode,
-                        tables=paged.block_tables, preempted=paged.preempted)
+        plan = self.paged.schedule()
+        plan.step, self._pending = step, plan
+        scheduled = [*(r for r, _, _ in plan.prefill), *plan.decode]
+        plan.admit = [self.admissions.pop(r) for r in scheduled if r not in self.known]
+        plan.cancel = cancel
+        self.known.update(a.request_id for a in plan.admit)
+        return plan
 
     def after(self, result) -> None:
-        """The step's outcome: sequences advance, chosen tokens join them, ended ones free their blocks."""
+        """The step's outcome: sequences advance, chosen tokens join them, ended ones free their blocks (those
+        that ended without the ranks' word, refused by them, are reported in ``dropped``)."""
         if self._pending is None:
             return
         reasons = dict(result.finished)
-        self.paged.update(self._pending, dict(result.tokens), reasons, written=result.written)
+        ended = self.paged.update(self._pending, dict(result.tokens), reasons, written=result.written)
         self._pending = None
         self.known.difference_update(reasons)
+        for rid, why in ended:
+            if rid not in reasons:  # rank 0 ended it without the ranks' word: they may still hold its state
+                self.dropped.append((rid, why))
+                if rid in self.known:
+                    self.known.discard(rid)
+                    self.forget.add(rid)
 
     def step_failed(self) -> None:
         """The step in flight raised: its requests fail ("error", reported in ``dropped``), nothing of it enters
@@ -210,7 +216,7 @@ def run_serve_rank(job: ServeJob) -> dict:
                              "num_blocks": blocks, "block_size": job.block_size, "block_tokens": runner.block_tokens,
                              "kv_capacity_tokens": manager.capacity_tokens,
                              "kv_cache_bytes_per_rank": runner.pool.nbytes, "max_model_len": job.max_model_len}))
-        scheduler = Scheduler(runner, conn, manager, job.max_num_batched_tokens, job.max_num_seqs,
+        scheduler = StepPlanner(runner, conn, manager, job.max_num_batched_tokens, job.max_num_seqs,
                               job.max_model_len, job.prefill_chunk)
     try:
         return _step_loop(control, runner, scheduler, conn)
