@@ -1,0 +1,279 @@
+"""Tool calling on /v1/chat/completions: OpenAI's ``tools`` and ``tool_choice``, as vLLM serves them.
+
+The chat template receives the tools (transformers' ``apply_chat_template`` convention), and assistant messages with
+``tool_calls`` and ``role: "tool"`` messages render through it. What the model writes becomes tool calls by
+``tool_choice``:
+
+- ``none``: the text is the answer's content, never parsed.
+- ``auto``: the text is parsed by the parser the server was started with (``--tool-call-parser``), named per model
+  family: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen, Hermes), ``llama3_json`` (a JSON object
+  ``{"name", "parameters"}``, after Llama 3.1's ``<|python_tag|>`` if present; several separated by ``;``),
+  ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``). Text that looks like a call but does
+  not parse stays content: a parser never invents a call.
+- ``required`` or a named function: the output is constrained with xgrammar to a JSON object matching the tool's
+  ``parameters`` schema (required: ``{"name": one of the tools, "arguments": its schema}``), so the call always
+  parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .protocol import APIError
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's function-name rule
+MAX_TOOLS = 128
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's ``function.arguments``)
+
+    def to_dict(self, index: int | None = None) -> dict:
+        out = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def _call(obj, arguments_key: str = "arguments") -> ToolCall | None:
+    """A call from a parsed ``{"name": ..., "arguments"/"parameters": {...}}``; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json_values(text: str, separators: str = "") -> list | None:
+    """The JSON values ``text`` is made of, one after another (whitespace and ``separators`` between them); None
+    when anything else is in it."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
+            at += 1
+        if at == len(text):
+            return values
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _all_calls(objects) -> list[ToolCall] | None:
+    calls = [_call(o) for o in objects] if objects else None
+    return calls if calls and all(calls) else None
+
+
+HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def _one_call(text: str) -> ToolCall | None:
+    """The call ``text`` holds as its one JSON object, else None."""
+    values = _json_values(text)
+    return _call(values[0]) if values and len(values) == 1 else None
+
+
+def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call, after optional content;
+    nothing but blocks after the first."""
+    start = text.find("<tool_call>")
+    tail = text[start:]
+    if start < 0 or HERMES_BLOCK.sub("", tail).strip():
+        return text, []
+    calls = [_one_call(body) for body in HERMES_BLOCK.findall(tail)]
+    return (text[:start].rstrip(), calls) if calls and all(calls) else (text, [])
+
+
+def parse_llama3_json(text: str) -> tuple[str, list[ToolCall]]:
+    """Llama 3.1's JSON calls: ``{"name": ..., "parameters": {...}}`` (``arguments`` too), optionally after
+    ``<|python_tag|>``, several separated by ``;``. The whole output is the calls, or it is content."""
+    body = text.strip()
+    body = body.removeprefix("<|python_tag|>").lstrip()
+    if not body.startswith("{"):
+        return text, []
+    calls = _all_calls(_json_values(body, separators=";"))
+    return ("", calls) if calls else (text, [])
+
+
+def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` after optional content (also the newer
+    ``[TOOL_CALLS]name[ARGS]{...}`` form, one per marker)."""
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, []
+    body = text[start + len("[TOOL_CALLS]"):].strip()
+    if body.startswith("["):
+        values = _json_values(body)
+        calls = _all_calls(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
+    else:
+        calls = []
+        for part in body.split("[TOOL_CALLS]"):
+            name, sep, args = part.partition("[ARGS]")
+            values = _json_values(args) if sep else None
+            call = _call({"name": name.strip(), "arguments": values[0]}) if values and len(values) == 1 else None
+            if call is None:  # one that does not parse: the whole text is content
+                calls = None
+                break
+            calls.append(call)
+    return (text[:start].rstrip(), calls) if calls else (text, [])
+
+
+PARSERS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+# Where a parser's calls may begin: text from the first of these on is held back from a stream until the output
+# ends and is parsed (llama3_json: an output that begins with a JSON object or the python tag).
+MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",)}
+
+
+def check_parser(name: str | None) -> None:
+    """A startup error for an unknown ``--tool-call-parser``."""
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"unknown --tool-call-parser {name!r}; choose one of: {', '.join(PARSERS)}")
+
+
+def held_from(parser: str, text: str) -> int:
+    """Index in ``text`` (the output so far) from which a stream holds the text back: where a call may begin.
+    ``len(text)`` when nothing is held (a prefix of a marker at the end is held too)."""
+    if parser == "llama3_json":
+        stripped = text.lstrip()
+        at = len(text) - len(stripped)
+        if not stripped or any(stripped.startswith(m) or m.startswith(stripped) for m in MARKERS[parser]):
+            return at
+        return len(text)
+    starts = [text.find(m) for m in MARKERS[parser] if m in text]
+    if starts:
+        return min(starts)
+    for marker in MARKERS[parser]:  # the end of the text may be the start of a marker
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:n]):
+                return len(text) - n
+    return len(text)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's tools and what to do with the model's output."""
+
+    mode: str  # none | auto | required | named
+    tools: tuple  # the request's tools, as given ({"type": "function", "function": {...}})
+    name: str | None = None  # the named function
+    parser: str | None = None  # auto: the server's --tool-call-parser
+
+    @property
+    def functions(self) -> dict[str, dict]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    def schemas(self) -> list[tuple[str, str]]:
+        """(tool name, its arguments' JSON schema as text) of each tool the grammar covers (required, named)."""
+        names = [self.name] if self.mode == "named" else list(self.functions) if self.mode == "required" else []
+        return [(n, json.dumps(self.functions[n].get("parameters") or {"type": "object"})) for n in names]
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the structured output that forces a call (required, named), else None."""
+        if self.mode == "named":
+            return "json_schema", self.schemas()[0][1]
+        if self.mode == "required":
+            return "json_schema", json.dumps({"anyOf": [
+                {"type": "object", "properties": {"name": {"const": n}, "arguments": json.loads(schema)},
+                 "required": ["name", "arguments"], "additionalProperties": False}
+                for n, schema in self.schemas()]})
+        return None
+
+    def calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, tool calls) of the model's whole output."""
+        if self.mode == "named":
+            return "", [ToolCall(self.name, json.dumps(json.loads(text), ensure_ascii=False))]
+        if self.mode == "required":
+            return "", [_call(json.loads(text))]
+        if self.mode == "auto":
+            return PARSERS[self.parser](text)
+        return text, []
+
+    def held_from(self, text: str) -> int:
+        """Where a stream holds the output back (the whole of it when a call is forced)."""
+        if self.mode in ("named", "required"):
+            return 0
+        return held_from(self.parser, text) if self.mode == "auto" else len(text)
+
+
+def _checked_tools(tools) -> tuple:
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise APIError(400, f"tools must be a list of 1 to {MAX_TOOLS} tools", "tools")
+    seen = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '.' or '-'", "tools")
+        if name in seen:
+            raise APIError(400, f"tools[{i}]: the function name {name!r} is given twice", "tools")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}] ({name}): parameters must be a JSON schema object", "tools")
+        if not isinstance(fn.get("description", ""), str):
+            raise APIError(400, f"tools[{i}] ({name}): description must be a string", "tools")
+    return tuple(tools)
+
+
+def tool_choice(tools, choice, parser: str | None) -> ToolChoice | None:
+    """The request's checked tools and tool_choice (None: no tools); a 400 naming the field otherwise."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    checked = _checked_tools(tools)
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        names = {t["function"]["name"] for t in checked}
+        if name not in names:
+            raise APIError(400, f"tool_choice names no function among the tools ({', '.join(sorted(names))}); give "
+                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+        return ToolChoice("named", checked, name=name)
+    if choice not in TOOL_CHOICES:
+        raise APIError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function", "tool_choice")
+    if choice == "auto" and parser is None:
+        raise APIError(400, "tool_choice auto parses the model's tool calls, but this server was started without "
+                            "--tool-call-parser (hermes, llama3_json, mistral); restart it with one, or use "
+                            "tool_choice required or a named function", "tool_choice")
+    return ToolChoice(choice, checked, parser=parser if choice == "auto" else None)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: an assistant's ``tool_calls`` arguments as objects (templates write
+    them with ``tojson``), not the JSON text the API carries."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_call_for_template(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_for_template(call: dict) -> dict:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # the template shows it as the text it is
+    return {**call, "function": fn}
