@@ -52,11 +52,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.comm import AxisComm, Pending
+from ..sizes import ZERO_IN_FLIGHT
 from .optim import build_adamw, clip_grads_, comms_reduce, global_grad_norm, norm_key, norm_weight
 
 DEFAULT_BUCKET_MB = 32.0
 MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
-IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
+IN_FLIGHT = ZERO_IN_FLIGHT  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
 
 
 @dataclass(eq=False)
