@@ -1,20 +1,28 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
+# Two stamps: `make demo` installs the runtime only (torch, then torchtsp and its dependencies); `make test`,
+# `make test-fast` and `make lint` add the test dependencies (the dev extra: transformers, lm-eval, ...) on top.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# Pinned torch first: a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
-	@echo "make: installing torch (CPU wheel), then torchtsp with its test dependencies into $(VENV) (a few minutes: pip names each package as it goes)"
+	@echo "make: installing torch (CPU wheel), then torchtsp into $(VENV) (pip names each package as it goes)"
 	$(PY) -m pip install --progress-bar off torch==2.13.0 numpy
+	$(PY) -m pip install --progress-bar off -e .
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
+	@echo "make: adding the test dependencies (torchtsp[dev]) into $(VENV) (a few minutes)"
 	$(PY) -m pip install --progress-bar off -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo --overwrite
 
 test: $(STAMP)

@@ -278,6 +278,43 @@ def test_rendering_runs_off_the_event_loop():
         template.close()
 
 
+def _deep_arrays(depth: int) -> dict:
+    """A JSON schema of ``depth`` nested arrays: xgrammar's compile time grows with the square of the depth."""
+    schema = {"type": "array", "items": {}}
+    inner = schema
+    for _ in range(depth):
+        inner["items"] = inner = {"type": "array", "items": {}}
+    return schema
+
+
+def test_grammar_checks_neither_starve_tokenization_nor_outlive_their_deadline():
+    """A probe: 8 concurrent requests with deep guided_json schemas (each takes seconds to compile) made /tokenize
+    "hello" wait 9-30 s, sharing the loop's default thread pool. Grammars compile on a bounded pool of their own
+    with a deadline: tokenizing meanwhile takes well under a second, and each slow grammar fails alone, a 400
+    naming guided_json, once its deadline has passed."""
+    pytest.importorskip("xgrammar")
+    service = CompletionService(_state(_FakeClient()))
+    service.grammar_check.deadline_s = 0.3  # the schema below takes about 2 s here
+    hostile = json.dumps({"prompt": "hi", "max_tokens": 2, "guided_json": json.dumps(_deep_arrays(150))}).encode()
+
+    async def run():
+        checks = [asyncio.ensure_future(service.completion_choices(parse(CompletionRequest, hostile)))
+                  for _ in range(8)]
+        await asyncio.sleep(0.1)  # the checks are compiling
+        t0 = time.monotonic()
+        ids = await service.encode("hello")
+        took = time.monotonic() - t0
+        return ids, took, await asyncio.gather(*checks, return_exceptions=True)
+
+    try:
+        ids, took, outcomes = asyncio.run(run())
+    finally:
+        service.grammar_check.close()
+    assert ids == list(b"hello") and took < 1.0, took
+    assert all(isinstance(e, APIError) and e.status == 400 and e.param == "guided_json" and "within" in e.message
+               for e in outcomes), outcomes
+
+
 # ---------------------------------------------------------------- the tokenizer folder's template
 
 

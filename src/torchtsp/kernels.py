@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-KEY_BLOCK = 1024  # keys per block of the portable kernel: bounds its score matrix to [Lq, KEY_BLOCK]
+from .sizes import KEY_BLOCK  # keys per block: bounds a score matrix to [Lq, KEY_BLOCK]
 
 
 def _block_scores(q, k, a: int, b: int, causal: bool):

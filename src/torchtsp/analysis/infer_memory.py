@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from .. import schemes
 from ..config import ModelConfig
 from ..schemes import Scheme
+from ..sizes import KEY_BLOCK  # keys per block of kernels.masked_attention: a score buffer [B, heads, T, KEY_BLOCK]
 from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held, _round_up
-
-KEY_BLOCK = 1024  # keys per block of infer.cache.attend (its score buffer is [B, heads, T, KEY_BLOCK])
 
 
 def _attend_bytes(batch: int, heads: int, tokens: int, keys: int, d: int) -> int:
-    """Peak bytes of ``infer.cache.attend``, reached in the online-softmax update of a key block: the block's
-    float32 scores and its boolean mask, and five query-sized float32 buffers (the scaled queries, the
-    old and rescaled outputs, the block's contribution and their sum)."""
+    """Peak bytes of ``kernels.masked_attention`` (what a KV-cache read, ``CacheStep.attend``, runs), reached in
+    the online-softmax update of a key block: the block's float32 scores and its boolean mask, and five
+    query-sized float32 buffers (the scaled queries, the old and rescaled outputs, the block's contribution and
+    their sum)."""
     block = min(keys, KEY_BLOCK)
     rows = batch * heads * tokens
     return FP32 * rows * (block + 5 * d) + batch * tokens * block

@@ -29,9 +29,12 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..layout import Layout
 from ..schemes import Scheme, get_scheme
+from ..sizes import ZERO_IN_FLIGHT
 from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held
 
-ZERO_BUCKETS_IN_FLIGHT = 3  # train/zero.py: IN_FLIGHT reduce-scatters and the bucket being filled
+# ZeRO-2's float32 gradient buckets alive at once (train/zero.py): its in-flight reduce-scatters and the bucket
+# backward is filling.
+ZERO_BUCKETS_IN_FLIGHT = ZERO_IN_FLIGHT + 1
 INDEX = 8  # int64 token ids and labels
 
 

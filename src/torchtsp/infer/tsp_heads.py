@@ -66,10 +66,9 @@ class TSPHeadsEngine(TSPEngine):
 
     # -- replicated tokens: TP's step -------------------------------------------------------
 
-    def activations_move(self, ids, pos, valid, keep=None, counts=None):
+    def activations_move(self, ids, pos, valid):
         """Replicated tokens ids [B, T] through the model with the weights in place; every rank stores its group's
-        K/V of all of them (``keep`` and ``counts``, the sequence layout's share, do not apply). Returns the
-        final-norm hidden states [B, T, h] (replicated)."""
+        K/V of all of them. Returns the final-norm hidden states [B, T, h] (replicated)."""
         comm, cache = self.comm, self.cache
         x = self._sum(masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
         step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))

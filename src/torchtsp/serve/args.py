@@ -6,8 +6,14 @@ import argparse
 
 from ..argtypes import length
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
-from ..schemes import SCHEMES
+from ..schemes import AXES, SCHEMES
 from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
+
+
+def serve_axes() -> tuple[str, ...]:
+    """The mesh axes of the schemes ``serve`` runs (the registry's, in its order): one degree flag each."""
+    used = {axis for name in SCHEMES.servable() for axis in SCHEMES[name].axes}
+    return tuple(axis for axis in AXES if axis in used)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
@@ -18,7 +24,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     source.add_argument("--preset", choices=list(presets), help="random weights of a preset shape (default: tiny)")
     add("--tokenizer", metavar="DIR", help="folder of the tokenizer.json to use (default: the model's own)")
     add("--scheme", default="tsp", choices=list(SCHEMES.servable()), help="parallel scheme (default: tsp)")
-    for axis in ("tsp", "tp", "sp"):
+    for axis in serve_axes():
         add(f"--{axis}", type=int, help=f"{axis} degree (the scheme's axis; default: every rank)")
     add("--nproc", type=int, help="local ranks to spawn when not under torchrun (default: the degree, or 1)")
     add("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype (default: float32)")

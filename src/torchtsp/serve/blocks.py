@@ -1,11 +1,12 @@
-"""Rank 0's bookkeeping of the paged KV cache: how many blocks a budget buys under each cache layout, the
-block pool with its LRU free queue, per-sequence block tables and prefix caching (docs/design.md, "Serving:
-the paged cache"). Plain Python: the ranks only ever see block ids, sent with each step's plan.
+"""Rank 0's bookkeeping of the paged KV cache: the bytes of a block, the block pool with its LRU free queue,
+per-sequence block tables and prefix caching (docs/design.md, "Serving: the paged cache"). Plain Python: the
+ranks only ever see block ids, sent with each step's plan.
 
-A block id names a *virtual* block of ``block_tokens`` consecutive tokens of one sequence. Under the
+A block id names a *virtual* block of ``block_tokens`` consecutive tokens of one sequence (the engine's
+``KVPool.block_tokens``, infer/cache.py, which also decides which rank stores which of them): under the
 ``grouped`` and ``sequence`` layouts the ranks that share a sequence's tokens each store ``block_size`` of
-them under the same id, so one id covers ``block_size × sharing`` tokens; under ``heads`` and ``tp`` every
-rank stores all ``block_size`` tokens of its heads.
+them under the same id, so one id covers ``block_size ×`` (those ranks) tokens; under ``heads`` every rank
+stores all ``block_size`` tokens of its heads.
 """
 
 from __future__ import annotations
@@ -14,71 +15,11 @@ import collections
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-LAYOUTS = ("heads", "grouped", "sequence", "tp")
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """What one block is on every rank, for one layout."""
-
-    layout: str
-    block_size: int  # tokens a rank stores per block
-    sharing: int  # ranks that split one block's tokens between them (1: every rank holds every token)
-    heads_per_rank: int  # KV heads a rank stores for each of its tokens (copies included under tp)
-
-    @property
-    def block_tokens(self) -> int:
-        """Tokens of a sequence one block id covers."""
-        return self.block_size * self.sharing
-
-    def place(self, offset: int) -> tuple[int, int]:
-        """(share, slot) of the token at ``offset`` in its block: which of the ``sharing`` ranks stores it
-        and where in that rank's block. Round robin, so the shares of a growing sequence never differ by
-        more than one token (decode writes to each rank in turn)."""
-        if not 0 <= offset < self.block_tokens:
-            raise ValueError(f"offset {offset} is outside a block of {self.block_tokens} tokens")
-        return offset % self.sharing, offset // self.sharing
-
-
-def cache_geometry(layout: str, n_kv: int, degree: int, block_size: int = 16) -> CacheGeometry:
-    """The block of ``layout`` for a model of ``n_kv`` KV heads on ``degree`` ranks.
-
-    heads: n_kv % D == 0, a rank keeps n_kv/D heads of every token. grouped: D % n_kv == 0, c = D/n_kv ranks
-    share one head and split its tokens. sequence: a rank keeps every head of 1/D of the tokens. tp: a rank
-    keeps its heads of every token, and a copy of one head when D > n_kv (what TSP's 1/D cache avoids)."""
-    if n_kv < 1 or degree < 1 or block_size < 1:
-        raise ValueError(f"n_kv, degree and block_size must be >= 1, got {n_kv}, {degree}, {block_size}")
-    if layout == "sequence":
-        return CacheGeometry(layout, block_size, degree, n_kv)
-    if layout == "heads" or (layout == "tp" and n_kv >= degree):
-        if n_kv % degree:
-            raise ValueError(f"layout {layout!r} needs n_kv ({n_kv}) divisible by the degree ({degree})")
-        return CacheGeometry(layout, block_size, 1, n_kv // degree)
-    if layout in ("grouped", "tp"):
-        if degree % n_kv:
-            raise ValueError(f"layout {layout!r} needs the degree ({degree}) divisible by n_kv ({n_kv})")
-        sharing = degree // n_kv if layout == "grouped" else 1
-        return CacheGeometry(layout, block_size, sharing, 1)
-    raise ValueError(f"unknown cache layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
 def bytes_per_block(n_layers: int, heads_per_rank: int, head_dim: int, dtype_bytes: int, block_size: int) -> int:
     """Bytes one block takes on one rank: K and V of ``block_size`` tokens, every layer."""
     return 2 * n_layers * heads_per_rank * head_dim * dtype_bytes * block_size
-
-
-def num_blocks(budget_bytes: int, geometry: CacheGeometry, n_layers: int, head_dim: int, dtype_bytes: int) -> int:
-    """Blocks a per-rank budget holds (the same count on every rank: a block id exists on all of them)."""
-    per_block = bytes_per_block(n_layers, geometry.heads_per_rank, head_dim, dtype_bytes, geometry.block_size)
-    return budget_bytes // per_block
-
-
-def capacity_tokens(budget_bytes: int, geometry: CacheGeometry, n_layers: int, head_dim: int,
-                    dtype_bytes: int) -> int:
-    """Tokens the whole pool holds: blocks × tokens per block."""
-    return num_blocks(budget_bytes, geometry, n_layers, head_dim, dtype_bytes) * geometry.block_tokens
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -194,10 +135,6 @@ class KVBlockManager:
         """Whether a sequence of ``n_tokens`` fits the whole pool, alone."""
         return self.blocks_for(n_tokens) <= self.pool.total
 
-    def can_allocate(self, n_tokens: int) -> bool:
-        """Whether a new sequence could get slots for ``n_tokens`` now, without counting cache hits."""
-        return self.blocks_for(n_tokens) <= self.pool.num_free
-
     def cached_prefix(self, tokens: Sequence[int], chain: list[bytes] | None = None) -> list[int]:
         """Blocks of the longest cached prefix of ``tokens`` made of full blocks, leaving at least the last
         token to compute (its logits give the next token). ``chain``: its content addresses hashed so far
@@ -260,13 +197,3 @@ class KVBlockManager:
             return
         del self.slots[seq], self.hashes[seq], self.registered[seq]
         self.pool.release(table[::-1])
-
-    def locate(self, seq: int, position: int, geometry: CacheGeometry) -> tuple[int, int, int]:
-        """(block id, share, slot) of token ``position`` of ``seq``: the block, which of the ranks sharing it
-        stores the token, and where in that rank's block."""
-        if geometry.block_tokens != self.block_tokens:
-            raise ValueError(f"geometry blocks of {geometry.block_tokens} tokens, pool of {self.block_tokens}")
-        if not 0 <= position < self.slots.get(seq, 0):
-            raise ValueError(f"sequence {seq} has no slot for position {position}")
-        share, slot = geometry.place(position % self.block_tokens)
-        return self.tables[seq][position // self.block_tokens], share, slot

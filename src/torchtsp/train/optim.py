@@ -36,29 +36,70 @@ def build_adamw(named_params, lr: float, weight_decay: float) -> torch.optim.Ada
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
-def global_grad_norm(grads, comms: dict[str, AxisComm]) -> torch.Tensor:
-    """L2 norm of the whole model's gradient, each element counted once.
+def norm_weight(shard_dims: dict, sizes: dict[str, int]) -> float:
+    """How much one rank's copy of a gradient piece counts in the global norm.
 
-    ``grads`` yields (piece of a gradient, {mesh axis: dim} it is sharded over). Squares of pieces
-    sharded over the same axes are summed locally, then over those axes; replicated pieces are
-    identical on every rank and are counted as they are. A piece held by several ranks of an axis
-    (``{axis: (dim, chunks)}``: chunks slices over the axis, e.g. replicated KV heads) is weighed by
-    chunks/size, so the sum over the axis counts each slice once.
+    ``shard_dims``: {mesh axis: dim} the piece is sharded over (``reference_parts``'s third item); an entry
+    ``{axis: (dim, chunks)}`` says only ``chunks`` distinct slices exist over the axis's ``sizes[axis]`` ranks
+    (a KV-head copy when n_kv < D), so each rank's copy weighs chunks/size and the sum over the axis counts
+    each slice once. Replicated pieces (no entry) are counted as they are: every rank holds the same values.
     """
+    weight = 1.0
+    for axis, dim in shard_dims.items():
+        if isinstance(dim, tuple):
+            weight *= dim[1] / sizes[axis]
+    return weight
+
+
+def norm_key(shard_dims: dict) -> tuple[str, ...]:
+    """The mesh axes a piece's squares are summed over: those it is sharded over, in a fixed order."""
+    return tuple(sorted(shard_dims))
+
+
+def local_squares(pieces, sizes: dict[str, int]) -> dict[tuple[str, ...], torch.Tensor]:
+    """This rank's share of the squared gradient norm, by ``norm_key``: ``pieces`` yields (piece of a gradient,
+    {mesh axis: dim} it is sharded over), each piece's squares weighed by ``norm_weight``."""
     squares: dict[tuple[str, ...], torch.Tensor] = {}
-    for piece, shard_dims in grads:
-        key = tuple(sorted(shard_dims))
-        square = piece.float().pow(2).sum()
-        for axis, dim in shard_dims.items():
-            if isinstance(dim, tuple):
-                square = square * (dim[1] / comms[axis].size)
-        squares[key] = squares.get(key, 0.0) + square
-    total = 0.0
-    for axes, sq in squares.items():
+    for piece, shard_dims in pieces:
+        square = piece.float().pow(2).sum() * norm_weight(shard_dims, sizes)
+        key = norm_key(shard_dims)
+        squares[key] = squares[key] + square if key in squares else square
+    return squares
+
+
+def global_grad_norm(squares: dict[tuple[str, ...], torch.Tensor], all_reduce, over=()) -> torch.Tensor:
+    """L2 norm of the whole model's gradient, each element counted once, from every rank's ``squares``.
+
+    ``squares``: this rank's weighed sums of squares by the mesh axes their pieces are sharded over
+    (``local_squares``, or ZeRO's owned chunks). Each sum is added up over its own axes; replicated sums are
+    already whole. ``over``: axes whose ranks hold disjoint parts of everything (ZeRO's dp chunks, pipeline
+    stages): the total is added up over them too. ``all_reduce(tensor, axis)`` sums a tensor over one mesh
+    axis (``AxisComm.all_reduce``; tests sum simulated ranks): the only communication.
+    """
+    total = None
+    for axes in sorted(squares):
+        sq = torch.as_tensor(squares[axes], dtype=torch.float32)
         for axis in axes:
-            sq = comms[axis].all_reduce(sq, label="grad_norm")
-        total = total + sq
-    return torch.as_tensor(total, dtype=torch.float32).sqrt()
+            sq = all_reduce(sq, axis)
+        total = sq if total is None else total + sq
+    total = torch.zeros(()) if total is None else total
+    for axis in over:
+        total = all_reduce(total, axis)
+    return total.sqrt()
+
+
+def comms_reduce(comms: dict[str, AxisComm]):
+    """``global_grad_norm``'s ``all_reduce`` over a model's comms."""
+    return lambda tensor, axis: comms[axis].all_reduce(tensor, label="grad_norm")
+
+
+def clip_grads_(grads, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale ``grads`` in place so their global ``norm`` becomes at most ``max_norm`` (0: no clipping), as
+    ``torch.nn.utils.clip_grad_norm_`` does (the same 1e-6)."""
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
 
 
 class MasterWeights:
@@ -122,13 +163,10 @@ class ReplicatedAdamW:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
         pieces = ((piece, dims) for name, p in self.named
                   for _, piece, dims in self.model.reference_parts(name, p.grad))
-        norm = global_grad_norm(pieces, self.comms)
-        if "pp" in self.comms:  # each pipeline stage's norm covers its own parameters: sum the squares over stages
-            norm = self.comms["pp"].all_reduce(norm.pow(2), label="grad_norm").sqrt()
-        if max_norm > 0:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for _, p in self.named:
-                p.grad.mul_(scale)
+        squares = local_squares(pieces, {axis: comm.size for axis, comm in self.comms.items()})
+        # Each pipeline stage's squares cover its own parameters: they are summed over the stages.
+        norm = global_grad_norm(squares, comms_reduce(self.comms), over=("pp",) if "pp" in self.comms else ())
+        clip_grads_((p.grad for _, p in self.named), norm, max_norm)
         return norm.item()
 
     def step(self, lr: float | None = None) -> None:

@@ -52,11 +52,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed.comm import AxisComm, Pending
-from .optim import build_adamw
+from ..sizes import ZERO_IN_FLIGHT
+from .optim import build_adamw, clip_grads_, comms_reduce, global_grad_norm, norm_key, norm_weight
 
 DEFAULT_BUCKET_MB = 32.0
 MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
-IN_FLIGHT = 2  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
+IN_FLIGHT = ZERO_IN_FLIGHT  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
 
 
 @dataclass(eq=False)
@@ -112,6 +113,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
         self.model, self.level, self.comms = model, level, model.comms()
         self.dp: AxisComm = self.comms["dp"]
+        self.sizes = {axis: comm.size for axis, comm in self.comms.items()}
         self.overlap = False  # reducing in backward: the model called ``in_backward`` (its gradient-sum strategy)
         self._after_passes = False  # the model reduces whole passes (``over_pass``): ``reduce`` has nothing left
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
@@ -208,14 +210,10 @@ class ZeroOptimizer:
         # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
         for (_, w, dims), (_, g, _) in zip(self.model.reference_parts(slot.name, weight),
                                            self.model.reference_parts(slot.name, group)):
-            factor = 1.0
-            for axis, dim in dims.items():
-                if isinstance(dim, tuple):
-                    factor *= dim[1] / self.comms[axis].size
-            key = tuple(sorted(dims))
+            key = norm_key(dims)
             if key not in keys:
                 keys.append(key)
-            w.fill_(factor)
+            w.fill_(norm_weight(dims, self.sizes))
             g.fill_(keys.index(key))
         owned_w, owned_g = weight.view(-1)[slot.lo:slot.hi], group.view(-1)[slot.lo:slot.hi]
         if owned_w.numel() == 0:
@@ -383,34 +381,30 @@ class ZeroOptimizer:
             g = slot.grad if slot.grad is not None else torch.zeros_like(slot.master, dtype=slot.param.dtype)
             slot.master.grad = g.float() if self.master_weights else g
 
-    def grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient, each element once (see the module docstring)."""
+    def local_squares(self) -> dict[tuple[str, ...], torch.Tensor]:
+        """This rank's share of the squared gradient norm from its owned chunks (``optim.local_squares``'s
+        form: weighed sums of squares by the model axes their pieces are sharded over)."""
         self._master_grads()
-        squares: dict[tuple, torch.Tensor] = {}
+        # A rank that owns no element still takes part in the sums, with a zero on the parameters' device.
+        squares: dict[tuple[str, ...], torch.Tensor] = {(): torch.zeros((), device=self.slots[0].param.device)}
         for slot in self.slots:
             g = slot.master.grad
             for key, start, end, factor, weights in slot.norm_terms:
                 part = g[start:end].pow(2)
                 sq = part.sum() * factor if weights is None else (part * weights).sum()
-                squares[key] = squares.get(key, 0.0) + sq
-        total = torch.zeros((), device=self.slots[0].param.device)
-        for axes in sorted(squares):
-            sq = torch.as_tensor(squares[axes], dtype=torch.float32, device=total.device)
-            for axis in axes:
-                sq = self.comms[axis].all_reduce(sq, label="grad_norm")
-            total = total + sq
-        total = self.dp.all_reduce(total, label="grad_norm")
-        if "pp" in self.comms:  # each stage's sum covers its own parameters
-            total = self.comms["pp"].all_reduce(total, label="grad_norm")
-        return total.sqrt()
+                squares[key] = squares[key] + sq if key in squares else sq
+        return squares
+
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient, each element once (see the module docstring): the owned
+        chunks partition every shard, so the squares are summed over dp too (and over pipeline stages)."""
+        over = ("dp", "pp") if "pp" in self.comms else ("dp",)
+        return global_grad_norm(self.local_squares(), comms_reduce(self.comms), over)
 
     def clip(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
         norm = self.grad_norm()
-        if max_norm > 0:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for slot in self.slots:
-                slot.master.grad.mul_(scale)
+        clip_grads_((slot.master.grad for slot in self.slots), norm, max_norm)
         return norm.item()
 
     clip_ = clip
