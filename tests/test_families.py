@@ -188,8 +188,9 @@ def test_llama3_rope_tables_equal_transformers_and_use_all_three_bands():
 
 def test_head_norm_is_per_head_rms_norm():
     x, w = torch.randn(2, 3, 4, 16), torch.randn(16)
-    expected = torch.stack([rms_norm(x[:, :, h], w, 1e-6) for h in range(4)], dim=2)
-    assert torch.equal(head_norm(x, w, 1e-6), expected)
+    for cfg in (ModelConfig(norm_eps=1e-6), ModelConfig(norm_eps=1e-6, norm_offset=1.0, family="gemma3_text")):
+        expected = torch.stack([rms_norm(x[:, :, h], w, 1e-6, cfg.norm_offset) for h in range(4)], dim=2)
+        assert torch.equal(head_norm(x, w, cfg), expected)
 
 
 # --------------------------------------------------------------------------- checkpoints

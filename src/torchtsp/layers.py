@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .config import FULL_ATTENTION, SLIDING_ATTENTION
 
 IGNORE_INDEX = -100
 
@@ -28,19 +29,30 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------- norms
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm of x over its last dim, scaled by ``weight`` (offset 0: Llama's) or by ``offset + weight`` (offset
+    1: Gemma's, whose weights start at zero)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        # Gemma scales in float32 and casts after, (x * (1 + w)).to(dtype), as transformers' Gemma3RMSNorm.
+        return (normed * (offset + weight.float())).to(x.dtype)
+    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
     return weight * normed.to(x.dtype)
 
 
-def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's q/k norm: RMSNorm of each head of x [..., H, d] over d, with one weight [d] for all heads.
+def norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
+    """The model's RMSNorm (its eps and variant) of x with ``weight``: what every norm of every scheme calls."""
+    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_offset)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
+    """Qwen3's / Gemma 3's q/k norm: the model's RMSNorm of each head of x [..., H, d] over d, with one weight
+    [d] for all heads.
 
     Per head, so it needs no other head's values: a scheme holding some heads applies it to them alone.
     """
-    return rms_norm(x, weight, eps)
+    return norm(x, weight, cfg)
 
 
 # ---------------------------------------------------------------- RoPE
@@ -78,18 +90,35 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return _cos_sin(positions, _rope_inv_freq(head_dim, theta, positions.device))
 
 
-def rope_tables(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, cfg, layer_type: str = FULL_ATTENTION) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE cos/sin tables for (global) positions of any shape: [S] -> [S, d] (one sequence, or
-    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache).
+    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache), for the
+    layers of ``layer_type`` (sliding layers have plain RoPE of base ``rope_local_theta`` when it is set).
 
     Every caller gets its tables here, so a RoPE variant of the config (``rope_scaling``) applies everywhere.
     """
+    if layer_type == SLIDING_ATTENTION and cfg.rope_local_theta is not None:
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta)
     inv_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
     if cfg.rope_scaling == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, cfg)
+    elif cfg.rope_scaling == "linear":  # transformers' 'linear': positions divided by the factor
+        inv_freq = inv_freq / cfg.rope_factor
     elif cfg.rope_scaling is not None:  # ModelConfig refuses others; a new variant must be added here
         raise ValueError(f"rope_scaling={cfg.rope_scaling!r} has no implementation in rope_tables")
     return _cos_sin(positions, inv_freq)
+
+
+def layer_rope(positions: torch.Tensor, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's RoPE tables (``rope_tables`` of its type) for the given positions; layers of one type share
+    one pair of tensors, so a hybrid model computes two tables, not one per layer."""
+    tables = {}
+    for i in range(cfg.n_layers):
+        kind = cfg.layer_type(i)
+        if kind not in tables:
+            same = kind == SLIDING_ATTENTION and cfg.rope_local_theta is None and FULL_ATTENTION in tables
+            tables[kind] = tables[FULL_ATTENTION] if same else rope_tables(positions, cfg, kind)
+    return [tables[cfg.layer_type(i)] for i in range(cfg.n_layers)]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
@@ -125,8 +154,14 @@ def qkv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, cos: torch
     """Projections [B, S, H·d] -> token-major heads [B, S, H, d]: q/k norm (Qwen3) and RoPE on queries and keys."""
     q, k, v = (heads(t, cfg.head_dim) for t in (q, k, v))
     if cfg.qk_norm:
-        q, k = head_norm(q, q_norm, cfg.norm_eps), head_norm(k, k_norm, cfg.norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = head_norm(q, q_norm, cfg), head_norm(k, k_norm, cfg)
+    return scale_queries(apply_rope(q, cos, sin), cfg), apply_rope(k, cos, sin), v
+
+
+def scale_queries(q: torch.Tensor, cfg) -> torch.Tensor:
+    """Rotated queries times ``cfg.query_scale`` (Gemma's query_pre_attn_scalar; nothing for other models), so
+    that every kernel's own head_dim**-0.5 gives the model's attention scale. Its transpose is itself."""
+    return q if cfg.query_scale is None else q * cfg.query_scale
 
 
 def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
@@ -193,30 +228,66 @@ class Documents:
         device of ``positions`` (the ids may stay on the host, where they were read)."""
         return self.positions.to(positions.device)[:, positions]
 
-    def mask(self, q_start: int = 0, k_start: int = 0) -> Mask:
+    def mask(self, q_start: int = 0, k_start: int = 0, window: int | None = None) -> Mask:
         """The mask of queries whose first is global token ``q_start`` against keys from global ``k_start``."""
-        return Mask(documents=self, q_start=q_start, k_start=k_start)
+        return Mask(documents=self, q_start=q_start, k_start=k_start, window=window)
 
-    def blocks(self, q_start: int, q_len: int, k_start: int, k_len: int):
-        """What attention computes for queries [q_start, +q_len) against keys [k_start, +k_len), per row: a list
-        of (local query slice, local key slice, causal) for each document that has both queries and keys here.
-        Every key of a block precedes its queries (causal False) or the block is a document's diagonal; nothing
-        outside a document is ever computed."""
-        q_end, k_end = q_start + q_len, k_start + k_len
-        out = []
-        for runs in self.runs:
-            row = []
-            for u, v in runs:
-                a, b = max(u, q_start), min(v, q_end)
-                ka, kb = max(u, k_start), min(v, k_end, b)  # keys after the last query are never seen
-                if a >= b or ka >= kb:
-                    continue
-                if not (kb <= a or (ka, kb) == (a, b)):
-                    raise ValueError(f"keys [{k_start}, {k_end}) neither precede nor equal queries "
-                                     f"[{q_start}, {q_end}): attention parts must be diagonal or earlier blocks")
-                row.append((slice(a - q_start, b - q_start), slice(ka - k_start, kb - k_start), kb > a))
-            out.append(row)
-        return out
+    def blocks(self, q_start: int, q_len: int, k_start: int, k_len: int, window: int | None = None):
+        """What attention computes for queries [q_start, +q_len) against keys [k_start, +k_len), per row: the
+        ``Block``s of each document that has both queries and keys here (``visible_blocks``); nothing outside a
+        document (or outside the window) is ever computed."""
+        return [visible_blocks(runs, q_start, q_len, k_start, k_len, window) for runs in self.runs]
+
+
+class Block(NamedTuple):
+    """One kernel call of attention: local query rows ``q`` against local key rows ``k``, where the query at
+    local row i sees the key at local row j iff ``lo <= j - i <= hi`` (None: no bound). ``kind`` says how the
+    kernel runs it: "full" (every pair visible), "causal" (square, j <= i: the fused kernel's own causal mask)
+    or "masked" (any other band: an explicit mask, block-sized)."""
+
+    q: slice
+    k: slice
+    lo: int | None
+    hi: int | None
+
+    @property
+    def kind(self) -> str:
+        nq, nk = self.q.stop - self.q.start, self.k.stop - self.k.start
+        lo_free = self.lo is None or self.lo <= -(nq - 1)
+        hi_free = self.hi is None or self.hi >= nk - 1
+        if lo_free and hi_free:
+            return "full"
+        if lo_free and self.hi == 0 and nq == nk:
+            return "causal"
+        return "masked"
+
+
+# Query rows per tile of a windowed run. A tile's keys split where its first query is: keys before it (all
+# visible, or a triangle at the window's edge) and its own diagonal block, so the explicitly masked work per
+# tile is one edge triangle; tiles of at least this size keep the number of kernel calls down for small windows.
+WINDOW_TILE = 128
+
+
+def visible_blocks(runs, q_start: int, q_len: int, k_start: int, k_len: int, window: int | None):
+    """The ``Block``s of queries at global indices [q_start, +q_len) against keys at [k_start, +k_len) when
+    the query at global index i sees the keys j of its own run (a document: ``runs`` holds (start, end) pairs)
+    with i - window < j <= i (window None: j <= i). Blocks that no query sees are absent: not computed."""
+    q_end, k_end = q_start + q_len, k_start + k_len
+    out = []
+    for u, v in runs:
+        a, b = max(u, q_start), min(v, q_end)
+        tile = (b - a) if window is None else max(window, WINDOW_TILE)
+        for ta in range(a, b, max(tile, 1)):
+            tb = min(ta + tile, b)
+            ka = max(u, k_start) if window is None else max(u, k_start, ta - window + 1)
+            kb = min(v, k_end, tb)  # keys after the last query are never seen
+            for pa, pb in ((ka, min(kb, ta)), (max(ka, ta), kb)):  # before the tile's first query, from it on
+                if pa < pb:
+                    # Global j - i bounds, -(window - 1) <= j - i <= 0, in this block's local rows.
+                    shift = ta - pa
+                    lo = None if window is None else shift - (window - 1)
+                    out.append(Block(slice(ta - q_start, tb - q_start), slice(pa - k_start, pb - k_start), lo, shift))
+    return out
 
 
 def as_documents(document_ids, shape: tuple[int, int]) -> Documents | None:
@@ -237,11 +308,17 @@ def rope_positions(positions: torch.Tensor, documents: Documents | None) -> torc
 
 @dataclass(frozen=True)
 class Mask:
-    """Which keys a query sees: ``causal`` (query i sees keys j <= i of one sequence laid out in order), or
-    everything (``causal=False``); with ``q_pos`` [B, Lq], ``k_pos`` [B, Lk] and ``k_valid`` [B, Lk], a query
-    sees the valid keys at positions <= its own (a KV cache: slots in any order, padding); with ``documents``,
-    the query at global index i sees keys j of its own document with j <= i, the queries and keys given being
-    the global tokens from ``q_start`` and ``k_start`` on (packed rows)."""
+    """What a query may see: the one object every kernel, scheme and cache reads (no one builds a mask of its own).
+
+    * ``causal`` (query i sees keys j <= i of one sequence laid out in order), or everything (``causal=False``);
+    * with ``q_pos`` [B, Lq], ``k_pos`` [B, Lk] and ``k_valid`` [B, Lk], a query sees the valid keys at positions
+      <= its own (a KV cache: slots in any order, padding);
+    * with ``documents``, the query at global index i sees keys j of its own document with j <= i;
+    * with ``window`` W (a sliding layer), a query at position i sees only keys j > i - W, on top of the above.
+
+    Queries and keys given to ``attend`` are the global tokens from ``q_start`` and ``k_start`` on (a part of a
+    sequence-sharded attention; positions are global token indices, so the window is the same on every scheme).
+    """
 
     causal: bool = True
     q_pos: torch.Tensor | None = None
@@ -250,33 +327,68 @@ class Mask:
     documents: Documents | None = None
     q_start: int = 0
     k_start: int = 0
+    window: int | None = None
 
     @property
     def positional(self) -> bool:
         return self.k_pos is not None
 
-    def blocks(self, q: torch.Tensor, k: torch.Tensor):
-        return self.documents.blocks(self.q_start, q.shape[-2], self.k_start, k.shape[-2])
+    @property
+    def blockwise(self) -> bool:
+        """Whether ``attend`` runs this mask block by block (documents or a window), not as one fused call."""
+        return self.documents is not None or self.window is not None
+
+    def windowed(self, window: int | None) -> Mask:
+        """This mask for a layer whose window is ``window`` (None: a full layer, the mask as it is)."""
+        if window is None or window == self.window:
+            return self
+        if not self.causal:
+            raise ValueError("a sliding window needs a causal mask")
+        return replace(self, window=window)
+
+    def part(self, q_start: int, k_start: int) -> Mask:
+        """This mask for queries from global token ``q_start`` against keys from global token ``k_start``."""
+        return replace(self, q_start=q_start, k_start=k_start)
+
+    def blocks(self, q_len: int, k_len: int):
+        """The ``Block``s ``attend`` computes for q_len queries and k_len keys: a list per batch row with
+        documents, else one list for every row (``[None, blocks]``: rows alike)."""
+        if self.documents is not None:
+            return self.documents.blocks(self.q_start, q_len, self.k_start, k_len, self.window)
+        big = self.q_start + q_len + self.k_start + k_len  # one run holding every token
+        return [None, visible_blocks(((0, big),), self.q_start, q_len, self.k_start, k_len, self.window)]
+
+    def sees_any(self, q_len: int, k_len: int) -> bool:
+        """Whether any query of this part sees any key (else the part is skipped: neither computed nor merged)."""
+        rows = self.blocks(q_len, k_len)
+        return any(rows[1] if rows and rows[0] is None else rows)
 
 
 CAUSAL, FULL = Mask(causal=True), Mask(causal=False)
 
 
-def positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor) -> Mask:
-    return Mask(causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
+def sequence_mask(documents: Documents | None = None, window: int | None = None) -> Mask:
+    """The mask of a whole sequence's queries against its keys, from global token 0: causal, within the
+    packed rows' ``documents`` if any, within ``window`` (a sliding layer's) if any."""
+    return (CAUSAL if documents is None else documents.mask()).windowed(window)
+
+
+def positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int | None = None) -> Mask:
+    """The mask of queries at positions ``q_pos`` against cached keys at ``k_pos`` (valid where ``k_valid``)."""
+    return Mask(causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, window=window)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = CAUSAL):
     """The one entry point to attention: (out [B, Hq, Lq, d], lse [B, Hq, Lq] float32) of queries q against
     keys and values k, v [B, Hkv, Lk, d] (head-major views, any strides; Hkv divides Hq: GQA without expanding
     K/V). Plain causal or full masks run a fused kernel (differentiable by autograd; hand-written backward
-    passes call ``attend_backward``); a document mask runs it on each document's blocks only (a query that
+    passes call ``attend_backward``); documents or a window run it on the visible blocks only (a query that
     sees no key here gets out = 0 and lse = -inf); a positional mask runs the block-wise kernel in float32
     (no autograd: inference), where a query that sees no key gets out = 0 and lse = -inf."""
     if mask.positional:
-        return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid)
-    if mask.documents is not None:
-        return kernels.document_attention(q, k, v, mask.blocks(q, k))
+        return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid, mask.window)
+    if mask.blockwise:
+        return kernels.block_attention(q, k, v, mask.blocks(q.shape[-2], k.shape[-2]))
     return kernels.fused_attention(q, k, v, mask.causal)
 
 
@@ -285,8 +397,9 @@ def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: boo
     ``accumulate``, added to them."""
     if mask.positional:
         raise NotImplementedError("positional masks are for inference: attend_backward takes causal or full")
-    if mask.documents is not None:
-        return kernels.document_attention_backward(dout, q, k, v, out, lse, mask.blocks(q, k), dk, dv, accumulate)
+    if mask.blockwise:
+        return kernels.block_attention_backward(dout, q, k, v, out, lse, mask.blocks(q.shape[-2], k.shape[-2]), dk,
+                                                dv, accumulate)
     return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
 
 
@@ -298,13 +411,33 @@ def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
 # ---------------------------------------------------------------- gated MLP
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's nonlinearity: silu(gate) * up."""
-    return F.silu(gate) * up
+def activation(gate: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gated MLP's nonlinearity on the gate: silu (SwiGLU) or tanh-approximated gelu (Gemma's GeGLU,
+    transformers' gelu_pytorch_tanh)."""
+    return F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+def activation_backward(grad: torch.Tensor, gate: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gradient through ``activation`` (the kernels autograd itself runs), for hand-written backward passes."""
+    if kind == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gated MLP's hidden state: activation(gate) * up (SwiGLU with silu, GeGLU with gelu_tanh)."""
+    return activation(gate, kind) * up
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+           kind: str = "silu") -> torch.Tensor:
+    """The gated MLP (SwiGLU, or GeGLU with ``kind="gelu_tanh"``)."""
+    return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up), kind), w_down)
+
+
+def scale_embeddings(x: torch.Tensor, cfg) -> torch.Tensor:
+    """Embeddings times sqrt(dim) rounded to their dtype (Gemma), as transformers' scaled embedding; else x."""
+    return x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype, device=x.device) if cfg.embed_scale else x
 
 
 # ---------------------------------------------------------------- the decoder block
@@ -316,29 +449,48 @@ class Placement(NamedTuple):
     ``attention(h, cache)`` and ``mlp(h)`` return the residual's addend, complete on every rank that holds the
     residual (the strategy owns its collectives: TP's row-parallel sums, SP's K/V gather, TSP's broadcasts and
     rings, an engine's cache and exchanges); ``attention_norm`` and ``ffn_norm`` map the residual to the
-    sublayer's input (``rms_norm`` with this scheme's view of the weight)."""
+    sublayer's input (``norm`` with this scheme's view of the weight); with sandwich norms (Gemma),
+    ``attention_out_norm`` and ``ffn_out_norm`` norm each sublayer's output before the residual add."""
 
     attention_norm: Callable[[torch.Tensor], torch.Tensor]
     attention: Callable[[torch.Tensor, object], torch.Tensor]
     ffn_norm: Callable[[torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
+    attention_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ffn_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
-    def rms(cls, attention_norm: torch.Tensor, attention, ffn_norm: torch.Tensor, mlp, eps: float) -> Placement:
-        """The strategies with ``rms_norm`` by the given norm weights (as this rank uses them)."""
-        return cls(norm_with(attention_norm, eps), attention, norm_with(ffn_norm, eps), mlp)
+    def normed(cls, weights, attention, mlp, cfg) -> Placement:
+        """The strategies with the model's norms by the given norm weights (as this rank uses them): ``weights``
+        maps "attention_norm", "ffn_norm" and, with sandwich norms, "attention_out_norm", "ffn_out_norm"."""
+        outer = [norm_with(weights[n], cfg) for n in ("attention_out_norm", "ffn_out_norm")] if cfg.sandwich_norm \
+            else [None, None]
+        return cls(norm_with(weights["attention_norm"], cfg), attention, norm_with(weights["ffn_norm"], cfg), mlp,
+                   *outer)
+
+
+# The norm weights of one block, as the reference model names them inside ``layers.{i}``.
+SANDWICH_NORMS = ("attention_out_norm", "ffn_out_norm")
+
+
+def block_norm_names(cfg) -> tuple[str, ...]:
+    """The names of a block's norms (besides q/k norms): two, or four with sandwich norms."""
+    return ("attention_norm", "ffn_norm") + (SANDWICH_NORMS if cfg.sandwich_norm else ())
 
 
 def block_forward(x: torch.Tensor, place: Placement, cache=None) -> torch.Tensor:
-    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)). Training passes no
-    ``cache``; an inference engine passes what its attention strategy reads and writes (its KV cache step)."""
-    x = x + place.attention(place.attention_norm(x), cache)
-    return x + place.mlp(place.ffn_norm(x))
+    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)); with sandwich norms each
+    addend is normed as well. Training passes no ``cache``; an inference engine passes what its attention
+    strategy reads and writes (its KV cache step)."""
+    a = place.attention(place.attention_norm(x), cache)
+    x = x + (a if place.attention_out_norm is None else place.attention_out_norm(a))
+    m = place.mlp(place.ffn_norm(x))
+    return x + (m if place.ffn_out_norm is None else place.ffn_out_norm(m))
 
 
-def norm_with(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``rms_norm`` with a fixed weight, as a ``Placement`` norm."""
-    return lambda x: rms_norm(x, weight, eps)
+def norm_with(weight: torch.Tensor, cfg) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm`` with a fixed weight, as a ``Placement`` norm."""
+    return lambda x: norm(x, weight, cfg)
 
 
 def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
