@@ -362,7 +362,7 @@ _LLAMA3_ROPE = dict(
 )
 
 def _pattern(n_layers: int, every: int) -> tuple[str, ...]:
-    """Gemma 3's layer types: every ``every``-th layer full, the others sliding (transformers' sliding_window_pattern)."""
+    """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
     return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(n_layers))
 
 
@@ -385,8 +385,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-gemma3": ModelConfig(head_dim=32, layer_types=_pattern(2, 2), sliding_window=64, query_pre_attn_scalar=24,
                                **_GEMMA3),
     # Qwen3 with a window in its upper layer (use_sliding_window, max_window_layers 1) and head_dim 32.
-    "tiny-qwen3-window": ModelConfig(head_dim=32, qk_norm=True, norm_eps=1e-6, layer_types=(FULL_ATTENTION, SLIDING_ATTENTION),
-                                     sliding_window=64),
+    "tiny-qwen3-window": ModelConfig(head_dim=32, qk_norm=True, norm_eps=1e-6, sliding_window=64,
+                                     layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
     # Mistral v0.1's every-layer window.
     "tiny-mistral-window": ModelConfig(layer_types=(SLIDING_ATTENTION,) * 2, sliding_window=64, family="mistral"),
     "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
