@@ -281,7 +281,31 @@ def block_attention(q, k, v, rows):
     """(out, lse float32) of q [B, Hq, Lq, d] against k, v [B, Hkv, Lk, d] on the ``layers.Block``s of each row
     (``layers.Mask.blocks``: blocks of one query slice are consecutive, query slices ascending and disjoint); the
     parts of a query are merged through their LSEs, and queries outside every block get out = 0 and lse = -inf.
-    Differentiable by autograd."""
+    Differentiable (``out``; the LSE is not) by ``block_attention_backward``: the fused kernels' autograd
+    does not carry a gradient through their LSE, which the merge of a query's blocks would need."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _BlockAttention.apply(q, k, v, rows)
+    return _block_forward(q, k, v, rows)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rows):
+        out, lse = _block_forward(q, k, v, rows)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        dq = block_attention_backward(dout, q, k, v, out, lse, ctx.rows, dk, dv, accumulate=False)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _block_forward(q, k, v, rows):
     outs, lses = [], []
     for r, blocks in _rows(rows, q.shape[0]):
         out, lse = _row_attention(q[r], k[r], v[r], blocks)

@@ -278,8 +278,10 @@ def _gemma3_to_hf(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling == "linear":
         full = {"rope_type": "linear", "factor": cfg.rope_factor, "rope_theta": cfg.rope_theta}
     local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    scalar = int(scalar) if float(scalar).is_integer() else scalar  # transformers 5 checks it is an int
     return {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim, "final_logit_softcapping": None,
+            "query_pre_attn_scalar": scalar, "final_logit_softcapping": None,
             "attn_logit_softcapping": None, "attention_bias": False, "use_bidirectional_attention": False,
             "rope_theta": cfg.rope_theta, "rope_local_base_freq": local,
             "rope_scaling": {k: v for k, v in full.items() if k != "rope_theta"} if cfg.rope_scaling else None,
@@ -313,7 +315,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         # transformers < 5 reads rope_theta/rope_scaling; >= 5 reads rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if cfg.rope_scaling is None else {k: rope_parameters[k] for k in rope_scaling_keys},
+        "rope_scaling": None if cfg.rope_scaling != "llama3" else {k: rope_parameters[k] for k in rope_scaling_keys},
         "rope_parameters": rope_parameters,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
