@@ -58,7 +58,9 @@ _COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2
 def _gemma3(window: int) -> tuple:
     # Four layers, every second one global (the real models: every sixth), head_dim 24, the attention scale of
     # query_pre_attn_scalar 20, linear RoPE scaling on global layers, a local base of its own.
-    values = {**_COMMON, "num_hidden_layers": 4, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": window,
+    # pad_token_id None: transformers' embedding would give the pad token's row no gradient from lookups
+    # (nn.Embedding's padding_idx), a training detail torchtsp does not copy; its checkpoints load the same.
+    values = {**_COMMON, "num_hidden_layers": 4, "head_dim": 24, "pad_token_id": None, "query_pre_attn_scalar": 20, "sliding_window": window,
               "sliding_window_pattern": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
@@ -397,3 +399,23 @@ def test_gemma3_presets_slide_five_layers_of_six():
         types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
         assert types[:6] == ["sliding_attention"] * 5 + ["full_attention"], name
         assert types.count("full_attention") == cfg.n_layers // 6, name
+
+
+def test_decode_of_sliding_layers_masks_keys_older_than_the_window():
+    """Greedy generation through the reference engine's KV cache equals the model's forward at every step with a
+    window shorter than the prompt: decode hides the keys that left a sliding layer's window."""
+    from torchtsp.infer import generate
+
+    torch.manual_seed(0)
+    model = Transformer(get_preset("tiny-qwen3-window").replace(sliding_window=4)).eval()
+    model.reset_parameters(std=0.1)
+    prompt = [3, 17, 5, 42, 8, 1, 9]
+    result = generate(model, [prompt], 4, return_logits=True)
+    tokens = result.tokens[0]
+    with torch.no_grad():
+        full = model(torch.tensor([tokens[:-1]]))[0]
+        unwindowed = Transformer(model.cfg.replace(layer_types=()))
+        unwindowed.load_state_dict(model.state_dict())
+        assert rel_err(unwindowed(torch.tensor([tokens[:-1]]))[0], full) > 1e-3  # the window shows
+    for step, logits in enumerate(result.logits):
+        assert rel_err(logits.float().reshape(-1), full[len(prompt) - 1 + step]) <= 1e-5, step
