@@ -60,7 +60,8 @@ def _gemma3(window: int) -> tuple:
     # query_pre_attn_scalar 20, linear RoPE scaling on global layers, a local base of its own.
     # pad_token_id None: transformers' embedding would give the pad token's row no gradient from lookups
     # (nn.Embedding's padding_idx), a training detail torchtsp does not copy; its checkpoints load the same.
-    values = {**_COMMON, "num_hidden_layers": 4, "head_dim": 24, "pad_token_id": None, "query_pre_attn_scalar": 20, "sliding_window": window,
+    values = {**_COMMON, "num_hidden_layers": 4, "head_dim": 24, "pad_token_id": None, "query_pre_attn_scalar": 20,
+              "sliding_window": window,
               "sliding_window_pattern": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
@@ -119,7 +120,7 @@ def ours_from_hf(hf) -> Transformer:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers_logits_loss_and_grads(family, window, monkeypatch):
     # Tiles of 4 queries: the reference runs several tiles per row, each with an edge and a diagonal block.
-    monkeypatch.setattr("torchtsp.layers.WINDOW_TILE", 4)
+    monkeypatch.setattr("torchtsp.masks.WINDOW_TILE", 4)
     hf = make_hf(family, window)
     ours = ours_from_hf(hf)
     cfg = ours.cfg
@@ -202,7 +203,7 @@ def check_window_edge(window: int, monkeypatch) -> None:
     expected = hf_fn(torch.tensor(0), torch.tensor(0), i[:, None], i[None, :]).expand(n, n)
     assert expected.sum(1).max() == min(window, n)  # the query itself counts: W keys, not W + 1
     for tile in (1, 3, 128):
-        monkeypatch.setattr("torchtsp.layers.WINDOW_TILE", tile)
+        monkeypatch.setattr("torchtsp.masks.WINDOW_TILE", tile)
         assert torch.equal(_visible(sequence_mask(window=window), n), expected), tile
     # The cache's mask (decode of a sliding layer): the same pairs.
     q, k, v = torch.randn(3, 1, 2, n, 8, generator=torch.Generator().manual_seed(0)).unbind(0)
@@ -223,12 +224,12 @@ def test_the_window_edge_is_transformers(window, monkeypatch):
 def test_an_off_by_one_window_is_caught(where, monkeypatch):
     """A window that kept one key more (i - j <= W), planted in the block enumeration or in the cache's kernel,
     disagrees with transformers at the edge: the check above fails."""
-    import torchtsp.layers
+    import torchtsp.masks
 
     if where == "blocks":
-        real = torchtsp.layers.visible_blocks
+        real = torchtsp.masks.visible_blocks
         planted = lambda runs, qs, ql, ks, kl, w: real(runs, qs, ql, ks, kl, None if w is None else w + 1)
-        monkeypatch.setattr(torchtsp.layers, "visible_blocks", planted)
+        monkeypatch.setattr(torchtsp.masks, "visible_blocks", planted)
     else:
         real = kernels.masked_attention
         planted = lambda q, k, v, qp, kp, valid, w=None: real(q, k, v, qp, kp, valid, None if w is None else w + 1)
