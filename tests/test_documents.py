@@ -228,8 +228,8 @@ def test_zigzag_attention_with_documents_equals_whole_rows_and_skips_foreign_blo
     work = AttentionWork()
     for r in range(D):
         with work:
-            out, lse = zigzag_attention_forward(shard(q), kv, r, D, docs)
-        dq, part = zigzag_attention_backward(shard(dout), shard(q), kv, out, lse, r, D, docs)
+            out, lse = zigzag_attention_forward(shard(q), kv, r, D, docs.mask())
+        dq, part = zigzag_attention_backward(shard(dout), shard(q), kv, out, lse, r, D, docs.mask())
         outs.append(out)
         dqs.append(dq)
         dkv += torch.stack(list(part)) if isinstance(part, list) else part

@@ -188,8 +188,9 @@ def test_llama3_rope_tables_equal_transformers_and_use_all_three_bands():
 
 def test_head_norm_is_per_head_rms_norm():
     x, w = torch.randn(2, 3, 4, 16), torch.randn(16)
-    expected = torch.stack([rms_norm(x[:, :, h], w, 1e-6) for h in range(4)], dim=2)
-    assert torch.equal(head_norm(x, w, 1e-6), expected)
+    for cfg in (ModelConfig(norm_eps=1e-6), ModelConfig(norm_eps=1e-6, norm_offset=1.0, family="gemma3_text")):
+        expected = torch.stack([rms_norm(x[:, :, h], w, 1e-6, cfg.norm_offset) for h in range(4)], dim=2)
+        assert torch.equal(head_norm(x, w, cfg), expected)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -270,7 +271,7 @@ def test_every_preset_exports_a_config_transformers_builds(name):
     d = config_to_hf(preset)
     hf_config = AutoConfig.for_model(**d)
     assert hf_config.model_type == preset.hf_model_type and d["architectures"][0].startswith(
-        type(hf_config).__name__.removesuffix("Config"))
+        type(hf_config).__name__.removesuffix("Config").removesuffix("Text"))  # Gemma3TextConfig: Gemma3ForCausalLM
     assert config_from_hf(hf_config.to_dict()) == preset == config_from_hf(d)
     assert hash(preset) == hash(config_from_hf(d))
 
@@ -281,30 +282,35 @@ def test_mistral_sliding_window():
             "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None}  # Mistral-7B v0.3
     cfg = config_from_hf(real)
     assert cfg.family == "mistral" and cfg.hf_model_type == "mistral" and not (cfg.qkv_bias or cfg.qk_norm)
+    assert not cfg.sliding
     assert config_from_hf({**real, "sliding_window": 32768}) == cfg  # never masks anything
-    with pytest.raises(ValueError, match=r"sliding_window=4096.*max_position_embeddings=32768"):
-        config_from_hf({**real, "sliding_window": 4096})  # Mistral-7B v0.1
+    windowed = config_from_hf({**real, "sliding_window": 4096})  # Mistral-7B v0.1: every layer slides
+    assert windowed.sliding_window == 4096 and all(windowed.window(i) == 4096 for i in range(32))
 
 
 def test_qwen_sliding_window_only_where_a_layer_uses_it():
     _, _, values = FAMILIES["qwen2"]
     base = {**values, "model_type": "qwen2"}
-    assert config_from_hf({**base, "sliding_window": 16})  # use_sliding_window false: no layer slides
+    assert not config_from_hf({**base, "sliding_window": 16}).sliding  # use_sliding_window false: no layer slides
     # max_window_layers 2 of 2 layers: full attention everywhere.
-    assert config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16})
-    with pytest.raises(ValueError, match=r"sliding_window=16 with use_sliding_window=true"):
-        config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
-    with pytest.raises(ValueError, match=r"sliding_window=16"):
-        config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16,
-                        "layer_types": ["full_attention", "sliding_attention"]})
+    assert not config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16}).sliding
+    upper = config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
+    assert (upper.window(0), upper.window(1)) == (None, 16)
+    assert config_from_hf({**base, "use_sliding_window": True, "sliding_window": 16,
+                           "layer_types": ["full_attention", "sliding_attention"]}) == upper
 
 
-def test_head_dim_other_than_dim_over_heads_is_refused():
-    # Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128 (not 64).
+def test_head_dim_other_than_dim_over_heads():
+    # Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128 (not 64): wq [16·128, 1024], wo its transpose.
     small_qwen3 = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
                    "head_dim": 128, "intermediate_size": 3072, "num_hidden_layers": 28, "vocab_size": 151936}
-    with pytest.raises(ValueError, match=r"head_dim=128: torchtsp requires head_dim == hidden_size / "):
-        config_from_hf(small_qwen3)
+    cfg = config_from_hf(small_qwen3)
+    assert cfg.head_dim == 128
+    shapes = reference_shapes(cfg)
+    assert shapes["layers.0.attention.wq.weight"] == (16 * 128, 1024)
+    assert shapes["layers.0.attention.wk.weight"] == (8 * 128, 1024)
+    assert shapes["layers.0.attention.wo.weight"] == (1024, 16 * 128)
+    assert config_to_hf(cfg)["head_dim"] == 128
 
 
 def test_model_config_validation():

@@ -182,3 +182,34 @@ def test_hf_checkpoint_loads_under_tsp_and_exports_back(pools, tmp_path, family)
     tokens = torch.randint(cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(back(input_ids=tokens).logits, hf(input_ids=tokens).logits)
+
+
+def hybrid_reference(family: str, window: int):
+    """tests/test_hybrid.py's tiny transformers model of ``family`` with ``window``: its config, weights, loss and
+    gradients (torchtsp names) on this file's batch shape."""
+    import test_hybrid
+
+    hf = test_hybrid.make_hf(family, window)
+    cfg = config_from_hf(hf.config.to_dict())
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(cfg.vocab_size, (B, S), generator=g)
+    labels = torch.randint(cfg.vocab_size, (B, S), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    loss = F.cross_entropy(hf(input_ids=tokens).logits.flatten(0, 1).float(), labels.flatten(),
+                           ignore_index=IGNORE_INDEX)
+    loss.backward()
+    weights = from_hf_state_dict({n: p.detach() for n, p in hf.named_parameters()}, cfg)
+    grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
+    return cfg, weights, grads, loss.item(), tokens, labels
+
+
+@pytest.mark.parametrize("family,window", [("gemma3", 3), ("mistral", 9)])
+def test_hybrid_attention_under_tsp_tp_sp(pools, family, window):
+    """Gemma 3 (sliding and full layers, its own norms, GeGLU, scaled embeddings, attention scale) and Mistral's
+    window at D = 2 give transformers' loss and every gradient under tsp, tp and sp. Zigzag chunks are S/4 = 4
+    tokens: a window of 3 lies inside one, a window of 9 spans three (parts outside it are skipped)."""
+    cfg, weights, grads, hf_loss, tokens, labels = hybrid_reference(family, window)
+    assert cfg.sliding
+    for scheme in ("tsp", "tp", "sp"):
+        check_against_transformers(pools(2).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, {scheme: 2}),
+                                   grads, hf_loss, scheme)

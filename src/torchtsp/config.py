@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
-ROPE_SCALINGS = ("llama3",)
+ROPE_SCALINGS = ("llama3", "linear")
+# Hugging Face's names of the attention a layer runs (``layer_types``): the whole causal context, or a window.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 _LLAMA3_FIELDS = (
     "rope_factor",
     "rope_low_freq_factor",
@@ -45,6 +49,27 @@ class ModelConfig:
     * Layer i is sparse unless it is in ``dense_layers`` or ``(i + 1) % moe_layer_step != 0`` (Hugging Face's
       ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers use ``ffn_dim``.
     * The training loss adds ``router_aux_loss_coef`` times the load-balancing loss (``model.load_balancing_loss``).
+
+    Attention shape and hybrid attention (defaults: every layer full, head_dim = dim / n_heads):
+
+    * ``head_dim``: width of one head (None: dim // n_heads, stored as that number). Qwen3's small sizes and
+      Gemma 3 have heads wider or narrower than dim / n_heads: wq is [n_heads·head_dim, dim], wo its transpose.
+    * ``layer_types``: per layer "full_attention" or "sliding_attention" (Hugging Face's names; () or all full:
+      every layer sees the whole causal context). A sliding layer's query at position i sees keys j with
+      i - ``sliding_window`` < j <= i (transformers' convention: the window counts the query itself).
+    * ``rope_local_theta``: the RoPE base of sliding layers, which then use plain RoPE (Gemma 3's
+      rope_local_base_freq); None: sliding layers share the global layers' tables. ``rope_scaling="linear"``
+      divides the frequencies by ``rope_factor`` (Gemma 3's global layers on its larger sizes).
+
+    Gemma 3's variants of the one layer core (all off by default):
+
+    * ``norm_offset``: every RMSNorm (q/k norms included) scales by (norm_offset + w), in float32 before the cast
+      back, as Gemma's RMSNorm does; its weights start at zero. ``sandwich_norm``: each sublayer's output is
+      normed too (post_attention / post_feedforward) before the residual add.
+    * ``mlp_activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh approximation).
+    * ``embed_scale``: embeddings are multiplied by sqrt(dim), rounded to the model's dtype.
+    * ``query_pre_attn_scalar``: attention scores are scaled by query_pre_attn_scalar**-0.5 instead of
+      head_dim**-0.5 (None, or equal to head_dim: the usual scale).
     """
 
     dim: int = 128
@@ -73,27 +98,119 @@ class ModelConfig:
     moe_layer_step: int = 1
     dense_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    head_dim: int | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    norm_offset: float = 0.0
+    sandwich_norm: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim = dim/n_heads = {self.dim // self.n_heads} must be even for RoPE")
+        self._check_head_dim()
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
         self._check_rope_scaling()
+        self._check_layer_types()
+        self._check_variants()
         self._check_moe()
         self._check_family()
+
+    def _check_head_dim(self):
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}, or set head_dim")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        object.__setattr__(self, "head_dim", int(self.head_dim))
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be positive and even (RoPE rotates pairs)")
+
+    def _check_layer_types(self):
+        types = tuple(self.layer_types)
+        if types and len(types) != self.n_layers:
+            raise ValueError(f"ModelConfig.layer_types has {len(types)} entries for {self.n_layers} layers; give "
+                             "one per layer or leave it empty (every layer full)")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"ModelConfig.layer_types has {bad[0]!r}; use {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}")
+        # One spelling per model: all-full is (), a window no layer uses is None.
+        sliding = SLIDING_ATTENTION in types
+        object.__setattr__(self, "layer_types", types if sliding else ())
+        if sliding and (self.sliding_window is None or int(self.sliding_window) < 1):
+            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window!r} must be a positive number of "
+                             "tokens when a layer is 'sliding_attention'")
+        object.__setattr__(self, "sliding_window", int(self.sliding_window) if sliding else None)
+        if self.rope_local_theta is not None and not sliding:
+            object.__setattr__(self, "rope_local_theta", None)  # no layer reads it
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(f"ModelConfig.rope_local_theta must be positive, got {self.rope_local_theta}")
+
+    def _check_variants(self):
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"ModelConfig.mlp_activation={self.mlp_activation!r}; use one of: "
+                             f"{', '.join(MLP_ACTIVATIONS)}")
+        if self.norm_offset not in (0.0, 1.0):
+            raise ValueError(f"ModelConfig.norm_offset={self.norm_offset}; use 0 (Llama's RMSNorm: w) or 1 "
+                             "(Gemma's: 1 + w)")
+        object.__setattr__(self, "norm_offset", float(self.norm_offset))
+        scalar = self.query_pre_attn_scalar
+        if scalar is not None and not scalar > 0:
+            raise ValueError(f"ModelConfig.query_pre_attn_scalar must be positive, got {scalar}")
+        if scalar is not None and float(scalar) == self.head_dim:
+            object.__setattr__(self, "query_pre_attn_scalar", None)  # the usual scale: one spelling
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's attention: "full_attention" or "sliding_attention"."""
+        return self.layer_types[i] if self.layer_types else FULL_ATTENTION
+
+    def window(self, i: int) -> int | None:
+        """The window of layer i's attention (None: the whole causal context)."""
+        return self.sliding_window if self.layer_type(i) == SLIDING_ATTENTION else None
+
+    @property
+    def sliding(self) -> bool:
+        """Whether any layer attends within a window (a model feature a scheme must implement)."""
+        return bool(self.layer_types)
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Whether the norms are Gemma's: (1 + w) and sandwiched (a model feature a scheme must implement)."""
+        return bool(self.norm_offset or self.sandwich_norm)
+
+    @property
+    def geglu(self) -> bool:
+        return self.mlp_activation != "silu"
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q·k in attention scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def query_scale(self) -> float | None:
+        """What queries are multiplied by so that the kernels' usual head_dim**-0.5 gives ``attention_scale``
+        (None: 1, nothing to do). Folded into the queries once, so no kernel takes a scale argument."""
+        return None if self.query_pre_attn_scalar is None else (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+
+    def stage(self, layers: range) -> ModelConfig:
+        """The config of a run of this model's layers (a pipeline stage): its layer types go with it."""
+        types = self.layer_types[layers.start:layers.stop] if self.layer_types else ()
+        return self.replace(n_layers=len(layers), layer_types=types)
 
     def _check_moe(self):
         # JSON (checkpoint metadata) turns the tuple into a list: one spelling, so configs compare equal.
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
         if self.n_experts < 0:
             raise ValueError(f"ModelConfig.n_experts must be >= 0 (0: a dense model), got {self.n_experts}")
+        if self.n_experts and self.geglu:
+            raise ValueError("ModelConfig.mlp_activation='gelu_tanh' is for dense models: experts are SwiGLU; set "
+                             "mlp_activation='silu' or n_experts=0")
         if self.n_experts == 0:
             moe_fields = ("moe_top_k", "moe_ffn_dim", "shared_expert_ffn_dim", "dense_layers", "router_aux_loss_coef")
             set_fields = [name for name in moe_fields if getattr(self, name)]
@@ -123,6 +240,12 @@ class ModelConfig:
         return self.n_experts > 0 and i not in self.dense_layers and (i + 1) % self.moe_layer_step == 0
 
     def _check_rope_scaling(self):
+        if self.rope_scaling == "linear":
+            others = [name for name in _LLAMA3_FIELDS[1:] if getattr(self, name) is not None]
+            if others or self.rope_factor is None or not self.rope_factor > 0:
+                raise ValueError(f"ModelConfig.rope_scaling='linear' takes a positive rope_factor only, got "
+                                 f"rope_factor={self.rope_factor!r}" + (f" and {others[0]}" if others else ""))
+            return
         if self.rope_scaling is None:
             for name in _LLAMA3_FIELDS:
                 if getattr(self, name) is not None:
@@ -133,7 +256,7 @@ class ModelConfig:
             return
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ValueError(
-                f"ModelConfig.rope_scaling={self.rope_scaling!r} is not supported; use None or 'llama3'"
+                f"ModelConfig.rope_scaling={self.rope_scaling!r} is not supported; use None, 'llama3' or 'linear'"
             )
         for name in _LLAMA3_FIELDS:
             value = getattr(self, name)
@@ -160,6 +283,13 @@ class ModelConfig:
         if self.family in MOE_FAMILIES or self.n_experts:
             self._check_moe_family()
             return
+        gemma = self.gemma_norms or self.geglu or self.embed_scale
+        if (self.family == "gemma3_text") != gemma:
+            raise ValueError(f"ModelConfig.family={self.family!r} {'needs' if not gemma else 'cannot express'} "
+                             "Gemma's norms (norm_offset=1, sandwich_norm), GeGLU and embed_scale; fix them or set "
+                             "family=None")
+        if self.family == "gemma3_text":
+            return
         wants_bias, wants_norm = self.family == "qwen2", self.family == "qwen3"
         if self.qkv_bias != wants_bias or self.qk_norm != wants_norm:
             raise ValueError(
@@ -170,6 +300,8 @@ class ModelConfig:
     def _inferred_family(self) -> str:
         if self.n_experts:
             return "qwen2_moe"
+        if self.gemma_norms or self.geglu or self.embed_scale:
+            return "gemma3_text"
         return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
 
     def _check_moe_family(self):
@@ -194,21 +326,22 @@ class ModelConfig:
         return self.family or self._inferred_family()
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def group_size(self) -> int:
         """g = query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
     def replace(self, **changes) -> ModelConfig:
+        # A head_dim derived from dim / n_heads follows them; one set on its own stays.
+        derived = self.head_dim == self.dim // self.n_heads
+        if {"dim", "n_heads"} & set(changes) and "head_dim" not in changes and derived:
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """Plain JSON values (``dense_layers`` as a list), equal to what a JSON round trip gives back."""
+        """Plain JSON values (tuples as lists), equal to what a JSON round trip gives back."""
         values = dataclasses.asdict(self)
         values["dense_layers"] = list(self.dense_layers)
+        values["layer_types"] = list(self.layer_types)
         return values
 
     @classmethod
@@ -228,6 +361,16 @@ _LLAMA3_ROPE = dict(
     rope_original_max_position_embeddings=8192,
 )
 
+def _pattern(n_layers: int, every: int) -> tuple[str, ...]:
+    """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
+    return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(n_layers))
+
+
+# Gemma 3's variants of the layer core, the same in every size.
+_GEMMA3 = dict(norm_offset=1.0, sandwich_norm=True, mlp_activation="gelu_tanh", embed_scale=True, qk_norm=True,
+               tie_embeddings=True, norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
+               family="gemma3_text")
+
 PRESETS: dict[str, ModelConfig] = {
     # Trains in seconds on a CPU; GQA (g=2) and every head count divisible by 1, 2 and 4.
     "tiny": ModelConfig(),
@@ -237,6 +380,15 @@ PRESETS: dict[str, ModelConfig] = {
     # The tiny model with one KV head (MQA): at D = 2 TP keeps a copy of it on both ranks, TSP half of its tokens on
     # each, so the same cache budget holds twice the tokens under TSP (bench --mode serve's capacity figure).
     "tiny-mqa": ModelConfig(n_kv_heads=1),
+    # Toy hybrid models (tests and demos): a sliding and a full layer each, heads wider than dim / n_heads.
+    # Gemma 3's layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar 24.
+    "tiny-gemma3": ModelConfig(head_dim=32, layer_types=_pattern(2, 2), sliding_window=64, query_pre_attn_scalar=24,
+                               **_GEMMA3),
+    # Qwen3 with a window in its upper layer (use_sliding_window, max_window_layers 1) and head_dim 32.
+    "tiny-qwen3-window": ModelConfig(head_dim=32, qk_norm=True, norm_eps=1e-6, sliding_window=64,
+                                     layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
+    # Mistral v0.1's every-layer window.
+    "tiny-mistral-window": ModelConfig(layer_types=(SLIDING_ATTENTION,) * 2, sliding_window=64, family="mistral"),
     "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
     # The paper's 7B reference: h=4096, 32 layers, 32 query and 32 KV heads, ffn = 4h.
     "paper-7b": ModelConfig(
@@ -307,6 +459,25 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         qk_norm=True,
     ),
+    # Qwen3 4B: 32 heads of 128 (wider than dim / n_heads = 80), tied embeddings.
+    "qwen3-4b": ModelConfig(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9728,
+                            vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
+                            tie_embeddings=True),
+    # Mistral 7B v0.1: a 4096-token window in every layer.
+    "mistral-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
+                              max_seq_len=32768, layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=4096,
+                              family="mistral"),
+    # Gemma 3 (text): 5 local layers (window 512 / 1024, RoPE base 1e4) to 1 global (base 1e6, linear scaling by
+    # 8 on 4B and 27B); 27B's heads are narrower than dim / n_heads and its attention scale 168**-0.5.
+    "gemma3-1b": ModelConfig(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+                             vocab_size=262144, max_seq_len=32768, layer_types=_pattern(26, 6), sliding_window=512,
+                             **_GEMMA3),
+    "gemma3-4b": ModelConfig(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=10240,
+                             vocab_size=262208, max_seq_len=131072, layer_types=_pattern(34, 6), sliding_window=1024,
+                             rope_scaling="linear", rope_factor=8.0, **_GEMMA3),
+    "gemma3-27b": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
+                              vocab_size=262208, max_seq_len=131072, layer_types=_pattern(62, 6), sliding_window=1024,
+                              rope_scaling="linear", rope_factor=8.0, query_pre_attn_scalar=168, **_GEMMA3),
     # Mixtral 8x7B: 8 experts of width 14336 in every layer, top-2, GQA g=4.
     "mixtral-8x7b": ModelConfig(
         dim=4096,

@@ -4,7 +4,7 @@
 against all keys: PyTorch's flash kernel on the CPU, the fused SDPA kernels on CUDA (flash for bf16/fp16,
 memory-efficient for fp32), and a portable block-wise kernel on any other device. GQA never expands K/V.
 ``masked_attention`` handles per-token positions and validity (a KV cache), block by block in float32;
-``document_attention`` runs the fused kernel on the blocks of packed documents only.
+``block_attention`` runs the fused kernel on the visible blocks of packed documents and sliding windows only.
 Callers reach both through ``torchtsp.layers.attend``; hand-written backward passes call
 ``fused_attention_backward`` with the merged output and LSE.
 """
@@ -143,12 +143,12 @@ def fused_attention_backward(dout, q, k, v, out, lse, causal: bool, dk, dv, accu
     return dq
 
 
-def masked_attention(q, k, v, q_pos, k_pos, k_valid):
+def masked_attention(q, k, v, q_pos, k_pos, k_valid, window: int | None = None):
     """Attention of queries q [B, Hq, T, d] against keys/values [B, Hkv, N, d] in float32.
 
-    A query at position i sees the valid keys at positions <= i. Returns (out [B, Hq, T, d] float32,
-    lse [B, Hq, T] float32); a query that sees no key here gets out = 0, lse = -inf, which the merge
-    weighs by exp(-inf) = 0. GQA: query head j uses KV head j // g, without expanding K/V.
+    A query at position i sees the valid keys at positions <= i (and > i - window with a window). Returns
+    (out [B, Hq, T, d] float32, lse [B, Hq, T] float32); a query that sees no key here gets out = 0,
+    lse = -inf, which the merge weighs by exp(-inf) = 0. GQA: query head j uses KV head j // g, without expanding K/V.
     """
     B, Hq, T, d = q.shape
     Hkv = k.shape[1]
@@ -163,6 +163,8 @@ def masked_attention(q, k, v, q_pos, k_pos, k_valid):
         # The mask is per (query token, key), shared by the g query heads of a KV head: [B, 1, 1, T, b-a].
         hidden = k_pos[:, None, None, None, a:b] > q_pos[:, None, None, :, None]
         hidden |= ~k_valid[:, None, None, None, a:b]  # in place: one mask-sized buffer per block
+        if window is not None:  # keys that left a sliding layer's window (the cache still holds them)
+            hidden |= k_pos[:, None, None, None, a:b] <= q_pos[:, None, None, :, None] - window
         s.view(B, Hkv, g, T, b - a).masked_fill_(hidden, float("-inf"))
         new_max = torch.maximum(run_max, s.amax(dim=-1))
         # Rows that have seen no key yet keep max = -inf; a finite stand-in avoids -inf - -inf = NaN.
@@ -179,47 +181,155 @@ def masked_attention(q, k, v, q_pos, k_pos, k_valid):
     return out.view(B, Hq, T, d), lse.view(B, Hq, T)
 
 
-# Packed documents: each (row, document) block is one call of the fused kernel above, causal on a document's
-# diagonal and unmasked where its keys all precede its queries; blocks outside every document are never computed
-# and no mask tensor is built. (A varlen kernel would take all documents in one call; on the CPU there is none.)
+# Blocks (packed documents, sliding windows): each ``layers.Block`` is one kernel call, unmasked where every
+# pair is visible, the fused kernel's causal mask on a square diagonal, an explicit block-sized mask otherwise
+# (a window's edge); blocks nobody sees are never computed and no mask of all queries x all keys is built.
+# (A varlen / windowed kernel would take them in one call; on the CPU there is none.)
 
 
-def document_attention(q, k, v, blocks):
-    """(out, lse float32) of q [B, Hq, Lq, d] against k, v [B, Hkv, Lk, d] on the ``blocks`` of each row
-    (``Documents.blocks``: (query slice, key slice, causal)); queries outside every block get out = 0 and
-    lse = -inf. Differentiable by autograd through the fused kernel."""
-    B, _, Lq, _ = q.shape
+def _band(block, device):
+    """The [Lq, Lk] visibility of a masked block: lo <= j - i <= hi."""
+    nq, nk = block.q.stop - block.q.start, block.k.stop - block.k.start
+    offset = torch.arange(nk, device=device)[None, :] - torch.arange(nq, device=device)[:, None]
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if block.lo is not None:
+        visible &= offset >= block.lo
+    if block.hi is not None:
+        visible &= offset <= block.hi
+    return visible
+
+
+def _band_scores(q, k, visible):
+    """float32 scores [B, Hq, Lq, Lk] of q against k (KV heads expanded: blocks are small), hidden ones -inf."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def band_attention(q, k, v, block):
+    """(out in q's dtype, lse float32) of one masked block, in plain differentiable ops; a query that sees no
+    key of the block gets out = 0, lse = -inf."""
+    s = _band_scores(q, k, _band(block, q.device))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    out = p @ v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).float()
+    return out.to(q.dtype), lse
+
+
+def band_attention_backward(dout, q, k, v, out, lse, block, dk, dv):
+    """dq of one masked block from the merged output and LSE; dK/dV (summed over each KV head's query heads)
+    added to float32 ``dk``, ``dv``."""
+    g = q.shape[1] // k.shape[1]
+    p = torch.exp(_band_scores(q, k, _band(block, q.device)) - lse.unsqueeze(-1))  # 0 where hidden
+    dout32 = dout.float()
+    delta = (dout32 * out.float()).sum(-1, keepdim=True)
+    ds = p * (dout32 @ v.repeat_interleave(g, dim=1).float().transpose(-1, -2) - delta) * q.shape[-1] ** -0.5
+    fold = lambda t: t.view(t.shape[0], k.shape[1], g, *t.shape[2:]).sum(2)  # [B, Hq, ...] -> per KV head
+    dv.add_(fold(p.transpose(-1, -2) @ dout32))
+    dk.add_(fold(ds.transpose(-1, -2) @ q.float()))
+    return (ds @ k.repeat_interleave(g, dim=1).float()).to(q.dtype)
+
+
+def _run_block(q, k, v, block):
+    kind = block.kind
+    if kind == "masked":
+        return band_attention(q, k, v, block)
+    return fused_attention(q, k, v, kind == "causal")
+
+
+def _rows(rows, batch: int):
+    """(batch-row slice, blocks) pairs: ``[None, blocks]`` is one list for every row, else one list per row."""
+    if rows and rows[0] is None:
+        return [(slice(0, batch), rows[1])]
+    return [(slice(b, b + 1), blocks) for b, blocks in enumerate(rows)]
+
+
+def _merge(parts):
+    """One (out float32, lse) of partial attentions over disjoint key sets of the same queries."""
+    out, lse = parts[0][0].float(), parts[0][1]
+    for o, l_ in parts[1:]:
+        merged = torch.logaddexp(lse, l_)
+        shift = torch.where(torch.isfinite(merged), merged, 0.0)  # a query that saw no key yet: weights 0, not NaN
+        out = out * torch.exp(lse - shift).unsqueeze(-1) + o.float() * torch.exp(l_ - shift).unsqueeze(-1)
+        lse = merged
+    return out, lse
+
+
+def _row_attention(q, k, v, blocks):
+    """(out float32, lse) of the rows of q against k, v on ``blocks`` (grouped by query slice, in order)."""
+    n, H, Lq, d = q.shape
+    pieces, piece_lses, at, i = [], [], 0, 0
+    while i < len(blocks) or at < Lq:
+        qs = blocks[i].q if i < len(blocks) else slice(Lq, Lq)
+        if qs.start > at:  # queries that see no key in this part
+            pieces.append(q.new_zeros(n, H, qs.start - at, d, dtype=torch.float32))
+            piece_lses.append(torch.full((n, H, qs.start - at), float("-inf"), dtype=torch.float32, device=q.device))
+        if i == len(blocks):
+            break
+        group = []
+        while i < len(blocks) and blocks[i].q == qs:
+            group.append(_run_block(q[:, :, qs], k[:, :, blocks[i].k], v[:, :, blocks[i].k], blocks[i]))
+            i += 1
+        out, lse = _merge(group)
+        pieces.append(out)
+        piece_lses.append(lse)
+        at = qs.stop
+    return torch.cat(pieces, dim=2), torch.cat(piece_lses, dim=2)
+
+
+def block_attention(q, k, v, rows):
+    """(out, lse float32) of q [B, Hq, Lq, d] against k, v [B, Hkv, Lk, d] on the ``layers.Block``s of each row
+    (``layers.Mask.blocks``: blocks of one query slice are consecutive, query slices ascending and disjoint); the
+    parts of a query are merged through their LSEs, and queries outside every block get out = 0 and lse = -inf.
+    Differentiable (``out``; the LSE is not) by ``block_attention_backward``: the fused kernels' autograd
+    does not carry a gradient through their LSE, which the merge of a query's blocks would need."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _BlockAttention.apply(q, k, v, rows)
+    return _block_forward(q, k, v, rows)
+
+
+class _BlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rows):
+        out, lse = _block_forward(q, k, v, rows)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rows = rows
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dk, dv = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        dq = block_attention_backward(dout, q, k, v, out, lse, ctx.rows, dk, dv, accumulate=False)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _block_forward(q, k, v, rows):
     outs, lses = [], []
-    for b, row in enumerate(blocks):
-        pieces, piece_lses, at = [], [], 0
-        for qs, ks, causal in row + [(slice(Lq, Lq), None, False)]:
-            if qs.start > at:  # queries that see no key in this part
-                pieces.append(q.new_zeros(1, q.shape[1], qs.start - at, q.shape[-1]))
-                piece_lses.append(torch.full((1, q.shape[1], qs.start - at), float("-inf"), dtype=torch.float32,
-                                             device=q.device))
-            if ks is not None:
-                o, lse = fused_attention(q[b:b + 1, :, qs], k[b:b + 1, :, ks], v[b:b + 1, :, ks], causal)
-                pieces.append(o)
-                piece_lses.append(lse)
-            at = qs.stop
-        outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
-        lses.append(piece_lses[0] if len(piece_lses) == 1 else torch.cat(piece_lses, dim=2))
-    if B == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs), torch.cat(lses)
+    for r, blocks in _rows(rows, q.shape[0]):
+        out, lse = _row_attention(q[r], k[r], v[r], blocks)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+    return out.to(q.dtype), lse
 
 
-def document_attention_backward(dout, q, k, v, out, lse, blocks, dk, dv, accumulate: bool):
-    """dq of ``document_attention`` from the (merged) output and LSE; dK/dV added to (with ``accumulate``) or
+def block_attention_backward(dout, q, k, v, out, lse, rows, dk, dv, accumulate: bool):
+    """dq of ``block_attention`` from the (merged) output and LSE; dK/dV added to (with ``accumulate``) or
     written into ``dk``, ``dv`` (zero where no query of this part sees the key)."""
-    dq = torch.zeros_like(q)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if not accumulate:
         dk.zero_()
         dv.zero_()
-    for b, row in enumerate(blocks):
-        for qs, ks, causal in row:
-            r = slice(b, b + 1)
-            dq[r, :, qs] = fused_attention_backward(dout[r, :, qs], q[r, :, qs], k[r, :, ks], v[r, :, ks],
-                                                    out[r, :, qs], lse[r, :, qs], causal, dk[r, :, ks],
-                                                    dv[r, :, ks], accumulate=True)
-    return dq
+    for r, blocks in _rows(rows, q.shape[0]):
+        for block in blocks:
+            args = (dout[r, :, block.q], q[r, :, block.q], k[r, :, block.k], v[r, :, block.k], out[r, :, block.q],
+                    lse[r, :, block.q])
+            if block.kind == "masked":
+                part = band_attention_backward(*args, block, dk[r, :, block.k], dv[r, :, block.k])
+            else:
+                part = fused_attention_backward(*args, block.kind == "causal", dk[r, :, block.k], dv[r, :, block.k],
+                                                accumulate=True)
+            dq[r, :, block.q] += part
+    return dq.to(q.dtype)

@@ -21,6 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .config import FULL_ATTENTION, SLIDING_ATTENTION
+from .masks import (  # noqa: F401  (re-exported: the layer core's one mask)
+    CAUSAL,
+    FULL,
+    Block,
+    Documents,
+    Mask,
+    as_documents,
+    positions_mask,
+    rope_positions,
+    sequence_mask,
+    visible_blocks,
+)
 
 IGNORE_INDEX = -100
 
@@ -28,19 +41,30 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------- norms
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm of x over its last dim, scaled by ``weight`` (offset 0: Llama's) or by ``offset + weight`` (offset
+    1: Gemma's, whose weights start at zero)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        # Gemma scales in float32 and casts after, (x * (1 + w)).to(dtype), as transformers' Gemma3RMSNorm.
+        return (normed * (offset + weight.float())).to(x.dtype)
+    # Normalise in float32 and cast back before the scale, as Hugging Face Llama does.
     return weight * normed.to(x.dtype)
 
 
-def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3's q/k norm: RMSNorm of each head of x [..., H, d] over d, with one weight [d] for all heads.
+def norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
+    """The model's RMSNorm (its eps and variant) of x with ``weight``: what every norm of every scheme calls."""
+    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_offset)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
+    """Qwen3's / Gemma 3's q/k norm: the model's RMSNorm of each head of x [..., H, d] over d, with one weight
+    [d] for all heads.
 
     Per head, so it needs no other head's values: a scheme holding some heads applies it to them alone.
     """
-    return rms_norm(x, weight, eps)
+    return norm(x, weight, cfg)
 
 
 # ---------------------------------------------------------------- RoPE
@@ -78,18 +102,35 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return _cos_sin(positions, _rope_inv_freq(head_dim, theta, positions.device))
 
 
-def rope_tables(positions: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(positions: torch.Tensor, cfg, layer_type: str = FULL_ATTENTION) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's RoPE cos/sin tables for (global) positions of any shape: [S] -> [S, d] (one sequence, or
-    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache).
+    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache), for the
+    layers of ``layer_type`` (sliding layers have plain RoPE of base ``rope_local_theta`` when it is set).
 
     Every caller gets its tables here, so a RoPE variant of the config (``rope_scaling``) applies everywhere.
     """
+    if layer_type == SLIDING_ATTENTION and cfg.rope_local_theta is not None:
+        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta)
     inv_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
     if cfg.rope_scaling == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, cfg)
+    elif cfg.rope_scaling == "linear":  # transformers' 'linear': positions divided by the factor
+        inv_freq = inv_freq / cfg.rope_factor
     elif cfg.rope_scaling is not None:  # ModelConfig refuses others; a new variant must be added here
         raise ValueError(f"rope_scaling={cfg.rope_scaling!r} has no implementation in rope_tables")
     return _cos_sin(positions, inv_freq)
+
+
+def layer_rope(positions: torch.Tensor, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's RoPE tables (``rope_tables`` of its type) for the given positions; layers of one type share
+    one pair of tensors, so a hybrid model computes two tables, not one per layer."""
+    tables = {}
+    for i in range(cfg.n_layers):
+        kind = cfg.layer_type(i)
+        if kind not in tables:
+            same = kind == SLIDING_ATTENTION and cfg.rope_local_theta is None and FULL_ATTENTION in tables
+            tables[kind] = tables[FULL_ATTENTION] if same else rope_tables(positions, cfg, kind)
+    return [tables[cfg.layer_type(i)] for i in range(cfg.n_layers)]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):
@@ -125,8 +166,14 @@ def qkv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, cos: torch
     """Projections [B, S, H·d] -> token-major heads [B, S, H, d]: q/k norm (Qwen3) and RoPE on queries and keys."""
     q, k, v = (heads(t, cfg.head_dim) for t in (q, k, v))
     if cfg.qk_norm:
-        q, k = head_norm(q, q_norm, cfg.norm_eps), head_norm(k, k_norm, cfg.norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = head_norm(q, q_norm, cfg), head_norm(k, k_norm, cfg)
+    return scale_queries(apply_rope(q, cos, sin), cfg), apply_rope(k, cos, sin), v
+
+
+def scale_queries(q: torch.Tensor, cfg) -> torch.Tensor:
+    """Rotated queries times ``cfg.query_scale`` (Gemma's query_pre_attn_scalar; nothing for other models), so
+    that every kernel's own head_dim**-0.5 gives the model's attention scale. Its transpose is itself."""
+    return q if cfg.query_scale is None else q * cfg.query_scale
 
 
 def project_qkv(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor):
@@ -144,139 +191,17 @@ def project_heads(x: torch.Tensor, w, cfg, cos: torch.Tensor, sin: torch.Tensor)
     return tuple(t.transpose(1, 2) for t in project_qkv(x, w, cfg, cos, sin))
 
 
-@dataclass(frozen=True)
-class Documents:
-    """Packed rows: each row [0, S) is cut into documents (contiguous runs of equal ``document_ids``).
-
-    A token attends only to the earlier tokens of its own document, and its RoPE position counts from 0 at the
-    document's first token. ``runs`` holds each row's documents as (start, end) host ints, so kernels pick the
-    blocks the mask keeps without reading the device; ``positions`` [B, S] holds every token's position in its
-    document, on the ids' device.
-    """
-
-    runs: tuple[tuple[tuple[int, int], ...], ...]
-    positions: torch.Tensor
-
-    @classmethod
-    def from_ids(cls, document_ids: torch.Tensor, shape: tuple[int, int] | None = None) -> Documents:
-        """From ``document_ids`` [B, S] (integers; a new run of equal ids starts a new document). Reads the ids
-        on the host once: give the host batch to avoid a device synchronisation."""
-        if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 2:
-            raise ValueError("document_ids must be a [batch, seq] integer tensor")
-        if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
-            raise ValueError(f"document_ids must hold integers, got {document_ids.dtype}")
-        if shape is not None and tuple(document_ids.shape) != tuple(shape):
-            raise ValueError(f"document_ids shape {tuple(document_ids.shape)} must equal tokens shape {tuple(shape)}")
-        ids = document_ids.detach().cpu()
-        B, S = ids.shape
-        starts = torch.ones(B, S, dtype=torch.bool)
-        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        index = torch.arange(S).expand(B, S)
-        first = torch.where(starts, index, 0).cummax(dim=1).values  # each token's document start
-        runs = []
-        for row in starts.tolist():
-            begin = [i for i, new in enumerate(row) if new]
-            runs.append(tuple(zip(begin, begin[1:] + [S])))
-        return cls(tuple(runs), (index - first).to(document_ids.device))
-
-    @classmethod
-    def from_positions(cls, positions: torch.Tensor) -> Documents:
-        """Back from ``positions`` (a document starts where its position is 0)."""
-        return cls.from_ids((positions == 0).cumsum(dim=1))
-
-    def rows(self, start: int, stop: int) -> Documents:
-        """The documents of batch rows [start, stop) (a data-parallel replica's or a micro-batch's rows)."""
-        return Documents(self.runs[start:stop], self.positions[start:stop])
-
-    def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """Positions within their documents [B, L] of the tokens at global indices ``positions`` [L], on the
-        device of ``positions`` (the ids may stay on the host, where they were read)."""
-        return self.positions.to(positions.device)[:, positions]
-
-    def mask(self, q_start: int = 0, k_start: int = 0) -> Mask:
-        """The mask of queries whose first is global token ``q_start`` against keys from global ``k_start``."""
-        return Mask(documents=self, q_start=q_start, k_start=k_start)
-
-    def blocks(self, q_start: int, q_len: int, k_start: int, k_len: int):
-        """What attention computes for queries [q_start, +q_len) against keys [k_start, +k_len), per row: a list
-        of (local query slice, local key slice, causal) for each document that has both queries and keys here.
-        Every key of a block precedes its queries (causal False) or the block is a document's diagonal; nothing
-        outside a document is ever computed."""
-        q_end, k_end = q_start + q_len, k_start + k_len
-        out = []
-        for runs in self.runs:
-            row = []
-            for u, v in runs:
-                a, b = max(u, q_start), min(v, q_end)
-                ka, kb = max(u, k_start), min(v, k_end, b)  # keys after the last query are never seen
-                if a >= b or ka >= kb:
-                    continue
-                if not (kb <= a or (ka, kb) == (a, b)):
-                    raise ValueError(f"keys [{k_start}, {k_end}) neither precede nor equal queries "
-                                     f"[{q_start}, {q_end}): attention parts must be diagonal or earlier blocks")
-                row.append((slice(a - q_start, b - q_start), slice(ka - k_start, kb - k_start), kb > a))
-            out.append(row)
-        return out
-
-
-def as_documents(document_ids, shape: tuple[int, int]) -> Documents | None:
-    """``document_ids`` as the API takes them ([B, S] ids, already built ``Documents``, or None: plain causal)."""
-    if document_ids is None or isinstance(document_ids, Documents):
-        if document_ids is not None and (len(document_ids.runs), document_ids.positions.shape[1]) != tuple(shape):
-            raise ValueError(f"documents of a {tuple(document_ids.positions.shape)} batch given for tokens "
-                             f"of shape {tuple(shape)}")
-        return document_ids
-    return Documents.from_ids(document_ids, shape)
-
-
-def rope_positions(positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-    """The RoPE positions of the tokens at global indices ``positions`` [L]: themselves ([L], every row alike)
-    or, in packed rows, their positions within their documents ([B, L])."""
-    return positions if documents is None else documents.at(positions)
-
-
-@dataclass(frozen=True)
-class Mask:
-    """Which keys a query sees: ``causal`` (query i sees keys j <= i of one sequence laid out in order), or
-    everything (``causal=False``); with ``q_pos`` [B, Lq], ``k_pos`` [B, Lk] and ``k_valid`` [B, Lk], a query
-    sees the valid keys at positions <= its own (a KV cache: slots in any order, padding); with ``documents``,
-    the query at global index i sees keys j of its own document with j <= i, the queries and keys given being
-    the global tokens from ``q_start`` and ``k_start`` on (packed rows)."""
-
-    causal: bool = True
-    q_pos: torch.Tensor | None = None
-    k_pos: torch.Tensor | None = None
-    k_valid: torch.Tensor | None = None
-    documents: Documents | None = None
-    q_start: int = 0
-    k_start: int = 0
-
-    @property
-    def positional(self) -> bool:
-        return self.k_pos is not None
-
-    def blocks(self, q: torch.Tensor, k: torch.Tensor):
-        return self.documents.blocks(self.q_start, q.shape[-2], self.k_start, k.shape[-2])
-
-
-CAUSAL, FULL = Mask(causal=True), Mask(causal=False)
-
-
-def positions_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor) -> Mask:
-    return Mask(causal=True, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid)
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = CAUSAL):
     """The one entry point to attention: (out [B, Hq, Lq, d], lse [B, Hq, Lq] float32) of queries q against
     keys and values k, v [B, Hkv, Lk, d] (head-major views, any strides; Hkv divides Hq: GQA without expanding
     K/V). Plain causal or full masks run a fused kernel (differentiable by autograd; hand-written backward
-    passes call ``attend_backward``); a document mask runs it on each document's blocks only (a query that
+    passes call ``attend_backward``); documents or a window run it on the visible blocks only (a query that
     sees no key here gets out = 0 and lse = -inf); a positional mask runs the block-wise kernel in float32
     (no autograd: inference), where a query that sees no key gets out = 0 and lse = -inf."""
     if mask.positional:
-        return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid)
-    if mask.documents is not None:
-        return kernels.document_attention(q, k, v, mask.blocks(q, k))
+        return kernels.masked_attention(q, k, v, mask.q_pos, mask.k_pos, mask.k_valid, mask.window)
+    if mask.blockwise:
+        return kernels.block_attention(q, k, v, mask.blocks(q.shape[-2], k.shape[-2]))
     return kernels.fused_attention(q, k, v, mask.causal)
 
 
@@ -285,8 +210,9 @@ def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: boo
     ``accumulate``, added to them."""
     if mask.positional:
         raise NotImplementedError("positional masks are for inference: attend_backward takes causal or full")
-    if mask.documents is not None:
-        return kernels.document_attention_backward(dout, q, k, v, out, lse, mask.blocks(q, k), dk, dv, accumulate)
+    if mask.blockwise:
+        return kernels.block_attention_backward(dout, q, k, v, out, lse, mask.blocks(q.shape[-2], k.shape[-2]), dk,
+                                                dv, accumulate)
     return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
 
 
@@ -298,13 +224,33 @@ def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
 # ---------------------------------------------------------------- gated MLP
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's nonlinearity: silu(gate) * up."""
-    return F.silu(gate) * up
+def activation(gate: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gated MLP's nonlinearity on the gate: silu (SwiGLU) or tanh-approximated gelu (Gemma's GeGLU,
+    transformers' gelu_pytorch_tanh)."""
+    return F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up)), w_down)
+def activation_backward(grad: torch.Tensor, gate: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gradient through ``activation`` (the kernels autograd itself runs), for hand-written backward passes."""
+    if kind == "silu":
+        return torch.ops.aten.silu_backward(grad, gate)
+    return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gated MLP's hidden state: activation(gate) * up (SwiGLU with silu, GeGLU with gelu_tanh)."""
+    return activation(gate, kind) * up
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+           kind: str = "silu") -> torch.Tensor:
+    """The gated MLP (SwiGLU, or GeGLU with ``kind="gelu_tanh"``)."""
+    return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up), kind), w_down)
+
+
+def scale_embeddings(x: torch.Tensor, cfg) -> torch.Tensor:
+    """Embeddings times sqrt(dim) rounded to their dtype (Gemma), as transformers' scaled embedding; else x."""
+    return x * torch.tensor(cfg.dim ** 0.5, dtype=x.dtype, device=x.device) if cfg.embed_scale else x
 
 
 # ---------------------------------------------------------------- the decoder block
@@ -316,29 +262,48 @@ class Placement(NamedTuple):
     ``attention(h, cache)`` and ``mlp(h)`` return the residual's addend, complete on every rank that holds the
     residual (the strategy owns its collectives: TP's row-parallel sums, SP's K/V gather, TSP's broadcasts and
     rings, an engine's cache and exchanges); ``attention_norm`` and ``ffn_norm`` map the residual to the
-    sublayer's input (``rms_norm`` with this scheme's view of the weight)."""
+    sublayer's input (``norm`` with this scheme's view of the weight); with sandwich norms (Gemma),
+    ``attention_out_norm`` and ``ffn_out_norm`` norm each sublayer's output before the residual add."""
 
     attention_norm: Callable[[torch.Tensor], torch.Tensor]
     attention: Callable[[torch.Tensor, object], torch.Tensor]
     ffn_norm: Callable[[torch.Tensor], torch.Tensor]
     mlp: Callable[[torch.Tensor], torch.Tensor]
+    attention_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ffn_out_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
-    def rms(cls, attention_norm: torch.Tensor, attention, ffn_norm: torch.Tensor, mlp, eps: float) -> Placement:
-        """The strategies with ``rms_norm`` by the given norm weights (as this rank uses them)."""
-        return cls(norm_with(attention_norm, eps), attention, norm_with(ffn_norm, eps), mlp)
+    def normed(cls, weights, attention, mlp, cfg) -> Placement:
+        """The strategies with the model's norms by the given norm weights (as this rank uses them): ``weights``
+        maps "attention_norm", "ffn_norm" and, with sandwich norms, "attention_out_norm", "ffn_out_norm"."""
+        outer = [norm_with(weights[n], cfg) for n in ("attention_out_norm", "ffn_out_norm")] if cfg.sandwich_norm \
+            else [None, None]
+        return cls(norm_with(weights["attention_norm"], cfg), attention, norm_with(weights["ffn_norm"], cfg), mlp,
+                   *outer)
+
+
+# The norm weights of one block, as the reference model names them inside ``layers.{i}``.
+SANDWICH_NORMS = ("attention_out_norm", "ffn_out_norm")
+
+
+def block_norm_names(cfg) -> tuple[str, ...]:
+    """The names of a block's norms (besides q/k norms): two, or four with sandwich norms."""
+    return ("attention_norm", "ffn_norm") + (SANDWICH_NORMS if cfg.sandwich_norm else ())
 
 
 def block_forward(x: torch.Tensor, place: Placement, cache=None) -> torch.Tensor:
-    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)). Training passes no
-    ``cache``; an inference engine passes what its attention strategy reads and writes (its KV cache step)."""
-    x = x + place.attention(place.attention_norm(x), cache)
-    return x + place.mlp(place.ffn_norm(x))
+    """The one decoder block, pre-norm: x + attention(norm(x)), then + mlp(norm(.)); with sandwich norms each
+    addend is normed as well. Training passes no ``cache``; an inference engine passes what its attention
+    strategy reads and writes (its KV cache step)."""
+    a = place.attention(place.attention_norm(x), cache)
+    x = x + (a if place.attention_out_norm is None else place.attention_out_norm(a))
+    m = place.mlp(place.ffn_norm(x))
+    return x + (m if place.ffn_out_norm is None else place.ffn_out_norm(m))
 
 
-def norm_with(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``rms_norm`` with a fixed weight, as a ``Placement`` norm."""
-    return lambda x: rms_norm(x, weight, eps)
+def norm_with(weight: torch.Tensor, cfg) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm`` with a fixed weight, as a ``Placement`` norm."""
+    return lambda x: norm(x, weight, cfg)
 
 
 def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

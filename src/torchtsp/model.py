@@ -27,13 +27,14 @@ from .layers import (
     block_forward,
     gated,
     gated_shared_expert,
+    layer_rope,
     load_balancing_loss,
     local_experts,
     moe_layer,
+    norm,
     qkv_heads,
-    rms_norm,
     rope_positions,
-    rope_tables,
+    scale_embeddings,
 )
 
 INIT_STD = 0.02
@@ -50,9 +51,10 @@ def expert_name(name: str, expert: int) -> str:
 
 
 def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = None,
-                  std: float = INIT_STD) -> torch.Tensor:
+                  std: float = INIT_STD, norm_init: float = 1.0) -> torch.Tensor:
     """The initial value of parameter ``name`` (float32, CPU) of a model whose init seed is ``seed``,
-    or of its rows [start, stop): norm weights are ones, biases zeros, every other weight normal(0, std).
+    or of its rows [start, stop): norm weights are ``norm_init`` (``norm_weight_init``: ones, or zeros where
+    the norm scales by 1 + w), biases zeros, every other weight normal(0, std).
 
     Each block of ``INIT_BLOCK_ROWS`` rows has its own generator, seeded from (seed, name, block), so any
     rows can be drawn alone, in any order, on any rank, and equal the whole tensor's rows. A stacked expert
@@ -61,11 +63,11 @@ def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = No
     """
     start, stop = rows or (0, shape[0])
     if len(shape) == 3:
-        return torch.stack([initial_value(seed, expert_name(name, e), shape[1:], std=std)
+        return torch.stack([initial_value(seed, expert_name(name, e), shape[1:], std=std, norm_init=norm_init)
                             for e in range(start, stop)]) if stop > start else torch.empty(0, *shape[1:])
     out_shape = (stop - start, *shape[1:])
     if name.endswith("norm.weight"):
-        return torch.ones(out_shape)
+        return torch.full(out_shape, norm_init)
     if name.endswith(".bias"):
         return torch.zeros(out_shape)
     out = torch.empty(out_shape)
@@ -77,14 +79,19 @@ def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = No
     return out
 
 
+def norm_weight_init(cfg: ModelConfig) -> float:
+    """The initial norm weight: 1, or 0 where the norm scales by 1 + w (Gemma), so every norm starts as identity."""
+    return 1.0 - cfg.norm_offset
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, cfg: ModelConfig):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.full((dim,), norm_weight_init(cfg)))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return norm(x, self.weight, self.cfg)
 
 
 class Attention(nn.Module):
@@ -101,8 +108,8 @@ class Attention(nn.Module):
             # shift the random stream, so every weight matrix is the same with or without it for one seed.
             for linear in (self.wq, self.wk, self.wv):
                 linear.bias = nn.Parameter(torch.zeros(linear.out_features))
-        self.q_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask: Mask = CAUSAL):
         B, S, _ = x.shape
@@ -116,6 +123,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
+        self.activation = cfg.mlp_activation
         width = cfg.ffn_dim if width is None else width
         self.w_gate = nn.Linear(cfg.dim, width, bias=False)
         self.w_up = nn.Linear(cfg.dim, width, bias=False)
@@ -123,7 +131,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         # swiglu() spelled with module calls, so that hooks on the linears (e.g. DTensor TP) run.
-        return self.w_down(gated(self.w_gate(x), self.w_up(x)))
+        return self.w_down(gated(self.w_gate(x), self.w_up(x), self.activation))
 
 
 class Experts(nn.Module):
@@ -161,18 +169,25 @@ class MoEFeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg)
+        # Sandwich norms (Gemma): each sublayer's output normed before the residual add.
+        self.attention_out_norm = RMSNorm(cfg.dim, cfg) if cfg.sandwich_norm else None
+        self.ffn_out_norm = RMSNorm(cfg.dim, cfg) if cfg.sandwich_norm else None
         self.moe = cfg.is_moe_layer(index)
         self.feed_forward = MoEFeedForward(cfg) if self.moe else FeedForward(cfg)
+        self.window = cfg.window(index)
 
     def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL):
-        """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss)."""
+        """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss). ``mask``: the
+        model's (causal, documents); this layer adds its own window. cos/sin: this layer type's RoPE tables."""
         # Module calls, not the weights, so that hooks on the submodules (DTensor TP) run.
         mlp = (lambda h: self.feed_forward(h, stats)) if self.moe else self.feed_forward
+        mask = mask.windowed(self.window)
         attention = lambda h, _cache: self.attention(h, cos, sin, mask)
-        return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp))
+        return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp, self.attention_out_norm,
+                                          self.ffn_out_norm))
 
 
 class Transformer(nn.Module):
@@ -191,7 +206,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):  # shapes only; values come from reset_parameters
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.norm = RMSNorm(cfg.dim, cfg)
             self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         device = torch.get_default_device() if device is None else torch.device(device)
         if device.type != "meta":
@@ -201,7 +216,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, std: float = INIT_STD):
         for name, p in self.named_parameters():
-            p.copy_(initial_value(self.init_seed, name, p.shape, std=std))
+            p.copy_(initial_value(self.init_seed, name, p.shape, std=std, norm_init=norm_weight_init(self.cfg)))
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -217,9 +232,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
         documents = as_documents(document_ids, tokens.shape)
         mask = CAUSAL if documents is None else documents.mask()
-        cos, sin = rope_tables(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg)
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        tables = layer_rope(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg)
+        x = scale_embeddings(self.tok_embeddings(tokens), self.cfg)
+        for layer, (cos, sin) in zip(self.layers, tables):
             x = (checkpoint(layer, x, cos, sin, stats, mask, use_reentrant=False) if recompute
                  else layer(x, cos, sin, stats, mask))
         return self.norm(x)

@@ -31,7 +31,11 @@ PIPELINE_AXIS = "pp"
 # Schedules of torch.distributed.pipelining that ``--schedule`` names; interleaved runs several stages per rank.
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
-MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm", "moe")
+# ``sliding``: layers with a window (one ``layers.Mask``, read by every kernel that takes it); the Gemma variants of
+# the layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar.
+MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm", "moe", "sliding", "gemma_norms", "geglu", "embed_scale",
+                  "query_pre_attn_scalar")
+_GEMMA = ("gemma_norms", "geglu", "embed_scale", "query_pre_attn_scalar")
 
 
 def _prod(values) -> int:
@@ -293,7 +297,7 @@ SCHEMES.add(Scheme(
 SCHEMES.add(Scheme(
     "tp_sp", "TPxSP", "the conventional 2D layout: TP inside, SP across",
     axes=("tp", "sp"), weight_axes=("tp",), token_axes=("sp",), free_axis=None, options=("recompute",),
-    kv_replication=True, features=("rope_scaling", "qkv_bias", "qk_norm"),
+    kv_replication=True, features=("rope_scaling", "qkv_bias", "qk_norm", "sliding", *_GEMMA),
     model="torchtsp.parallel.tp_sp:TPSPTransformer",
     traffic=f"{_COMM}:tp_step_traffic", memory_walk=f"{_MEMORY}:REFERENCE_WALK", step_cost=f"{_HW}:serial_exposed_s",
     color="#9467bd", marker="D"))
@@ -304,7 +308,8 @@ SCHEMES.add(Scheme(
     memory_walk=f"{_MEMORY}:REFERENCE_WALK", color="#8c564b", marker="v"))
 SCHEMES.add(Scheme(
     "torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
-    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=(), zero=False,
+    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=("sliding",),
+    zero=False,
     model="torchtsp.parallel.torch_tp:TorchTPTransformer", color="#7f7f7f", marker="x"))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import INIT_BLOCK_ROWS, expert_name, initial_value, reference_shapes
+from .model import INIT_BLOCK_ROWS, expert_name, initial_value, norm_weight_init, reference_shapes
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' dtype names
 
@@ -87,12 +87,13 @@ class SeededWeights(WeightSource):
             return torch.stack([self._read(expert_name(name, e), shape[1:], dim - 1, start, stop)
                                 for e in range(shape[0])])
         if dim == 0:
-            return initial_value(self.seed, name, shape, rows=(start, stop))
+            return initial_value(self.seed, name, shape, rows=(start, stop), norm_init=norm_weight_init(self.cfg))
         # A column piece: every row block in turn, keeping this piece's columns (one block alive at a time).
         out = torch.empty(shape[0], stop - start)
         for lo in range(0, shape[0], INIT_BLOCK_ROWS):
             hi = min(lo + INIT_BLOCK_ROWS, shape[0])
-            out[lo:hi] = initial_value(self.seed, name, shape, rows=(lo, hi))[:, start:stop]
+            out[lo:hi] = initial_value(self.seed, name, shape, rows=(lo, hi), norm_init=norm_weight_init(self.cfg))[
+                :, start:stop]
         return out
 
 

@@ -70,7 +70,7 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
     v = stages_per_rank(schedule)
     n_stages = pp * v
     per = cfg.n_layers // n_stages
-    stage_cfg = cfg.replace(n_layers=per)
+    stage_cfg = cfg.stage(range(per))  # one stage as a model of its own (the first stage's layer types)
     mb_rows = batch // M  # global rows of one microbatch (each replica gets 1/dp of them)
     e = dtype_bytes
     # One stage, one microbatch, as a model of `per` layers (with the embedding and head, taken off below where

@@ -1,5 +1,8 @@
 """Causal attention of a local zigzag query shard against every rank's keys, as gathered.
 
+Documents and sliding windows come in one ``layers.Mask`` on global positions: a (query chunk, key chunk) part
+that no query of it may see is skipped (neither computed nor merged), the others run their visible blocks.
+
 Rank p's queries are two chunks (global chunks p and 2D-1-p). Chunk i attends to all
 keys of chunks < i (no mask) and causally to chunk i itself. The keys stay as the
 all-gather delivers them, rank by rank (rank r's two chunks r and 2D-1-r): a query chunk
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import CAUSAL, FULL, Documents, attend, attend_backward
+from ..layers import CAUSAL, FULL, Mask, attend, attend_backward
 from . import zigzag
 
 
@@ -41,24 +44,24 @@ def _key_blocks(rank: int, world: int):
     return blocks
 
 
-def _document_blocks(rank: int, world: int, chunk_len: int, documents: Documents):
-    """The attention parts of rank ``rank``'s queries in packed rows: one per (query chunk, key chunk) pair whose
-    documents meet (key chunk not after the query chunk), with its document mask; parts that no document
-    spans are skipped whole."""
+def _masked_parts(rank: int, world: int, chunk_len: int, mask: Mask):
+    """The attention parts of rank ``rank``'s queries under documents or a window: one per (query chunk, key
+    chunk) pair of which some query sees some key (key chunk not after the query chunk), with the mask of that
+    pair; parts that no document spans or that lie wholly outside the window are skipped whole."""
     blocks = []
     for c, query_chunk in enumerate(zigzag.chunk_ids(rank, world)):
         for r in range(world):
             for h, key_chunk in enumerate(zigzag.chunk_ids(r, world)):
-                q0, k0 = query_chunk * chunk_len, key_chunk * chunk_len
-                if key_chunk <= query_chunk and any(documents.blocks(q0, chunk_len, k0, chunk_len)):
-                    blocks.append(((c,), r, h, h + 1, documents.mask(q0, k0)))
+                part = mask.part(query_chunk * chunk_len, key_chunk * chunk_len)
+                if key_chunk <= query_chunk and part.sees_any(chunk_len, chunk_len):
+                    blocks.append(((c,), r, h, h + 1, part))
     return blocks
 
 
-def _parts(rank: int, world: int, chunk_len: int, documents: Documents | None):
+def _parts(rank: int, world: int, chunk_len: int, mask: Mask):
     """(query chunks, source rank, first half, end half, mask) of every attention part of these queries."""
-    if documents is not None:
-        return _document_blocks(rank, world, chunk_len, documents)
+    if mask.blockwise:
+        return _masked_parts(rank, world, chunk_len, mask)
     return [(chunks, r, first, end, CAUSAL if causal else FULL)
             for chunks, r, first, end, causal in _key_blocks(rank, world)]
 
@@ -106,24 +109,25 @@ class _Sum:
             self.dst.copy_(self.acc)
 
 
-def zigzag_attention_forward(q, kv, rank: int, world: int, documents: Documents | None = None):
+def zigzag_attention_forward(q, kv, rank: int, world: int, mask: Mask = CAUSAL):
     """(out, lse float32) of local zigzag queries q [B, Hq, S/D, d] against every rank's keys and values
     ``kv``: D tensors [2, B, S/D, Hkv, d] (token-major, rank by rank: the all-gather's output, never reordered;
-    those of ranks before ``rank`` may hold their first chunk only, the one these queries see). ``documents``:
-    packed rows (every rank knows the whole rows' documents, so no mask travels).
+    those of ranks before ``rank`` may hold their first chunk only, the one these queries see). ``mask``: what a
+    query of the whole sequence sees (``layers.sequence_mask``: causal, packed rows' documents, the layer's
+    window; every rank knows the whole rows' documents and positions are global, so no mask travels).
 
     Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
     [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
     """
     chunk_len = q.shape[-2] // 2
     if world == 1:  # the local tokens are the sequence, in order: one causal call
-        return attend(q, *_halves(kv, 0, 0, 2, chunk_len), CAUSAL if documents is None else documents.mask())
+        return attend(q, *_halves(kv, 0, 0, 2, chunk_len), mask)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     merged = [_Sum(out[..., _row_slice((c,), chunk_len), :], lse[..., _row_slice((c,), chunk_len)]) for c in (0, 1)]
-    for chunks, r, first, end, mask in _parts(rank, world, chunk_len, documents):
+    for chunks, r, first, end, part in _parts(rank, world, chunk_len, mask):
         part_out, part_lse = attend(q[..., _row_slice(chunks, chunk_len), :], *_halves(kv, r, first, end, chunk_len),
-                                    mask)
+                                    part)
         for i, c in enumerate(chunks):
             rows = _row_slice((i,), chunk_len)
             merged[c].add(part_out[..., rows, :], part_lse[..., rows])
@@ -132,7 +136,7 @@ def zigzag_attention_forward(q, kv, rank: int, world: int, documents: Documents 
     return out, lse
 
 
-def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, documents: Documents | None = None):
+def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, mask: Mask = CAUSAL):
     """(dq, dkv) of ``zigzag_attention_forward`` from its (merged) output and LSE. dq is laid out like q;
     dkv, float32, holds the gradient of every rank's keys and values from these queries (summed
     over the g query heads of each KV head): the input of the reduce-scatter that sums it over ranks at the
@@ -146,13 +150,12 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, docu
     chunk_len = q.shape[-2] // 2
     if world == 1:
         halves = (0, 0, 2, chunk_len)
-        dq = attend_backward(dout, q, *_halves(kv, *halves), out, lse, CAUSAL if documents is None else
-                             documents.mask(), *_halves(dkv, *halves), accumulate=False)
+        dq = attend_backward(dout, q, *_halves(kv, *halves), out, lse, mask, *_halves(dkv, *halves), accumulate=False)
         return dq, dkv
     dq = torch.empty_like(q)
     summed = [_Sum(dq[..., _row_slice((c,), chunk_len), :]) for c in (0, 1)]
     written = set()  # (rank, half) of dkv already holding a gradient: later parts add to it
-    for chunks, r, first, end, mask in _parts(rank, world, chunk_len, documents):
+    for chunks, r, first, end, part in _parts(rank, world, chunk_len, mask):
         rows = _row_slice(chunks, chunk_len)
         keys = (r, first, end, chunk_len)
         seen = [(r, h) in written for h in range(first, end)]
@@ -160,7 +163,7 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, docu
             raise AssertionError(f"key part {(r, first, end)} of rank {rank} overlaps earlier parts only partly")
         written.update((r, h) for h in range(first, end))
         part_dq = attend_backward(dout[..., rows, :], q[..., rows, :], *_halves(kv, *keys), out[..., rows, :],
-                                  lse[..., rows], mask, *_halves(dkv, *keys),
+                                  lse[..., rows], part, *_halves(dkv, *keys),
                                   accumulate=any(seen))
         for i, c in enumerate(chunks):
             summed[c].add(part_dq[..., _row_slice((i,), chunk_len), :])
@@ -200,23 +203,23 @@ class ZigzagAttention(torch.autograd.Function):
     backward reduce-scatters their gradients to their owners."""
 
     @staticmethod
-    def forward(ctx, q, kv, comm, documents=None):
+    def forward(ctx, q, kv, comm, mask=CAUSAL):
         gathered = gather_kv(comm, kv)
-        out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size, documents)
+        out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size, mask)
         ctx.save_for_backward(q, out, lse, *gathered)
-        ctx.comm, ctx.documents = comm, documents
+        ctx.comm, ctx.mask = comm, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, *gathered = ctx.saved_tensors
         comm = ctx.comm
-        dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size, ctx.documents)
+        dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size, ctx.mask)
         dkv = comm.reduce_scatter(dkv, label="kv.grad", prefix=first_chunk(gathered[comm.rank]))
         return dq, dkv.to(gathered[0].dtype), None, None
 
 
-def zigzag_causal_attention(q, kv, comm, documents: Documents | None = None) -> torch.Tensor:
+def zigzag_causal_attention(q, kv, comm, mask: Mask = CAUSAL) -> torch.Tensor:
     """q: [B, Hq, S/D, d] local zigzag queries; kv: [2, B, S/D, Hkv, d] local keys and values, token-major;
-    ``documents``: packed rows, each query attending within its document only."""
-    return ZigzagAttention.apply(q, kv, comm, documents)
+    ``mask``: the whole sequence's (``layers.sequence_mask``: documents of packed rows, the layer's window)."""
+    return ZigzagAttention.apply(q, kv, comm, mask)

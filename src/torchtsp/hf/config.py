@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig`` for the families torchtsp reproduces (Llama with Llama 3's
-``llama3`` RoPE scaling, Mistral without a window that masks anything, Qwen2/2.5, Qwen3, Qwen2-MoE, Mixtral);
-every other feature is refused with its config field named."""
+``llama3`` RoPE scaling, Mistral with or without its sliding window, Qwen2/2.5 and Qwen3 with their per-layer
+windows, Qwen2-MoE, Mixtral, Gemma 3 text); every other feature is refused with its config field named."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ..config import ModelConfig
 # Hugging Face model_type -> the CausalLM class config_to_hf names, so AutoModelForCausalLM picks it.
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -69,30 +70,76 @@ def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
     return {"rope_theta": 10000.0 if theta is None else float(theta), **fields}
 
 
-def _check_sliding_window(hf: dict, model_type: str, max_position_embeddings: int) -> None:
-    """Refuse a sliding window that can bite: torchtsp always attends to the whole causal context.
+def _window_fields(hf: dict, model_type: str, max_position_embeddings: int) -> dict:
+    """ModelConfig's ``layer_types`` and ``sliding_window`` as transformers derives them for this model_type.
 
-    A window of at least max_position_embeddings never masks anything, so it is accepted (Qwen2.5 ships
-    ``sliding_window == max_position_embeddings`` with ``use_sliding_window: false``).
+    Mistral / Mixtral slide in every layer when ``sliding_window`` is set; Qwen2 / Qwen3 / Qwen2-MoE only with
+    ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default those from
+    ``max_window_layers`` on); Gemma 3 in ``layer_types`` (by default every layer but each
+    ``sliding_window_pattern``-th). A window of at least max_position_embeddings masks nothing: no window.
     """
     window = hf.get("sliding_window")
-    if window is None or int(window) >= max_position_embeddings:
-        return
+    n_layers = int(hf["num_hidden_layers"])
     if model_type in ("mistral", "mixtral"):
-        raise ValueError(
-            f"unsupported sliding_window={window}: torchtsp attends to the full causal context; only null or "
-            f">= max_position_embeddings={max_position_embeddings} is accepted"
-        )
-    if model_type in ("qwen2", "qwen3", "qwen2_moe") and hf.get("use_sliding_window"):
-        # transformers: the layers marked "sliding_attention", by default those from max_window_layers on.
-        n_layers, first = int(hf["num_hidden_layers"]), hf.get("max_window_layers", 28)
-        layer_types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full" for i in range(n_layers)]
-        if "sliding_attention" in layer_types:
-            raise ValueError(
-                f"unsupported sliding_window={window} with use_sliding_window=true: torchtsp attends to the full "
-                f"causal context; set use_sliding_window to false, or sliding_window to null or "
-                f">= max_position_embeddings={max_position_embeddings}"
-            )
+        types = ["sliding_attention"] * n_layers if window is not None else None
+        if hf.get("layer_types"):
+            raise ValueError(f"unsupported layer_types={hf['layer_types']!r} in a {model_type} config: transformers' "
+                             f"{model_type} slides in every layer; convert it as the family that alternates")
+    elif model_type in ("qwen2", "qwen3", "qwen2_moe"):
+        if not hf.get("use_sliding_window"):
+            return {}  # transformers sets sliding_window to None: every layer full
+        first = int(hf.get("max_window_layers", 28))
+        types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(n_layers)]
+    elif model_type == "gemma3_text":
+        pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                          for i in range(n_layers)]
+        window = 4096 if "sliding_window" not in hf else window
+    else:
+        return {}
+    if types is None or "sliding_attention" not in types:
+        return {}
+    if window is None:
+        raise ValueError("unsupported layer_types with sliding layers but sliding_window=null: transformers needs a "
+                         "window for them; set sliding_window")
+    if int(window) >= max_position_embeddings:
+        return {}  # never masks anything (Qwen2.5 ships sliding_window == max_position_embeddings)
+    return {"layer_types": tuple(types), "sliding_window": int(window)}
+
+
+def _gemma3_fields(hf: dict) -> dict:
+    """ModelConfig's Gemma 3 fields: (1 + w) and sandwich norms, GeGLU, scaled embeddings, q/k norm, the
+    attention scale, and RoPE per layer type (global: rope_theta with optional linear scaling; local: plain RoPE
+    of base rope_local_base_freq). Soft-capping and bidirectional attention are refused."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise ValueError(f"unsupported {name}={hf[name]!r}: torchtsp has no logit soft-capping (Gemma 3 ships "
+                             "null); set it to null")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=true: torchtsp's attention is causal")
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation={act!r}: torchtsp's Gemma MLP is GeGLU with "
+                         "gelu_pytorch_tanh")
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    if hf.get("rope_scaling"):  # transformers < 5: the scaling of global layers
+        full.update(hf["rope_scaling"])
+    full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported sliding_attention rope_type={local['rope_type']!r}: torchtsp's local layers "
+                         "use plain RoPE")
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"unsupported full_attention rope_type={kind!r}: torchtsp's Gemma global layers use "
+                         "'default' or 'linear' RoPE")
+    scaling = {"rope_scaling": "linear", "rope_factor": float(full["factor"])} if kind == "linear" else {}
+    return dict(norm_offset=1.0, sandwich_norm=True, mlp_activation="gelu_tanh", embed_scale=True, qk_norm=True,
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                rope_theta=float(full["rope_theta"]), rope_local_theta=float(local["rope_theta"]), **scaling)
 
 
 def _moe_fields(hf: dict, model_type: str) -> dict:
@@ -141,7 +188,7 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if missing:
         raise ValueError(f"HF config is missing required field(s): {', '.join(missing)}")
     # Flags that transformers reads for this model_type (Mistral and Qwen2 hard-code their biases).
-    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "gemma3_text") and hf.get("attention_bias"):
         raise ValueError(
             f"unsupported attention_bias={hf['attention_bias']!r}: in {model_type} it also biases o_proj; "
             "torchtsp has biases on q/k/v only (Qwen2's)"
@@ -149,23 +196,22 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if model_type == "llama" and hf.get("mlp_bias"):
         raise ValueError(f"unsupported mlp_bias={hf['mlp_bias']!r}: torchtsp's MLP has no bias")
     act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    if model_type != "gemma3_text" and act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act={act!r}: torchtsp's MLP is SwiGLU (hidden_act 'silu')")
 
     dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     n_kv_heads = hf.get("num_key_value_heads")
     n_kv_heads = n_heads if n_kv_heads is None else int(n_kv_heads)
-    if n_heads <= 0 or dim % n_heads:
-        raise ValueError(f"unsupported hidden_size={dim} with num_attention_heads={n_heads}: must divide evenly")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // n_heads:
-        raise ValueError(
-            f"unsupported head_dim={head_dim}: torchtsp requires head_dim == hidden_size / num_attention_heads "
-            f"= {dim // n_heads}"
-        )
-    max_seq_len = int(hf.get("max_position_embeddings") or 2048)
-    rope = _rope_fields(hf, max_seq_len)
-    _check_sliding_window(hf, model_type, max_seq_len)
+    head_dim = hf.get("head_dim", 256 if model_type == "gemma3_text" else None)  # transformers' defaults
+    if head_dim is None and (n_heads <= 0 or dim % n_heads):
+        raise ValueError(f"unsupported hidden_size={dim} with num_attention_heads={n_heads} and no head_dim: "
+                         "must divide evenly")
+    max_seq_len = int(hf.get("max_position_embeddings") or (131072 if model_type == "gemma3_text" else 2048))
+    if model_type == "gemma3_text":
+        features = _gemma3_fields(hf)
+    else:
+        features = {**_rope_fields(hf, max_seq_len), "qk_norm": model_type == "qwen3"}
+    windows = _window_fields(hf, model_type, max_seq_len)
     moe = _moe_fields(hf, model_type)
     try:
         return ModelConfig(
@@ -177,23 +223,77 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             max_seq_len=max_seq_len,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
             qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-            qk_norm=model_type == "qwen3",
             family=model_type,
-            **rope,
+            head_dim=None if head_dim is None else int(head_dim),
+            **features,
+            **windows,
             **moe,
         )
     except ValueError as e:
         raise ValueError(f"unsupported HF config: {e}") from e
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """A ``config.json`` dict that transformers 4.x and 5.x both load as the config's family
-    (``cfg.hf_model_type``: llama, mistral, qwen2 or qwen3)."""
+def _check_expressible(cfg: ModelConfig, model_type: str) -> None:
+    """Refuse a config whose family cannot say everything the model does (an export must not drop a feature)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise ValueError("qkv_bias and qk_norm together have no Hugging Face family (Qwen3's bias also covers o_proj)")
+    if model_type != "gemma3_text" and (cfg.rope_local_theta is not None or cfg.query_pre_attn_scalar is not None
+                                        or cfg.rope_scaling == "linear"):
+        raise ValueError(f"rope_local_theta, query_pre_attn_scalar and linear RoPE scaling have no {model_type} "
+                         "field: only gemma3_text exports them")
+    if model_type == "gemma3_text" and cfg.rope_scaling == "llama3":
+        raise ValueError("gemma3_text has no llama3 RoPE scaling: use rope_scaling 'linear' or None")
+    if not cfg.sliding:
+        return
+    if model_type == "llama":
+        raise ValueError("llama checkpoints have no sliding window; export a windowed model as mistral (every layer "
+                         "sliding), qwen2 / qwen3 or gemma3_text (any layer_types): set family")
+    if model_type in ("mistral", "mixtral") and "full_attention" in cfg.layer_types:
+        raise ValueError(f"{model_type} slides in every layer; a model with full layers too exports as qwen2 / qwen3 "
+                         "(set family) or gemma3_text")
+
+
+def _window_to_hf(cfg: ModelConfig, model_type: str) -> dict:
+    """The window fields of ``model_type`` that transformers reads back as ``cfg``'s layer types and window."""
+    types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
+    if model_type in ("mistral", "mixtral"):
+        return {"sliding_window": cfg.sliding_window}
+    if model_type == "gemma3_text":
+        return {"sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types}
+    if model_type in ("qwen2", "qwen3", "qwen2_moe") and cfg.sliding:
+        # transformers < 5 reads max_window_layers (sliding from there on); >= 5 reads layer_types.
+        full = types.index("sliding_attention")
+        return {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "layer_types": types,
+                "max_window_layers": full}
+    if model_type in ("qwen2", "qwen3", "qwen2_moe"):
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    return {}
+
+
+def _gemma3_to_hf(cfg: ModelConfig) -> dict:
+    """Gemma 3's own fields, RoPE per layer type in both transformers 4's and 5's spellings."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        full = {"rope_type": "linear", "factor": cfg.rope_factor, "rope_theta": cfg.rope_theta}
+    local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    scalar = int(scalar) if float(scalar).is_integer() else scalar  # transformers 5 checks it is an int
+    return {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": scalar, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "attention_bias": False, "use_bidirectional_attention": False,
+            "rope_theta": cfg.rope_theta, "rope_local_base_freq": local,
+            "rope_scaling": {k: v for k, v in full.items() if k != "rope_theta"} if cfg.rope_scaling else None,
+            "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": local}}}
+
+
+def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """A ``config.json`` dict that transformers 4.x and 5.x both load as the config's family
+    (``cfg.hf_model_type``: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or gemma3_text)."""
     model_type = cfg.hf_model_type
+    _check_expressible(cfg, model_type)
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rope_scaling_keys = ("rope_type", *_LLAMA3_KEYS)
     if cfg.rope_scaling == "llama3":
@@ -215,7 +315,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         # transformers < 5 reads rope_theta/rope_scaling; >= 5 reads rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if cfg.rope_scaling is None else {k: rope_parameters[k] for k in rope_scaling_keys},
+        "rope_scaling": None if cfg.rope_scaling != "llama3" else {k: rope_parameters[k] for k in rope_scaling_keys},
         "rope_parameters": rope_parameters,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -231,14 +331,14 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
             hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k, router_jitter_noise=0.0,
                       router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
     elif model_type == "qwen2_moe":
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers,
-                  qkv_bias=cfg.qkv_bias, num_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
+        hf.update(qkv_bias=cfg.qkv_bias, num_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
                   moe_intermediate_size=cfg.moe_ffn_dim, shared_expert_intermediate_size=cfg.shared_expert_ffn_dim,
                   norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=cfg.moe_layer_step,
                   mlp_only_layers=list(cfg.dense_layers), router_aux_loss_coef=cfg.router_aux_loss_coef,
                   output_router_logits=False)
-    else:  # qwen2, qwen3: full attention in every layer
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
-        if model_type == "qwen3":
-            hf.update(attention_bias=False)
+    elif model_type == "gemma3_text":
+        hf.update(_gemma3_to_hf(cfg))
+    elif model_type == "qwen3":
+        hf.update(attention_bias=False)
+    hf.update(_window_to_hf(cfg, model_type))
     return hf

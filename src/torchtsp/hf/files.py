@@ -261,7 +261,7 @@ def write_weights(path: str | os.PathLike, weights, fmt: str = "hf", max_shard_b
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     cfg = weights.cfg
-    stored = to_hf_name if fmt == "hf" else (lambda name: name)
+    stored = (lambda name: to_hf_name(name, cfg)) if fmt == "hf" else (lambda name: name)
     dtype = dtype or weights.dtype
     nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in weights.shapes.items()}
     units: dict[str, list[str]] = {}  # stored tensor -> the reference names it is made of (two for fused halves)

@@ -46,6 +46,13 @@ _FUSED_NAMES = {
     "feed_forward.experts.w_gate": ("mlp.experts.gate_up_proj", 1, 0),
     "feed_forward.experts.w_up": ("mlp.experts.gate_up_proj", 1, 1),
 }
+# Gemma's sandwich norms: its post_attention_layernorm norms the attention's output (Llama's names the MLP's input),
+# pre_feedforward_layernorm the MLP's input.
+_SANDWICH_NAMES = {
+    "attention_out_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_out_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -55,15 +62,17 @@ _HF_EMBED, _HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Non-persistent RoPE buffers that old checkpoints sometimes carry; they are recomputed, never loaded.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
-def hf_location(name: str) -> str | tuple:
+def hf_location(name: str, cfg: ModelConfig | None = None) -> str | tuple:
     """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name, or
-    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj)."""
+    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj). ``cfg``: the
+    model, where its family names a block's norms otherwise (Gemma's sandwich norms)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")
     idx, _, local = rest.partition(".")
-    if prefix == "layers" and idx.isdigit() and local in _LAYER_NAMES:
-        return f"model.layers.{idx}.{_LAYER_NAMES[local]}"
+    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg is not None and cfg.sandwich_norm else _LAYER_NAMES
+    if prefix == "layers" and idx.isdigit() and local in names:
+        return f"model.layers.{idx}.{names[local]}"
     if prefix == "layers" and idx.isdigit() and local in _FUSED_NAMES:
         hf_name, dim, half = _FUSED_NAMES[local]
         return "fused", f"model.layers.{idx}.{hf_name}", dim, half
@@ -89,7 +98,7 @@ def file_location(cfg: ModelConfig):
         if prefix == "layers" and local.startswith("feed_forward.experts."):
             kind = names[local.rpartition(".")[2]]
             return "experts", [f"model.layers.{idx}.{block}.experts.{e}.{kind}.weight" for e in range(cfg.n_experts)]
-        where = hf_location(name)
+        where = hf_location(name, cfg)
         return where.replace(".mlp.gate.", f".{block}.gate.") if isinstance(where, str) else where
 
     return location
@@ -99,9 +108,9 @@ def is_fused(names) -> bool:
     return any(n.endswith(".experts.gate_up_proj") for n in names)
 
 
-def to_hf_name(name: str) -> str:
+def to_hf_name(name: str, cfg: ModelConfig | None = None) -> str:
     """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
-    where = hf_location(name)
+    where = hf_location(name, cfg)
     return where if isinstance(where, str) else where[1]
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..layers import attend, positions_mask
+from ..layers import attend, layer_rope, positions_mask
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
@@ -37,7 +37,8 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 @dataclass(frozen=True)
 class CacheStep:
     """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache view, the layer, the slots this
-    step's tokens are written to (``KVCache.reserve``), their positions [B, T] and RoPE tables."""
+    step's tokens are written to (``KVCache.reserve``), their positions [B, T] and the layer's RoPE tables and
+    window (``tables`` and ``windows``: every layer's, which ``at`` picks from)."""
 
     cache: KVCache
     slots: torch.Tensor
@@ -45,9 +46,27 @@ class CacheStep:
     cos: torch.Tensor
     sin: torch.Tensor
     layer: int = 0
+    window: int | None = None
+    tables: tuple = ()
+    windows: tuple = ()
+
+    @classmethod
+    def of(cls, cfg, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor) -> CacheStep:
+        """The step of tokens at ``pos`` of a model ``cfg``, at layer 0."""
+        tables = tuple(layer_rope(pos, cfg))
+        windows = tuple(cfg.window(i) for i in range(cfg.n_layers))
+        return cls(cache, slots, pos, *tables[0], 0, windows[0], tables, windows)
 
     def at(self, layer: int) -> CacheStep:
-        return replace(self, layer=layer)
+        if not self.tables:
+            return replace(self, layer=layer)
+        return replace(self, layer=layer, cos=self.tables[layer][0], sin=self.tables[layer][1],
+                       window=self.windows[layer])
+
+    def masked(self, mask):
+        """``mask`` (the step's keys, the same in every layer) with this layer's window: a sliding layer's decode
+        never sees the keys that left its window (the cache keeps them for now)."""
+        return mask.windowed(self.window)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
         """Store this step's k, v [B, h, T, d] (of ``heads``) in its slots of this layer."""
@@ -57,7 +76,7 @@ class CacheStep:
         """(out, lse) of queries q [B, Hq, T, d] against this rank's cache of this layer; ``mask``: the keys' mask
         if already built, else that of this step's positions against the cached ones."""
         k, v = self.cache.keys(self.layer)
-        return attend(q, k, v, self.cache.mask(self.pos) if mask is None else mask)
+        return attend(q, k, v, self.masked(self.cache.mask(self.pos) if mask is None else mask))
 
 
 class KVPool:

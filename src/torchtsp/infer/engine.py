@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
-from ..layers import block_forward, rms_norm
+from ..layers import block_forward, norm
 from ..parallel.shards import vocab_slice_index
 from .cache import KVPool
 
@@ -76,6 +76,12 @@ class Engine:
     vocab_start = 0
 
     def __init__(self):
+        # Gemma's scaled embeddings and GeGLU are not in the engines' embedding and MLP strategies yet.
+        cfg = self.cfg
+        missing = [name for name, on in (("embed_scale", cfg.embed_scale), ("mlp_activation", cfg.geglu)) if on]
+        if missing:
+            raise ValueError(f"the {self.scheme} inference engine does not implement the model's {missing[0]} yet; "
+                             "evaluate it with the reference model's forward or train it")
         self.cache = None
         self.schedule = {"prefill": self.scheme, "decode": self.scheme}
 
@@ -128,7 +134,7 @@ class Engine:
         (``step``, a ``cache.CacheStep``) and the layer's strategies (``placement(layer)``), then the final norm."""
         for i, layer in enumerate(layers):
             x = block_forward(x, placement(layer), step.at(i))
-        return rms_norm(x, self.norm, self.cfg.norm_eps)
+        return norm(x, self.norm, self.cfg)
 
     def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
         """A cache for ``generate``: ``batch`` sequences of a (padded) prompt and ``max_new_tokens``, one block each

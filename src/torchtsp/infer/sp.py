@@ -19,7 +19,6 @@ from ..layers import (
     attend,
     attention_output,
     project_heads,
-    rope_tables,
 )
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
@@ -43,8 +42,8 @@ class SPEngine(Engine):
 
     def _placement(self, w, attention) -> Placement:
         """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
-        return Placement.rms(w["attention_norm"], lambda h, step: attention(h, w, step), w["ffn_norm"],
-                             lambda h: ffn_partial(h, w, self.cfg), self.cfg.norm_eps)
+        return Placement.normed(w, lambda h, step: attention(h, w, step), lambda h: ffn_partial(h, w, self.cfg),
+                                self.cfg)
 
     def _run(self, x, step: CacheStep, attention):
         return self.run_blocks(x, step, self.layers, lambda w: self._placement(w, attention))
@@ -55,12 +54,12 @@ class SPEngine(Engine):
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
         x = F.embedding(ids, self.embedding)
         chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "sp.kv")
-        step = CacheStep(self.cache, chunk.slots, pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, self.cache, chunk.slots, pos)
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
             kv = chunk.keys(step.layer, k, v)
-            return attention_output(attend(q, kv[0], kv[1], chunk.mask)[0], w["wo"], self.dtype)
+            return attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], self.dtype)
 
         z = self._run(x, step, attention)
         last = select_last(z, pos, lengths)
@@ -79,7 +78,7 @@ class SPEngine(Engine):
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
         x = F.embedding(ids, self.embedding)
         slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
-        cache_step = CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg))
+        cache_step = CacheStep.of(self.cfg, cache, slots, pos)
 
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)

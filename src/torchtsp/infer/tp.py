@@ -16,7 +16,6 @@ from ..layers import (
     Placement,
     attention_output,
     project_heads,
-    rope_tables,
 )
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
@@ -49,8 +48,7 @@ class MegatronEngine(Engine):
         """Layer ``w``'s block on this rank: its heads against the head-sharded cache, its FFN slice; the
         row-parallel partial outputs summed over the axis."""
         mlp = lambda h: self._sum(ffn_partial(h, w, self.cfg), "infer.tp.mlp")
-        return Placement.rms(w["attention_norm"], lambda h, step: self._attention(h, w, step), w["ffn_norm"], mlp,
-                             self.cfg.norm_eps)
+        return Placement.normed(w, lambda h, step: self._attention(h, w, step), mlp, self.cfg)
 
     def _attention(self, h, w, step: CacheStep):
         q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
@@ -61,7 +59,7 @@ class MegatronEngine(Engine):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
         cache = self.cache
         x = self._sum(masked_lookup(ids, self.embedding, self.comm.rank)[0], "infer.tp.embedding")
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
         return self.run_blocks(x, step, self.layers, self._placement)
 
     def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):

@@ -42,7 +42,6 @@ from ..layers import (
     attention_output,
     project_heads,
     project_qkv,
-    rope_tables,
 )
 from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
@@ -97,8 +96,8 @@ class TSPEngine(Engine):
 
     def _placement(self, layer: TSPLayerShards, attention, mlp) -> Placement:
         """Layer ``layer``'s block: ``attention(h, layer, step)`` and ``mlp(h, layer)`` of one schedule."""
-        return Placement.rms(layer.attention_norm, lambda h, step: attention(h, layer, step), layer.ffn_norm,
-                             lambda h: mlp(h, layer), self.cfg.norm_eps)
+        norms = {"attention_norm": layer.attention_norm, "ffn_norm": layer.ffn_norm, **layer.sandwich}
+        return Placement.normed(norms, lambda h, step: attention(h, layer, step), lambda h: mlp(h, layer), self.cfg)
 
     def _run(self, x, step: CacheStep, attention, mlp):
         return self.run_blocks(x, step, self.view.layers, lambda layer: self._placement(layer, attention, mlp))
@@ -114,7 +113,7 @@ class TSPEngine(Engine):
         """The MLP with the weights moving: the FFN shards around the ring, or the tokens to their experts."""
         if layer.moe is not None:  # tokens travel to the experts' owners and back
             return tsp_moe_local_tokens(h, layer.moe)
-        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp")
+        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp", self.cfg.mlp_activation)
 
     def embed_moving(self, ids):
         """Embeddings [B, T, h] of this rank's tokens ids [B, T] with the vocabulary slices around the ring."""
@@ -130,7 +129,7 @@ class TSPEngine(Engine):
         cfg, comm = self.cfg, self.comm
         x = self.embed_moving(ids)
         chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "infer.kv")
-        step = CacheStep(self.cache, chunk.slots, pos, *rope_tables(pos, cfg))
+        step = CacheStep.of(cfg, self.cache, chunk.slots, pos)
         replicas, hkv = self.view.shard_math.kv_replicas, self.view.shard_math.kv_heads
 
         def attention(h, layer, step):
@@ -141,7 +140,7 @@ class TSPEngine(Engine):
                 if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
                     group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
                     kv = chunk.keys(step.layer, k, v, heads=group)  # [2, B, hkv, D·(S + T), d]
-                y += attention_output(attend(q, kv[0], kv[1], chunk.mask)[0], w["wo"], self.dtype)
+                y += attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], self.dtype)
             return y
 
         return self._run(x, step, attention, self._weights_mlp)
@@ -153,7 +152,7 @@ class TSPEngine(Engine):
         shards = self.view.shard_math
         hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
 
         def attention(h, layer, step):
             w = self._own[id(layer)][0]
@@ -192,7 +191,7 @@ class TSPEngine(Engine):
         mask = cache.mask(pos)  # the same keys in every layer
         attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
         mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
-        return self._run(x, CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg)), attention, mlp)[:, 0]
+        return self._run(x, CacheStep.of(self.cfg, cache, slots, pos), attention, mlp)[:, 0]
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
         """A decode step's attention (see ``decode_activations``)."""

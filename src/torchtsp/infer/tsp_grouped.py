@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv, rope_tables
+from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv
 from ..parallel.tsp import broadcast_each
 from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from .cache import FAR, CacheStep, gathered_positions, merge_packed, merge_partials
@@ -87,7 +87,7 @@ class TSPGroupedEngine(TSPEngine):
         chunk_pos = gathered_positions(self.comm, pos, valid, "infer.kv.positions")  # [B, D·T], rank-major
         slots = cache.reserve(chunk_pos, chunk_pos != FAR)  # this member's tokens of the gathered chunk
         mask, m = self._prefill_mask(pos, chunk_pos)
-        step = CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, cache, slots, pos)
         attention = lambda h, layer, step: self._prefill_attention(h, layer, step, mask, m)
         return self._run(x, step, attention, self._weights_mlp)
 
@@ -122,7 +122,7 @@ class TSPGroupedEngine(TSPEngine):
                     step.write(kv[0], kv[1])
                 if past is not None:
                     kv = torch.cat([past[:, :, :, g * c * m:(g + 1) * c * m], kv], dim=3)
-            y += attention_output(attend(q, kv[0], kv[1], mask)[0], w["wo"], self.dtype)
+            y += attention_output(attend(q, kv[0], kv[1], step.masked(mask))[0], w["wo"], self.dtype)
         return y
 
     def activations_move(self, ids, pos, valid):
@@ -131,7 +131,7 @@ class TSPGroupedEngine(TSPEngine):
         comm, group, cache = self.comm, self.group, self.cache
         hq, m = self.view.shard_math.q_heads, self.member
         x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
 
         def attention(h, layer, step):
             w = self._own[id(layer)][0]
@@ -160,7 +160,7 @@ class TSPGroupedEngine(TSPEngine):
         mask = cache.mask(pos)  # the same keys in every layer
         attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
         mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
-        return self._run(x, CacheStep(cache, slots, pos, *rope_tables(pos, self.cfg)), attention, mlp)[:, 0]
+        return self._run(x, CacheStep.of(self.cfg, cache, slots, pos), attention, mlp)[:, 0]
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
         """A decode step's attention (module docstring)."""

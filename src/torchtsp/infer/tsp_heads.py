@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_layouts import resolve_kv_layout
-from ..layers import attend, attention_output, positions_mask, project_heads, rope_tables
+from ..layers import attend, attention_output, positions_mask, project_heads
 from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each
 from .cache import FAR, CacheStep, gathered_positions
@@ -71,7 +71,7 @@ class TSPHeadsEngine(TSPEngine):
         K/V of all of them. Returns the final-norm hidden states [B, T, h] (replicated)."""
         comm, cache = self.comm, self.cache
         x = self._sum(masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep(cache, cache.reserve(pos, valid), pos, *rope_tables(pos, self.cfg))
+        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
         mask = cache.mask(pos)  # the same keys in every layer
 
         def attention(h, layer, step):
@@ -98,7 +98,7 @@ class TSPHeadsEngine(TSPEngine):
         cfg, comm, cache = self.cfg, self.comm, self.cache
         x = self.embed_moving(ids)
         chunk_pos = gathered_positions(comm, pos, valid, "infer.kv.positions")  # [B, D·T], like the gathered K/V
-        step = CacheStep(cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos, *rope_tables(pos, cfg))
+        step = CacheStep.of(cfg, cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos)
         earlier_pos = cache.key_positions(before=True)  # the chunk's own positions are masked there
         earlier = earlier_pos.shape[1]
         key_pos = torch.cat([earlier_pos, chunk_pos], dim=1)
@@ -114,7 +114,7 @@ class TSPHeadsEngine(TSPEngine):
                 keys = torch.cat([self._earlier_keys(step.layer, earlier, j), kv], dim=3) if earlier else kv
                 if j == comm.rank:
                     step.write(kv[0], kv[1])
-                y += attention_output(attend(q, keys[0], keys[1], mask)[0], w["wo"], self.dtype)
+                y += attention_output(attend(q, keys[0], keys[1], step.masked(mask))[0], w["wo"], self.dtype)
             return y
 
         return self._run(x, step, attention, self._weights_mlp)

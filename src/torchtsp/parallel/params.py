@@ -21,6 +21,9 @@ LAYER_PARAMS = {
 # Model features' parameters: q/k/v biases shard with their heads' rows; q/k norms act per head, replicated.
 BIAS_PARAMS = {"bq": ("attention.wq.bias", 0), "bk": ("attention.wk.bias", 0), "bv": ("attention.wv.bias", 0)}
 HEAD_NORM_PARAMS = {"q_norm": ("attention.q_norm.weight", None), "k_norm": ("attention.k_norm.weight", None)}
+# Sandwich norms (Gemma): each sublayer's output normed, replicated like the other norms.
+SANDWICH_PARAMS = {"attention_out_norm": ("attention_out_norm.weight", None),
+                   "ffn_out_norm": ("ffn_out_norm.weight", None)}
 
 
 # A sparse layer's feed-forward (parallel/moe.py, ``tp_moe``): every expert and the shared expert cut along their
@@ -42,7 +45,8 @@ SHARED_EXPERT_PARAMS = {
 def layer_params(cfg, index: int | None = None) -> dict[str, tuple[str, int | None]]:
     """The per-layer parameters of ``cfg``'s model: attribute -> (reference name under ``layers.i.``, tp dim);
     of layer ``index`` if given (a mixture of experts' sparse layers have other feed-forward weights)."""
-    params = {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {})}
+    params = {**LAYER_PARAMS, **(BIAS_PARAMS if cfg.qkv_bias else {}), **(HEAD_NORM_PARAMS if cfg.qk_norm else {}),
+              **(SANDWICH_PARAMS if cfg.sandwich_norm else {})}
     if index is not None and cfg.is_moe_layer(index):
         params = {k: v for k, v in params.items() if not v[0].startswith("feed_forward.")}
         params.update(MOE_PARAMS, **(SHARED_EXPERT_PARAMS if cfg.shared_expert_ffn_dim else {}))

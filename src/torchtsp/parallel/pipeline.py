@@ -86,7 +86,7 @@ class Stage(nn.Module):
                  source: WeightSource, timeout_s: float):
         super().__init__()
         self.layers, self.first, self.last = layers, first, last
-        stage_cfg = cfg.replace(n_layers=len(layers))
+        stage_cfg = cfg.stage(layers)
         self.model = scheme_class(Transformer(stage_cfg, device="meta"), mesh, timeout_s=timeout_s,
                                   weights=StageWeights(source, stage_cfg, layers.start), **options)
         # A scheme builds the parts every model has: drop those this stage does not run, by what they hold.

@@ -27,10 +27,12 @@ from ..layers import (
     IGNORE_INDEX,
     Placement,
     block_forward,
+    layer_rope,
+    norm,
     project_qkv,
-    rms_norm,
     rope_positions,
-    rope_tables,
+    scale_embeddings,
+    sequence_mask,
     swiglu,
 )
 from ..model import Transformer
@@ -57,32 +59,35 @@ class SPTransformer(ReplicatedTransformer):
         """This rank's zigzag shard [B, S/Σ] of a global [B, S] batch (ValueError unless 2Σ divides S)."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def rope(self, local_len: int, device=None, documents=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of this rank's local tokens at their global zigzag positions (within their documents)."""
+    def rope(self, local_len: int, device=None, documents=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin of this rank's local tokens at their global zigzag positions (within their
+        documents)."""
         comm = self.comm
         positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
-        return rope_tables(rope_positions(positions, documents), self.cfg)
+        return layer_rope(rope_positions(positions, documents), self.cfg)
 
     def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None,
-                      documents=None) -> torch.Tensor:
+                      mask=None) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
-        (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights."""
-        cfg, eps = self.cfg, self.cfg.norm_eps
-        attention = lambda h, _cache: self._attention(h, w, cos, sin, documents)
+        (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights; ``mask``: the layer's
+        (``layers.sequence_mask``)."""
+        cfg = self.cfg
+        attention = lambda h, _cache: self._attention(h, w, cos, sin, mask)
         if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
             ff = {n.removeprefix("feed_forward."): t for n, t in w.items() if n.startswith("feed_forward.")}
             mlp = lambda h: moe_reference_layer(h, ff, cfg, stats)
         else:
             mlp = lambda h: swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
-                                   w["feed_forward.w_down.weight"])
-        return block_forward(x, Placement.rms(w["attention_norm.weight"], attention, w["ffn_norm.weight"], mlp, eps))
+                                   w["feed_forward.w_down.weight"], cfg.mlp_activation)
+        norms = {n.removesuffix(".weight"): t for n, t in w.items() if n.endswith("norm.weight")}
+        return block_forward(x, Placement.normed(norms, attention, mlp, cfg))
 
-    def _attention(self, h, w, cos, sin, documents) -> torch.Tensor:
+    def _attention(self, h, w, cos, sin, mask) -> torch.Tensor:
         """Local q/k/v with the full weights, the K/V all-gathered over the axis (zigzag), local ``wo``."""
         q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, self.cfg,
                               cos, sin)
         kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
-        out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, documents)  # KV heads unexpanded
+        out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, mask)  # KV heads unexpanded
         return F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of. The weights are
@@ -90,24 +95,25 @@ class SPTransformer(ReplicatedTransformer):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Local tokens [B, S/Σ] -> their embeddings [B, S/Σ, h]."""
-        return F.embedding(tokens, self.module.tok_embeddings.weight)
+        return scale_embeddings(F.embedding(tokens, self.module.tok_embeddings.weight), self.cfg)
 
     def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
         """Every layer on local tokens x [B, S/Σ, h] (zigzag positions); sparse layers add their router statistics
         to ``stats``; ``documents``: the packed documents of these rows (whole rows)."""
         w = dict(self.module.named_parameters())
-        cos, sin = self.rope(x.shape[1], device=x.device, documents=documents)
+        tables = self.rope(x.shape[1], device=x.device, documents=documents)
         for i in range(self.cfg.n_layers):
             prefix = f"layers.{i}."
             layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
+            mask = sequence_mask(documents, self.cfg.window(i))
             # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
-            x = (checkpoint(self.layer_forward, x, layer, cos, sin, stats, documents, use_reentrant=False)
-                 if self.recompute else self.layer_forward(x, layer, cos, sin, stats, documents))
+            x = (checkpoint(self.layer_forward, x, layer, *tables[i], stats, mask, use_reentrant=False)
+                 if self.recompute else self.layer_forward(x, layer, *tables[i], stats, mask))
         return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states [B, S/Σ, h], summed over the axis."""
-        z = rms_norm(x, self.module.norm.weight, self.cfg.norm_eps)
+        z = norm(x, self.module.norm.weight, self.cfg)
         logits = F.linear(z, self.module.output_weight)  # local tokens only: [B, S/Σ, V]
         nll_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="sum")

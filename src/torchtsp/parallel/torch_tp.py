@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, rope_positions, rope_tables
+from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, layer_rope, rope_positions, scale_embeddings
 from ..model import Transformer
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
@@ -174,10 +174,10 @@ class TorchTPTransformer(ParallelTransformer):
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = rope_tables(rope_positions(positions, documents), cfg)
-        mask = CAUSAL if documents is None else documents.mask()
-        x = m.tok_embeddings(tokens)  # [B, S, h], or [B, S/T, h] local sequence shard with SP
-        for layer in m.layers:
+        tables = layer_rope(rope_positions(positions, documents), cfg)
+        mask = CAUSAL if documents is None else documents.mask()  # each block adds its own window
+        x = scale_embeddings(m.tok_embeddings(tokens), cfg)  # [B, S, h], or [B, S/T, h] local shard with SP
+        for layer, (cos, sin) in zip(m.layers, tables):
             x = layer(x, cos, sin, None, mask)
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
         # Every rank holds every token: the local count is the global one.

@@ -53,16 +53,18 @@ from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import (
-    CAUSAL,
     IGNORE_INDEX,
+    SANDWICH_NORMS,
     Placement,
     attend,
     block_forward,
     gated,
+    layer_rope,
+    norm,
     qkv_heads,
-    rms_norm,
     rope_positions,
-    rope_tables,
+    scale_embeddings,
+    sequence_mask,
 )
 from ..model import Transformer
 from ..weights import WeightSource
@@ -289,9 +291,9 @@ class TPTransformer(ParallelTransformer):
         """Global positions of the sequence the attention sees (the whole sequence, also with SP)."""
         return torch.arange(tokens.shape[1], device=tokens.device)
 
-    def _attend(self, q, k, v, documents=None):
+    def _attend(self, q, k, v, mask):
         """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
-        return attend(q, k, v, CAUSAL if documents is None else documents.mask())[0]
+        return attend(q, k, v, mask)[0]
 
     def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
         # Every rank holds every token and the same NLL: the local sum and count are the global ones.
@@ -307,20 +309,21 @@ class TPTransformer(ParallelTransformer):
         return tokens
 
     def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None,
-              documents=None) -> torch.Tensor:
+              mask=None) -> torch.Tensor:
         """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
-        its router statistics to ``stats``; ``documents``: packed rows."""
-        eps, tp = self.cfg.norm_eps, self.tp
+        its router statistics to ``stats``; ``mask``: the layer's (``layers.sequence_mask``)."""
+        cfg, tp = self.cfg, self.tp
         if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
             mlp = lambda h: tp_moe(h, layer, self.cfg, tp, stats)
         else:
             mlp = lambda h: self._mlp(layer, h)
-        attention = lambda h, _cache: self._attention(layer, h, cos, sin, documents)
+        attention = lambda h, _cache: self._attention(layer, h, cos, sin, mask)
         # The norm weights are wrapped when used, not before: the autograd nodes keep the order they had.
-        norm = lambda w: lambda x: rms_norm(x, self._norm_weight(w), eps)
-        return block_forward(x, Placement(norm(layer.attention_norm), attention, norm(layer.ffn_norm), mlp))
+        normed = lambda name: lambda x: norm(x, self._norm_weight(getattr(layer, name)), cfg)
+        outer = [normed(n) for n in SANDWICH_NORMS] if cfg.sandwich_norm else [None, None]
+        return block_forward(x, Placement(normed("attention_norm"), attention, normed("ffn_norm"), mlp, *outer))
 
-    def _attention(self, layer: TPLayer, h, cos, sin, documents) -> torch.Tensor:
+    def _attention(self, layer: TPLayer, h, cos, sin, mask) -> torch.Tensor:
         """Column-parallel q/k/v of this rank's heads, attention, row-parallel ``wo`` summed over the axis."""
         cfg, tp, sp, w = self.cfg, self.tp, self.sequence_parallel, self._weight
         kv = [w(t) for t in self._kv_params(layer)]  # wk, wv (, bk, bv)
@@ -331,14 +334,14 @@ class TPTransformer(ParallelTransformer):
         norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
         q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
         B, S = q.shape[:2]
-        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return RowParallelLinear.apply(out.transpose(1, 2).reshape(B, S, -1), w(layer.wo), tp, sp)
 
     def _mlp(self, layer: TPLayer, h) -> torch.Tensor:
         """Column-parallel gate/up of this rank's FFN slice, row-parallel ``w_down`` summed over the axis."""
         tp, sp, w = self.tp, self.sequence_parallel, self._weight
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
-        return RowParallelLinear.apply(gated(gate, up), w(layer.w_down), tp, sp)
+        return RowParallelLinear.apply(gated(gate, up, self.cfg.mlp_activation), w(layer.w_down), tp, sp)
 
     def _kv_params(self, layer: TPLayer) -> list[torch.Tensor]:
         """wk, wv (and bk, bv): with copied KV heads, their gradients summed over the copies in one float32
@@ -352,23 +355,25 @@ class TPTransformer(ParallelTransformer):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's tokens [B, S] -> their embeddings [B, S, h] ([B, S/T, h] with SP)."""
-        return VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), self.tp, self.sequence_parallel)
+        x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), self.tp, self.sequence_parallel)
+        return scale_embeddings(x, self.cfg)
 
     def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
         """Every layer of this model on this rank's activations x; sparse layers add their router statistics to
         ``stats``; ``documents``: packed rows."""
         tokens = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)  # this rank's tokens per row
-        cos, sin = rope_tables(rope_positions(self._positions(x.new_empty(0, tokens)), documents), self.cfg)
-        for layer in self.layers:
+        tables = layer_rope(rope_positions(self._positions(x.new_empty(0, tokens)), documents), self.cfg)
+        for i, layer in enumerate(self.layers):
+            mask = sequence_mask(documents, self.cfg.window(i))
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, cos, sin, stats, documents, use_reentrant=False) if self.recompute
-                 else self.block(layer, x, cos, sin, stats, documents))
+            x = (checkpoint(self.block, layer, x, *tables[i], stats, mask, use_reentrant=False) if self.recompute
+                 else self.block(layer, x, *tables[i], stats, mask))
         return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of this rank's hidden states against its labels."""
         cfg, tp, sp = self.cfg, self.tp, self.sequence_parallel
-        z = rms_norm(x, self._norm_weight(self.norm), cfg.norm_eps)
+        z = norm(x, self._norm_weight(self.norm), cfg)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         (logits,) = ColumnParallelLinear.apply(z, tp, sp, self._weight(head))  # [B, S, V_pad/T]
         nll = VocabParallelCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), tp, cfg.vocab_size)

@@ -63,10 +63,10 @@ class TPSPTransformer(TPTransformer):
         sp = self.sp
         return zigzag.positions(tokens.shape[1] * sp.size, sp.size, sp.rank, device=tokens.device)
 
-    def _attend(self, q, k, v, documents=None):
+    def _attend(self, q, k, v, mask):
         # k, v [B, H_kv/T, S/Σ, d] are head-major views of token-major projections: gathered token-major.
         kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
-        return zigzag_causal_attention(q, kv, self.sp, documents)  # KV heads unexpanded (GQA)
+        return zigzag_causal_attention(q, kv, self.sp, mask)  # KV heads unexpanded (GQA)
 
     def _sum_and_count(self, nll_sum, labels):
         return global_sum_and_count(nll_sum, labels, self.sp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed.attention import first_chunk, gather_kv, zigzag_attention_backward, zigzag_attention_forward
-from ...layers import apply_rope
+from ...layers import CAUSAL, apply_rope, scale_queries
 from .shard_math import TSPShardMath
 from .streams import ACC, BroadcastStream, add_mm, mm_into
 
@@ -60,12 +60,13 @@ class TSPAttention(torch.autograd.Function):
 
     Heads stay token-major ([B, S/D, H, d], as the projections produce them) from projection to output
     projection: the attention kernel reads strided heads, so no head transpose is ever copied. ``documents``:
-    packed rows (``Documents``), each query attending within its own document (cos/sin then per row).
+    the layer's ``layers.Mask`` (``sequence_mask``: packed rows' documents, each query attending within its own
+    document, cos/sin then per row; a sliding layer's window).
     """
 
     @staticmethod
     def forward(ctx, x, shard, cos, sin, shard_math: TSPShardMath, prefetch=None, layer: int = 0, q_norm=None,
-                k_norm=None, prefetch_backward=None, documents=None):
+                k_norm=None, prefetch_backward=None, mask=CAUSAL):
         comm, D = shard_math.comm, shard_math.comm.size
         B, n, h = x.shape
         x2 = x.reshape(-1, h)
@@ -83,7 +84,7 @@ class TSPAttention(torch.autograd.Function):
             if saving:
                 ahead.start_until(j + 1)
             kv, k_raw, gathering = ahead.take()
-            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D, documents)
+            out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D, mask)
             out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
             y = add_mm(y, out.reshape(B * n, -1), w.wo.t())
             w = gathering = None  # the gathered K/V go with their finisher
@@ -93,7 +94,7 @@ class TSPAttention(torch.autograd.Function):
             weights.release(j)
         ctx.save_for_backward(x, shard, cos, sin, q_norm, k_norm, *(t for group in groups for t in group))
         ctx.shard_math, ctx.prefetch, ctx.layer, ctx.prefetch_backward = shard_math, prefetch, layer, prefetch_backward
-        ctx.documents = documents
+        ctx.mask = mask
         return y.view(B, n, h).to(x.dtype)
 
     @staticmethod
@@ -148,7 +149,7 @@ class AttentionBackward:
         dout = (self.dy2 @ w.wo).view(B, n, -1, sm.cfg.head_dim)  # before waiting for the K/V
         dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), self.qs[j].transpose(1, 2), self.gathers.pop(j)(),
                                             self.outs[j].transpose(1, 2), self.lses[j], comm.rank, D,
-                                            self.ctx.documents)
+                                            self.ctx.mask)
         dout = None
         # dK/dV of own tokens, summed over every rank's queries.
         scattering = comm.reduce_scatter(dkv, async_op=True, label=(BACKWARD, j), prefix=first_chunk(self.kvs[j]))
@@ -158,7 +159,8 @@ class AttentionBackward:
         dw = torch.empty(sm.attention_layout.numel, dtype=ACC, device=self.x.device)
         g = sm.attention(dw)
         mm_into(g.wo, self.dy2.t(), self.outs[j].reshape(B * n, -1))
-        dq2 = apply_rope(dq.transpose(1, 2), self.cos, self.unrotate_sin).view(B * n, -1)
+        # The query scale is a constant factor: its transpose is itself.
+        dq2 = apply_rope(scale_queries(dq.transpose(1, 2), sm.cfg), self.cos, self.unrotate_sin).view(B * n, -1)
         if self.q_norm is not None:
             dq2 = sm.norm_backward(dq2, self.q_raws[j], self.q_norm, self.dnorms[0])
         self.dx = add_mm(self.dx, dq2, w.wq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -13,13 +14,17 @@ from torch.utils.checkpoint import checkpoint
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ...layers import (
+    SANDWICH_NORMS,
     Documents,
     Placement,
     RouterStats,
     block_forward,
-    rms_norm,
+    block_norm_names,
+    layer_rope,
+    norm,
     rope_positions,
-    rope_tables,
+    scale_embeddings,
+    sequence_mask,
 )
 from ...model import Transformer, reference_shapes
 from ...weights import WeightSource
@@ -40,8 +45,12 @@ from .streams import ACC, ShardPrefetch
 
 
 class TSPLayer(nn.Module):
-    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None, moe=None):
+    def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None, moe=None,
+                 attention_out_norm=None, ffn_out_norm=None):
         super().__init__()
+        # Sandwich norms (Gemma), replicated like the others.
+        self.attention_out_norm = None if attention_out_norm is None else nn.Parameter(attention_out_norm)
+        self.ffn_out_norm = None if ffn_out_norm is None else nn.Parameter(ffn_out_norm)
         self.attention_norm = nn.Parameter(attention_norm)
         self.attention_shard = nn.Parameter(attention_shard)
         # Qwen3's q/k norm weights act on head_dim, the same for every head: replicated, like the RMSNorms.
@@ -65,6 +74,7 @@ class TSPLayerShards:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     moe: TSPMoE | None
+    sandwich: dict = dataclasses.field(default_factory=dict)  # Gemma's sandwich norms, by their names
 
 
 @dataclass(frozen=True)
@@ -105,11 +115,12 @@ class TSPTransformer(ParallelTransformer):
             qk_norms = [weights.get(f"{prefix}attention.{n}.weight") for n in ("q_norm", "k_norm")] if cfg.qk_norm \
                 else [None, None]
             sparse = cfg.is_moe_layer(i)
+            sandwich = {n: weights.get(f"{prefix}{n}.weight") for n in SANDWICH_NORMS} if cfg.sandwich_norm else {}
             self.layers.append(TSPLayer(
                 self.shard_math.attention_layout.pack(weights, prefix, p),
                 None if sparse else self.shard_math.mlp_layout.pack(weights, prefix, p),
                 weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms,
-                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None))
+                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None, **sandwich))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
         if not cfg.tie_embeddings:
@@ -129,7 +140,7 @@ class TSPTransformer(ParallelTransformer):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
-        return TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math)
+        return scale_embeddings(TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math), self.cfg)
 
     def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None,
                       documents: Documents | None = None) -> torch.Tensor:
@@ -138,7 +149,7 @@ class TSPTransformer(ParallelTransformer):
         cfg, comm = self.cfg, self.comm
         seq_len = x.shape[1] * comm.size
         positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
-        cos, sin = rope_tables(rope_positions(positions, documents), cfg)
+        tables = layer_rope(rope_positions(positions, documents), cfg)
         # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
         # layer's (during its MLP backward).
         prefetch = ShardPrefetch(comm.weights)
@@ -146,10 +157,10 @@ class TSPTransformer(ParallelTransformer):
         # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
         # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
         # instead of the ranks meeting once per weight in the middle of backward.
-        norm_names = ["attention_norm", "ffn_norm"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+        norm_names = [*block_norm_names(cfg)] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
         summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
         norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
-        block = functools.partial(self._block, cos=cos, sin=sin, norms=norms, prefetch=prefetch, stats=stats,
+        block = functools.partial(self._block, tables=tables, norms=norms, prefetch=prefetch, stats=stats,
                                   documents=documents)
         for i in range(len(layers)):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
@@ -158,22 +169,22 @@ class TSPTransformer(ParallelTransformer):
                  if self.recompute else block(x, i))
         return x
 
-    def _block(self, x, i: int, cos, sin, norms, prefetch: ShardPrefetch, stats, documents=None):
+    def _block(self, x, i: int, tables, norms, prefetch: ShardPrefetch, stats, documents=None):
         """Layer i on local tokens x, with its cross-layer prefetches."""
-        norm, eps = norms[i], self.cfg.norm_eps
-        attention = lambda h, _cache: self._attention(h, i, cos, sin, norm, prefetch, documents)
+        mask = sequence_mask(documents, self.cfg.window(i))
+        attention = lambda h, _cache: self._attention(h, i, *tables[i], norms[i], prefetch, mask)
         mlp = lambda h: self._mlp(h, i, prefetch, stats)
-        return block_forward(x, Placement.rms(norm["attention_norm"], attention, norm["ffn_norm"], mlp, eps))
+        return block_forward(x, Placement.normed(norms[i], attention, mlp, self.cfg))
 
-    def _attention(self, h, i: int, cos, sin, norm, prefetch: ShardPrefetch, documents):
+    def _attention(self, h, i: int, cos, sin, norms, prefetch: ShardPrefetch, mask):
         """Layer i's attention on normed local tokens h: head-group broadcasts and the K/V all-gather."""
         layers = self.layers
-        qk_norms = [norm["q_norm"], norm["k_norm"]] if self.cfg.qk_norm else [None, None]
+        qk_norms = [norms["q_norm"], norms["k_norm"]] if self.cfg.qk_norm else [None, None]
         # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
         rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
                  if self.recompute and i > 0 else None)
         return TSPAttention.apply(h, layers[i].attention_shard, cos, sin, self.shard_math, prefetch, i, *qk_norms,
-                                  rerun, documents)
+                                  rerun, mask)
 
     def _mlp(self, h, i: int, prefetch: ShardPrefetch, stats):
         """Layer i's MLP (the weight ring) or experts on normed local tokens h, prefetching the attention shards
@@ -191,7 +202,7 @@ class TSPTransformer(ParallelTransformer):
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
         comm, shard_math = self.comm, self.shard_math
-        z = rms_norm(x, replicated_grad(self.norm, comm, ACC), self.cfg.norm_eps).flatten(0, 1)
+        z = norm(x, replicated_grad(self.norm, comm, ACC), self.cfg).flatten(0, 1)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         nll = TSPHeadCrossEntropy.apply(z, labels.flatten(), head, shard_math)
         return global_sum_and_count(nll.sum(), labels, comm)
@@ -205,7 +216,9 @@ class TSPTransformer(ParallelTransformer):
         detached = lambda t: None if t is None else t.detach()
         layers = tuple(TSPLayerShards(layer.attention_shard.detach(), detached(layer.mlp_shard),
                                       layer.attention_norm.detach(), layer.ffn_norm.detach(), detached(layer.q_norm),
-                                      detached(layer.k_norm), layer.moe) for layer in self.layers)
+                                      detached(layer.k_norm), layer.moe,
+                                      {n: getattr(layer, n).detach() for n in SANDWICH_NORMS
+                                       if getattr(layer, n) is not None}) for layer in self.layers)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         return TSPShardView(self.cfg, self.comm, self.shard_math, layers, self.embedding_shard.detach(),
                             head.detach(), self.norm.detach())
@@ -238,6 +251,8 @@ class TSPTransformer(ParallelTransformer):
             out["tok_embeddings.weight"] = gather(pick(self.embedding_shard)).flatten(0, 1)[:V]
         for i, layer in enumerate(self.layers):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
+            for n in SANDWICH_NORMS if layer.attention_out_norm is not None else ():
+                out[f"layers.{i}.{n}.weight"] = pick(getattr(layer, n))
             if layer.q_norm is not None:
                 out[f"layers.{i}.attention.q_norm.weight"] = pick(layer.q_norm)
                 out[f"layers.{i}.attention.k_norm.weight"] = pick(layer.k_norm)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...layers import IGNORE_INDEX, gated, swiglu
+from ...layers import IGNORE_INDEX, activation, activation_backward, gated, swiglu
 from ..shards import vocab_slice_index
 from .shard_math import TSPShardMath
 from .streams import ACC, GradientRing, add_mm, mm_into, ring_each
@@ -51,7 +51,7 @@ class TSPFeedForward(torch.autograd.Function):
             gate, up = gate_all[s % shards], up_all[s % shards]
             torch.mm(x2, wg.t(), out=gate)
             torch.mm(x2, wu.t(), out=up)
-            y = add_mm(y, gated(gate, up), wd.t())
+            y = add_mm(y, gated(gate, up, shard_math.cfg.mlp_activation), wd.t())
         ctx.save_for_backward(x, shard, *((gate_all, up_all) if keep else ()))
         return y.view(B, n, h).to(x.dtype)
 
@@ -70,13 +70,14 @@ class TSPFeedForward(torch.autograd.Function):
                 prefetch.issue()
             wg, wu, wd = layout.unpack(w)
             gate, up = (kept[0][s], kept[1][s]) if kept else (x2 @ wg.t(), x2 @ wu.t())
-            silu = F.silu(gate)
+            kind = shard_math.cfg.mlp_activation
+            act = activation(gate, kind)
             dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
             dwg, dwu, dwd = layout.unpack(dw)
-            mm_into(dwd, dy2.t(), silu * up)
+            mm_into(dwd, dy2.t(), act * up)
             dhidden = dy2 @ wd
-            dgate = torch.ops.aten.silu_backward(dhidden * up, gate)  # the kernel autograd runs for F.silu
-            dup = dhidden * silu
+            dgate = activation_backward(dhidden * up, gate, kind)  # the kernel autograd runs for the activation
+            dup = dhidden * act
             dx = add_mm(add_mm(dx, dgate, wg), dup, wu)
             mm_into(dwg, dgate.t(), x2)
             mm_into(dwu, dup.t(), x2)
@@ -89,12 +90,12 @@ class TSPFeedForward(torch.autograd.Function):
 
 
 @torch.no_grad()
-def ring_mlp(h: torch.Tensor, shard: torch.Tensor, layout, comm, label: str) -> torch.Tensor:
+def ring_mlp(h: torch.Tensor, shard: torch.Tensor, layout, comm, label: str, kind: str = "silu") -> torch.Tensor:
     """The gated MLP of tokens h with its packed shards (``layout``) travelling the ring, summed in h's dtype:
-    the inference form of ``TSPFeedForward`` (no autograd)."""
+    the inference form of ``TSPFeedForward`` (no autograd); ``kind``: the model's ``mlp_activation``."""
     out = torch.zeros_like(h)
     for _, w in ring_each(comm, shard, label):
-        out += swiglu(h, *layout.unpack(w))
+        out += swiglu(h, *layout.unpack(w), kind)
     return out
 
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ...distributed.comm import AxisComm
-from ...layers import apply_rope, head_norm
+from ...layers import apply_rope, head_norm, scale_queries
 from ..shards import PackedLayout, Part
 
 
@@ -83,7 +83,7 @@ class TSPShardMath:
         with torch.enable_grad():
             r = raw2.detach().view(-1, d).requires_grad_()
             w = weight.detach().requires_grad_()
-            out = head_norm(r, w, self.cfg.norm_eps)
+            out = head_norm(r, w, self.cfg)
             dr, dw = torch.autograd.grad(out, (r, w), g2.reshape(-1, d).to(out.dtype))
         dweight.add_(dw)
         return dr.view(raw2.shape)
@@ -92,14 +92,15 @@ class TSPShardMath:
         """[B·S/D, H·d] projection -> per-head norm (if ``norm``) -> RoPE, token-major [B, S/D, H, d]."""
         y = raw.view(batch, -1, raw.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
         if norm is not None:
-            y = head_norm(y, norm, self.cfg.norm_eps)
+            y = head_norm(y, norm, self.cfg)
         return apply_rope(y, cos, sin, out)
 
     def project_q(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
         """Local tokens' rotated queries of one head group, token-major [B, S/D, Hq/D, d], and the pre-norm
         projection (None without q norm: backward needs it only for the norm)."""
         raw = linear_into(x2, w.wq, w.bq)
-        return self._rotated_heads(raw, norm, cos, sin, batch), raw if norm is not None else None
+        return scale_queries(self._rotated_heads(raw, norm, cos, sin, batch), self.cfg), \
+            raw if norm is not None else None
 
     def project_kv(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
         """Local tokens' rotated keys and values of one head group, token-major [2, B, S/D, Hkv/D, d] (the
