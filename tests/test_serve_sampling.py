@@ -98,7 +98,6 @@ def _refusal(raw: dict) -> APIError:
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
     ({"guided_grammar": "root ::= "}, "guided_grammar", "xgrammar"),
     # vLLM's extensions torchtsp does not implement are refused, never silently ignored
-    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"), ({"min_p": 0.1}, "min_p", "not supported"),
     ({"bad_words": ["x"]}, "bad_words", "not supported"), ({"allowed_token_ids": [1]}, "allowed_token_ids", "not"),
     ({"use_beam_search": True}, "use_beam_search", "beam"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
@@ -214,6 +213,47 @@ def test_min_tokens_holds_the_stop_ids_off_as_transformers_does(client, checkpoi
                                     extra_body={"stop_token_ids": [stop], "min_tokens": 5})
     assert got.usage.completion_tokens == len(want) >= 5
     assert got.choices[0].text == tokenizer.decode([t for t in want if t not in (stop, eos)])
+
+
+@pytest.mark.multirank
+def test_penalties_and_logit_bias_over_http_equal_transformers(client, checkpoint):
+    """Greedy with logit_bias, repetition, frequency and presence penalties (each rank penalizes its vocabulary
+    slice) against transformers' greedy generate with the same processors in vLLM's order: logit_bias (added in
+    the test), transformers' RepetitionPenaltyLogitsProcessor, OpenAI's formula (written in the test); and min_p 1
+    leaves only the likeliest token, so sampling with it is the greedy text."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    folder, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    ids = tokenizer(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+    n_prompt, bias = ids.shape[1], {100: 3.0, eos: -100.0}  # eos -100: all 16 tokens come
+
+    def biased(input_ids, scores):
+        for t, b in bias.items():
+            scores[:, t] += b
+        return scores
+
+    def openai_penalties(input_ids, scores):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence, generated only
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, input_ids[:, n_prompt:], torch.ones_like(input_ids[:, n_prompt:], dtype=scores.dtype))
+        return scores - counts * 0.7 - (counts > 0).to(scores.dtype) * 0.4
+
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=eos, logits_processor=
+                             LogitsProcessorList([biased, RepetitionPenaltyLogitsProcessor(1.6), openai_penalties]))
+    want = out[0, n_prompt:].tolist()
+    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0,
+                                    frequency_penalty=0.7, presence_penalty=0.4,
+                                    logit_bias={str(t): b for t, b in bias.items()},
+                                    extra_body={"repetition_penalty": 1.6})
+    assert got.usage.completion_tokens == 16 and got.choices[0].text == tokenizer.decode(want)
+    plain = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert plain.choices[0].text != got.choices[0].text  # the penalties changed the text
+    sampled = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == plain.choices[0].text
 
 
 def _check_schema(value) -> None:

@@ -202,7 +202,8 @@ class CompletionService:
         logprobs, prompt_logprobs = body.logprob_counts()
         if max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # the engine runs a prefill for nothing else; its logprobs are not shown
-        return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
+        sampling = Sampling(temperature, top_k, top_p, seed, **body.penalty_values(self.state.vocab_size))
+        return Choice(prompt, max_tokens, sampling, body.stop_strings(), stop_ids,
                       body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       tokens_as_ids=body.return_tokens_as_token_ids)
 
