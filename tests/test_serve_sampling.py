@@ -256,6 +256,23 @@ def test_penalties_and_logit_bias_over_http_equal_transformers(client, checkpoin
     assert sampled.choices[0].text == plain.choices[0].text
 
 
+@pytest.mark.multirank
+def test_continuous_usage_stats_over_http(client):
+    """Every chunk of a stream with continuous_usage_stats carries its choice's usage so far (vLLM's extension);
+    the counts grow by the tokens each chunk brings and end at the non-streamed answer's."""
+    whole = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    seen = [(bool(chunk.choices), chunk.usage) for chunk in stream]
+    assert all(usage is not None for _, usage in seen)
+    counts = [usage.completion_tokens for has_choice, usage in seen if has_choice]
+    assert counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens == 8
+    assert {usage.prompt_tokens for _, usage in seen} == {whole.usage.prompt_tokens}
+    assert seen[-1][1].total_tokens == whole.usage.total_tokens
+
+
 def _check_schema(value) -> None:
     assert set(value) == {"color", "ok", "n"}, value
     assert value["color"] in ("red", "green", "blue") and isinstance(value["ok"], bool)

@@ -41,6 +41,7 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class _Sampled(BaseModel):
@@ -173,6 +174,11 @@ class _Sampled(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: continuous_usage_stats, which (as in vLLM) takes include_usage too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampled):

@@ -415,23 +415,31 @@ class CompletionService:
         return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
                 "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
 
-    async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected):
-        """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
+    async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected,
+                     continuous_usage: bool = False):
+        """Server-sent events: the chunks, an error event if the request fails midway, then [DONE].
+        ``continuous_usage``: every choice chunk carries its choice's usage so far (its prompt's tokens and the
+        tokens it has generated, as vLLM's continuous_usage_stats); otherwise ``usage`` is null until the last
+        chunk (include_usage)."""
         chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
         counts = [0] * len(choices)
         formats = [LogprobFormat(self.token_text, chat, c.tokens_as_ids) if c.logprobs is not None else None
                    for c in choices]
+
+        def usage(i: int) -> dict | None:
+            return _usage(len(choices[i].prompt), counts[i]) if continuous_usage else None
+
         try:
             for i, c in enumerate(choices):
                 if chat:
-                    yield chunks.choice(i, "", None, role=True)
+                    yield chunks.choice(i, "", None, role=True, usage=usage(i))
                 elif _leading_echo(c):
-                    yield chunks.choice(i, c.echo_text, None)
+                    yield chunks.choice(i, c.echo_text, None, usage=usage(i))
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
                 if e.delta or e.finish or e.logprobs:
                     shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
-                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown)
+                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown, usage=usage(e.index))
             if include_usage:
                 yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
         except APIError as e:  # mid-stream: an error event, then the end of the stream
@@ -511,13 +519,14 @@ class _Chunks:
                      "created": int(time.time()), "model": model}
         self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
 
-    def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
+    def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None,
+               usage: dict | None = None) -> str:
         if self.chat:
             part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
             c = {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": reason}
         else:
             c = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": reason}
-        return _sse({**self.head, "choices": [c], **self.usage_field})
+        return _sse({**self.head, "choices": [c], **({"usage": usage} if usage is not None else self.usage_field)})
 
     def usage(self, usage: dict) -> str:
         return _sse({**self.head, "choices": [], "usage": usage})
