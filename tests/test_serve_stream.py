@@ -81,3 +81,45 @@ def test_without_both_options_choice_chunks_carry_no_usage(options, shown):
         if chunk["choices"]:
             assert ("usage" in chunk and chunk["usage"] is None) if shown == "null" else "usage" not in chunk
     assert ("usage" in chunks[-1] and not chunks[-1]["choices"]) == (shown == "null")
+
+
+# ---------------------------------------------------------------- a client that leaves
+
+
+@pytest.mark.parametrize("how", ["cancelled", "closed", "disconnected"])
+def test_a_client_that_leaves_leaves_no_task_pending(how):
+    """The consumer of ``events`` goes away while every choice still runs (starlette cancels a stream's task when
+    its client disconnects; a generator can be closed; the poll can see the disconnect): no task of the request
+    may stay pending (asyncio logs "Task was destroyed but it is pending!" when one is collected), and every
+    engine request is cancelled."""
+    client = _Client(["ab", "cd"], finish=None)  # tokens, then nothing: the requests never end by themselves
+    service = CompletionService(_state(client))
+
+    async def left():
+        return how == "disconnected"
+
+    async def run():
+        body = parse(CompletionRequest, json.dumps({"prompt": "hi", "max_tokens": 5, "n": 2}).encode())
+        choices = await service.completion_choices(body)
+        events = service.events(choices, service.submit(choices), left)
+
+        async def consume():
+            async for _ in events:
+                pass
+
+        if how == "closed":  # the consumer stops after one event: the generator is closed at its yield
+            await events.__anext__()
+            await events.aclose()
+        else:
+            consumer = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.05)  # every token delivered; events() waits on its queue
+            if how == "cancelled":
+                consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+        for _ in range(5):  # cancelled tasks finish within a few turns of the loop
+            await asyncio.sleep(0)
+        return [repr(t) for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    pending = asyncio.run(run())
+    assert pending == [], pending
+    assert len(client.cancelled) == 2

@@ -370,7 +370,7 @@ class CompletionService:
         arrival = time.monotonic()
         tasks = [asyncio.ensure_future(self.run_choice(c, s, out, i, arrival))
                  for i, (c, s) in enumerate(zip(choices, streams))]
-        open_, checked = len(choices), time.monotonic()
+        open_, checked, get = len(choices), time.monotonic(), None
         try:
             while open_:
                 get = asyncio.ensure_future(out.get())
@@ -390,7 +390,9 @@ class CompletionService:
                     if await disconnected():
                         return
         finally:
-            for t in tasks:
+            # Cancelled while waiting (starlette cancels a stream whose client left), ``get`` would stay pending
+            # for good: "Task was destroyed but it is pending!" in the log when it is collected.
+            for t in [*tasks, *([get] if get is not None else [])]:
                 t.cancel()
 
     # -- answers -----------------------------------------------------------------------
