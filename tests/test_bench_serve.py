@@ -212,3 +212,24 @@ def test_a_random_prefix_with_a_dataset_is_refused(tmp_path):
     data.write_text('{"prompt": "hi"}\n')
     with pytest.raises(ValueError, match="--random-prefix-len applies to random prompts"):
         make_prompts(_bench_args("--dataset", str(data), "--random-prefix-len", "4"), 257)
+
+
+@pytest.mark.parametrize("line,field", [
+    (b'{"prompt": 5}', '"prompt"'), (b'{"prompt": null}', '"prompt"'), (b'{"prompt": ""}', '"prompt"'),
+    (b'{"prompt": [1, "a"]}', '"prompt"'), (b'{"prompt": [1, 300]}', '"prompt"'), (b'{"prompt": [true]}', '"prompt"'),
+    (b'{"prompt": "hi", "output_len": -5}', '"output_len"'), (b'{"prompt": "hi", "output_len": 0}', '"output_len"'),
+    (b'{"prompt": "hi", "output_len": "5"}', '"output_len"'), (b'{"prompt": "hi", "output_len": 2.5}', '"output_len"'),
+    (b'{"output_len": 5}', "object"), (b"[1, 2]", "object"), (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b'{"prompt": ', "JSON"),
+])
+def test_a_bad_dataset_line_is_one_line_naming_the_file_the_line_and_the_field(tmp_path, capsys, line, field):
+    """Exit 2 before any server starts (the dataset is read first), with one line of error: the file, the line
+    number (a good line comes first) and the field."""
+    from torchtsp.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": "fine", "output_len": 3}\n\n' + line + b"\n")
+    assert main(["bench", "--mode", "serve", "--dataset", str(data), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"--dataset {data}:3: " in err and field in err, err
+    assert not (tmp_path / "out").exists()  # nothing ran

@@ -105,7 +105,6 @@ def _refusal(raw: dict) -> APIError:
         "type": "string", "minLength": -3}}}}, "response_format", "does not compile"),
     ({"guided_json": {"type": "string", "minLength": -3}}, "guided_json", "does not compile"),
     # vLLM's extensions torchtsp does not implement are refused, never silently ignored
-    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"), ({"min_p": 0.1}, "min_p", "not supported"),
     ({"bad_words": ["x"]}, "bad_words", "not supported"), ({"allowed_token_ids": [1]}, "allowed_token_ids", "not"),
     ({"use_beam_search": True}, "use_beam_search", "beam"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
@@ -221,6 +220,64 @@ def test_min_tokens_holds_the_stop_ids_off_as_transformers_does(client, checkpoi
                                     extra_body={"stop_token_ids": [stop], "min_tokens": 5})
     assert got.usage.completion_tokens == len(want) >= 5
     assert got.choices[0].text == tokenizer.decode([t for t in want if t not in (stop, eos)])
+
+
+@pytest.mark.multirank
+def test_penalties_and_logit_bias_over_http_equal_transformers(client, checkpoint):
+    """Greedy with logit_bias, repetition, frequency and presence penalties (each rank penalizes its vocabulary
+    slice) against transformers' greedy generate with the same processors in vLLM's order: logit_bias (added in
+    the test), transformers' RepetitionPenaltyLogitsProcessor, OpenAI's formula (written in the test); and min_p 1
+    leaves only the likeliest token, so sampling with it is the greedy text."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.logits_process import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    folder, eos = checkpoint
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    ids = tokenizer(PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
+    n_prompt, bias = ids.shape[1], {100: 3.0, eos: -100.0}  # eos -100: all 16 tokens come
+
+    def biased(input_ids, scores):
+        for t, b in bias.items():
+            scores[:, t] += b
+        return scores
+
+    def openai_penalties(input_ids, scores):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence, generated only
+        counts = torch.zeros_like(scores)
+        counts.scatter_add_(1, input_ids[:, n_prompt:], torch.ones_like(input_ids[:, n_prompt:], dtype=scores.dtype))
+        return scores - counts * 0.7 - (counts > 0).to(scores.dtype) * 0.4
+
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=eos, logits_processor=
+                             LogitsProcessorList([biased, RepetitionPenaltyLogitsProcessor(1.6), openai_penalties]))
+    want = out[0, n_prompt:].tolist()
+    got = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0,
+                                    frequency_penalty=0.7, presence_penalty=0.4,
+                                    logit_bias={str(t): b for t, b in bias.items()},
+                                    extra_body={"repetition_penalty": 1.6})
+    assert got.usage.completion_tokens == 16 and got.choices[0].text == tokenizer.decode(want)
+    plain = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0)
+    assert plain.choices[0].text != got.choices[0].text  # the penalties changed the text
+    sampled = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                        extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == plain.choices[0].text
+
+
+@pytest.mark.multirank
+def test_continuous_usage_stats_over_http(client):
+    """Every chunk of a stream with continuous_usage_stats carries its choice's usage so far (vLLM's extension);
+    the counts grow by the tokens each chunk brings and end at the non-streamed answer's."""
+    whole = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    seen = [(bool(chunk.choices), chunk.usage) for chunk in stream]
+    assert all(usage is not None for _, usage in seen)
+    counts = [usage.completion_tokens for has_choice, usage in seen if has_choice]
+    assert counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens == 8
+    assert {usage.prompt_tokens for _, usage in seen} == {whole.usage.prompt_tokens}
+    assert seen[-1][1].total_tokens == whole.usage.total_tokens
 
 
 def _check_schema(value) -> None:

@@ -102,20 +102,37 @@ def make_prompts(args, vocab: int, seed: int | str | None = None) -> list[tuple[
         if not path.is_file():
             raise FileNotFoundError(f"--dataset {path} does not exist")
         prompts = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                prompts.append((row["prompt"], int(row.get("output_len", args.output_len))))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"--dataset {path}:{number}: expected {{\"prompt\": ..., \"output_len\"?: N}} "
-                                 f"({e})") from None
+        for number, line in enumerate(path.read_bytes().splitlines(), 1):
+            if line.strip():
+                prompts.append(_dataset_row(line, f"--dataset {path}:{number}", args.output_len, vocab))
         return prompts[:args.num_prompts]
     rng = random.Random(args.seed if seed is None else seed)
     prefix = [rng.randrange(1, vocab) for _ in range(args.random_prefix_len)]
     return [(prefix + [rng.randrange(1, vocab) for _ in range(args.input_len)], args.output_len)
             for _ in range(args.num_prompts)]
+
+
+def _dataset_row(line: bytes, where: str, output_len: int, vocab: int) -> tuple[list[int] | str, int]:
+    """One jsonl line as (prompt, output length), every value checked here (ValueError naming the file, the line
+    and the field) so that a bad line stops the run before any server starts, not midway through it."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start}); save the file as UTF-8") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON ({e}); each line is {{\"prompt\": ..., \"output_len\"?: N}}") from None
+    if not isinstance(row, dict) or "prompt" not in row:
+        raise ValueError(f"{where}: expected an object {{\"prompt\": ..., \"output_len\"?: N}}, got "
+                         f"{json.dumps(row)[:60]}")
+    prompt, n = row["prompt"], row.get("output_len", output_len)
+    ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                           for t in prompt)
+    if not prompt or not (isinstance(prompt, str) or ids):
+        raise ValueError(f"{where}: \"prompt\" must be a non-empty string or list of token ids in [0, {vocab}), "
+                         f"got {json.dumps(prompt)[:60]}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{where}: \"output_len\" must be an integer >= 1, got {json.dumps(n)[:60]}")
+    return prompt, n
 
 
 def warmup_prompt(args, vocab: int, prompts) -> list:

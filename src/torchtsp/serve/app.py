@@ -138,7 +138,8 @@ def _too_large(size: int) -> APIError:
 async def _answer(svc: CompletionService, choices, body, request: Request, chat: bool):
     streams = svc.submit(choices)
     if body.stream:
-        return StreamingResponse(svc.stream(choices, streams, chat, body.include_usage, request.is_disconnected),
+        return StreamingResponse(svc.stream(choices, streams, chat, body.include_usage, request.is_disconnected,
+                                            continuous_usage=body.continuous_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     answer = await svc.complete(choices, streams, chat, request.is_disconnected)
     return Response(status_code=499) if answer is None else answer

@@ -17,8 +17,10 @@ own generator seeded by the request's seed (the draw ``generate`` makes for a on
 request's tokens never depend on what else is in the batch, nor on a preemption (the generator lives with
 the sequence's state, which a preemption keeps).
 
-Before the choice, each rank masks its own columns of the logits: the ids that would end a sequence (EOS, its
-stop ids) while it has fewer than ``min_tokens`` tokens, and what a sequence's grammar forbids (structured.py).
+Before the choice, each rank applies a sequence's logit_bias and repetition, frequency and presence penalties to
+its own columns of the logits (penalties.py), then masks them: the ids that would end a sequence (EOS, its stop
+ids) while it has fewer than ``min_tokens`` tokens, and what a sequence's grammar forbids (structured.py). A
+sampling row's temperature, top-k, top-p and min-p apply to the gathered distribution.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..infer.logprobs import vocab_logprobs
-from ..infer.sampling import TokenSelector, filter_logits
+from ..infer.sampling import TokenSelector
+from .penalties import penalize_slice, sampling_scores
 from .plan import Admission, StepPlan
 
 
@@ -232,12 +235,16 @@ class BatchRunner:
         for i, s in enumerate(seqs):
             if s.sampler is None:
                 continue
-            p = s.request.sampling
-            scores = full[i:i + 1] / p.temperature
-            if p.top_k is not None or p.top_p is not None:
-                scores = filter_logits(scores, p.top_k, p.top_p)
+            scores = sampling_scores(full[i:i + 1], s.request.sampling)
             ids[i] = (scores + s.sampler.gumbel()).nan_to_num(nan=float("-inf")).argmax(dim=-1)[0]
         return ids.tolist()
+
+    def _penalize(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """This rank's logits slice with each sequence's logit_bias and repetition, frequency and presence penalties
+        (penalties.py; no collective)."""
+        rows = [(s.request.sampling, s.request.prompt, s.tokens[len(s.request.prompt):])
+                if s.request.sampling.penalized else None for s in seqs]
+        return penalize_slice(logits, self.engine.vocab_start, rows)
 
     def _ending_ids(self, s: Sequence) -> list[int]:
         """The ids that end ``s`` when chosen: EOS (unless ignore_eos) and its stop ids."""
@@ -281,7 +288,7 @@ class BatchRunner:
                 s.finish = s.finish or (None if s.request.max_tokens > 0 else "length")
             logits = logits[live]
         growing = [seqs[i] for i in live]
-        constrained, ended = self._constrain(growing, logits)
+        constrained, ended = self._constrain(growing, self._penalize(growing, logits))
         chosen = self.choose(growing, constrained) if growing else []
         # Logprobs of the raw model distribution (before grammars and min_tokens, as vLLM's default), for the
         # tokens actually emitted (a row whose grammar allows nothing ends without one).

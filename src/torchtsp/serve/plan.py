@@ -4,31 +4,65 @@ A plan is a few integers (requests that join, with their prompts, sampling value
 leave; the step's prefill chunks and decodes with their block tables; whether to stop), so it travels as
 int64 tensors over the CPU control group, not as a pickle: a fixed-size header broadcast every step (the
 ranks stay in lockstep even when it says "nothing to do"), then one payload tensor of the announced
-length. Floats travel as their
-IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process checked.
+length. Floats travel as their IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process
+checked.
+
+Every field of a request that joins (``Admission`` and its ``Sampling``) is declared once, in ``FIELDS``: its
+name, how it travels (a codec: int, float bits, optional, list of ints, text, ...) and the bound a value must
+keep; encoding, decoding and rank 0's check are all derived from that list, so a field cannot be written on
+one side and read differently on the other. A field of the dataclasses missing from the list stops the import.
+The header names the format (a version, and a checksum of the declared layout), and every length is checked:
+a payload that ends early, runs long or disagrees with the header fails loudly instead of being mis-read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-HEADER = 6  # magic, step, stop, cancels, admissions, payload length
+HEADER = 8  # magic, format version, layout checksum, step, stop, cancels, admissions, payload length (last)
 MAGIC = 0x7E5A
+FORMAT_VERSION = 2  # 2: fields declared once, each admission length-prefixed, penalties
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's limit)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request: each is applied on every rank at every step
+MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's range)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided or multiplied by it: far from 0 and inf in float32
+MAX_BIAS = 100.0  # logit_bias values in [-100, 100] (OpenAI's range)
+
+
+class PlanFormatError(RuntimeError):
+    """A plan that cannot be read as written: the ranks disagree on the format, or the payload is corrupt."""
 
 
 @dataclass
 class Sampling:
-    """Per request: temperature 0 is greedy; the seed drives its own noise, whatever else is in the batch."""
+    """Per request: temperature 0 is greedy; the seed drives its own noise, whatever else is in the batch.
+    Penalties (batch.py applies them on each rank's vocabulary slice, greedy rows included): ``logit_bias``
+    (token id -> added to its logit), ``repetition_penalty`` (transformers': over prompt and generated tokens),
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: over generated tokens); ``min_p`` (drop tokens
+    less likely than min_p times the likeliest; sampling only: it never changes the argmax)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any per-slice penalty changes the logits."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -66,26 +100,37 @@ class StepPlan:
     preempted: list[int] = field(default_factory=list)
 
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")  # travel as 1 + their index (0: none)
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 MAX_GRAMMAR_BYTES = 1 << 16
+INT64 = (-2**63, 2**63 - 1)
 
 
-def _text_words(text: str) -> list[int]:
-    """UTF-8 bytes packed 8 to an int64 (little-endian, zero padded): a grammar's source in the payload."""
-    data = text.encode("utf-8")
-    data += bytes(-len(data) % 8)
-    return [struct.unpack("<q", data[i:i + 8])[0] for i in range(0, len(data), 8)]
+# ---------------------------------------------------------------- codecs: one value <-> int64 words
 
 
-def _words_text(words: list[int], n_bytes: int) -> str:
-    return b"".join(struct.pack("<q", w) for w in words)[:n_bytes].decode("utf-8")
+class _Reader:
+    """The payload's words, read in order; reading past the end is a format error, not a short list."""
 
+    def __init__(self, words: list[int]):
+        self.words, self.at = words, 0
 
-def _grammar_values(a: Admission) -> list[int]:
-    if a.grammar is None:
-        return [0, 0]
-    kind, source = a.grammar
-    return [GRAMMAR_KINDS.index(kind) + 1, len(source.encode("utf-8")), *_text_words(source)]
+    def take(self, n: int) -> list[int]:
+        if n < 0 or self.at + n > len(self.words):
+            raise PlanFormatError(f"the step plan's payload ends early (word {self.at} + {n} of {len(self.words)}); "
+                                  f"the ranks disagree on its format")
+        self.at += n
+        return self.words[self.at - n:self.at]
+
+    def one(self) -> int:
+        return self.take(1)[0]
+
+    def count(self, per_word: int = 1) -> int:
+        """A length word: at least 0 and at most what the words left hold (``per_word`` items each)."""
+        n = self.one()
+        if not 0 <= n <= per_word * (len(self.words) - self.at):
+            raise PlanFormatError(f"a length in the step plan's payload is {n} with {len(self.words) - self.at} "
+                                  f"words left; the ranks disagree on its format")
+        return n
 
 
 def _float_bits(x: float) -> int:
@@ -96,96 +141,280 @@ def _bits_float(n: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(n)))[0]
 
 
-def _admission_values(a: Admission) -> list[int]:
-    s = a.sampling
-    return [a.request_id, a.max_tokens, s.seed, _float_bits(s.temperature), s.top_k or 0,
-            _float_bits(s.top_p if s.top_p is not None else -1.0), int(a.ignore_eos),
-            len(a.stop_token_ids), len(a.prompt), *a.stop_token_ids, *a.prompt, a.min_tokens, *_grammar_values(a),
-            _optional(a.logprobs), _optional(a.prompt_logprobs)]
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _optional(n: int | None) -> int:
-    return -1 if n is None else n
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _from_optional(n: int) -> int | None:
-    return None if n < 0 else n
+@dataclass(frozen=True)
+class Codec:
+    """How one kind of value travels: ``put`` (value -> words), ``get`` (reader -> value), ``accepts`` (whether a
+    value is of the kind: a wrong type is refused by rank 0's check, never packed as something else)."""
+
+    name: str
+    put: Callable[[object], list[int]]
+    get: Callable[[_Reader], object]
+    accepts: Callable[[object], bool]
+
+
+INT = Codec("int", lambda v: [v], lambda r: r.one(), _is_int)
+BOOL = Codec("bool", lambda v: [int(v)], lambda r: bool(r.one()), lambda v: isinstance(v, bool))
+FLOAT = Codec("float", lambda v: [_float_bits(v)], lambda r: _bits_float(r.one()), _is_number)
+
+
+def _text_words(text: str) -> list[int]:
+    """UTF-8 bytes packed 8 to an int64 (little-endian, zero padded), after their count."""
+    data = text.encode("utf-8")
+    n = len(data)
+    data += bytes(-n % 8)
+    return [n, *(struct.unpack("<q", data[i:i + 8])[0] for i in range(0, len(data), 8))]
+
+
+def _words_text(r: _Reader) -> str:
+    n = r.count(per_word=8)
+    words = r.take(-(-n // 8))
+    try:
+        return b"".join(struct.pack("<q", w) for w in words)[:n].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanFormatError(f"a text in the step plan is not UTF-8 ({e}); the ranks disagree on its format") from None
+
+
+TEXT = Codec("text", _text_words, _words_text, lambda v: isinstance(v, str))
+INTS = Codec("ints", lambda v: [len(v), *v], lambda r: r.take(r.count()),
+             lambda v: isinstance(v, list) and all(map(_is_int, v)))
+
+
+def optional(c: Codec) -> Codec:
+    """None travels as [0], a value as [1, its words]."""
+    return Codec(f"optional {c.name}", lambda v: [0] if v is None else [1, *c.put(v)],
+                 lambda r: c.get(r) if r.one() else None, lambda v: v is None or c.accepts(v))
+
+
+def choice(options: tuple[str, ...]) -> Codec:
+    """One of ``options``, as its index."""
+    def get(r: _Reader) -> str:
+        i = r.one()
+        if not 0 <= i < len(options):
+            raise PlanFormatError(f"choice {i} of {options} in the step plan; the ranks disagree on its format")
+        return options[i]
+
+    return Codec(f"one of {options}", lambda v: [options.index(v)], get, lambda v: v in options)
+
+
+def pair(a: Codec, b: Codec) -> Codec:
+    return Codec(f"({a.name}, {b.name})", lambda v: [*a.put(v[0]), *b.put(v[1])], lambda r: (a.get(r), b.get(r)),
+                 lambda v: isinstance(v, tuple) and len(v) == 2 and a.accepts(v[0]) and b.accepts(v[1]))
+
+
+def mapping(k: Codec, v: Codec) -> Codec:
+    """A dict as its entry count, then key and value words per entry (in the dict's order)."""
+    def get(r: _Reader) -> dict:
+        return dict(pair(k, v).get(r) for _ in range(r.count()))
+
+    return Codec(f"{{{k.name}: {v.name}}}", lambda d: [len(d), *(w for kv in d.items() for w in pair(k, v).put(kv))],
+                 get, lambda d: isinstance(d, dict) and all(k.accepts(x) and v.accepts(y) for x, y in d.items()))
+
+
+# ---------------------------------------------------------------- the declaration
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What rank 0 checks a request's values against: the model's vocabulary and context length."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+# A bound: (field name, value, the whole admission, limits) -> why the value is refused, or None.
+Bound = Callable[[str, object, Admission, Limits], "str | None"]
+
+
+def _range(lo: float, hi: float, low_open: bool = False) -> Bound:
+    """Finite numbers in [lo, hi] ((lo, hi] when ``low_open``); None (an optional field left out) passes."""
+    def bound(name, v, a, lim):
+        if v is None or (math.isfinite(v) and (lo < v if low_open else lo <= v) and v <= hi):
+            return None
+        return f"{name} {v} is outside {'(' if low_open else '['}{lo}, {hi}]"
+    return bound
+
+
+def _in_vocab(name, ids, a, lim):
+    outside = next((t for t in ids if not 0 <= t < lim.vocab_size), None)
+    return None if outside is None else f"{name}: token id {outside} is outside the vocabulary [0, {lim.vocab_size})"
+
+
+def _prompt(name, ids, a, lim):
+    return "the prompt is empty" if not ids else _in_vocab(name, ids, a, lim)
+
+
+def _max_tokens(name, n, a, lim):
+    least = 0 if a.prompt_logprobs is not None else 1  # 0: echo's prefill only
+    if n < least or len(a.prompt) + n > lim.max_model_len:
+        return f"the prompt ({len(a.prompt)} tokens) and max_tokens ({n}) do not fit [1, {lim.max_model_len}]"
+    return None
+
+
+def _top_k(name, k, a, lim):
+    return None if k is None or 1 <= k <= lim.vocab_size else f"top_k {k} is outside [1, {lim.vocab_size}]"
+
+
+def _min_tokens(name, n, a, lim):
+    return None if 0 <= n <= a.max_tokens else f"min_tokens {n} is outside [0, max_tokens {a.max_tokens}]"
+
+
+def _logit_bias(name, bias, a, lim):
+    if len(bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}"
+    return _in_vocab(name, list(bias), a, lim) or next(
+        (f"logit_bias[{t}] {b} is outside [-{MAX_BIAS}, {MAX_BIAS}]" for t, b in bias.items()
+         if not (math.isfinite(b) and abs(b) <= MAX_BIAS)), None)
+
+
+def _grammar(name, g, a, lim):
+    if g is not None and len(g[1].encode("utf-8")) > MAX_GRAMMAR_BYTES:
+        return f"the grammar's source has more than {MAX_GRAMMAR_BYTES} bytes"
+    return None
+
+
+def _any(name, v, a, lim):
+    return None
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One field of an admission: its path (``sampling.top_p`` for a ``Sampling`` field), codec and bound."""
+
+    path: str
+    codec: Codec
+    bound: Bound
+
+
+# The admission's fields in the order they travel. Add a field here and to its dataclass; nothing else.
+FIELDS = (
+    Wire("request_id", INT, _any),
+    Wire("prompt", INTS, _prompt),
+    Wire("max_tokens", INT, _max_tokens),
+    Wire("sampling.temperature", FLOAT, _range(0.0, math.inf)),
+    Wire("sampling.top_k", optional(INT), _top_k),
+    Wire("sampling.top_p", optional(FLOAT), _range(0.0, 1.0, low_open=True)),
+    Wire("sampling.seed", INT, _range(0, INT64[1])),
+    Wire("sampling.min_p", FLOAT, _range(0.0, 1.0)),
+    Wire("sampling.presence_penalty", FLOAT, _range(-MAX_PENALTY, MAX_PENALTY)),
+    Wire("sampling.frequency_penalty", FLOAT, _range(-MAX_PENALTY, MAX_PENALTY)),
+    Wire("sampling.repetition_penalty", FLOAT, _range(*REPETITION_PENALTY_RANGE)),
+    Wire("sampling.logit_bias", mapping(INT, FLOAT), _logit_bias),
+    Wire("stop_token_ids", INTS, _in_vocab),
+    Wire("ignore_eos", BOOL, _any),
+    Wire("min_tokens", INT, _min_tokens),
+    Wire("grammar", optional(pair(choice(GRAMMAR_KINDS), TEXT)), _grammar),
+    Wire("logprobs", optional(INT), _range(0, MAX_LOGPROBS)),
+    Wire("prompt_logprobs", optional(INT), _range(0, MAX_LOGPROBS)),
+)
+
+
+def _declared() -> None:
+    """Every field of Admission and Sampling is in FIELDS, once (checked at import: a missing one would not
+    travel)."""
+    fields = [f.name for f in dataclasses.fields(Admission) if f.name != "sampling"]
+    fields += [f"sampling.{f.name}" for f in dataclasses.fields(Sampling)]
+    paths = [w.path for w in FIELDS]
+    if sorted(paths) != sorted(fields):
+        raise RuntimeError(f"plan.FIELDS does not declare each field of Admission and Sampling once: missing "
+                           f"{sorted(set(fields) - set(paths))}, extra {sorted(set(paths) - set(fields))}")
+
+
+_declared()
+LAYOUT = zlib.crc32(";".join(f"{w.path}:{w.codec.name}" for w in FIELDS).encode()) & 0x7FFFFFFF
+
+
+def field_value(a: Admission, path: str):
+    obj, _, name = path.rpartition(".")
+    return getattr(a.sampling if obj else a, name)
+
+
+def _admission_words(a: Admission) -> list[int]:
+    """The admission's words, after their count (a reader that disagrees on a field's width stops at the end of
+    this admission, not somewhere in the next one)."""
+    words = [w for f in FIELDS for w in f.codec.put(field_value(a, f.path))]
+    return [len(words), *words]
+
+
+def _read_admission(r: _Reader) -> Admission:
+    n, start = r.one(), r.at
+    values = {f.path: f.codec.get(r) for f in FIELDS}
+    if r.at - start != n:
+        raise PlanFormatError(f"an admission in the step plan announces {n} words and its fields took "
+                              f"{r.at - start}; the ranks disagree on its format")
+    sampling = Sampling(**{p.removeprefix("sampling."): v for p, v in values.items() if p.startswith("sampling.")})
+    return Admission(sampling=sampling, **{p: v for p, v in values.items() if not p.startswith("sampling.")})
 
 
 def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str | None:
     """Why a request would break the step plan or a rank's step (None: it would not). The HTTP side refuses
     all of these first; rank 0 checks again before planning, so that a request that slipped through fails
     alone instead of failing every rank."""
-    s = a.sampling
-    if a.grammar is not None and (a.grammar[0] not in GRAMMAR_KINDS or not isinstance(a.grammar[1], str)
-                                  or len(a.grammar[1].encode("utf-8")) > MAX_GRAMMAR_BYTES):
-        return f"the grammar is not one of {GRAMMAR_KINDS} with a source of at most {MAX_GRAMMAR_BYTES} bytes"
-    if not all(isinstance(v, int) and -2**63 <= v < 2**63 for v in _admission_values(a)):
+    if not isinstance(a, Admission) or not isinstance(a.sampling, Sampling):
+        return f"not an admission: {type(a).__name__}"
+    wrong = next((f for f in FIELDS if not f.codec.accepts(field_value(a, f.path))), None)
+    if wrong is not None:
+        return f"{wrong.path} {field_value(a, wrong.path)!r:.40} is not {wrong.codec.name}"
+    if not all(INT64[0] <= v <= INT64[1] for v in _admission_words(a)):
         return "a value does not fit a signed 64-bit integer"
-    least = 0 if a.prompt_logprobs is not None else 1
-    if not a.prompt or len(a.prompt) + a.max_tokens > max_model_len or a.max_tokens < least:
-        return f"the prompt ({len(a.prompt)} tokens) and max_tokens ({a.max_tokens}) do not fit [1, {max_model_len}]"
-    if any(not 0 <= t < vocab_size for t in (*a.prompt, *a.stop_token_ids)):
-        return f"a token id is outside the vocabulary [0, {vocab_size})"
-    if s.top_k is not None and not 1 <= s.top_k <= vocab_size:
-        return f"top_k {s.top_k} is outside [1, {vocab_size}]"
-    if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        return f"temperature {s.temperature} is not a finite number >= 0"
-    if s.top_p is not None and not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-        return f"top_p {s.top_p} is outside (0, 1]"
-    if not 0 <= a.min_tokens <= a.max_tokens:
-        return f"min_tokens {a.min_tokens} is outside [0, max_tokens {a.max_tokens}]"
-    if any(n is not None and not 0 <= n <= MAX_LOGPROBS for n in (a.logprobs, a.prompt_logprobs)):
-        return f"logprobs ({a.logprobs}) or prompt_logprobs ({a.prompt_logprobs}) is outside [0, {MAX_LOGPROBS}]"
+    limits = Limits(vocab_size, max_model_len)
+    for f in FIELDS:
+        problem = f.bound(f.path.removeprefix("sampling."), field_value(a, f.path), a, limits)
+        if problem is not None:
+            return problem
     return None
+
+
+# ---------------------------------------------------------------- the plan
 
 
 def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """(header [HEADER], payload [n]) int64 tensors of a plan."""
     payload = list(plan.cancel)
     for a in plan.admit:
-        payload += _admission_values(a)
+        payload += _admission_words(a)
     payload += [len(plan.prefill), *[v for work in plan.prefill for v in work], len(plan.decode), *plan.decode,
                 len(plan.preempted), *plan.preempted]
     for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
         payload += [len(plan.tables[rid]), *plan.tables[rid]]
-    header = [MAGIC, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit), len(payload)]
+    header = [MAGIC, FORMAT_VERSION, LAYOUT, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit),
+              len(payload)]
     return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
 
 
 def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
-    magic, step, stop, cancels, admissions, _ = header.tolist()
+    """The plan ``encode`` wrote; PlanFormatError if the header is not this format's or the payload's length
+    disagrees with it (anywhere: each admission's and list's length is checked, and the payload must end where
+    its last list does)."""
+    if header.numel() != HEADER:
+        raise PlanFormatError(f"the step plan's header has {header.numel()} words, not {HEADER}; the ranks run "
+                              f"different versions of torchtsp")
+    magic, version, layout, step, stop, cancels, admissions, length = header.tolist()
     if magic != MAGIC:
-        raise RuntimeError(f"step plan header is corrupt (magic {magic:#x}); the ranks are out of step")
-    values = payload.tolist()
-    plan = StepPlan(step=step, stop=bool(stop), cancel=values[:cancels])
-    at = cancels
-    for _ in range(admissions):
-        rid, max_tokens, seed, temperature, top_k, top_p, ignore_eos, n_stops, n_prompt = values[at:at + 9]
-        at += 9
-        stops, prompt = values[at:at + n_stops], values[at + n_stops:at + n_stops + n_prompt]
-        at += n_stops + n_prompt
-        min_tokens, kind, n_bytes = values[at:at + 3]
-        words = -(-n_bytes // 8)
-        grammar = (GRAMMAR_KINDS[kind - 1], _words_text(values[at + 3:at + 3 + words], n_bytes)) if kind else None
-        at += 3 + words
-        logprobs, prompt_logprobs = values[at:at + 2]
-        at += 2
-        top_p = _bits_float(top_p)
-        plan.admit.append(Admission(rid, prompt, max_tokens, Sampling(_bits_float(temperature), top_k or None,
-                                                                       None if top_p < 0 else top_p, seed), stops,
-                                   bool(ignore_eos), min_tokens, grammar, logprobs=_from_optional(logprobs),
-                                   prompt_logprobs=_from_optional(prompt_logprobs)))
-    n = values[at]
-    plan.prefill = [tuple(values[at + 1 + 3 * i:at + 4 + 3 * i]) for i in range(n)]
-    at += 1 + 3 * n
-    plan.decode = values[at + 1:at + 1 + values[at]]
-    at += 1 + values[at]
-    plan.preempted = values[at + 1:at + 1 + values[at]]
-    at += 1 + values[at]
-    for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
-        plan.tables[rid] = values[at + 1:at + 1 + values[at]]
-        at += 1 + values[at]
+        raise PlanFormatError(f"step plan header is corrupt (magic {magic:#x}); the ranks are out of step")
+    if (version, layout) != (FORMAT_VERSION, LAYOUT):
+        raise PlanFormatError(f"the step plan is format {version} (layout {layout:#x}), this rank reads format "
+                              f"{FORMAT_VERSION} (layout {LAYOUT:#x}); the ranks run different versions of torchtsp")
+    if payload.numel() != length:
+        raise PlanFormatError(f"the step plan's payload has {payload.numel()} words, its header says {length}")
+    r = _Reader(payload.tolist())
+    plan = StepPlan(step=step, stop=bool(stop), cancel=r.take(cancels))
+    plan.admit = [_read_admission(r) for _ in range(admissions)]
+    plan.prefill = [tuple(r.take(3)) for _ in range(r.count())]
+    plan.decode = r.take(r.count())
+    plan.preempted = r.take(r.count())
+    for rid in [*(rid for rid, _, _ in plan.prefill), *plan.decode]:
+        plan.tables[rid] = r.take(r.count())
+    if r.at != length:
+        raise PlanFormatError(f"the step plan's payload has {length} words and its fields took {r.at}; the ranks "
+                              f"disagree on its format")
     return plan
 
 

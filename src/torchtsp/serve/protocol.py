@@ -14,6 +14,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .plan import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY, REPETITION_PENALTY_RANGE
+
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_IDS = 256  # every decoded token is compared with each, on every rank
@@ -39,6 +41,7 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class _Sampled(BaseModel):
@@ -70,10 +73,10 @@ class _Sampled(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # an EBNF grammar (xgrammar's dialect, as vLLM's xgrammar backend)
-    # vLLM's sampling extensions torchtsp does not implement: declared so that a request setting one is refused,
-    # not answered as if it had not (an ignored penalty changes the text silently).
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extensions (transformers' formulas): penalties.py
     min_p: float | None = None
+    # vLLM's sampling extensions torchtsp does not implement: declared so that a request setting one is refused,
+    # not answered as if it had not (an ignored option changes the text silently).
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     use_beam_search: bool = False
@@ -85,13 +88,6 @@ class _Sampled(BaseModel):
         refused = [("n", not 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {_short(self.n)}"),
                    ("best_of", self.best_of not in (None, 1),
                     "best_of is not supported (n independent choices are: ask for n instead)"),
-                   ("presence_penalty", self.presence_penalty not in (None, 0), "presence_penalty is not supported"),
-                   ("frequency_penalty", self.frequency_penalty not in (None, 0),
-                    "frequency_penalty is not supported"),
-                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-                   ("repetition_penalty", self.repetition_penalty not in (None, 1), "repetition_penalty is not "
-                    "supported"),
-                   ("min_p", self.min_p not in (None, 0), "min_p is not supported (top_p and top_k are)"),
                    ("bad_words", bool(self.bad_words), "bad_words is not supported"),
                    ("allowed_token_ids", bool(self.allowed_token_ids), "allowed_token_ids is not supported "
                     "(guided_choice or guided_regex constrain the text)"),
@@ -120,6 +116,41 @@ class _Sampled(BaseModel):
             raise APIError(400, f"seed must be in [0, 2^63 - 1], got {_short(self.seed)}", "seed")
         return temperature, top_k, (None if top_p == 1 else top_p), self.seed
 
+    def penalty_values(self, vocab_size: int) -> dict:
+        """min_p, the penalties and logit_bias checked, as ``Sampling``'s keyword arguments (their defaults when
+        not given): 400 naming the field for a value out of its range."""
+        def number(field: str, default: float, lo: float, hi: float, low_open: bool = False) -> float:
+            v = getattr(self, field)
+            v = default if v is None else v
+            if not (math.isfinite(v) and (lo < v if low_open else lo <= v) and v <= hi):
+                raise APIError(400, f"{field} must be in {'(' if low_open else '['}{lo:g}, {hi:g}], got {v}", field)
+            return float(v)
+
+        return {"min_p": number("min_p", 0.0, 0.0, 1.0),
+                "presence_penalty": number("presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                "frequency_penalty": number("frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+                "repetition_penalty": number("repetition_penalty", 1.0, *REPETITION_PENALTY_RANGE),
+                "logit_bias": self._logit_bias(vocab_size)}
+
+    def _logit_bias(self, vocab_size: int) -> dict[int, float]:
+        """OpenAI's map of token ids (JSON object keys: decimal strings) to a bias in [-100, 100] added to the
+        token's logit."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS}", "logit_bias")
+        out = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 20 else None
+            if token is None or not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias: key {str(key)[:40]!r} is not a token id in the vocabulary [0, "
+                                    f"{vocab_size})", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise APIError(400, f"logit_bias[{token}] must be a number in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got "
+                                    f"{_short_value(value)}", "logit_bias")
+            out[token] = float(value)
+        return out
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
@@ -143,6 +174,11 @@ class _Sampled(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: continuous_usage_stats, which (as in vLLM) takes include_usage too."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampled):

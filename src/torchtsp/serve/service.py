@@ -205,7 +205,8 @@ class CompletionService:
         logprobs, prompt_logprobs = body.logprob_counts()
         if max_tokens == 0 and prompt_logprobs is None:
             prompt_logprobs = 0  # the engine runs a prefill for nothing else; its logprobs are not shown
-        return Choice(prompt, max_tokens, Sampling(temperature, top_k, top_p, seed), body.stop_strings(), stop_ids,
+        sampling = Sampling(temperature, top_k, top_p, seed, **body.penalty_values(self.state.vocab_size))
+        return Choice(prompt, max_tokens, sampling, body.stop_strings(), stop_ids,
                       body.ignore_eos, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       tokens_as_ids=body.return_tokens_as_token_ids)
 
@@ -376,7 +377,7 @@ class CompletionService:
         arrival = time.monotonic()
         tasks = [asyncio.ensure_future(self.run_choice(c, s, out, i, arrival))
                  for i, (c, s) in enumerate(zip(choices, streams))]
-        open_, checked = len(choices), time.monotonic()
+        open_, checked, get = len(choices), time.monotonic(), None
         try:
             while open_:
                 get = asyncio.ensure_future(out.get())
@@ -396,7 +397,9 @@ class CompletionService:
                     if await disconnected():
                         return
         finally:
-            for t in tasks:
+            # Cancelled while waiting (starlette cancels a stream whose client left), ``get`` would stay pending
+            # for good: "Task was destroyed but it is pending!" in the log when it is collected.
+            for t in [*tasks, *([get] if get is not None else [])]:
                 t.cancel()
 
     # -- answers -----------------------------------------------------------------------
@@ -421,23 +424,31 @@ class CompletionService:
         return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
                 "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
 
-    async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected):
-        """Server-sent events: the chunks, an error event if the request fails midway, then [DONE]."""
+    async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected,
+                     continuous_usage: bool = False):
+        """Server-sent events: the chunks, an error event if the request fails midway, then [DONE].
+        ``continuous_usage``: every choice chunk carries its choice's usage so far (its prompt's tokens and the
+        tokens it has generated, as vLLM's continuous_usage_stats); otherwise ``usage`` is null until the last
+        chunk (include_usage)."""
         chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
         counts = [0] * len(choices)
         formats = [LogprobFormat(self.token_text, chat, c.tokens_as_ids) if c.logprobs is not None else None
                    for c in choices]
+
+        def usage(i: int) -> dict | None:
+            return _usage(len(choices[i].prompt), counts[i]) if continuous_usage else None
+
         try:
             for i, c in enumerate(choices):
                 if chat:
-                    yield chunks.choice(i, "", None, role=True)
+                    yield chunks.choice(i, "", None, role=True, usage=usage(i))
                 elif _leading_echo(c):
-                    yield chunks.choice(i, c.echo_text, None)
+                    yield chunks.choice(i, c.echo_text, None, usage=usage(i))
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
                 if e.delta or e.finish or e.logprobs:
                     shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
-                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown)
+                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown, usage=usage(e.index))
             if include_usage:
                 yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
         except APIError as e:  # mid-stream: an error event, then the end of the stream
@@ -517,13 +528,14 @@ class _Chunks:
                      "created": int(time.time()), "model": model}
         self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
 
-    def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None) -> str:
+    def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None,
+               usage: dict | None = None) -> str:
         if self.chat:
             part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
             c = {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": reason}
         else:
             c = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": reason}
-        return _sse({**self.head, "choices": [c], **self.usage_field})
+        return _sse({**self.head, "choices": [c], **({"usage": usage} if usage is not None else self.usage_field)})
 
     def usage(self, usage: dict) -> str:
         return _sse({**self.head, "choices": [], "usage": usage})
