@@ -135,3 +135,19 @@ def test_templates_get_the_arguments_as_objects():
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert out[0] == messages[0] and out[2] == messages[2]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is untouched
+
+
+@pytest.mark.parametrize("deltas,content,names,reason", [
+    (["Hi ", "there <tool", "_call>", '{"name": "time_now", "arguments": {}}', "</tool_call>"], "Hi there",
+     ["time_now"], "tool_calls"),
+    (["a < b ", "is true"], "a < b is true", [], "stop"),
+    (["<tool_call>", '{"name": "time_now"'], "<tool_call>{\"name\": \"time_now\"", [], "length"),  # cut short
+])
+def test_a_streamed_output_sends_content_and_holds_back_the_calls(deltas, content, names, reason):
+    from torchtsp.serve.tools import ToolOutput
+
+    out = ToolOutput(tool_choice([WEATHER, CLOCK], "auto", "hermes"))
+    sent = "".join(out.add(d) for d in deltas)
+    rest, calls, why = out.finish("length" if reason == "length" else "stop")
+    assert "<tool_call" not in sent or not names  # a call's text never goes out as content
+    assert (sent + rest).rstrip() == content and [c.name for c in calls] == names and why == reason

@@ -58,6 +58,12 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "admitted and waiting requests fail at once (503); running ones may finish for this many seconds, then end "
         f"with an error (default: {SHUTDOWN_GRACE_S:g})")
     add("--kv-layout", choices=KV_LAYOUTS, default="auto", help=KV_LAYOUT_HELP)
+    add("--tool-call-parser", metavar="NAME", help="how tool_choice auto reads tool calls in the model's output, "
+        "by model family: hermes (<tool_call>{json}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1's JSON "
+        "calls), mistral ([TOOL_CALLS][...]) (default: none; tool_choice auto is then refused, required and a "
+        "named function still work)")
+    add("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM's command lines: tool_choice "
+        "auto is on whenever --tool-call-parser is given")
     add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "
         "before the server fails (503, requests fail): a decode step takes well under a second, so that long means "
         f"a hung rank, and clients should not wait longer (default: {SERVE_TIMEOUT_S:g})")

@@ -208,6 +208,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_Sampled):
@@ -220,9 +222,9 @@ class ChatCompletionRequest(_Sampled):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        for field in ("tools", "tool_choice", "functions"):
-            if getattr(self, field) not in (None, [], "none"):
-                raise APIError(400, f"{field} (tool calling) is not supported", field, "unsupported_parameter")
+        if self.functions:  # OpenAI's deprecated form of tools
+            raise APIError(400, "functions is not supported: give tools ([{\"type\": \"function\", \"function\": "
+                                "{...}}]) and tool_choice", "functions", "unsupported_parameter")
         if not self.messages:
             raise APIError(400, "messages must be a non-empty list", "messages")
 
@@ -248,7 +250,9 @@ class ChatCompletionRequest(_Sampled):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    f"messages.{i}.content")
                 content = "".join(part["text"] for part in content)
-            out.append({"role": m.role, "content": content or "", **({"name": m.name} if m.name else {})})
+            extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
+                     if v}
+            out.append({"role": m.role, "content": content or "", **extra})
         return out
 
 
@@ -257,6 +261,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list | None = None  # rendered with the messages, as a chat request with tools renders them
     add_generation_prompt: bool = True
 
 

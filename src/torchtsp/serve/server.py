@@ -39,6 +39,11 @@ def require_extra() -> None:
 
 def _check_flags(args, cfg) -> int:
     """The launch flags, refused in one line before any rank starts; returns max_model_len."""
+    from .tools import check_parser
+
+    check_parser(args.tool_call_parser)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral)")
     servable = SCHEMES.servable()  # a scheme whose replicas split the batch's rows is not continuous batching yet
     if args.scheme not in servable:
         raise ValueError(f"serve runs the {', '.join(servable)} schemes, not {args.scheme!r} (data-parallel "
@@ -185,7 +190,7 @@ def _serve(args, launch: _Launch) -> int:
     state = ServerState(client=client, tokenizer=launch.tokenizer, template=launch.template, model_name=launch.name,
                         max_model_len=launch.max_model_len, vocab_size=launch.cfg.vocab_size,
                         eos_token_id=launch.settings["eos_token_id"], api_key=launch.api_key,
-                        max_queue=args.max_queue, metrics=metrics)
+                        max_queue=args.max_queue, metrics=metrics, tool_call_parser=args.tool_call_parser)
     engine = _Engine(job, client, launch.layout.world, args.timeout_s, launch.torchrun)
     engine.thread.start()
     world = launch.layout.world

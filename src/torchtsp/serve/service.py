@@ -24,6 +24,7 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _short
 from .structured import GrammarCheck, requested_grammar
 from .template import ChatTemplate
 from .text import TextStream
+from .tools import ToolChoice, ToolOutput, template_messages, tool_choice
 
 DISCONNECT_POLL_S = 0.25
 
@@ -43,6 +44,7 @@ class ServerState:
     api_key: str | None
     max_queue: int
     metrics: Metrics
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto reads the model's calls
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Choice:
     min_tokens: int = 0
     grammar: tuple[str, str] | None = None  # (kind, source): structured output
     grammar_field: str | None = None  # the request field that asked for it (named by a refusal)
+    tools: ToolChoice | None = None  # chat with tools: how the output becomes tool calls
     sample: int = 0  # which of its prompt's n choices
     logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # per prompt token (echo with logprobs)
@@ -280,24 +283,46 @@ class CompletionService:
                                 f"{self.state.max_queue}, --max-queue); send them in smaller requests", "prompt",
                            "too_many_prompts")
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
+                          ) -> list[int]:
         if self.state.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template FILE", "messages", "no_chat_template")
-        chars = sum(len(v) for m in messages for v in m.values())
+        chars = len(json.dumps(messages)) + len(json.dumps(tools or []))
         if chars > self.max_text_chars:
             raise APIError(400, f"messages have {chars} characters: more than this model's maximum context length "
                                 f"({self.state.max_model_len} tokens) can hold", "messages", "context_length_exceeded")
-        return await self.encode(await self.state.template.render_async(messages, add_generation_prompt),
-                                 "messages")
+        text = await self.state.template.render_async(template_messages(messages), add_generation_prompt, tools)
+        return await self.encode(text, "messages")
+
+    async def tool_grammar(self, tools: ToolChoice) -> tuple[str, str, str]:
+        """The grammar that forces a call (tool_choice required or named), each tool's schema compiled first so
+        that one xgrammar cannot compile is a 400 naming the tool."""
+        for name, schema in tools.schemas():
+            try:
+                await self.grammar_check.check("json_schema", schema, "tools")
+            except APIError as e:
+                raise APIError(400, f"tools: the parameters of {name!r} cannot constrain the output: "
+                                    f"{e.message.removeprefix('tools: ')}", "tools") from None
+        kind, source = tools.grammar()
+        await self.grammar_check.check(kind, source, "tool_choice")
+        return kind, source, "tool_choice"
 
     async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
         self.check_model(body.model)
+        tools = tool_choice(body.tools, body.tool_choice, self.state.tool_call_parser)
         grammar = await self.grammar(body)
-        ids = await self.render_chat(body.message_dicts(), body.add_generation_prompt)
+        if tools is not None and tools.grammar() is not None:
+            if grammar is not None:
+                raise APIError(400, f"tool_choice {tools.mode} constrains the output to a call already; drop "
+                                    f"{grammar[2]}", grammar[2])
+            grammar = await self.tool_grammar(tools)
+        ids = await self.render_chat(body.message_dicts(), body.add_generation_prompt,
+                                     list(tools.tools) if tools is not None else None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self.samples(body, [self.choice(body, ids, max_tokens, "messages")], grammar)
+        choice = dataclasses.replace(self.choice(body, ids, max_tokens, "messages"), tools=tools)
+        return self.samples(body, [choice], grammar)
 
     # -- running choices ---------------------------------------------------------------
 
@@ -418,9 +443,9 @@ class CompletionService:
             return None
         shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None else None
                  for c, es in zip(choices, entries)]
-        made = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
-                if chat else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
-                for i, (t, f, lp) in enumerate(zip(texts, finish, shown))]
+        made = [{"index": i, **_message(c, t, f), "logprobs": lp} if chat
+                else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                for i, (c, t, f, lp) in enumerate(zip(choices, texts, finish, shown))]
         return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
                 "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
 
@@ -444,10 +469,15 @@ class CompletionService:
                     yield chunks.choice(i, "", None, role=True, usage=usage(i))
                 elif _leading_echo(c):
                     yield chunks.choice(i, c.echo_text, None, usage=usage(i))
+            tools = [ToolOutput(c.tools) if chat and c.tools is not None else None for c in choices]
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
-                if e.delta or e.finish or e.logprobs:
-                    shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
+                shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
+                if tools[e.index] is not None:  # content until a call may begin; the calls when the output ends
+                    for chunk in chunks.tool_choice(e.index, tools[e.index], e.delta, e.finish, shown,
+                                                    usage(e.index)):
+                        yield chunk
+                elif e.delta or e.finish or e.logprobs:
                     yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown, usage=usage(e.index))
             if include_usage:
                 yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
@@ -467,7 +497,7 @@ class CompletionService:
             ids = await self.encode(body.prompt)
         else:
             messages = ChatCompletionRequest(messages=body.messages).message_dicts()
-            ids = await self.render_chat(messages, body.add_generation_prompt)
+            ids = await self.render_chat(messages, body.add_generation_prompt, body.tools)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len}
 
     def model_card(self, model_id: str | None = None) -> dict:
@@ -529,9 +559,11 @@ class _Chunks:
         self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
 
     def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None,
-               usage: dict | None = None) -> str:
+               usage: dict | None = None, tool_calls: list | None = None) -> str:
         if self.chat:
             part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            if tool_calls:
+                part["tool_calls"] = [call.to_dict(index=k) for k, call in enumerate(tool_calls)]
             c = {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": reason}
         else:
             c = {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -539,6 +571,34 @@ class _Chunks:
 
     def usage(self, usage: dict) -> str:
         return _sse({**self.head, "choices": [], "usage": usage})
+
+    def tool_choice(self, i: int, out: ToolOutput, delta: str, reason: str | None, logprobs: dict | None,
+                    usage: dict | None) -> list[str]:
+        """The chunks of one event of a chat choice with tools (OpenAI's stream shapes): the content that can go
+        out; at the end, what was held back, each call (id, type, name and its arguments whole) and the finish."""
+        content, calls = out.add(delta), []
+        if reason is not None:
+            rest, calls, reason = out.finish(reason)
+            content += rest
+        made = [self.choice(i, content, None, logprobs=logprobs, usage=usage)] if content or logprobs else []
+        if calls:
+            made.append(self.choice(i, "", None, usage=usage, tool_calls=calls))
+        if reason is not None:
+            made.append(self.choice(i, "", reason, usage=usage))
+        return made
+
+
+def _message(c: Choice, text: str, finish: str) -> dict:
+    """A chat choice's message and finish reason: with tools, the calls its text holds (finish "tool_calls")."""
+    if c.tools is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    out = ToolOutput(c.tools)
+    content = out.add(text)
+    rest, calls, finish = out.finish(finish)
+    message = {"role": "assistant", "content": (content + rest) or None}
+    if calls:
+        message["tool_calls"] = [call.to_dict() for call in calls]
+    return {"message": message, "finish_reason": finish}
 
 
 def _leading_echo(c: Choice) -> str:

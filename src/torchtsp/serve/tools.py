@@ -193,11 +193,14 @@ class ToolChoice:
         return None
 
     def calls(self, text: str) -> tuple[str, list[ToolCall]]:
-        """(content, tool calls) of the model's whole output."""
-        if self.mode == "named":
-            return "", [ToolCall(self.name, json.dumps(json.loads(text), ensure_ascii=False))]
-        if self.mode == "required":
-            return "", [_call(json.loads(text))]
+        """(content, tool calls) of the model's whole output. A forced call cut short (max_tokens) does not parse:
+        it is content, and the answer's finish_reason says "length"."""
+        if self.mode in ("named", "required"):
+            values = _json_values(text)
+            call = None
+            if values and len(values) == 1:
+                call = _call({"name": self.name, "arguments": values[0]} if self.mode == "named" else values[0])
+            return ("", [call]) if call else (text, [])
         if self.mode == "auto":
             return PARSERS[self.parser](text)
         return text, []
@@ -207,6 +210,29 @@ class ToolChoice:
         if self.mode in ("named", "required"):
             return 0
         return held_from(self.parser, text) if self.mode == "auto" else len(text)
+
+
+class ToolOutput:
+    """One choice's output under its tool choice, as it streams: text goes out as content until a call may begin
+    (``held_from``); the rest waits for the end, where it becomes calls or, if it does not parse, content."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice, self.text, self.sent = choice, "", 0
+
+    def add(self, delta: str) -> str:
+        """The content that can go out now."""
+        self.text += delta
+        hold = self.choice.held_from(self.text)
+        out = self.text[self.sent:hold] if hold > self.sent else ""
+        self.sent += len(out)
+        return out
+
+    def finish(self, reason: str) -> tuple[str, list[ToolCall], str]:
+        """(the content not sent yet, the calls, the finish reason: "tool_calls" when there are calls)."""
+        content, calls = self.choice.calls(self.text)
+        if calls:
+            return content[self.sent:], calls, "tool_calls"
+        return self.text[self.sent:], [], reason
 
 
 def _checked_tools(tools) -> tuple:
