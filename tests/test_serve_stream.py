@@ -123,3 +123,160 @@ def test_a_client_that_leaves_leaves_no_task_pending(how):
     pending = asyncio.run(run())
     assert pending == [], pending
     assert len(client.cancelled) == 2
+
+
+# ---------------------------------------------------------------- big answers: bounded, shaped and encoded off the loop
+
+
+class _LogprobClient(_FakeClient):
+    """Each request answers ``max_tokens`` tokens "a".."z" with logprobs (the prompt's too, when asked): the events
+    a rank sends, with full-precision floats (the longest JSON numbers)."""
+
+    def submit(self, prompt, max_tokens, sampling, stop_token_ids, ignore_eos=False, **options):
+        def entry(t, k):
+            return (-1.2345678901234567 - t / 7, [((t + j) % 256, -0.1234567890123456 - j / 3) for j in range(k)])
+
+        def events():  # made as they are read (a rank's come one step at a time), not all at submit
+            if options.get("prompt_logprobs") is not None:
+                yield "prompt_logprobs", [None, *(entry(t, options["prompt_logprobs"]) for t in prompt[1:])]
+            for i in range(max_tokens):
+                yield "token", 97 + i % 26, entry(97 + i % 26, options["logprobs"] or 0)
+            yield "finished", "length"
+
+        return _Lazy(events())
+
+
+class _Lazy:
+    """Events made on a worker thread, as the engine client's reader thread receives them: the event loop only
+    hands them on (making 30k logprob tuples on the loop would stall it in the test's engine, not the server)."""
+
+    def __init__(self, events):
+        self.events = events
+
+    async def next(self):
+        return await asyncio.to_thread(next, self.events)
+
+
+def _big_state(client, **changes):
+    state = _state(client)
+    state.max_model_len, state.max_queue = 8192, 512
+    for k, v in changes.items():
+        setattr(state, k, v)
+    return state
+
+
+async def _choices_and_answer(service, raw: dict, chat: bool = False) -> tuple[list, dict]:
+    from torchtsp.serve.protocol import ChatCompletionRequest
+
+    body = parse(ChatCompletionRequest if chat else CompletionRequest, json.dumps(raw).encode())
+    choices = await (service.chat_choices(body) if chat else service.completion_choices(body))
+    return choices, await service.complete(choices, service.submit(choices), chat, _never)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_answer_encoded_in_pieces_is_what_jsonresponse_sends(chat):
+    from starlette.responses import JSONResponse
+
+    from torchtsp.serve.service import JSON_ROWS, json_bytes
+    from torchtsp.serve.template import ChatTemplate
+
+    state = _big_state(_LogprobClient(), template=ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"))
+    service = CompletionService(state)
+    tokens = 2 * JSON_ROWS + 3  # per-token lists cut into three pieces, the last short
+    raw = {"max_tokens": tokens, "n": 2, "logprobs": True, "top_logprobs": 3} if chat else \
+        {"max_tokens": tokens, "n": 2, "logprobs": 3, "echo": True}
+    content = {"messages": [{"role": "user", "content": "é ✓ \"quoted\""}]} if chat else {"prompt": "é ✓ \"q\""}
+    _, answer = asyncio.run(_choices_and_answer(service, {**raw, **content}, chat))
+    assert json_bytes(answer) == JSONResponse(answer).body
+
+
+@pytest.mark.parametrize("extra,limit,param,chat", [
+    # 256 choices x 4000 tokens x 21 entries: ~700 MB estimated, the text alone 16 MB (fits the 64 MiB default)
+    ({"prompt": ["a", "b"], "n": 128, "max_tokens": 4000, "logprobs": 20}, None, "logprobs", False),
+    ({"prompt": ["a", "b"], "n": 128, "max_tokens": 4000}, 1 << 20, "n", False),  # 16 MB of text; 1 choice: 64 KB
+    ({"prompt": "a", "max_tokens": 8000}, 64 << 10, "max_tokens", False),  # 128 KB of text, one choice
+    ({"messages": [{"role": "user", "content": "a"}], "n": 128, "max_tokens": 4000, "logprobs": True,
+      "top_logprobs": 20}, None, "top_logprobs", True),
+])
+def test_an_answer_that_could_be_too_big_is_400_naming_what_to_lower(extra, limit, param, chat):
+    from torchtsp.serve.protocol import APIError, ChatCompletionRequest
+    from torchtsp.serve.template import ChatTemplate
+
+    small = {} if limit is None else {"max_answer_bytes": limit}
+    state = _big_state(_LogprobClient(), template=ChatTemplate("{{ messages[0].content }}"), **small)
+    service = CompletionService(state)
+    model = ChatCompletionRequest if chat else CompletionRequest
+
+    async def choices(raw):
+        body = parse(model, json.dumps(raw).encode())
+        return await (service.chat_choices(body) if chat else service.completion_choices(body))
+
+    with pytest.raises(APIError) as e:
+        asyncio.run(choices(extra))
+    assert e.value.status == 400 and e.value.param == param and f"lower {param}" in e.value.message, e.value.message
+    assert "stream" in e.value.message and len(e.value.message) < 300
+    assert asyncio.run(choices({**extra, "stream": True}))  # a stream is sent as it comes: not bounded
+
+
+def test_the_size_estimate_bounds_a_real_answer():
+    """The estimate (``check_answer_size``) against the bytes actually sent, for one-character tokens with
+    full-precision logprobs: never under, and not so far over that it refuses what would fit (within 3x)."""
+    from torchtsp.serve.service import json_bytes
+    from torchtsp.serve.template import ChatTemplate
+
+    for chat in (False, True):
+        service = CompletionService(_big_state(_LogprobClient(), template=ChatTemplate("{{ messages[0].content }}")))
+        if chat:
+            raw = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 300, "n": 3, "logprobs": True,
+                   "top_logprobs": 20}
+        else:
+            raw = {"prompt": "abcdefgh" * 20, "max_tokens": 300, "n": 3, "logprobs": 20, "echo": True}
+        choices, answer = asyncio.run(_choices_and_answer(service, raw, chat))
+        sent, estimate = len(json_bytes(answer)), _estimate(choices, chat)
+        assert sent <= estimate <= 3 * sent, (chat, sent, estimate)
+
+
+def _estimate(choices, chat) -> int:
+    from torchtsp.serve.service import LOGPROB_ENTRY_BYTES, TEXT_BYTES_PER_TOKEN, _logprob_entries, _shown_tokens
+
+    return sum(_shown_tokens(c) * TEXT_BYTES_PER_TOKEN + _logprob_entries(c) * LOGPROB_ENTRY_BYTES[chat]
+               for c in choices)
+
+
+def test_a_big_answer_does_not_stall_the_event_loop():
+    """A request whose answer is tens of MB (echo of a long prompt, n choices, 20 logprobs) through the app, while
+    a trivial coroutine ticks every 5 ms beside it: the longest gap between ticks stays a small part of the
+    request's time (shaping the logprobs and encoding the JSON ran on the event loop: one gap as long as both)."""
+    httpx = pytest.importorskip("httpx")
+    import time
+
+    from torchtsp.serve.app import create_app
+
+    app = create_app(_big_state(_LogprobClient()))
+    raw = {"prompt": [97 + i % 26 for i in range(1500)], "n": 48, "max_tokens": 2, "logprobs": 20, "echo": True}
+
+    async def run():
+        gaps, done = [], asyncio.Event()
+
+        async def tick():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        start = time.perf_counter()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            response = await http.post("/v1/completions", json=raw, timeout=120)
+        elapsed = time.perf_counter() - start
+        done.set()
+        await ticker
+        return response, elapsed, max(gaps)
+
+    response, elapsed, gap = asyncio.run(run())
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.content) > 20 << 20  # a big answer: ...
+    assert elapsed > 0.5  # ... that takes long enough for a stall to show
+    assert gap < elapsed / 4, (gap, elapsed)

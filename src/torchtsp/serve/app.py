@@ -10,6 +10,7 @@ most: a request can fail only itself.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import sys
 from typing import Annotated
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
-from .service import CompletionService, ServerState
+from .service import CompletionService, ServerState, json_bytes
 
 PUBLIC = ("/health", "/metrics")  # answered without the API key (no request data in either)
 MAX_BODY_BYTES = 32 << 20  # far more than any context's prompt; the body is held in memory whole
@@ -142,7 +143,10 @@ async def _answer(svc: CompletionService, choices, body, request: Request, chat:
                                             continuous_usage=body.continuous_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     answer = await svc.complete(choices, streams, chat, request.is_disconnected)
-    return Response(status_code=499) if answer is None else answer
+    if answer is None:
+        return Response(status_code=499)
+    # Encoded on a worker thread: tens of MB of logprobs take seconds, which would stall every other request.
+    return Response(await asyncio.to_thread(json_bytes, answer), media_type="application/json")
 
 
 @router.post("/v1/completions")

@@ -31,6 +31,15 @@ DISCONNECT_POLL_S = 0.25
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (vLLM's too): not the whole context
 
+# A non-streamed answer is held whole, shaped and encoded at once (off the event loop, but in memory): a request
+# whose answer could exceed MAX_ANSWER_BYTES is refused before it runs (400 naming n, logprobs or max_tokens), as
+# estimated for every choice running to max_tokens with tokens of about 4 characters: each token's text
+# (JSON-escaped), and each logprob entry (the chosen token and each alternative) as completions and chat shape it.
+# A streamed answer is sent chunk by chunk and is not bounded.
+MAX_ANSWER_BYTES = 64 << 20
+TEXT_BYTES_PER_TOKEN = 16
+LOGPROB_ENTRY_BYTES = {False: 32, True: 80}  # completions ("text": -1.234 in a dict), chat ({token, logprob, bytes})
+
 
 @dataclass
 class ServerState:
@@ -45,6 +54,7 @@ class ServerState:
     max_queue: int
     metrics: Metrics
     tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto reads the model's calls
+    max_answer_bytes: int = MAX_ANSWER_BYTES  # a non-streamed answer's estimated size at most
 
 
 @dataclass
@@ -77,6 +87,57 @@ class Event:
     finish: str | None
     tokens: int  # completion tokens so far
     logprobs: list = field(default_factory=list)  # (id, logprob or None, top or None) of the tokens it covers
+
+
+def _shown_tokens(c: Choice) -> int:
+    """Tokens whose text a choice's answer may hold: its max_tokens, and its prompt's when echoed."""
+    return c.max_tokens + (len(c.prompt) if c.echo_text else 0)
+
+
+def _logprob_entries(c: Choice) -> int:
+    """Logprob entries (a token's own and its alternatives') a choice's answer may hold."""
+    if c.logprobs is None:
+        return 0
+    prompt = 0 if c.prompt_logprobs is None else len(c.prompt) * (1 + c.prompt_logprobs)
+    return c.max_tokens * (1 + c.logprobs) + prompt
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+JSON_ROWS = 256  # per-token rows encoded by one json.dumps call
+
+
+def _json_pieces(value, depth: int = 0):
+    """The JSON text of an answer in pieces. json.dumps runs in C and keeps the GIL for the whole call, so a
+    worker thread encoding 60 MB at once would still stall the event loop for a second: the answer, its choices,
+    each choice and its logprobs are walked here, and their per-token lists encoded JSON_ROWS rows at a time
+    (between two pieces the loop gets the GIL back)."""
+    if isinstance(value, dict) and depth <= 3:  # the answer, a choice, its logprobs (or message)
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield ("," if i else "") + _dumps(k) + ":"
+            yield from _json_pieces(v, depth + 1)
+        yield "}"
+    elif isinstance(value, list) and depth <= 1:  # the choices
+        yield "["
+        for i, v in enumerate(value):
+            yield from ([","] if i else [])
+            yield from _json_pieces(v, depth + 1)
+        yield "]"
+    elif isinstance(value, list) and value and depth <= 4:  # per-token rows
+        yield "["
+        for i in range(0, len(value), JSON_ROWS):
+            yield ("," if i else "") + _dumps(value[i:i + JSON_ROWS])[1:-1]
+        yield "]"
+    else:
+        yield _dumps(value)
+
+
+def json_bytes(answer: dict) -> bytes:
+    """An answer as FastAPI's JSONResponse encodes it (compact, UTF-8, no NaN), in pieces: for a worker thread."""
+    return "".join(_json_pieces(answer)).encode()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -235,9 +296,31 @@ class CompletionService:
         if len(choices) * body.n > self.state.max_queue:
             raise APIError(400, f"n ({body.n}) times the prompts ({len(choices)}) is more than the server's queue "
                                 f"ever holds ({self.state.max_queue}, --max-queue); ask for fewer", "n")
-        return [dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, seed=(c.sampling.seed + i) % 2**63),
+        made = [dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, seed=(c.sampling.seed + i) % 2**63),
                                     grammar=grammar and grammar[:2], grammar_field=grammar and grammar[2], sample=i)
                 for c in choices for i in range(body.n)]
+        if not body.stream:
+            self.check_answer_size(made, isinstance(body, ChatCompletionRequest), body.n)
+        return made
+
+    def check_answer_size(self, choices: list[Choice], chat: bool, n: int) -> None:
+        """400 when the whole answer could exceed ``max_answer_bytes`` (see MAX_ANSWER_BYTES), naming what to lower:
+        logprobs when the answer fits without them, else n when one choice per prompt fits, else max_tokens."""
+        limit = self.state.max_answer_bytes
+        text = sum(_shown_tokens(c) for c in choices) * TEXT_BYTES_PER_TOKEN
+        entries = sum(_logprob_entries(c) for c in choices) * LOGPROB_ENTRY_BYTES[chat]
+        if text + entries <= limit:
+            return
+        if entries and text <= limit:
+            param = "top_logprobs" if chat and any(c.logprobs for c in choices) else "logprobs"
+        else:
+            param = "n" if n > 1 and (text + entries) / n <= limit else "max_tokens"
+        top = max((c.logprobs for c in choices if c.logprobs is not None), default=None)
+        with_logprobs = "" if top is None else f" with logprobs and {top} alternatives per token"
+        raise APIError(400, f"this answer could reach {(text + entries) / 2**20:.0f} MiB ({len(choices)} choices of up "
+                            f"to {max(c.max_tokens for c in choices)} tokens{with_logprobs}), more than the "
+                            f"{limit / 2**20:g} MiB a non-streamed answer may have; lower {param}, or stream it "
+                            f"(\"stream\": true)", param, "answer_too_large")
 
     def admit(self, choices: list[Choice]) -> None:
         self.check_engine()
@@ -441,13 +524,17 @@ class CompletionService:
             entries[e.index] += e.logprobs
         if any(f is None for f in finish):
             return None
-        shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None else None
-                 for c, es in zip(choices, entries)]
-        made = [{"index": i, **_message(c, t, f), "logprobs": lp} if chat
-                else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
-                for i, (c, t, f, lp) in enumerate(zip(choices, texts, finish, shown))]
-        return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
-                "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
+
+        def shape() -> dict:  # on a worker thread: 2 prompts x n 128 x logprobs 20 took seconds on the event loop
+            shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None
+                     else None for c, es in zip(choices, entries)]
+            made = [{"index": i, **_message(c, t, f), "logprobs": lp} if chat
+                    else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                    for i, (c, t, f, lp) in enumerate(zip(choices, texts, finish, shown))]
+            return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
+                    "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
+
+        return await asyncio.to_thread(shape) if any(c.logprobs is not None for c in choices) else shape()
 
     async def stream(self, choices: list[Choice], streams: list, chat: bool, include_usage: bool, disconnected,
                      continuous_usage: bool = False):
