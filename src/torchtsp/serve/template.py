@@ -59,8 +59,14 @@ def _environment():
                                         f"{MAX_RENDER_CHARS} characters")
             return super().call_binop(context, operator, left, right)
 
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # As transformers renders chat templates (the convention they are written for): keys in their order and
+        # no HTML escaping; jinja2's own filter sorts keys, which reorders every tool's schema in the prompt.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env
 
 
