@@ -181,7 +181,8 @@ def test_plan_round_trip_covers_every_declared_field():
     a = _every_field_set()
     assert admission_problem(a, 101, 48) is None  # the examples are valid requests too
     plan = StepPlan(7, [a, Admission(4, [1], 1, Sampling())], cancel=[1, 2], prefill=[(3, 0, 3), (9, 16, 5)],
-                    decode=[4, 8], tables={3: [7], 9: [0, 5, 2, 11, 6], 4: [1], 8: []}, preempted=[12])
+                    decode=[4, 8], tables={3: [7], 9: [0, 5, 2, 11, 6], 4: [1], 8: []}, preempted=[12],
+                    poll=[13, 21])
     again = decode(*encode(plan))
     assert again == plan
     for f in FIELDS:  # each field itself (== on the dataclass would not say which one was lost)

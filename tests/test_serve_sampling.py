@@ -384,3 +384,50 @@ def test_a_complete_grammar_ends_the_sequence_even_under_min_tokens():
     assert re.fullmatch("[a-c]{3}", bytes(tokens[1][:3]).decode()) and tokens[1][3:] == [eos]
     assert tokens[2] == [] and len(tokens[3]) == 5 and core[1].paged.blocks.usage == 0
     assert not core[0].seqs  # every rank forgot every request
+
+
+def _deep_arrays(depth: int) -> str:
+    """A JSON schema of ``depth`` nested arrays: xgrammar's compile time grows with the square of the depth."""
+    from test_serve_hostile import _deep_arrays as deep
+
+    return json.dumps(deep(depth))
+
+
+def test_a_slow_grammar_compiles_off_the_step_loop():
+    """A probe stalled every stream for 13 s: each rank compiled a deep grammar inside its step. Now the ranks
+    compile it on their own threads while steps go on, and rank 0 schedules it once it compiled everywhere: a
+    plain request sent with it runs to the end meanwhile with no step slower than the bound below; the guided
+    request then runs; one whose grammar misses the deadline fails alone ("grammar_timeout")."""
+    import time
+
+    from test_serve_batch import _model, serving
+    from torchtsp.data.tokenizers import ByteTokenizer
+
+    runner, planner, http = core = serving(_model(), max_num_seqs=4, budget=64, max_model_len=48,
+                                           grammars=structured.Grammars(ByteTokenizer(), 101, None))
+    slow = ("json_schema", _deep_arrays(120))  # about a second to compile here
+    http.send(("submit", Admission(1, [1, 2, 3], 6, grammar=slow)))
+    http.send(("submit", Admission(2, [4, 5], 12)))
+    ends, worst, guided_started = {}, 0.0, None
+    for step in range(400):
+        t0 = time.perf_counter()
+        planner.receive(0)
+        plan = planner.plan(step)
+        result = runner.step(plan)
+        planner.after(result)
+        worst = max(worst, time.perf_counter() - t0)
+        ends.update(result.finished + planner.dropped)
+        planner.dropped = []
+        if guided_started is None and 1 in [r for r, _, _ in plan.prefill]:
+            guided_started = step
+        if len(ends) == 2:
+            break
+        time.sleep(0.01)
+    assert ends[2] == "length" and ends[1] in ("stop", "length")  # "[]" completes the grammar: a stop
+    assert guided_started is not None and worst < 0.5, worst  # a step is milliseconds; the compile took ~1 s
+    planner.compile_deadline_s = 0.0  # past at the first poll: the compile takes seconds
+    tokens, finished = _run(core, [Admission(3, [1, 2], 4, grammar=("json_schema", _deep_arrays(130))),
+                                   Admission(4, [6], 3)], steps=400)
+    assert finished == {3: "grammar_timeout", 4: "length"} and tokens[3] == [] and len(tokens[4]) == 3
+    planner.after(runner.step(planner.plan(401)))  # the next plan has the ranks forget the failed request
+    assert not runner.seqs and not runner.compiling and planner.paged.blocks.usage == 0

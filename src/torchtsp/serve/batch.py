@@ -25,6 +25,7 @@ sampling row's temperature, top-k, top-p and min-p apply to the gathered distrib
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,9 @@ class StepResult:
     # Requests whose tokens of the step this rank ran, so their K/V are in the cache: only these advance on rank
     # 0's scheduler and may give it blocks for the prefix cache (a refused request's blocks hold nothing).
     written: list[int] = field(default_factory=list)
+    # How each grammar of the plan's ``poll`` stands on this rank (1 compiled, 0 compiling, -1 failed); the worker
+    # takes the minimum over the ranks before rank 0 reads it.
+    grammar_states: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)  # requests whose prefill ended (first token chosen)
     # (request id, logprob, [(id, logprob)] top first) of each chosen token whose request asks for logprobs
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)
@@ -83,7 +87,9 @@ class BatchRunner:
                  eos_token_id: int | None = None, grammars=None):
         self.engine, self.cfg, self.schedule, self.eos = engine, engine.cfg, schedule, eos_token_id
         self.grammars = grammars  # structured.Grammars, or None: a request with a grammar is refused
-        self._matchers: dict = {}  # request id -> matcher, from a plan's admissions to their state
+        # Request id -> its grammar's compile, running on the compiler's threads while steps go on (a grammar can
+        # take seconds); rank 0 schedules the request once it has compiled on every rank.
+        self.compiling: dict[int, concurrent.futures.Future] = {}
         self.token_multiple = engine.token_multiple
         self.pool = engine.kv_pool(num_blocks, block_size)
         self.seqs: dict[int, Sequence] = {}
@@ -103,9 +109,13 @@ class BatchRunner:
         with torch.inference_mode():
             for rid in plan.cancel:
                 self.seqs.pop(rid, None)
-            for a in self._with_grammars(plan.admit, result):
-                self.seqs[a.request_id] = Sequence(a, list(a.prompt), sampler=self._sampler(a),
-                                                   matcher=self._matchers.pop(a.request_id, None))
+                if rid in self.compiling:
+                    self.compiling.pop(rid).cancel()
+            for a in plan.admit:
+                self.seqs[a.request_id] = Sequence(a, list(a.prompt), sampler=self._sampler(a))
+                if a.grammar is not None:
+                    self.compiling[a.request_id] = self._compile(a.grammar)
+            self._attach_matchers(plan, result)
             prefill = [(self.seqs[r], start, n) for r, start, n in plan.prefill if r in self.seqs]
             if prefill:
                 self._prefill(prefill, plan.tables, result)
@@ -114,6 +124,7 @@ class BatchRunner:
             if decode:
                 self._decode(decode, plan.tables, result)
                 result.written += [s.request_id for s in decode]
+        result.grammar_states = [self.grammar_state(rid) for rid in plan.poll]
         return result
 
     def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:
@@ -130,22 +141,35 @@ class BatchRunner:
         self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
         self.engine.cache.expect(after)
 
-    def _with_grammars(self, admitted: list[Admission], result: StepResult) -> list[Admission]:
-        """The admissions whose grammar compiles (each gets its matcher); the others finish "bad_grammar" at once.
-        Compiling is deterministic, so every rank keeps the same ones."""
-        self._matchers, kept = {}, []
-        for a in admitted:
-            if a.grammar is None:
-                kept.append(a)
+    def _compile(self, grammar: tuple[str, str]) -> concurrent.futures.Future:
+        """The grammar's matcher, compiling on the compiler's threads (xgrammar lets go of the GIL meanwhile)."""
+        if self.grammars is None:
+            failed = concurrent.futures.Future()
+            failed.set_exception(RuntimeError("this server was started without structured output"))
+            return failed
+        return self.grammars.pool.submit(self.grammars.matcher, *grammar)
+
+    def grammar_state(self, rid: int) -> int:
+        """1: the request's grammar compiled on this rank; 0: still compiling; -1: it failed (or is unknown)."""
+        future = self.compiling.get(rid)
+        if future is None:
+            return -1
+        if not future.done():
+            return 0
+        return -1 if future.cancelled() or future.exception() is not None else 1
+
+    def _attach_matchers(self, plan: StepPlan, result: StepResult) -> None:
+        """Scheduled requests take their compiled grammar (rank 0 schedules one only once every rank compiled it,
+        so this does not wait); one whose compile failed here after all ends "bad_grammar" without running."""
+        for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
+            future = self.compiling.pop(rid, None)
+            if future is None or rid not in self.seqs:
                 continue
             try:
-                if self.grammars is None:
-                    raise RuntimeError("this server was started without structured output")
-                self._matchers[a.request_id] = self.grammars.matcher(*a.grammar)
-                kept.append(a)
-            except Exception:  # noqa: BLE001 - the HTTP side parsed it; whatever still fails fails that request
-                result.finished.append((a.request_id, "bad_grammar"))
-        return kept
+                self.seqs[rid].matcher = future.result()
+            except Exception:  # noqa: BLE001 - the HTTP side compiled it; whatever still fails fails that request
+                del self.seqs[rid]
+                result.finished.append((rid, "bad_grammar"))
 
     def _prefill(self, work: list[tuple[Sequence, int, int]], tables: dict, result: StepResult) -> None:
         """The plan's chunks (sequence, first position, tokens) as one batch, right padded to a common multiple of

@@ -71,6 +71,15 @@ class PagedScheduler:
         prompt only (its logprobs), which the caller finishes after the prefill."""
         if seq_id in self.seqs:
             raise ValueError(f"request id {seq_id} is already scheduled")
+        self.check_request(prompt, max_tokens)
+        seq = ScheduledSeq(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals,
+                       use_prefix_cache=use_prefix_cache)
+        self._arrivals += 1
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
+
+    def check_request(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Refuse a request that could never run: no prompt, or more tokens than the whole cache holds, alone."""
         if not prompt or max_tokens < 0:
             raise ValueError(f"a request needs a prompt and max_tokens >= 0 (got {len(prompt)} tokens, "
                              f"max_tokens {max_tokens})")
@@ -80,11 +89,6 @@ class PagedScheduler:
                 f"request needs {need} tokens of KV cache (prompt {len(prompt)} + max_tokens {max_tokens} - 1) "
                 f"but the whole cache holds {self.blocks.capacity_tokens} tokens; shorten the prompt or "
                 f"max_tokens, or raise --kv-cache-mb")
-        seq = ScheduledSeq(seq_id, list(prompt), len(prompt), max_tokens, self._arrivals,
-                       use_prefix_cache=use_prefix_cache)
-        self._arrivals += 1
-        self.seqs[seq_id] = seq
-        self.waiting.append(seq)
 
     def cancel(self, seq_id: int) -> bool:
         """Drop a request wherever it is (queued, running, preempted), freeing its blocks at once."""

@@ -28,7 +28,7 @@ import torch
 
 HEADER = 8  # magic, format version, layout checksum, step, stop, cancels, admissions, payload length (last)
 MAGIC = 0x7E5A
-FORMAT_VERSION = 2  # 2: fields declared once, each admission length-prefixed, penalties
+FORMAT_VERSION = 3  # 2: fields declared once, each admission length-prefixed, penalties; 3: grammar polls
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request: each is applied on every rank at every step
 MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's range)
@@ -88,7 +88,9 @@ class StepPlan:
     """One engine step. ``admit``: requests the ranks see for the first time (their state starts here);
     ``cancel``: requests the ranks drop; ``prefill`` (request id, first position, tokens) and ``decode``
     (request ids): the work of the step; ``tables``: the block table of every request with work;
-    ``preempted``: requests whose blocks rank 0 took back (they recompute from position 0 later)."""
+    ``preempted``: requests whose blocks rank 0 took back (they recompute from position 0 later); ``poll``:
+    requests whose grammars the ranks are compiling, off the step loop: after the step every rank reports how
+    each one stands (rank 0 schedules one only once it compiled everywhere)."""
 
     step: int
     admit: list[Admission] = field(default_factory=list)
@@ -98,6 +100,7 @@ class StepPlan:
     decode: list[int] = field(default_factory=list)
     tables: dict[int, list[int]] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
+    poll: list[int] = field(default_factory=list)
 
 
 GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
@@ -381,7 +384,7 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     for a in plan.admit:
         payload += _admission_words(a)
     payload += [len(plan.prefill), *[v for work in plan.prefill for v in work], len(plan.decode), *plan.decode,
-                len(plan.preempted), *plan.preempted]
+                len(plan.preempted), *plan.preempted, len(plan.poll), *plan.poll]
     for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
         payload += [len(plan.tables[rid]), *plan.tables[rid]]
     header = [MAGIC, FORMAT_VERSION, LAYOUT, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit),
@@ -410,6 +413,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     plan.prefill = [tuple(r.take(3)) for _ in range(r.count())]
     plan.decode = r.take(r.count())
     plan.preempted = r.take(r.count())
+    plan.poll = r.take(r.count())
     for rid in [*(rid for rid, _, _ in plan.prefill), *plan.decode]:
         plan.tables[rid] = r.take(r.count())
     if r.at != length:

@@ -187,6 +187,7 @@ _FAILED = {
     "bad_grammar": (400, "the engine could not compile this request's grammar for the model's tokenizer", None,
                     "bad_grammar"),
     "error": (500, "the engine failed while running this request's step", None, "engine_failed"),
+    "grammar_timeout": (400, "the grammar did not compile on the engine in time; simplify it", None, "bad_grammar"),
 }
 
 
@@ -451,8 +452,8 @@ class CompletionService:
                         await out.put(Event(index, c.echo_text, None, 0, entries))
                 elif kind == "finished":
                     reason = value[0]
-                    if value[0] == "bad_grammar":
-                        status, message, _, code = _FAILED["bad_grammar"]
+                    if value[0] in ("bad_grammar", "grammar_timeout"):
+                        status, message, _, code = _FAILED[value[0]]
                         raise APIError(status, f"{c.grammar_field}: {message}", c.grammar_field, code)
                     if value[0] in _FAILED:
                         raise APIError(*_FAILED[value[0]])

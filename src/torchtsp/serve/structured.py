@@ -156,7 +156,9 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos: int | None):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos
         self.compiler = None
-        self._lock = threading.Lock()  # the HTTP process's check compiles on several threads
+        self._lock = threading.Lock()  # compiles run on several threads
+        # A rank compiles on these threads while its steps go on (batch.py); the HTTP process's check has its own.
+        self.pool = concurrent.futures.ThreadPoolExecutor(COMPILER_THREADS, thread_name_prefix="grammar-compile")
 
     def matcher(self, kind: str, source: str):
         """A fresh GrammarMatcher for one sequence; raises (the same on every rank) when it cannot be built."""

@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 IDLE_S = 0.05  # an idle engine still steps (an empty plan) this often: a heartbeat for /health
+# A grammar compiles on the ranks' own threads while steps go on; one that has not compiled everywhere by then fails
+# its request ("grammar_timeout"). Twice the HTTP side's check, which compiled it already within its deadline.
+RANK_COMPILE_DEADLINE_S = 20.0
 CPU_KV_CACHE_MB = 256.0  # the KV pool per rank when --kv-cache-mb is not given, on a CPU
 GPU_KV_CACHE_SHARE = 0.9  # ... on a GPU: this share of the memory free once the weights are loaded
 
@@ -61,13 +64,17 @@ class StepPlanner:
         self.dropped: list[tuple[int, str]] = []  # (request id, reason): ended without the ranks' word
         self._pending = None  # the paged plan of the step in flight
         self.forget: set[int] = set()  # requests rank 0 ended that the ranks still hold (a failed step's)
+        # Requests whose grammars the ranks compile (admitted to them at once, scheduled once compiled everywhere):
+        # request id -> (Admission, deadline on the monotonic clock).
+        self.compiling: dict[int, tuple] = {}
+        self.compile_deadline_s = RANK_COMPILE_DEADLINE_S
 
     @property
     def waiting(self) -> list:
         return self.paged.waiting
 
     def has_work(self) -> bool:
-        return self.paged.has_work()
+        return self.paged.has_work() or bool(self.compiling)
 
     def receive(self, timeout: float) -> None:
         while self.conn.poll(timeout):
@@ -89,10 +96,13 @@ class StepPlanner:
         rid = getattr(admission, "request_id", -1)
         try:
             problem = admission_problem(admission, self.runner.cfg.vocab_size, self.max_model_len)
-            if problem is None:
-                self.paged.add_request(rid, admission.prompt, admission.max_tokens,
-                                       use_prefix_cache=admission.prompt_logprobs is None)
+            if problem is None and admission.grammar is not None:  # to the ranks now, to compile; scheduled later
+                self.paged.check_request(admission.prompt, admission.max_tokens)
+                self.compiling[rid] = (admission, time.monotonic() + self.compile_deadline_s)
                 self.admissions[rid] = admission
+                return
+            if problem is None:
+                self._schedule(admission)
                 return
             reason = "rejected"
         except RequestTooLong as e:
@@ -102,11 +112,17 @@ class StepPlanner:
         print(f"torchtsp: the engine refused request {rid}: {problem}"[:300], file=sys.stderr, flush=True)
         self.dropped.append((rid, reason))
 
+    def _schedule(self, admission) -> None:
+        """Hand a request to the paged scheduler (it waits there for blocks)."""
+        self.paged.add_request(admission.request_id, admission.prompt, admission.max_tokens,
+                               use_prefix_cache=admission.prompt_logprobs is None)
+        self.admissions.setdefault(admission.request_id, admission)
+
     def _cancel(self, rids) -> list[int]:
         """Drop requests wherever they are (their blocks free at once); the ids the ranks know, to forget."""
         forget = []
         for rid in rids:
-            if self.paged.cancel(rid):
+            if self.compiling.pop(rid, None) is not None or self.paged.cancel(rid):
                 self.dropped.append((rid, "cancelled"))
                 self.admissions.pop(rid, None)
                 if rid in self.known:
@@ -118,7 +134,7 @@ class StepPlanner:
         from .plan import StepPlan
 
         if self.stopping:
-            return StepPlan(step, cancel=self._cancel(list(self.paged.seqs)), stop=True)
+            return StepPlan(step, cancel=self._cancel([*self.paged.seqs, *self.compiling]), stop=True)
         if self.draining:  # the requests no rank has seen yet fail now
             self.cancelled |= set(self.admissions)
         cancel = sorted({*self._cancel(self.cancelled), *self.forget})
@@ -127,8 +143,11 @@ class StepPlanner:
         plan = self.paged.schedule()
         plan.step, self._pending = step, plan
         scheduled = [*(r for r, _, _ in plan.prefill), *plan.decode]
-        plan.admit = [self.admissions.pop(r) for r in scheduled if r not in self.known]
-        plan.cancel = cancel
+        early = [r for r in self.compiling if r not in self.known]  # the ranks start compiling their grammars
+        plan.admit = [self.admissions[r] for r in [*early, *scheduled] if r not in self.known]
+        for rid in scheduled:
+            self.admissions.pop(rid, None)
+        plan.cancel, plan.poll = cancel, sorted(self.compiling)
         self.known.update(a.request_id for a in plan.admit)
         return plan
 
@@ -139,6 +158,7 @@ class StepPlanner:
             return
         reasons = dict(result.finished)
         ended = self.paged.update(self._pending, dict(result.tokens), reasons, written=result.written)
+        self._grammars(self._pending.poll, result.grammar_states)
         self._pending = None
         self.known.difference_update(reasons)
         for rid, why in ended:
@@ -147,6 +167,24 @@ class StepPlanner:
                 if rid in self.known:
                     self.known.discard(rid)
                     self.forget.add(rid)
+
+    def _grammars(self, polled: list[int], states: list[int]) -> None:
+        """How the polled grammars stand on every rank (the minimum over the ranks: 1 compiled, 0 compiling, -1
+        failed): compiled ones go to the paged scheduler; failed or late ones fail their request alone."""
+        now = time.monotonic()
+        for rid, state in zip(polled, states):
+            if rid not in self.compiling:
+                continue  # cancelled meanwhile
+            admission, deadline = self.compiling[rid]
+            if state == 1:
+                del self.compiling[rid]
+                self._schedule(admission)
+            elif state < 0 or now > deadline:
+                del self.compiling[rid]
+                self.admissions.pop(rid, None)
+                self.dropped.append((rid, "bad_grammar" if state < 0 else "grammar_timeout"))
+                self.known.discard(rid)
+                self.forget.add(rid)  # the ranks hold its state (and maybe a compile still running)
 
     def step_failed(self) -> None:
         """The step in flight raised: its requests fail ("error", reported in ``dropped``), nothing of it enters
@@ -161,7 +199,8 @@ class StepPlanner:
 
     def figures(self) -> dict:
         blocks = self.paged.blocks
-        return {"running": len(self.paged.running), "waiting": len(self.paged.waiting), "kv_usage": blocks.usage,
+        return {"running": len(self.paged.running), "waiting": len(self.paged.waiting) + len(self.compiling),
+                "kv_usage": blocks.usage,
                 "num_preemptions": self.paged.num_preemptions, "prefix_queries": blocks.prefix_queries,
                 "prefix_hits": blocks.prefix_hits}
 
@@ -227,6 +266,8 @@ def run_serve_rank(job: ServeJob) -> dict:
 
 def _step_loop(control, runner, scheduler, conn) -> dict:
     """Engine steps in lockstep until a plan says stop (rank 0 plans, reports, and waits for work when idle)."""
+    import torch
+
     from .plan import exchange
 
     step, steps = 0, 0
@@ -240,6 +281,10 @@ def _step_loop(control, runner, scheduler, conn) -> dict:
         plan = exchange(control, plan)
         try:
             result = runner.step(plan)
+            if plan.poll:  # every rank's word on the compiling grammars: the least ready one counts
+                states = torch.tensor(result.grammar_states, dtype=torch.long)
+                result.grammar_states = control.all_gather(states, label="serve.grammars").view(
+                    control.size, -1).amin(dim=0).tolist()
         except BaseException:
             if scheduler is not None:  # the step's requests fail now, none of its blocks cached; then the rank exits
                 scheduler.step_failed()
