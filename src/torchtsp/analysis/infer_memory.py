@@ -138,8 +138,8 @@ def _tsp_cache(layout: str, cfg: ModelConfig, S: int, new_tokens: int, D: int) -
         return _Cache(heads, slots, 0, 1, 1)
     if layout == "grouped":  # the group's queries gathered from its c members
         return _Cache(heads, slots, q, R, R)
-    held = max(n_kv, D)  # every head group's q/k/v gathered, copied KV heads with them
-    return _Cache(heads, slots, (cfg.n_heads + 2 * held) // D, R, R)
+    group_kv = kv_heads_per_rank("heads", n_kv, D)  # every head group's q/k/v gathered, copied KV heads with them
+    return _Cache(heads, slots, cfg.n_heads // D + 2 * group_kv, R, R)
 
 
 def _attended(cache: _Cache, B: int, T: int, S: int, hq: int, hkv: int, d: int, e: int) -> int:
@@ -159,7 +159,7 @@ def _decode_working_set(cfg: ModelConfig, cache: _Cache, B: int, context: int, w
     heads = hq * cache.members
     exchange = e * B * cache.gathered * d * cache.members + 2 * FP32 * B * heads * (d + 1) * (cache.members > 1)
     sums = e * B * h * w  # sum_over_ranks gathers [D, B, h] on a point-to-point backend
-    hkv = max(cfg.n_kv_heads, w) // w
+    hkv = kv_heads_per_rank("heads", cfg.n_kv_heads, w)  # the KV heads its weights project
     attention = 4 * e * B * h + _attended(cache, B, 1, context, hq, hkv, d, e) + exchange + sums
     mlp = 3 * e * B * h + 3 * e * B * cfg.ffn_dim // w + sums
     return max(attention, mlp)
