@@ -31,7 +31,7 @@ vocabulary-sharded LM head.
 replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
 rank all heads' q/k/v of the step's tokens (each rank stores its share of K/V); every rank attends all
 heads' queries to its own cache and returns (O_p, LSE_p); the partials are merged exactly by
-log-sum-exp for the head-group owners (a decode step: one all-to-all, ``decode_activations``; a prefill
+log-sum-exp for the head-group owners (a decode step: one all-to-all, ``SequenceLayout.decode``; a prefill
 chunk: ``merge_partials``); the ``wo`` and ``w_down`` partial outputs are summed over the axis.
 Embedding: vocabulary-slice lookup plus the same sum.
 
