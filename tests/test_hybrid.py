@@ -92,10 +92,11 @@ FAMILIES = {"gemma3": _gemma3, "mistral": _mistral, "qwen3": _qwen3, "qwen2": _q
 WINDOWS = (5, 13)
 
 
-def make_hf(family: str, window: int, seed: int = 0):
+def make_hf(family: str, window: int, seed: int = 0, **overrides):
+    """A tiny random float32 model of ``family`` (``overrides``: config values replaced, e.g. the KV heads)."""
     config_cls, model_cls, values = FAMILIES[family](window)
     torch.manual_seed(seed)
-    config = config_cls(**json.loads(json.dumps(values)), attn_implementation="eager")
+    config = config_cls(**json.loads(json.dumps({**values, **overrides})), attn_implementation="eager")
     model = model_cls(config).float().eval()
     spread_hf_weights(model)
     if family == "gemma3":  # Gemma's norms scale by 1 + w: weights around 0, not 1, as its checkpoints hold

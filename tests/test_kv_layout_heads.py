@@ -230,7 +230,7 @@ def test_the_server_admits_by_the_heads_blocks_real_size(pools):
 
 
 def refusal_on_rank():
-    from torchtsp.infer.tsp_heads import TSPHeadsEngine
+    from torchtsp.infer.tsp import TSPEngine
 
     cfg = torchtsp.ModelConfig(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=96, vocab_size=101,
                                max_seq_len=64)
@@ -238,7 +238,7 @@ def refusal_on_rank():
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tsp=4), "tsp")
     errors = []
     for attempt in (lambda: generate(model, [[1, 2, 3]], 2, kv_layout="heads"),
-                    lambda: TSPHeadsEngine(model.shard_view())):
+                    lambda: TSPEngine(model.shard_view(), "heads")):
         try:
             attempt()
             errors.append(None)

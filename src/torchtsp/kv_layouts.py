@@ -12,9 +12,16 @@ A scheme whose registry entry lists ``kv_layouts`` (TSP) chooses among them:
 ``auto`` picks the first of those the model allows, in that order. Every other scheme has one layout of its own
 (``Scheme.own_kv_layout``: tp caches by heads, copied when n_kv < D; sp by sequence) and accepts only ``auto`` or
 that one. The single-device reference holds the whole cache, which every layout is at D = 1: it accepts any.
+
+**Where a token's K/V lives** is written here once, for the cache (infer/cache.py), the engines and the memory
+model (analysis/infer_memory.py) alike: which KV heads rank j caches (``kv_heads_of_rank``), over how many ranks
+a sequence's tokens are split (``kv_token_ranks``) and, for a position p, which of those ranks keeps it and in
+which block and slot (``KVPlacement``). Only ``//`` and ``%``: the same code runs on ints and on tensors.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 KV_LAYOUTS = ("auto", "heads", "grouped", "sequence")
 # The --kv-layout flag's help (generate, serve, bench --mode infer, plan --mode infer).
@@ -67,7 +74,90 @@ def resolve_kv_layout(requested: str, n_kv: int, ranks: int, scheme="tsp") -> st
     return requested
 
 
-def layout_engine(scheme, layout: str) -> str:
-    """The import path of ``scheme``'s inference engine for ``layout`` (a resolved one)."""
-    spec = _spec(scheme)
-    return dict(spec.kv_layouts).get(layout, spec.inference)
+def layout_steps(scheme, layout: str) -> str:
+    """The import path of the steps ``scheme``'s engine runs on cache layout ``layout`` (a resolved one of those
+    its registry entry lists; the engine is composed of them, tsp.py)."""
+    return dict(_spec(scheme).kv_layouts)[layout]
+
+
+# ---------------------------------------------------------------- where a token's K/V lives
+
+
+def kv_heads_of_rank(layout: str, n_kv: int, ranks: int, rank: int) -> range:
+    """The KV heads rank ``rank`` of ``ranks`` caches under ``layout`` (a resolved one).
+
+    ``heads`` and ``grouped``: the heads whose K/V its weights project (TSP's head group ``rank``, TP's slice):
+    n_kv/D consecutive heads, or with n_kv < D the one head its c = D/n_kv neighbours share (copies under TP,
+    a head split by tokens under grouped). ``sequence``: every head (its tokens are what is split)."""
+    if layout == "sequence":
+        return range(n_kv)
+    per_rank = max(n_kv // ranks, 1)
+    first = rank // max(ranks // n_kv, 1) * per_rank  # c consecutive ranks read one head when n_kv < D
+    return range(first, first + per_rank)
+
+
+def kv_heads_per_rank(layout: str, n_kv: int, ranks: int) -> int:
+    """KV heads a rank caches for each token it keeps (every rank the same number)."""
+    return len(kv_heads_of_rank(layout, n_kv, ranks, 0))
+
+
+def kv_token_ranks(layout: str, n_kv: int, ranks: int) -> int:
+    """Over how many ranks each sequence's cached tokens are split: 1 under ``heads`` (every rank keeps every
+    token of its heads), c = D/n_kv under ``grouped`` (the ranks sharing a head), D under ``sequence``."""
+    if layout == "sequence":
+        return ranks
+    if layout == "grouped":
+        return ranks // n_kv
+    return 1
+
+
+@dataclass(frozen=True)
+class KVPlacement:
+    """Where position p of a sequence is cached, with ``token_ranks`` (R) ranks sharing its tokens and blocks of
+    ``block_size`` (bs) slots per rank: on member p mod R of the R (rank r is member r mod R), in the block at
+    index p // (R·bs) of the sequence's block table, at offset (p mod R·bs) // R in it. So a block id names a
+    *virtual* block of R·bs consecutive tokens, each member storing bs of them under the same id, and a block's
+    content depends only on the tokens before it (prefix caching may hand it to another sequence).
+
+    Every method takes ints or integer tensors (``//`` and ``%`` only)."""
+
+    token_ranks: int = 1
+    block_size: int = 1
+
+    @classmethod
+    def of(cls, layout: str, n_kv: int, ranks: int, block_size: int = 1) -> KVPlacement:
+        return cls(kv_token_ranks(layout, n_kv, ranks), block_size)
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens of a sequence one block id covers."""
+        return self.token_ranks * self.block_size
+
+    def member_of_rank(self, rank):
+        """Which of the R ranks sharing a sequence's tokens rank ``rank`` is."""
+        return rank % self.token_ranks
+
+    def keeper(self, pos):
+        """The member that keeps position ``pos``."""
+        return pos % self.token_ranks
+
+    def block_index(self, pos):
+        """Index into the sequence's block table of the block holding ``pos``."""
+        return pos // self.block_tokens
+
+    def offset(self, pos):
+        """Slot of ``pos`` inside its block, on its keeper."""
+        return pos % self.block_tokens // self.token_ranks
+
+    def local_slot(self, pos):
+        """Index of ``pos`` into its keeper's own slots of the sequence (its table's blocks in order, bs each)."""
+        return self.block_index(pos) * self.block_size + self.offset(pos)
+
+    def position(self, local_slot, member):
+        """The inverse of (``keeper``, ``local_slot``): the position member ``member`` keeps in that slot."""
+        bs = self.block_size
+        return local_slot // bs * self.block_tokens + local_slot % bs * self.token_ranks + member
+
+    def tokens_kept(self, length, member):
+        """How many of positions 0 .. length - 1 (length >= 0) member ``member`` keeps."""
+        return (length - member + self.token_ranks - 1) // self.token_ranks

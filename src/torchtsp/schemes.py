@@ -74,8 +74,9 @@ class Scheme:
     reading the registry imports no torch:
     ``model``: its ``ParallelTransformer`` class (what ``parallelize`` builds).
     ``inference``: its inference engine class in ``torchtsp.infer`` (None: ``generate`` does not run it).
-    ``kv_layouts``: (layout, engine class) pairs when its decode cache layout is chosen (``kv_layouts.py``), in
-    ``auto``'s order of preference; ``own_kv_layout``: the one layout of a scheme that lists none.
+    ``kv_layouts``: (layout, the class of that layout's steps, of which the ``inference`` engine is composed)
+    pairs when its decode cache layout is chosen (``kv_layouts.py``), in ``auto``'s order of preference;
+    ``own_kv_layout``: the one layout of a scheme that lists none.
     ``traffic``: its per-step traffic formula (``analysis.comm_model``), ``memory_walk``: its memory model
     (``analysis.memory_model``); None for both: not modelled (its traffic is not counted by our comm layer).
     ``step_cost``: which of its step's communication the GEMMs hide (``analysis.hardware``; None: not priced).
@@ -276,9 +277,9 @@ SCHEMES.add(Scheme(
     axes=("tsp",), weight_axes=("tsp",), token_axes=("tsp",), free_axis="tsp", options=("recompute",),
     kv_replication=True, pipeline=True, weight_schedules=True, model="torchtsp.parallel.tsp:TSPTransformer",
     inference="torchtsp.infer.tsp:TSPEngine", traffic=f"{_COMM}:tsp_step_traffic",
-    kv_layouts=(("heads", "torchtsp.infer.tsp_heads:TSPHeadsEngine"),
-                ("grouped", "torchtsp.infer.tsp_grouped:TSPGroupedEngine"),
-                ("sequence", "torchtsp.infer.tsp:TSPEngine")),
+    kv_layouts=(("heads", "torchtsp.infer.tsp_heads:HeadsLayout"),
+                ("grouped", "torchtsp.infer.tsp_grouped:GroupedLayout"),
+                ("sequence", "torchtsp.infer.tsp:SequenceLayout")),
     memory_walk=f"{_MEMORY}:TSP_WALK", step_cost=f"{_HW}:overlapped_exposed_s", color="#d62728", marker="o",
     decode_baseline="tp"))
 SCHEMES.add(Scheme(

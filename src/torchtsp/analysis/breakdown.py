@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
+from ..kv_layouts import kv_heads_per_rank
 from ..schemes import Scheme
 
 FP32 = 4
@@ -50,4 +51,6 @@ def _round_up(n: int, multiple: int) -> int:
 def _kv_heads_held(spec: Scheme, cfg: ModelConfig, ways: int) -> int:
     """KV heads the ``ways`` weight shards hold together: n_kv, or ``ways`` when the scheme copies each of
     n_kv < ways KV heads onto ways/n_kv ranks (TSP, TP and TP x SP)."""
-    return max(cfg.n_kv_heads, ways) if spec.kv_replication else cfg.n_kv_heads
+    if not spec.kv_replication:
+        return cfg.n_kv_heads
+    return ways * kv_heads_per_rank("heads", cfg.n_kv_heads, ways)  # n_kv, or one copy on each of ways > n_kv

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .. import schemes
 from ..config import ModelConfig
+from ..kv_layouts import KVPlacement, kv_heads_per_rank, kv_token_ranks
 from ..schemes import Scheme
 from ..sizes import KEY_BLOCK  # keys per block of kernels.masked_attention: a score buffer [B, heads, T, KEY_BLOCK]
 from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held, _round_up
@@ -52,7 +53,7 @@ def predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, d
     dp = degrees.get("dp", 1)
     B = _ceil_div(batch, dp)  # generate gives a replica ceil(B/dp) rows (some replicas may get fewer)
     tok, w = spec.token_degree(degrees), spec.weight_degree(degrees)
-    step = 2 * tok if tok > 1 else 1  # generate pads prompts to a multiple of the zigzag's 2D
+    step = 2 * tok if spec.token_axes else 1  # generate pads prompts to a multiple of the zigzag's 2D (D = 1 too)
     chunk = _round_up(min(prefill_chunk or prompt_len, prompt_len), step)
     S = _round_up(prompt_len, chunk)  # the padded prompt; the last chunk's queries see all S keys
     rows = _ceil_div(cfg.vocab_size, w)
@@ -60,10 +61,10 @@ def predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, d
     layout = _kv_layout(spec, cfg, w, kv_layout)
     if layout is not None:
         cache = _tsp_cache(layout, cfg, S, new_tokens, tok)
-    elif tok > 1:  # the prompt 1/D per rank, then decoded tokens assigned to the ranks in turn
-        cache = _Cache(n_kv, S // tok + _ceil_div(max(new_tokens - 1, 0), tok), n_kv, 1, tok)
+    elif tok > 1:  # SP: every head of 1/D of the tokens; queries stay home, partials merge by all-reduce
+        cache = _Cache(n_kv, _slots("sequence", cfg, S + max(new_tokens - 1, 0), tok), n_kv, 1, tok)
     else:  # every token, this rank's KV heads (a copy of one when TP has fewer KV heads than ranks)
-        cache = _Cache(held // w, S + max(new_tokens - 1, 0), 0, 1, 1)
+        cache = _Cache(kv_heads_per_rank("heads", n_kv, w), S + max(new_tokens - 1, 0), 0, 1, 1)
     kv_cache = L * 2 * e * B * cache.heads * cache.capacity * d
     rope = 2 * FP32 * d  # cos and sin per token
     which = infer_schedule(spec.name, cfg, B * chunk, schedule)
@@ -121,19 +122,24 @@ def _kv_layout(spec: Scheme, cfg: ModelConfig, w: int, requested: str) -> str | 
     return None
 
 
+def _slots(layout: str, cfg: ModelConfig, tokens: int, D: int) -> int:
+    """Slots a rank's cache holds for each sequence of ``tokens`` cached tokens under ``layout``: the most any
+    member of the ranks sharing a sequence's tokens keeps (``kv_layouts.KVPlacement``, member 0)."""
+    return KVPlacement.of(layout, cfg.n_kv_heads, D).tokens_kept(tokens, 0)
+
+
 def _tsp_cache(layout: str, cfg: ModelConfig, S: int, new_tokens: int, D: int) -> _Cache:
     """TSP's cache per layout (kv_layouts.py): ``heads``: n_kv/D heads, every token; ``grouped``: one KV head,
-    1/c of the tokens (c = D/n_kv ranks share the head: the prompt split among them, decoded tokens in turn);
-    ``sequence``: every head, 1/D of the tokens. At D = 1 heads and sequence are the whole cache."""
-    decoded, n_kv = max(new_tokens - 1, 0), cfg.n_kv_heads
-    q = cfg.n_heads // D
+    1/c of the tokens (c = D/n_kv ranks share the head); ``sequence``: every head, 1/D of the tokens. At D = 1
+    heads and sequence are the whole cache. The last chosen token is never cached: S + new_tokens - 1 tokens."""
+    n_kv, q, R = cfg.n_kv_heads, cfg.n_heads // D, kv_token_ranks(layout, cfg.n_kv_heads, D)
+    slots, heads = _slots(layout, cfg, S + max(new_tokens - 1, 0), D), kv_heads_per_rank(layout, n_kv, D)
     if layout == "heads":
-        return _Cache(n_kv // D, S + decoded, 0, 1, 1)
-    if layout == "grouped":
-        c = D // n_kv
-        return _Cache(1, S // c + _ceil_div(decoded, c), q, c, c)
-    held = max(n_kv, D)  # every head group's q/k/v gathered, copied KV heads with them
-    return _Cache(n_kv, S // D + _ceil_div(decoded, D), (cfg.n_heads + 2 * held) // D, D, D)
+        return _Cache(heads, slots, 0, 1, 1)
+    if layout == "grouped":  # the group's queries gathered from its c members
+        return _Cache(heads, slots, q, R, R)
+    group_kv = kv_heads_per_rank("heads", n_kv, D)  # every head group's q/k/v gathered, copied KV heads with them
+    return _Cache(heads, slots, cfg.n_heads // D + 2 * group_kv, R, R)
 
 
 def _attended(cache: _Cache, B: int, T: int, S: int, hq: int, hkv: int, d: int, e: int) -> int:
@@ -153,7 +159,7 @@ def _decode_working_set(cfg: ModelConfig, cache: _Cache, B: int, context: int, w
     heads = hq * cache.members
     exchange = e * B * cache.gathered * d * cache.members + 2 * FP32 * B * heads * (d + 1) * (cache.members > 1)
     sums = e * B * h * w  # sum_over_ranks gathers [D, B, h] on a point-to-point backend
-    hkv = max(cfg.n_kv_heads, w) // w
+    hkv = kv_heads_per_rank("heads", cfg.n_kv_heads, w)  # the KV heads its weights project
     attention = 4 * e * B * h + _attended(cache, B, 1, context, hq, hkv, d, e) + exchange + sums
     mlp = 3 * e * B * h + 3 * e * B * cfg.ffn_dim // w + sums
     return max(attention, mlp)

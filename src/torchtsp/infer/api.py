@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_layouts import layout_engine, resolve_kv_layout
+from ..kv_layouts import resolve_kv_layout
 from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes, resolve
 from .engine import Engine
 from .sampling import TokenSelector, check_sampling
@@ -60,7 +60,8 @@ def make_engine(model, kv_layout: str = "auto") -> Engine:
                          f"schemes, not {scheme or type(model).__name__!r}")
     view = model.shard_view()
     layout = resolve_kv_layout(kv_layout, model.cfg.n_kv_heads, view.comm.size, spec)
-    return resolve(layout_engine(spec, layout))(view)  # the engine the scheme's registry entry names
+    engine = resolve(spec.inference)  # the engine the scheme's registry entry names
+    return engine(view, layout) if spec.kv_layouts else engine(view)  # composed with its layout's steps
 
 
 def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk) -> list[list[int]]:

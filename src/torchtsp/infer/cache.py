@@ -4,15 +4,13 @@ attention.
 **Storage.** Per layer K and V are a pool of ``num_blocks`` blocks [heads, block_size, d] (``KVPool``), plus
 a spare place where tokens this rank does not keep are written and never read: one more block in a server's
 pool, one more slot per block in ``generate``'s (its blocks are whole sequences: a spare block would be one
-more sequence). A sequence owns a block
-table; its token at position p lives at a place fixed by p alone (docs/design.md, "Paged cache"): a cache
-whose tokens are split over R ranks (``Engine.kv_token_ranks``: 1 for a head-sharded cache, D for TSP's
-sequence layout and SP, c for the grouped one) keeps p on member ``p mod R``, in block ``table[p // (R·bs)]``
-at slot ``(p mod R·bs) // R``. So a block id names a *virtual* block of R·bs consecutive tokens, each member
-storing its bs of them under the same id, and a block's content depends only on the tokens before it: prefix
-caching can hand it to another sequence, and a chunk may start anywhere. Which rank computes a token (a
-zigzag share, a replicated step) is the engine's business; it writes every token it has to ``reserve``'s slots
-and the tokens it does not keep land in the spare slot.
+more sequence). A sequence owns a block table; its token at position p lives at a place fixed by p alone
+(docs/design.md, "Paged cache"), by the rule ``kv_layouts.KVPlacement`` writes once: with its tokens split over
+R ranks (``kv_layouts.kv_token_ranks``: 1 for a head-sharded cache, D for TSP's sequence layout and SP, c for
+the grouped one), p is kept by member ``p mod R``, in block ``table[p // (R·bs)]`` at slot
+``(p mod R·bs) // R``. A chunk may start anywhere. Which rank computes a token (a zigzag share, a replicated
+step) is the engine's business; it writes every token it has to ``reserve``'s slots and the tokens it does not
+keep land in the spare slot.
 
 **Reading.** ``KVCache`` is the view an engine runs on: the step's block tables [B, n] and each sequence's
 cached length. Keys are gathered from the sequences' blocks (never the whole pool) with their positions,
@@ -28,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..kv_layouts import KVPlacement
 from ..layers import attend, layer_rope, positions_mask
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
@@ -84,8 +83,9 @@ class KVPool:
     d]. Head-major inside a block, so a sequence that is one block (``generate``) is read as [heads, tokens, d]
     matrices with no copy, as the attention kernel's batched products want them."""
 
-    def __init__(self, n_layers: int, num_blocks: int, heads: int, block_size: int, head_dim: int, dtype, device,
-                 token_ranks: int = 1, member: int = 0, spare_slots: bool = False):
+    def __init__(self, n_layers: int, num_blocks: int, heads: int, head_dim: int, dtype, device,
+                 placement: KVPlacement, member: int = 0, spare_slots: bool = False):
+        block_size = placement.block_size
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a KV pool needs at least one block of at least one slot, got {num_blocks} blocks of "
                              f"{block_size}: raise the cache budget")
@@ -95,14 +95,14 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
-        self.token_ranks, self.member = token_ranks, member  # R, and which of the R ranks sharing tokens this is
+        self.placement, self.member = placement, member  # the rule, and which of the R ranks sharing tokens this is
         # The spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra block.
         self.spare = block_size if spare_slots else num_blocks * self.stride
 
     @property
     def block_tokens(self) -> int:
         """Tokens of a sequence one block id covers (each of the R members stores block_size of them)."""
-        return self.block_size * self.token_ranks
+        return self.placement.block_tokens
 
     @property
     def nbytes(self) -> int:
@@ -142,12 +142,6 @@ class KVCache:
     def nbytes(self) -> int:
         return self.pool.nbytes
 
-    def local_slot(self, pos: torch.Tensor) -> torch.Tensor:
-        """Index into a sequence's own slots (its table's blocks, in order) of position ``pos`` on the member
-        that keeps it."""
-        R, bs = self.pool.token_ranks, self.pool.block_size
-        return pos // (R * bs) * bs + pos % (R * bs) // R
-
     def reserve(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Take this step's tokens at ``pos`` [B, T] (``valid`` [B, T]; any order, any share of the step: every
         rank passes the positions of the tokens it will write) and return the pool slots to write them to; tokens
@@ -165,11 +159,10 @@ class KVCache:
     def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Pool slots [B, T] (block · stride + offset) of the tokens at ``pos`` that this rank keeps; the spare
         block's first slot for the others."""
-        pool = self.pool
-        kept = valid & (pos % pool.token_ranks == pool.member)
+        pool, rule = self.pool, self.pool.placement
+        kept = valid & (rule.keeper(pos) == pool.member)
         pos = torch.where(kept, pos, 0)
-        block = self.tables.gather(1, pos // pool.block_tokens)
-        slots = block * pool.stride + pos % pool.block_tokens // pool.token_ranks
+        slots = self.tables.gather(1, rule.block_index(pos)) * pool.stride + rule.offset(pos)
         return torch.where(kept, slots, pool.spare)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
@@ -186,11 +179,10 @@ class KVCache:
         key = (before, member)
         if key not in self._index:
             pool, lengths = self.pool, self.before if before else self.lengths
-            bs, R = pool.block_size, pool.token_ranks
             longest = int((self.host_before if before else self.host_lengths).max()) if len(lengths) else 0
-            S = int(self.local_slot(torch.tensor(longest - 1))) + 1 if longest else 0
-            s = torch.arange(S, device=pool.device)
-            positions = s // bs * (R * bs) + s % bs * R + (pool.member if member is None else member)
+            S = pool.placement.local_slot(longest - 1) + 1 if longest else 0
+            positions = pool.placement.position(torch.arange(S, device=pool.device),
+                                                pool.member if member is None else member)
             positions = positions.expand(len(lengths), S)
             self._index[key] = positions, positions < lengths.unsqueeze(1)
         return self._index[key]
@@ -269,7 +261,8 @@ class SequenceShardedPrefill:
         self.comm, self.cache = comm, cache
         chunk_pos = gathered_positions(comm, pos, valid, label + ".positions")  # [B, D·T]
         self.slots = cache.reserve(chunk_pos, chunk_pos != FAR)
-        earlier = [cache.key_positions(before=True, member=r % cache.pool.token_ranks) for r in range(comm.size)]
+        earlier = [cache.key_positions(before=True, member=cache.pool.placement.member_of_rank(r))
+                   for r in range(comm.size)]
         key_pos = torch.cat([*earlier, chunk_pos], dim=1)
         self.mask = positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
         self.earlier_slots = earlier[0].shape[1]

@@ -1,9 +1,14 @@
-"""What every scheme's inference engine shares: chunked prefill, the last-token logits, the vocabulary slice.
+"""What every scheme's inference engine shares: chunked prefill, the last-token logits, the vocabulary slice, the
+model's embedding scale and gated MLP on replicated tokens.
 
 An engine runs on one rank and owns that rank's KV cache. ``generate`` (api.py) drives it:
 ``start`` (allocate the cache), ``prefill`` (the padded prompts; returns this rank's slice of the
 logits at each sequence's last real token), then ``decode`` once per new token. A server makes the pool
 (``kv_pool``) and gives the engine each step's sequences (``attach_cache``).
+
+An engine is its KV-cache layout (``kv_layout``: which heads and tokens each rank caches, ``kv_layouts.py``)
+and the schedules that run on it: one each for TP, SP and DP; for TSP a prefill with the weights or the
+activations moving and the decode steps of its layout (tsp.py composes them).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
-from ..layers import block_forward, norm
+from ..kv_layouts import KVPlacement, kv_heads_per_rank, kv_token_ranks
+from ..layers import block_forward, norm, scale_embeddings, swiglu
+from ..parallel.moe import ffn_partial
 from ..parallel.shards import vocab_slice_index
 from .cache import KVPool
 
@@ -47,6 +54,25 @@ def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vo
     return logits
 
 
+def local_ffn(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:
+    """This rank's share of a block's feed-forward output for tokens h that every rank holds: its slice of the
+    gated MLP with the model's activation (SwiGLU or GeGLU, ``layers.swiglu``), or, for a sparse layer
+    (``router`` in ``w``), its experts from expert ``first`` on (``parallel.moe.ffn_partial``: experts are
+    SwiGLU, ``ModelConfig`` refuses GeGLU ones)."""
+    if "router" in w:
+        return ffn_partial(h, w, cfg, first)
+    return swiglu(h, w["w_gate"], w["w_up"], w["w_down"], cfg.mlp_activation)
+
+
+def summed_lookup(comm: AxisComm, ids: torch.Tensor, rows: torch.Tensor, cfg, label: str = "infer.tp.embedding",
+                  summed=sum_over_ranks) -> torch.Tensor:
+    """Embeddings [B, T, h] of ids every rank holds, from vocabulary-sharded ``rows`` (this rank's shard
+    ``comm.rank``): each rank looks up the ids in its shard, the sum over the ranks assembles them (exact: one
+    rank contributes each row; ``summed(comm, partial, label)`` sums) and the model's scale is applied to the
+    sum, as the reference scales its lookup (``layers.scale_embeddings``)."""
+    return scale_embeddings(summed(comm, masked_lookup(ids, rows, comm.rank)[0], label), cfg)
+
+
 def masked_lookup(ids: torch.Tensor, rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Embedding rows of the ids inside vocabulary shard ``shard`` (``rows``: its [V/D, h] weights), zeros for the
     others, and the hit mask (``parallel.shards.vocab_slice_index``: no boolean indexing, no host sync)."""
@@ -66,9 +92,18 @@ def gather_positions(comm: AxisComm, z: torch.Tensor, rows, label: str) -> torch
     return zigzag.unshard(comm.all_gather(z[rows].contiguous(), label=label), dim=1)
 
 
+def run_blocks(x: torch.Tensor, step, layers, placement, final_norm: torch.Tensor, cfg) -> torch.Tensor:
+    """The model's body on hidden states x: every layer's ``layers.block_forward`` with this step's cache (``step``,
+    a ``cache.CacheStep``) and the layer's strategies (``placement(layer)``), then the final norm."""
+    for i, layer in enumerate(layers):
+        x = block_forward(x, placement(layer), step.at(i))
+    return norm(x, final_norm, cfg)
+
+
 class Engine:
-    """Base class. Subclasses set ``cfg``, ``device``, ``dtype``, ``norm`` (the final norm's weight),
-    ``vocab_comm``, ``vocab_start`` and implement ``start``, ``prefill_chunk``, ``decode`` and ``head``."""
+    """Base class. Subclasses set ``cfg``, ``comm`` (the ranks the cache is split over), ``device``, ``dtype``,
+    ``norm`` (the final norm's weight), ``vocab_comm``, ``vocab_start``, ``kv_layout`` and implement ``start``,
+    ``prefill_chunk``, ``decode`` and ``head``."""
 
     scheme = "?"
     kv_layout = "sequence"  # kv_layouts.py: how this engine's KV cache is split over the ranks
@@ -76,12 +111,6 @@ class Engine:
     vocab_start = 0
 
     def __init__(self):
-        # Gemma's scaled embeddings and GeGLU are not in the engines' embedding and MLP strategies yet.
-        cfg = self.cfg
-        missing = [name for name, on in (("embed_scale", cfg.embed_scale), ("mlp_activation", cfg.geglu)) if on]
-        if missing:
-            raise ValueError(f"the {self.scheme} inference engine does not implement the model's {missing[0]} yet; "
-                             "evaluate it with the reference model's forward or train it")
         self.cache = None
         self.schedule = {"prefill": self.scheme, "decode": self.scheme}
 
@@ -94,27 +123,25 @@ class Engine:
 
     @property
     def kv_token_ranks(self) -> int:
-        """Over how many ranks each sequence's cached tokens are split: D for a sequence-sharded cache (TSP's
-        sequence layout, SP: the zigzag's 2D token multiple), 1 where every rank caches every token."""
-        return self.token_multiple // 2 if self.token_multiple > 1 else 1
+        """Over how many ranks each sequence's cached tokens are split (``kv_layouts.kv_token_ranks``)."""
+        return kv_token_ranks(self.kv_layout, self.cfg.n_kv_heads, self.comm.size)
 
     @property
     def kv_member(self) -> int:
-        """Which of the ``kv_token_ranks`` ranks sharing a sequence's tokens this one is (it keeps positions
-        p with p mod kv_token_ranks == kv_member)."""
-        return self.comm.rank % self.kv_token_ranks
+        """Which of the ``kv_token_ranks`` ranks sharing a sequence's tokens this one is."""
+        return KVPlacement(self.kv_token_ranks).member_of_rank(self.comm.rank)
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """KV heads this rank caches for each token it keeps."""
-        return self.cfg.n_kv_heads
+        """KV heads this rank caches for each token it keeps (``kv_layouts.kv_heads_per_rank``)."""
+        return kv_heads_per_rank(self.kv_layout, self.cfg.n_kv_heads, self.comm.size)
 
     def kv_pool(self, num_blocks: int, block_size: int, spare_slots: bool = False) -> KVPool:
         """This rank's KV storage: ``num_blocks`` blocks of ``block_size`` slots (cache.py; ``spare_slots``: the
         spare place is one more slot per block, for blocks that are whole sequences)."""
         cfg = self.cfg
-        return KVPool(cfg.n_layers, num_blocks, self.kv_heads_per_rank, block_size, cfg.head_dim, self.dtype,
-                      self.device, self.kv_token_ranks, self.kv_member, spare_slots)
+        return KVPool(cfg.n_layers, num_blocks, self.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device,
+                      KVPlacement(self.kv_token_ranks, block_size), self.kv_member, spare_slots)
 
     def batch_rows(self, batch: int) -> slice:
         """The rows of the global batch this rank decodes (DP splits them)."""
@@ -130,11 +157,7 @@ class Engine:
     # -- steps ------------------------------------------------------------------------
 
     def run_blocks(self, x: torch.Tensor, step, layers, placement) -> torch.Tensor:
-        """The model's body on hidden states x: every layer's ``layers.block_forward`` with this step's cache
-        (``step``, a ``cache.CacheStep``) and the layer's strategies (``placement(layer)``), then the final norm."""
-        for i, layer in enumerate(layers):
-            x = block_forward(x, placement(layer), step.at(i))
-        return norm(x, self.norm, self.cfg)
+        return run_blocks(x, step, layers, placement, self.norm, self.cfg)
 
     def start(self, batch: int, prompt_len: int, max_new_tokens: int) -> None:
         """A cache for ``generate``: ``batch`` sequences of a (padded) prompt and ``max_new_tokens``, one block each

@@ -19,15 +19,16 @@ from ..layers import (
     attend,
     attention_output,
     project_heads,
+    scale_embeddings,
 )
 from ..parallel.base import ShardView
-from ..parallel.moe import ffn_partial
 from .cache import CacheStep, SequenceShardedPrefill, merge_partials
-from .engine import Engine, gather_positions, select_last, vocab_logits
+from .engine import Engine, gather_positions, local_ffn, select_last, vocab_logits
 
 
 class SPEngine(Engine):
     scheme = "sp"
+    kv_layout = "sequence"
 
     def __init__(self, view: ShardView):
         self.cfg, self.comm, self.layers = view.cfg, view.comm, view.layers
@@ -42,7 +43,7 @@ class SPEngine(Engine):
 
     def _placement(self, w, attention) -> Placement:
         """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
-        return Placement.normed(w, lambda h, step: attention(h, w, step), lambda h: ffn_partial(h, w, self.cfg),
+        return Placement.normed(w, lambda h, step: attention(h, w, step), lambda h: local_ffn(h, w, self.cfg),
                                 self.cfg)
 
     def _run(self, x, step: CacheStep, attention):
@@ -52,7 +53,7 @@ class SPEngine(Engine):
         """This rank's zigzag share of the chunk, attending to the K/V of every rank's cache, all-gathered."""
         comm = self.comm
         ids, pos, valid = (zigzag.shard(t, comm.size, comm.rank, dim=1) for t in (ids, pos, valid))
-        x = F.embedding(ids, self.embedding)
+        x = scale_embeddings(F.embedding(ids, self.embedding), self.cfg)
         chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "sp.kv")
         step = CacheStep.of(self.cfg, self.cache, chunk.slots, pos)
 
@@ -76,7 +77,7 @@ class SPEngine(Engine):
         partial attentions merged exactly."""
         comm, cache = self.comm, self.cache
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        x = F.embedding(ids, self.embedding)
+        x = scale_embeddings(F.embedding(ids, self.embedding), self.cfg)
         slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
         cache_step = CacheStep.of(self.cfg, cache, slots, pos)
 

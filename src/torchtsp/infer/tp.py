@@ -18,9 +18,8 @@ from ..layers import (
     project_heads,
 )
 from ..parallel.base import ShardView
-from ..parallel.moe import ffn_partial
 from .cache import CacheStep
-from .engine import Engine, masked_lookup, select_last, sum_over_ranks, vocab_logits
+from .engine import Engine, local_ffn, select_last, sum_over_ranks, summed_lookup, vocab_logits
 
 
 class MegatronEngine(Engine):
@@ -37,17 +36,13 @@ class MegatronEngine(Engine):
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
         super().__init__()
 
-    @property
-    def kv_heads_per_rank(self):
-        return max(self.cfg.n_kv_heads // self.comm.size, 1)  # a copy of one KV head when n_kv < T
-
     def _sum(self, partial, label):
         return sum_over_ranks(self.comm, partial, label)
 
     def _placement(self, w) -> Placement:
         """Layer ``w``'s block on this rank: its heads against the head-sharded cache, its FFN slice; the
         row-parallel partial outputs summed over the axis."""
-        mlp = lambda h: self._sum(ffn_partial(h, w, self.cfg), "infer.tp.mlp")
+        mlp = lambda h: self._sum(local_ffn(h, w, self.cfg), "infer.tp.mlp")
         return Placement.normed(w, lambda h, step: self._attention(h, w, step), mlp, self.cfg)
 
     def _attention(self, h, w, step: CacheStep):
@@ -58,7 +53,7 @@ class MegatronEngine(Engine):
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""
         cache = self.cache
-        x = self._sum(masked_lookup(ids, self.embedding, self.comm.rank)[0], "infer.tp.embedding")
+        x = summed_lookup(self.comm, ids, self.embedding, self.cfg)
         step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
         return self.run_blocks(x, step, self.layers, self._placement)
 

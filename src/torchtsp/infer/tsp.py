@@ -1,8 +1,18 @@
-"""TSP inference: one layout (weights 1/D by head group, FFN slice and vocabulary slice; tokens and KV cache
-1/D by sequence), two schedules (docs/design.md, "Inference: two schedules on one layout").
+"""TSP inference: one weight layout (1/D by head group, FFN slice and vocabulary slice), two schedules
+(docs/design.md, "Inference: two schedules on one layout") and three KV-cache layouts (kv_layouts.py).
+
+**An engine is composed, not derived** (``TSPEngine``): this rank's weights with what every schedule computes
+with them (``TSPRank``: the embedding by ring or by slice sum, the FFN by ring or by own slice, the sums over
+the axis, the model's body), and the steps of its cache layout: ``SequenceLayout`` (here), ``HeadsLayout``
+(tsp_heads.py), ``GroupedLayout`` (tsp_grouped.py), which the scheme registry names per layout. A layout's
+steps are ``weights_move`` (this rank's zigzag share of a prefill chunk, the weights moving),
+``activations_move`` (replicated tokens, the weights in place) and ``decode`` (one token per sequence, the
+weights in place); ``decode_schedules`` lists the decode schedules it has: only the sequence layout also
+decodes with the weights moving (``decode_weights``), since only its cache is what the weights-move prefill
+reads. The engine picks a schedule per phase and runs its layout's step.
 
 **KV cache** (the ``sequence`` layout). Rank p keeps the K/V of *all* KV heads for *its own* tokens: those
-at positions t with t mod D == p (cache.py's rule, whoever computed them). Its cache is 1/D of the
+at positions t with t mod D == p (``kv_layouts.KVPlacement``, whoever computed them). Its cache is 1/D of the
 single-device cache whatever the number of KV heads (also with n_kv < D, where D/n_kv consecutive head groups share one
 KV head: their K/V is computed, stored and gathered once, for the first of them).
 
@@ -21,7 +31,7 @@ vocabulary-sharded LM head.
 replicated. Rank p computes head group p's q/k/v and FFN slice p (TP-style); one all-gather gives every
 rank all heads' q/k/v of the step's tokens (each rank stores its share of K/V); every rank attends all
 heads' queries to its own cache and returns (O_p, LSE_p); the partials are merged exactly by
-log-sum-exp for the head-group owners (a decode step: one all-to-all, ``decode_activations``; a prefill
+log-sum-exp for the head-group owners (a decode step: one all-to-all, ``SequenceLayout.decode``; a prefill
 chunk: ``merge_partials``); the ``wo`` and ``w_down`` partial outputs are summed over the axis.
 Embedding: vocabulary-slice lookup plus the same sum.
 
@@ -36,21 +46,33 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import zigzag
+from ..kv_layouts import KVPlacement, kv_heads_of_rank, layout_steps, resolve_kv_layout
 from ..layers import (
     Placement,
     attend,
     attention_output,
     project_heads,
     project_qkv,
+    scale_embeddings,
 )
-from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
 from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
-from ..schemes import infer_schedule
-from .cache import CacheStep, SequenceShardedPrefill, merge_packed, merge_partials
-from .engine import Engine, gather_positions, masked_lookup, select_last, sum_over_ranks, vocab_logits
+from ..schemes import infer_schedule, resolve
+from .cache import CacheStep, KVCache, SequenceShardedPrefill, merge_packed, merge_partials
+from .engine import (
+    SUM_BY_GATHER_MAX_BYTES,
+    Engine,
+    gather_positions,
+    local_ffn,
+    masked_lookup,
+    run_blocks,
+    select_last,
+    sum_over_ranks,
+    summed_lookup,
+    vocab_logits,
+)
 
 
 def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
@@ -62,101 +84,125 @@ def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
     return w
 
 
-class TSPEngine(Engine):
-    scheme = "tsp"
+class TSPRank:
+    """One rank's TSP weights and what every schedule and cache layout computes with them."""
 
     def __init__(self, view: TSPShardView):
-        self.view, self.cfg, self.comm = view, view.cfg, view.comm
-        self.attention_layout, self.mlp_layout = view.shard_math.attention_layout, view.shard_math.mlp_layout
-        self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
+        self.view, self.cfg, self.comm, self.shards = view, view.cfg, view.comm, view.shard_math
+        self.mlp_layout = self.shards.mlp_layout
+        self.embedding, self.norm = view.embedding, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
-        self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
-        super().__init__()
-        self.schedule = {"prefill": "weights", "decode": "activations"}
-        self._buffers = None  # decode_activations' exchange buffers
+        D, n_kv = self.comm.size, self.cfg.n_kv_heads
+        # The KV heads head group j's weights project (kv_layouts.py: its ``heads`` cache), for every j.
+        self.group_kv_heads = [kv_heads_of_rank("heads", n_kv, D, j) for j in range(D)]
         # Each layer's own attention weights and dense FFN slice (None: experts), views of its packed shards made
         # once: unpacking them costs a decode step as much host time as a small layer's matmuls.
         self._own = {id(layer): (_attention_weights(view, layer, layer.attention),
                                  None if layer.moe is not None else
                                  dict(zip(("w_gate", "w_up", "w_down"), self.mlp_layout.unpack(layer.mlp))))
                      for layer in view.layers}
+        self._sums = {}  # ``sum``'s gather buffers, by shape (every decode step reuses them)
 
-    @property
-    def token_multiple(self):
-        return 2 * self.comm.size
+    def attention_weights(self, layer: TSPLayerShards, flat=None) -> dict:
+        """``layers.project_qkv``'s weights of ``layer``: this rank's own, or those of a received packed shard."""
+        return self._own[id(layer)][0] if flat is None else _attention_weights(self.view, layer, flat)
 
-    def choose_schedule(self, schedule, batch, prefill_tokens):
-        from ..analysis import tsp_tp_crossover_tokens
+    def first_reader(self, j: int) -> bool:
+        """Whether head group j is the first of those whose weights read its KV heads (copies of one KV head
+        over several groups are computed, gathered and stored once, at the first)."""
+        return j == 0 or self.group_kv_heads[j - 1] != self.group_kv_heads[j]
 
-        crossover = tsp_tp_crossover_tokens(self.cfg)
-        pick = lambda tokens: infer_schedule(self.scheme, tokens, crossover, schedule)
-        self.schedule = {"prefill": pick(batch * prefill_tokens), "decode": pick(batch)}
+    def sum(self, partial: torch.Tensor, label: str) -> torch.Tensor:
+        """``sum_over_ranks``, gathering small partials (a decode step's) into buffers made once per shape."""
+        out = None
+        if self.comm.size > 1 and partial.numel() * partial.element_size() <= SUM_BY_GATHER_MAX_BYTES:
+            out = self._sums.get(partial.shape)
+            if out is None:
+                out = self._sums[partial.shape] = partial.new_empty(self.comm.size, *partial.shape)
+        return sum_over_ranks(self.comm, partial, label, out=out)
 
-    # -- the two schedules ---------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [B, T, h] of replicated tokens ids [B, T]: vocabulary-slice lookups summed over the axis."""
+        return summed_lookup(self.comm, ids, self.embedding, self.cfg, "infer.embedding",
+                             lambda _, partial, label: self.sum(partial, label))
 
-    def _placement(self, layer: TSPLayerShards, attention, mlp) -> Placement:
-        """Layer ``layer``'s block: ``attention(h, layer, step)`` and ``mlp(h, layer)`` of one schedule."""
-        norms = {"attention_norm": layer.attention_norm, "ffn_norm": layer.ffn_norm, **layer.sandwich}
-        return Placement.normed(norms, lambda h, step: attention(h, layer, step), lambda h: mlp(h, layer), self.cfg)
-
-    def _run(self, x, step: CacheStep, attention, mlp):
-        return self.run_blocks(x, step, self.view.layers, lambda layer: self._placement(layer, attention, mlp))
-
-    def _local_ffn(self, h, layer: TSPLayerShards):
-        """This rank's FFN slice or experts on replicated tokens h, summed over the axis by the caller."""
-        D, p = self.comm.size, self.comm.rank
-        if layer.moe is not None:  # this rank's experts on the replicated tokens routed to them
-            return ffn_partial(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
-        return ffn_partial(h, self._own[id(layer)][1], self.cfg)
-
-    def _weights_mlp(self, h, layer: TSPLayerShards):
-        """The MLP with the weights moving: the FFN shards around the ring, or the tokens to their experts."""
-        if layer.moe is not None:  # tokens travel to the experts' owners and back
-            return tsp_moe_local_tokens(h, layer.moe)
-        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp", self.cfg.mlp_activation)
-
-    def embed_moving(self, ids):
+    def embed_moving(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [B, T, h] of this rank's tokens ids [B, T] with the vocabulary slices around the ring."""
         x = torch.zeros(*ids.shape, self.cfg.dim, dtype=self.dtype, device=self.device)
         for s, w in ring_each(self.comm, self.embedding, "infer.embedding"):
             found, hit = masked_lookup(ids, w, s)
             x = torch.where(hit.unsqueeze(-1), found, x)
-        return x
+        return scale_embeddings(x, self.cfg)
 
-    def weights_move(self, ids, pos, valid):
+    def summed_ffn(self, h: torch.Tensor, layer: TSPLayerShards) -> torch.Tensor:
+        """The MLP of replicated tokens h with the weights in place: this rank's FFN slice, or its experts on the
+        tokens routed to them, summed over the axis."""
+        D, p = self.comm.size, self.comm.rank
+        if layer.moe is not None:
+            partial = local_ffn(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
+        else:
+            partial = local_ffn(h, self._own[id(layer)][1], self.cfg)
+        return self.sum(partial, "infer.mlp")
+
+    def weights_mlp(self, h: torch.Tensor, layer: TSPLayerShards) -> torch.Tensor:
+        """The MLP with the weights moving: the FFN shards around the ring, or the tokens to their experts."""
+        if layer.moe is not None:  # tokens travel to the experts' owners and back
+            return tsp_moe_local_tokens(h, layer.moe)
+        return ring_mlp(h, layer.mlp, self.mlp_layout, self.comm, "infer.mlp", self.cfg.mlp_activation)
+
+    def run(self, x: torch.Tensor, step: CacheStep, attention, mlp) -> torch.Tensor:
+        """The model's body with ``attention(h, layer, step)`` and ``mlp(h, layer)`` as every layer's strategies."""
+
+        def placement(layer: TSPLayerShards) -> Placement:
+            norms = {"attention_norm": layer.attention_norm, "ffn_norm": layer.ffn_norm, **layer.sandwich}
+            return Placement.normed(norms, lambda h, step: attention(h, layer, step), lambda h: mlp(h, layer),
+                                    self.cfg)
+
+        return run_blocks(x, step, self.view.layers, placement, self.norm, self.cfg)
+
+
+class SequenceLayout:
+    """The ``sequence`` cache layout's steps: every rank caches every KV head of its 1/D of the tokens."""
+
+    decode_schedules = ("activations", "weights")
+
+    def __init__(self, rank: TSPRank):
+        self.rank = rank
+        self.placement = KVPlacement.of("sequence", rank.cfg.n_kv_heads, rank.comm.size)
+        self._buffers = None  # decode's exchange buffers
+
+    def weights_move(self, cache: KVCache, ids, pos, valid):
         """This rank's tokens ids [B, T] (its share of the step; the same T on every rank) through the model with the
         weights moving. Returns their final-norm hidden states [B, T, h]."""
-        cfg, comm = self.cfg, self.comm
-        x = self.embed_moving(ids)
-        chunk = SequenceShardedPrefill(comm, self.cache, pos, valid, "infer.kv")
-        step = CacheStep.of(cfg, self.cache, chunk.slots, pos)
-        replicas, hkv = self.view.shard_math.kv_replicas, self.view.shard_math.kv_heads
+        r = self.rank
+        cfg, comm = r.cfg, r.comm
+        chunk = SequenceShardedPrefill(comm, cache, pos, valid, "infer.kv")
+        step = CacheStep.of(cfg, cache, chunk.slots, pos)
 
         def attention(h, layer, step):
-            y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
+            y = torch.zeros(h.shape, dtype=r.dtype, device=h.device)
             for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
-                w = _attention_weights(self.view, layer, w)
+                w = r.attention_weights(layer, w)
                 q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
-                if j % replicas == 0:  # the next replicas - 1 groups read the same KV head: gathered once
-                    group = slice(j // replicas * hkv, (j // replicas + 1) * hkv)
-                    kv = chunk.keys(step.layer, k, v, heads=group)  # [2, B, hkv, D·(S + T), d]
-                y += attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], self.dtype)
+                if r.first_reader(j):  # the next groups reading the same KV heads use these: gathered once
+                    heads = r.group_kv_heads[j]
+                    kv = chunk.keys(step.layer, k, v, heads=slice(heads.start, heads.stop))  # [2, B, hkv, ·, d]
+                y += attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], r.dtype)
             return y
 
-        return self._run(x, step, attention, self._weights_mlp)
+        return r.run(r.embed_moving(ids), step, attention, r.weights_mlp)
 
-    def activations_move(self, ids, pos, valid):
+    def activations_move(self, cache: KVCache, ids, pos, valid):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V
         of those the cache rule gives it. Returns the final-norm hidden states [B, T, h] (replicated)."""
-        comm, cache = self.comm, self.cache
-        shards = self.view.shard_math
+        r = self.rank
+        comm, shards = r.comm, r.shards
         hq, hkv, replicas = shards.q_heads, shards.kv_heads, shards.kv_replicas
-        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
+        step = CacheStep.of(r.cfg, cache, cache.reserve(pos, valid), pos)
 
         def attention(h, layer, step):
-            w = self._own[id(layer)][0]
-            q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, T, heads, d]
+            w = r.attention_weights(layer)
+            q, k, v = project_qkv(h, w, r.cfg, step.cos, step.sin)  # [B, T, heads, d]
             qkv = comm.all_gather(torch.cat([q, k, v], dim=2), label="infer.qkv")  # [D, B, T, hq + 2hkv, d]
             qkv = qkv.permute(1, 2, 0, 3, 4)  # [B, T, D, hq + 2hkv, d]: head group r's heads at r
             # [B, heads, T, d] each, heads in global order; a KV head copied on several ranks is taken once.
@@ -166,12 +212,11 @@ class TSPEngine(Engine):
             step.write(k_all, v_all)
             group = slice(comm.rank * hq, (comm.rank + 1) * hq)
             mine = merge_partials(comm, *step.attend(q_all), heads=group)  # head group p's, over every rank's keys
-            return sum_over_ranks(comm, attention_output(mine, w["wo"], self.dtype), "infer.attention")
+            return r.sum(attention_output(mine, w["wo"], r.dtype), "infer.attention")
 
-        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp")
-        return self._run(x, step, attention, mlp)
+        return r.run(r.embed(ids), step, attention, r.summed_ffn)
 
-    def decode_activations(self, ids, pos):
+    def decode(self, cache: KVCache, ids, pos):
         """One decode step with the weights in place: ids, pos [B, 1] replicated; each token's K/V is stored by the
         rank the cache rule names. Returns the final-norm hidden states [B, h] (replicated).
 
@@ -180,27 +225,24 @@ class TSPEngine(Engine):
         FFN slice, and the next layer's projections, read the whole residual): one all-gather of every head
         group's q/k/v; one all-to-all that hands each head group's partial attention (O_p, LSE_p) of every rank
         to its owner, who merges them exactly by log-sum-exp; the sum of the ``wo`` partials; the MLP's sum
-        (``sum_over_ranks``). The keys' mask is built once per step, the exchange buffers once per generation;
+        (``TSPRank.sum``). The keys' mask is built once per step, the exchange buffers once per generation;
         every rank writes every token's K/V to ``reserve``'s slots (the spare one for the tokens it does not keep).
         """
-        comm, cache = self.comm, self.cache
-        B, p = ids.shape[0], comm.rank
-        buffers = self._decode_buffers(B)
-        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, p)[0], "infer.embedding", out=buffers["sum"])
+        r = self.rank
+        buffers = self._decode_buffers(ids.shape[0])
         slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
         mask = cache.mask(pos)  # the same keys in every layer
         attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
-        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
-        return self._run(x, CacheStep.of(self.cfg, cache, slots, pos), attention, mlp)[:, 0]
+        return r.run(r.embed(ids), CacheStep.of(r.cfg, cache, slots, pos), attention, r.summed_ffn)[:, 0]
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
-        """A decode step's attention (see ``decode_activations``)."""
-        comm = self.comm
+        """A decode step's attention (see ``decode``)."""
+        r = self.rank
+        comm, shards = r.comm, r.shards
         B, D = h.shape[0], comm.size
-        shards = self.view.shard_math
-        hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, self.cfg.head_dim
-        w = self._own[id(layer)][0]
-        q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, 1, ·, d]
+        hq, hkv, replicas, d = shards.q_heads, shards.kv_heads, shards.kv_replicas, r.cfg.head_dim
+        w = r.attention_weights(layer)
+        q, k, v = project_qkv(h, w, r.cfg, step.cos, step.sin)  # [B, 1, ·, d]
         torch.cat([q, k, v], dim=2, out=buffers["qkv"])
         qkv = comm.all_gather(buffers["qkv"], label="infer.qkv", out=buffers["qkv_all"])[:, :, 0]
         # [D, B, hq + 2hkv, d] -> queries [B, Hq, 1, d] in global head order (group r's heads at r).
@@ -214,33 +256,72 @@ class TSPEngine(Engine):
         partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
         parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
         merged = merge_packed(parts)  # [B, hq, d]: group p's heads, over every rank's keys
-        y = F.linear(merged.to(self.dtype).reshape(B, 1, hq * d), w["wo"])
-        return sum_over_ranks(comm, y, "infer.attention", out=buffers["sum"])
+        y = F.linear(merged.to(r.dtype).reshape(B, 1, hq * d), w["wo"])
+        return r.sum(y, "infer.attention")
 
     def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:
         """The exchange buffers of a decode step (made on the first step of a generation)."""
         if self._buffers is None or self._buffers["qkv"].shape[0] != batch:
-            D, d, shards = self.comm.size, self.cfg.head_dim, self.view.shard_math
+            r = self.rank
+            D, d, shards = r.comm.size, r.cfg.head_dim, r.shards
             heads = shards.q_heads + 2 * shards.kv_heads
-            make = lambda *shape, dtype=self.dtype: torch.empty(shape, dtype=dtype, device=self.device)
+            make = lambda *shape, dtype=r.dtype: torch.empty(shape, dtype=dtype, device=r.device)
             self._buffers = {"qkv": make(batch, 1, heads, d), "qkv_all": make(D, batch, 1, heads, d),
                              "partial": make(D, batch, shards.q_heads, d + 1, dtype=torch.float32),
-                             "partial_all": make(D, batch, shards.q_heads, d + 1, dtype=torch.float32),
-                             "sum": make(D, batch, 1, self.cfg.dim)}
+                             "partial_all": make(D, batch, shards.q_heads, d + 1, dtype=torch.float32)}
         return self._buffers
 
-    # -- phases --------------------------------------------------------------------------
+    def decode_weights(self, cache: KVCache, ids, pos):
+        """One decode step with the weights moving: each token runs on the rank that keeps its K/V (the others
+        idle: their share of the step is empty); its final-norm hidden state is summed to every rank."""
+        comm = self.rank.comm
+        mine = self.placement.keeper(pos) == self.placement.member_of_rank(comm.rank)
+        z = torch.where(mine.unsqueeze(-1), self.weights_move(cache, ids, pos, mine), 0.0).sum(dim=1)
+        return comm.all_reduce(z, label="infer.last_hidden")
+
+
+class TSPEngine(Engine):
+    """A TSP rank's inference: its weights (``TSPRank``) and its cache layout's steps (the registry's class for
+    ``kv_layout``), run by the schedule chosen per phase."""
+
+    scheme = "tsp"
+
+    def __init__(self, view: TSPShardView, kv_layout: str = "sequence"):
+        # The one-line error naming n_kv and D for a layout the model does not allow, also when built here.
+        self.kv_layout = resolve_kv_layout(kv_layout, view.cfg.n_kv_heads, view.comm.size)
+        self.rank = TSPRank(view)
+        self.view, self.cfg, self.comm = view, view.cfg, view.comm
+        self.head_rows, self.norm = view.head, view.norm
+        self.device, self.dtype = self.rank.device, self.rank.dtype
+        self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * view.embedding.shape[0]
+        super().__init__()
+        self.layout = resolve(layout_steps(self.scheme, self.kv_layout))(self.rank)
+        self.schedule = {"prefill": "weights", "decode": "activations"}
+
+    @property
+    def token_multiple(self):
+        return 2 * self.comm.size
+
+    def choose_schedule(self, schedule, batch, prefill_tokens):
+        from ..analysis import tsp_tp_crossover_tokens
+
+        crossover = tsp_tp_crossover_tokens(self.cfg)
+        pick = lambda tokens: infer_schedule(self.scheme, tokens, crossover, schedule)
+        decode = pick(batch)
+        if decode not in self.layout.decode_schedules:  # the layout decodes one way only (module docstring)
+            decode = self.layout.decode_schedules[0]
+        self.schedule = {"prefill": pick(batch * prefill_tokens), "decode": decode}
 
     def prefill_chunk(self, ids, pos, valid, lengths, all_positions=None):
         D, p = self.comm.size, self.comm.rank
         if self.schedule["prefill"] == "weights":
             share = lambda t: zigzag.shard(t, D, p, dim=1)
-            z = self.weights_move(share(ids), share(pos), share(valid))
+            z = self.layout.weights_move(self.cache, share(ids), share(pos), share(valid))
             last = select_last(z, pos=share(pos), lengths=lengths)
             if all_positions is None:
                 return last
             return last, gather_positions(self.comm, z, all_positions, "infer.prompt_hidden")
-        z = self.activations_move(ids, pos, valid)  # replicated: every position is here
+        z = self.layout.activations_move(self.cache, ids, pos, valid)  # replicated: every position is here
         last = select_last(z, pos, lengths)
         return last if all_positions is None else (last, z[all_positions])
 
@@ -254,8 +335,6 @@ class TSPEngine(Engine):
 
     def decode(self, ids, pos):
         ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        if self.schedule["decode"] == "weights":  # each token on the rank that keeps its K/V; the others idle
-            mine = pos % self.comm.size == self.comm.rank
-            z = torch.where(mine.unsqueeze(-1), self.weights_move(ids, pos, mine), 0.0).sum(dim=1)
-            return self.head(self.comm.all_reduce(z, label="infer.last_hidden"))
-        return self.head(self.decode_activations(ids, pos))
+        if self.schedule["decode"] == "weights":
+            return self.head(self.layout.decode_weights(self.cache, ids, pos))
+        return self.head(self.layout.decode(self.cache, ids, pos))

@@ -8,10 +8,11 @@ ONE KV head, its group's, for its share of the tokens, so a rank's cache is 1/D 
 the model is built; every engine of the model reuses it).
 
 **Which member keeps a token.** Member m (= rank mod c) of every group keeps the tokens at positions p with
-p mod c == m (cache.py's rule, with R = c), whoever computed them. Every group splits the tokens the same way.
+p mod c == m (``kv_layouts.KVPlacement`` with R = c), whoever computed them; rank j's head is j // c
+(``kv_layouts.kv_heads_of_rank``). Every group splits the tokens the same way.
 
 **Prefill, weights moving** (``weights_move``; the packed shards broadcast head group by head group as in
-``TSPEngine``). At turn j with j % c == 0 (the first head group reading KV head j // c; the next c - 1 turns read
+the sequence layout). At turn j with j % c == 0 (the first head group reading KV head j // c; the next c - 1 turns read
 the same head) every rank projects its tokens' K/V of that head and ONE all-gather over the D ranks gives every
 rank the chunk's K/V of the head; the members of group j // c keep theirs. A chunk's queries also need
 the head's keys of the earlier chunks, which only group j // c holds: they come from one all-gather over the D
@@ -25,10 +26,10 @@ The positions of the chunk travel in one small all-gather per step (the earlier 
 **Prefill, activations moving** (``activations_move``: replicated tokens). Each rank projects its query heads
 and its KV head's K/V of every token, keeps its member share; its group's queries are all-gathered inside the
 group, each member attends them to its own keys and ``merge_partials`` merges the members' partials for each
-rank's heads inside the group; then ``wo`` and the sums over the D ranks as in ``TSPEngine``.
+rank's heads inside the group; then ``wo`` and the sums over the D ranks as in the sequence layout.
 
-**Decode** (always this step: the weights-move schedule of ``TSPEngine`` decodes with the sequence layout's
-gathers, which this cache does not serve). Per layer: each rank projects q of its hq heads and K/V of its KV
+**Decode** (``decode_schedules`` has this step only: the sequence layout's weights-move decode gathers caches
+this layout does not hold). Per layer: each rank projects q of its hq heads and K/V of its KV
 head (the member whose turn it is stores them: no K/V moves); one all-gather of q inside the group; each rank
 attends the group's c·hq queries to its own tokens -> (O, LSE); ONE packed (O, LSE) all-to-all inside the group
 hands each member its heads' partials, merged exactly (``cache.merge_packed``); ``wo`` partial; sum over the D
@@ -41,132 +42,117 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_layouts import KVPlacement, kv_heads_of_rank
 from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv
 from ..parallel.tsp import broadcast_each
-from ..parallel.tsp.model import TSPLayerShards, TSPShardView
-from .cache import FAR, CacheStep, gathered_positions, merge_packed, merge_partials
-from .engine import masked_lookup, sum_over_ranks
-from .tsp import TSPEngine, _attention_weights
+from ..parallel.tsp.model import TSPLayerShards
+from .cache import FAR, CacheStep, KVCache, gathered_positions, merge_packed, merge_partials
+from .tsp import TSPRank
 
 
-class TSPGroupedEngine(TSPEngine):
-    kv_layout = "grouped"
+class GroupedLayout:
+    """The ``grouped`` cache layout's steps (module docstring), on a ``TSPRank``'s weights."""
 
-    def __init__(self, view: TSPShardView):
-        super().__init__(view)
-        shards, D = view.shard_math, self.comm.size
+    decode_schedules = ("activations",)
+
+    def __init__(self, rank: TSPRank):
+        self.rank = rank
+        shards, cfg, D = rank.shards, rank.cfg, rank.comm.size
         self.c = shards.kv_replicas  # ranks per KV head
         if self.c < 2 or shards.kv_heads != 1:
             raise ValueError(f"kv_layout='grouped' needs D % n_kv == 0 with D > n_kv, but the model has "
-                             f"n_kv={self.cfg.n_kv_heads} KV heads on D={D} ranks; use kv_layout='auto'")
+                             f"n_kv={cfg.n_kv_heads} KV heads on D={D} ranks; use kv_layout='auto'")
         self.group = shards.kv_comm
         if self.group is None or self.group.size != self.c:
             raise ValueError(f"kv_layout='grouped' needs the model's KV-head groups of {self.c} ranks "
                              f"(shard_math.kv_comm); this model has none: build it with torchtsp.parallelize")
-        self.member, self.kv_group = self.comm.rank % self.c, self.comm.rank // self.c
-
-    @property
-    def kv_token_ranks(self):
-        return self.c  # a sequence's tokens are dealt over the c ranks sharing its KV head
-
-    def choose_schedule(self, schedule, batch, prefill_tokens):
-        super().choose_schedule(schedule, batch, prefill_tokens)
-        self.schedule["decode"] = "activations"  # the grouped step (see the module docstring)
-
-    @property
-    def kv_heads_per_rank(self):
-        return 1  # its group's KV head
+        # The KV head each head group's weights read and caches; which member of its head's c ranks this one is.
+        self.head_of = [kv_heads_of_rank("grouped", cfg.n_kv_heads, D, j)[0] for j in range(D)]
+        self.member = KVPlacement.of("grouped", cfg.n_kv_heads, D).member_of_rank(rank.comm.rank)
+        self._buffers = None  # decode's exchange buffers
 
     # -- prefill ---------------------------------------------------------------------
 
-    def weights_move(self, ids, pos, valid):
+    def weights_move(self, cache: KVCache, ids, pos, valid):
         """This rank's tokens ids [B, T] (the same T on every rank) through the model with the weights moving.
         Returns their final-norm hidden states [B, T, h]."""
-        cache = self.cache
-        x = self.embed_moving(ids)
-        chunk_pos = gathered_positions(self.comm, pos, valid, "infer.kv.positions")  # [B, D·T], rank-major
+        r = self.rank
+        chunk_pos = gathered_positions(r.comm, pos, valid, "infer.kv.positions")  # [B, D·T], rank-major
         slots = cache.reserve(chunk_pos, chunk_pos != FAR)  # this member's tokens of the gathered chunk
-        mask, m = self._prefill_mask(pos, chunk_pos)
-        step = CacheStep.of(self.cfg, cache, slots, pos)
-        attention = lambda h, layer, step: self._prefill_attention(h, layer, step, mask, m)
-        return self._run(x, step, attention, self._weights_mlp)
+        mask, m = self._prefill_mask(cache, pos, chunk_pos)
+        step = CacheStep.of(r.cfg, cache, slots, pos)
+        attention = lambda h, layer, step: self._prefill_attention(cache, h, layer, step, mask, m)
+        return r.run(r.embed_moving(ids), step, attention, r.weights_mlp)
 
-    def _prefill_mask(self, pos, chunk_pos):
+    def _prefill_mask(self, cache: KVCache, pos, chunk_pos):
         """The mask of this rank's queries at ``pos`` against any KV head g's keys as ``_prefill_attention`` lays them
         out (group g's earlier slots, rank-major, then the chunk's tokens, rank-major; every group's members hold the
         same positions, so one mask serves every head); and the number of earlier slots per rank."""
-        c, cache = self.c, self.cache
-        earlier = [cache.key_positions(before=True, member=r) for r in range(c)]  # member r's slots, every group's
+        earlier = [cache.key_positions(before=True, member=r) for r in range(self.c)]  # member r's, every group's
         m = earlier[0].shape[1]
         keys = torch.cat([*earlier, chunk_pos], dim=1)
         mask = positions_mask(pos, keys, torch.ones_like(keys, dtype=torch.bool))
         return mask, m
 
-    def _prefill_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, m: int):
+    def _prefill_attention(self, cache: KVCache, h, layer: TSPLayerShards, step: CacheStep, mask, m: int):
         """Layer ``layer``'s attention of this rank's tokens h with the packed shards broadcast in turn."""
-        comm, cfg, c, i = self.comm, self.cfg, self.c, step.layer
-        y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
+        r = self.rank
+        comm, cfg, c, i = r.comm, r.cfg, self.c, step.layer
+        y = torch.zeros(h.shape, dtype=r.dtype, device=h.device)
         past = None
         if m:  # every rank's earlier slots of its KV head: [2, B, 1, D·m, d], rank-major
-            past = comm.all_gather(torch.stack(self.cache.keys(i, before=True)), label="infer.kv")
+            past = comm.all_gather(torch.stack(cache.keys(i, before=True)), label="infer.kv")
             past = past.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
         for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
-            w = _attention_weights(self.view, layer, w)
+            w = r.attention_weights(layer, w)
             q, k, v = project_heads(h, w, cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
-            g = j // c
-            if j % c == 0:  # the next c - 1 groups read the same KV head
+            g = self.head_of[j]
+            if r.first_reader(j):  # the next c - 1 groups read the same KV head
                 # [D, 2, B, 1, T, d] gathered -> [2, B, 1, D·T, d], rank-major (a copy: the gathered buffer is freed
                 # at once, not held beside it through the head's attention)
                 kv = comm.all_gather(torch.stack([k, v]), label="infer.kv").permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
-                if g == self.kv_group:  # this rank's head: it keeps its member's tokens (step.slots)
+                if g == self.head_of[comm.rank]:  # this rank's head: it keeps its member's tokens (step.slots)
                     step.write(kv[0], kv[1])
                 if past is not None:
                     kv = torch.cat([past[:, :, :, g * c * m:(g + 1) * c * m], kv], dim=3)
-            y += attention_output(attend(q, kv[0], kv[1], step.masked(mask))[0], w["wo"], self.dtype)
+            y += attention_output(attend(q, kv[0], kv[1], step.masked(mask))[0], w["wo"], r.dtype)
         return y
 
-    def activations_move(self, ids, pos, valid):
+    def activations_move(self, cache: KVCache, ids, pos, valid):
         """Replicated tokens ids [B, T] through the model with the weights in place; this rank stores the K/V of
         its member's tokens. Returns the final-norm hidden states [B, T, h] (replicated)."""
-        comm, group, cache = self.comm, self.group, self.cache
-        hq, m = self.view.shard_math.q_heads, self.member
-        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
+        r = self.rank
+        hq, m = r.shards.q_heads, self.member
+        step = CacheStep.of(r.cfg, cache, cache.reserve(pos, valid), pos)
 
         def attention(h, layer, step):
-            w = self._own[id(layer)][0]
-            q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
+            w = r.attention_weights(layer)
+            q, k, v = project_heads(h, w, r.cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
             step.write(k, v)
-            q_group = group.all_gather(q, label="infer.q").movedim(0, 1).flatten(1, 2)  # [B, c·hq, T, d]
-            mine = merge_partials(group, *step.attend(q_group), heads=slice(m * hq, (m + 1) * hq))
-            return sum_over_ranks(comm, attention_output(mine, w["wo"], self.dtype), "infer.attention")
+            q_group = self.group.all_gather(q, label="infer.q").movedim(0, 1).flatten(1, 2)  # [B, c·hq, T, d]
+            mine = merge_partials(self.group, *step.attend(q_group), heads=slice(m * hq, (m + 1) * hq))
+            return r.sum(attention_output(mine, w["wo"], r.dtype), "infer.attention")
 
-        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp")
-        return self._run(x, step, attention, mlp)
+        return r.run(r.embed(ids), step, attention, r.summed_ffn)
 
     # -- decode ----------------------------------------------------------------------
 
-    def decode(self, ids, pos):
-        return self.head(self.decode_activations(ids.unsqueeze(1), pos.unsqueeze(1)))
-
-    def decode_activations(self, ids, pos):
+    def decode(self, cache: KVCache, ids, pos):
         """One decode step: ids, pos [B, 1] replicated; the member the cache rule names stores each token's K/V of
         its group's head. Returns the final-norm hidden states [B, h] (replicated)."""
-        comm, cache = self.comm, self.cache
-        B, p = ids.shape[0], comm.rank
-        buffers = self._decode_buffers(B)
-        x = sum_over_ranks(comm, masked_lookup(ids, self.embedding, p)[0], "infer.embedding", out=buffers["sum"])
+        r = self.rank
+        buffers = self._decode_buffers(ids.shape[0])
         slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
         mask = cache.mask(pos)  # the same keys in every layer
         attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
-        mlp = lambda h, layer: sum_over_ranks(comm, self._local_ffn(h, layer), "infer.mlp", out=buffers["sum"])
-        return self._run(x, CacheStep.of(self.cfg, cache, slots, pos), attention, mlp)[:, 0]
+        return r.run(r.embed(ids), CacheStep.of(r.cfg, cache, slots, pos), attention, r.summed_ffn)[:, 0]
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
         """A decode step's attention (module docstring)."""
-        B, c, hq, d = h.shape[0], self.c, self.view.shard_math.q_heads, self.cfg.head_dim
-        w = self._own[id(layer)][0]
-        q, k, v = project_qkv(h, w, self.cfg, step.cos, step.sin)  # [B, 1, hq, d]; k, v [B, 1, 1, d]
+        r = self.rank
+        B, c, hq, d = h.shape[0], self.c, r.shards.q_heads, r.cfg.head_dim
+        w = r.attention_weights(layer)
+        q, k, v = project_qkv(h, w, r.cfg, step.cos, step.sin)  # [B, 1, hq, d]; k, v [B, 1, 1, d]
         step.write(k.transpose(1, 2), v.transpose(1, 2))  # the spare slot where another member keeps it
         buffers["q"].copy_(q)
         q_all = self.group.all_gather(buffers["q"], label="infer.q", out=buffers["q_all"])  # [c, B, 1, hq, d]
@@ -175,16 +161,16 @@ class TSPGroupedEngine(TSPEngine):
         partial[..., :d] = out.view(B, c, hq, d).transpose(0, 1)
         partial[..., d] = lse.view(B, c, hq).transpose(0, 1)
         parts = self.group.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
-        y = F.linear(merge_packed(parts).to(self.dtype).reshape(B, 1, hq * d), w["wo"])
-        return sum_over_ranks(self.comm, y, "infer.attention", out=buffers["sum"])
+        y = F.linear(merge_packed(parts).to(r.dtype).reshape(B, 1, hq * d), w["wo"])
+        return r.sum(y, "infer.attention")
 
     def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:
         """The exchange buffers of a decode step (made on the first step of a generation)."""
         if self._buffers is None or self._buffers["q"].shape[0] != batch:
-            c, d, D, hq = self.c, self.cfg.head_dim, self.comm.size, self.view.shard_math.q_heads
-            make = lambda *shape, dtype=self.dtype: torch.empty(shape, dtype=dtype, device=self.device)
+            r = self.rank
+            c, d, hq = self.c, r.cfg.head_dim, r.shards.q_heads
+            make = lambda *shape, dtype=r.dtype: torch.empty(shape, dtype=dtype, device=r.device)
             self._buffers = {"q": make(batch, 1, hq, d), "q_all": make(c, batch, 1, hq, d),
                              "partial": make(c, batch, hq, d + 1, dtype=torch.float32),
-                             "partial_all": make(c, batch, hq, d + 1, dtype=torch.float32),
-                             "sum": make(D, batch, 1, self.cfg.dim)}
+                             "partial_all": make(c, batch, hq, d + 1, dtype=torch.float32)}
         return self._buffers

@@ -9,8 +9,7 @@ replicated; rank p projects its group's q/k/v, stores the K/V, attends its queri
 ``wo`` columns; the MLP is its FFN slice (or its experts). Per layer two sums (after ``wo``, after the MLP), plus
 the embedding's: exactly TP's collectives per step, against four exchanges per layer for the sequence layout.
 Decode with the weights moving has no reason to exist with this layout (the keys a query needs already sit with
-its group's weights; moving the weights would only add traffic), so ``decode`` always takes this step and
-``choose_schedule`` reports decode "activations".
+its group's weights; moving the weights would only add traffic): ``decode_schedules`` has this step only.
 
 **Prefill with the weights moving** (``weights_move``; many tokens in flight): each rank holds its zigzag share of
 the chunk and the packed attention shards are broadcast group by group, as in the training forward. At group j's
@@ -24,79 +23,48 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_layouts import resolve_kv_layout
 from ..layers import attend, attention_output, positions_mask, project_heads
-from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each
-from .cache import FAR, CacheStep, gathered_positions
-from .engine import SUM_BY_GATHER_MAX_BYTES, masked_lookup, sum_over_ranks
-from .tsp import TSPEngine, _attention_weights
+from .cache import FAR, CacheStep, KVCache, gathered_positions
+from .tsp import TSPRank
 
 
-class TSPHeadsEngine(TSPEngine):
-    """TSPEngine with the heads cache: its weights, schedules' prefill and LM head, its own cache and steps."""
+class HeadsLayout:
+    """The ``heads`` cache layout's steps (module docstring), on a ``TSPRank``'s weights."""
 
-    kv_layout = "heads"
+    decode_schedules = ("activations",)
 
-    def __init__(self, view):
-        resolve_kv_layout("heads", view.cfg.n_kv_heads, view.comm.size)  # the one-line error, also when built here
-        super().__init__(view)
-        self._sums = {}  # sum_over_ranks' gather buffers, by shape (a decode step reuses them)
-
-    @property
-    def kv_token_ranks(self):
-        return 1  # every rank caches every token (of its heads)
-
-    def choose_schedule(self, schedule, batch, prefill_tokens):
-        super().choose_schedule(schedule, batch, prefill_tokens)
-        self.schedule["decode"] = "activations"  # the only decode this layout has (module docstring)
-
-    @property
-    def kv_heads_per_rank(self):
-        return self.view.shard_math.kv_heads  # its head group's, of every token
-
-    def _sum(self, partial, label):
-        """``sum_over_ranks``, gathering small partials (a decode step's) into buffers made once per shape."""
-        out = None
-        if self.comm.size > 1 and partial.numel() * partial.element_size() <= SUM_BY_GATHER_MAX_BYTES:
-            out = self._sums.get(partial.shape)
-            if out is None:
-                out = self._sums[partial.shape] = partial.new_empty(self.comm.size, *partial.shape)
-        return sum_over_ranks(self.comm, partial, label, out=out)
+    def __init__(self, rank: TSPRank):
+        self.rank = rank
 
     # -- replicated tokens: TP's step -------------------------------------------------------
 
-    def activations_move(self, ids, pos, valid):
+    def activations_move(self, cache: KVCache, ids, pos, valid):
         """Replicated tokens ids [B, T] through the model with the weights in place; every rank stores its group's
         K/V of all of them. Returns the final-norm hidden states [B, T, h] (replicated)."""
-        comm, cache = self.comm, self.cache
-        x = self._sum(masked_lookup(ids, self.embedding, comm.rank)[0], "infer.embedding")
-        step = CacheStep.of(self.cfg, cache, cache.reserve(pos, valid), pos)
+        r = self.rank
+        step = CacheStep.of(r.cfg, cache, cache.reserve(pos, valid), pos)
         mask = cache.mask(pos)  # the same keys in every layer
 
         def attention(h, layer, step):
-            w = self._own[id(layer)][0]
-            q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
+            w = r.attention_weights(layer)
+            q, k, v = project_heads(h, w, r.cfg, step.cos, step.sin)
             step.write(k, v)
-            return self._sum(attention_output(step.attend(q, mask)[0], w["wo"], self.dtype), "infer.attention")
+            return r.sum(attention_output(step.attend(q, mask)[0], w["wo"], r.dtype), "infer.attention")
 
-        def mlp(h, layer):
-            ffn = self._own[id(layer)][1]
-            return self._sum(self._local_ffn(h, layer) if ffn is None else ffn_partial(h, ffn, self.cfg), "infer.mlp")
+        return r.run(r.embed(ids), step, attention, r.summed_ffn)
 
-        return self._run(x, step, attention, mlp)
-
-    def decode(self, ids, pos):
-        ids, pos = ids.unsqueeze(1), pos.unsqueeze(1)
-        return self.head(self.activations_move(ids, pos, torch.ones_like(ids, dtype=torch.bool))[:, 0])
+    def decode(self, cache: KVCache, ids, pos):
+        """One token per sequence (ids, pos [B, 1]): ``activations_move``'s step. Returns [B, h]."""
+        return self.activations_move(cache, ids, pos, torch.ones_like(ids, dtype=torch.bool))[:, 0]
 
     # -- prefill with the weights moving ----------------------------------------------------
 
-    def weights_move(self, ids, pos, valid):
+    def weights_move(self, cache: KVCache, ids, pos, valid):
         """This rank's tokens ids [B, T] (its share of the chunk; the same T on every rank) through the model with
         the weights moving. Returns their final-norm hidden states [B, T, h]."""
-        cfg, comm, cache = self.cfg, self.comm, self.cache
-        x = self.embed_moving(ids)
+        r = self.rank
+        cfg, comm = r.cfg, r.comm
         chunk_pos = gathered_positions(comm, pos, valid, "infer.kv.positions")  # [B, D·T], like the gathered K/V
         step = CacheStep.of(cfg, cache, cache.reserve(chunk_pos, chunk_pos != FAR), pos)
         earlier_pos = cache.key_positions(before=True)  # the chunk's own positions are masked there
@@ -105,26 +73,26 @@ class TSPHeadsEngine(TSPEngine):
         mask = positions_mask(pos, key_pos, torch.ones_like(key_pos, dtype=torch.bool))
 
         def attention(h, layer, step):
-            y = torch.zeros(h.shape, dtype=self.dtype, device=h.device)
+            y = torch.zeros(h.shape, dtype=r.dtype, device=h.device)
             for j, w in broadcast_each(comm, layer.attention, "infer.attention"):
-                w = _attention_weights(self.view, layer, w)
+                w = r.attention_weights(layer, w)
                 q, k, v = project_heads(h, w, cfg, step.cos, step.sin)
                 kv = comm.all_gather(torch.stack([k, v]), label="infer.kv")  # [D, 2, B, hkv, T, d]
                 kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, B, hkv, D·T, d]
-                keys = torch.cat([self._earlier_keys(step.layer, earlier, j), kv], dim=3) if earlier else kv
+                keys = torch.cat([self._earlier_keys(cache, step.layer, earlier, j), kv], dim=3) if earlier else kv
                 if j == comm.rank:
                     step.write(kv[0], kv[1])
-                y += attention_output(attend(q, keys[0], keys[1], step.masked(mask))[0], w["wo"], self.dtype)
+                y += attention_output(attend(q, keys[0], keys[1], step.masked(mask))[0], w["wo"], r.dtype)
             return y
 
-        return self._run(x, step, attention, self._weights_mlp)
+        return r.run(r.embed_moving(ids), step, attention, r.weights_mlp)
 
-    def _earlier_keys(self, layer: int, n: int, j: int) -> torch.Tensor:
+    def _earlier_keys(self, cache: KVCache, layer: int, n: int, j: int) -> torch.Tensor:
         """Group j's K/V [2, B, hkv, n, d] of the earlier tokens (n slots), which rank j holds: one broadcast."""
-        cache = self.cache
-        if j == self.comm.rank:
+        comm = self.rank.comm
+        if j == comm.rank:
             kv = torch.stack(cache.keys(layer, before=True))
         else:
             pool = cache.pool.k[layer]
             kv = pool.new_empty(2, len(cache.lengths), pool.shape[1], n, pool.shape[3])
-        return self.comm.broadcast(kv, src=j, label="infer.kv.earlier")
+        return comm.broadcast(kv, src=j, label="infer.kv.earlier")
