@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
 from ..kv_layouts import KVPlacement, kv_heads_per_rank, kv_token_ranks
-from ..layers import block_forward, norm, scale_embeddings, swiglu
-from ..parallel.moe import ffn_partial
+from ..layers import block_forward, norm, scale_embeddings
 from ..parallel.shards import vocab_slice_index
 from .cache import KVPool
 
@@ -52,16 +51,6 @@ def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vo
     if real < head_slice.shape[0]:
         logits[:, max(real, 0):] = float("-inf")
     return logits
-
-
-def local_ffn(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:
-    """This rank's share of a block's feed-forward output for tokens h that every rank holds: its slice of the
-    gated MLP with the model's activation (SwiGLU or GeGLU, ``layers.swiglu``), or, for a sparse layer
-    (``router`` in ``w``), its experts from expert ``first`` on (``parallel.moe.ffn_partial``: experts are
-    SwiGLU, ``ModelConfig`` refuses GeGLU ones)."""
-    if "router" in w:
-        return ffn_partial(h, w, cfg, first)
-    return swiglu(h, w["w_gate"], w["w_up"], w["w_down"], cfg.mlp_activation)
 
 
 def summed_lookup(comm: AxisComm, ids: torch.Tensor, rows: torch.Tensor, cfg, label: str = "infer.tp.embedding",

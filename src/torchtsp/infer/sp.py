@@ -22,8 +22,9 @@ from ..layers import (
     scale_embeddings,
 )
 from ..parallel.base import ShardView
+from ..parallel.moe import ffn_partial
 from .cache import CacheStep, SequenceShardedPrefill, merge_partials
-from .engine import Engine, gather_positions, local_ffn, select_last, vocab_logits
+from .engine import Engine, gather_positions, select_last, vocab_logits
 
 
 class SPEngine(Engine):
@@ -43,7 +44,7 @@ class SPEngine(Engine):
 
     def _placement(self, w, attention) -> Placement:
         """Layer ``w``'s block: ``attention(h, w, step)`` against the sequence-sharded cache, the whole MLP."""
-        return Placement.normed(w, lambda h, step: attention(h, w, step), lambda h: local_ffn(h, w, self.cfg),
+        return Placement.normed(w, lambda h, step: attention(h, w, step), lambda h: ffn_partial(h, w, self.cfg),
                                 self.cfg)
 
     def _run(self, x, step: CacheStep, attention):

@@ -18,8 +18,9 @@ from ..layers import (
     project_heads,
 )
 from ..parallel.base import ShardView
+from ..parallel.moe import ffn_partial
 from .cache import CacheStep
-from .engine import Engine, local_ffn, select_last, sum_over_ranks, summed_lookup, vocab_logits
+from .engine import Engine, select_last, sum_over_ranks, summed_lookup, vocab_logits
 
 
 class MegatronEngine(Engine):
@@ -42,7 +43,7 @@ class MegatronEngine(Engine):
     def _placement(self, w) -> Placement:
         """Layer ``w``'s block on this rank: its heads against the head-sharded cache, its FFN slice; the
         row-parallel partial outputs summed over the axis."""
-        mlp = lambda h: self._sum(local_ffn(h, w, self.cfg), "infer.tp.mlp")
+        mlp = lambda h: self._sum(ffn_partial(h, w, self.cfg), "infer.tp.mlp")
         return Placement.normed(w, lambda h, step: self._attention(h, w, step), mlp, self.cfg)
 
     def _attention(self, h, w, step: CacheStep):

@@ -55,6 +55,7 @@ from ..layers import (
     project_qkv,
     scale_embeddings,
 )
+from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
 from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
@@ -65,7 +66,6 @@ from .engine import (
     SUM_BY_GATHER_MAX_BYTES,
     Engine,
     gather_positions,
-    local_ffn,
     masked_lookup,
     run_blocks,
     select_last,
@@ -139,9 +139,9 @@ class TSPRank:
         tokens routed to them, summed over the axis."""
         D, p = self.comm.size, self.comm.rank
         if layer.moe is not None:
-            partial = local_ffn(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
+            partial = ffn_partial(h, tsp_inference_weights(layer.moe), self.cfg, p * self.cfg.n_experts // D)
         else:
-            partial = local_ffn(h, self._own[id(layer)][1], self.cfg)
+            partial = ffn_partial(h, self._own[id(layer)][1], self.cfg)
         return self.sum(partial, "infer.mlp")
 
     def weights_mlp(self, h: torch.Tensor, layer: TSPLayerShards) -> torch.Tensor:

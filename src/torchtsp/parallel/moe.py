@@ -143,4 +143,6 @@ def moe_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0
 def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:
     """This rank's share of a block's feed-forward output for tokens h that every rank holds: its slice of the
     gated MLP (``w_gate``, ``w_up``, ``w_down``) or, for a sparse layer (``router`` in ``w``), ``moe_partial``."""
-    return moe_partial(h, w, cfg, first) if "router" in w else swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+    if "router" in w:
+        return moe_partial(h, w, cfg, first)
+    return swiglu(h, w["w_gate"], w["w_up"], w["w_down"], cfg.mlp_activation)  # SwiGLU, or Gemma's GeGLU
