@@ -304,7 +304,7 @@ def test_bad_logprob_values_are_400_naming_the_field(server, client):
 
 
 def test_logprob_shapes_keep_the_best_of_tokens_with_one_text_and_count_offsets_across_chunks():
-    from torchtsp.serve.service import LOGPROB_FLOOR, LogprobFormat
+    from torchtsp.serve.formats import LOGPROB_FLOOR, LogprobFormat
 
     texts = {1: "ab", 2: "\ufffd", 3: "\ufffd", 4: "c"}.__getitem__
     shape = LogprobFormat(texts, chat=False)

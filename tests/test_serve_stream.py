@@ -177,7 +177,7 @@ async def _choices_and_answer(service, raw: dict, chat: bool = False) -> tuple[l
 def test_the_answer_encoded_in_pieces_is_what_jsonresponse_sends(chat):
     from starlette.responses import JSONResponse
 
-    from torchtsp.serve.service import JSON_ROWS, json_bytes
+    from torchtsp.serve.formats import JSON_ROWS, json_bytes
     from torchtsp.serve.template import ChatTemplate
 
     state = _big_state(_LogprobClient(), template=ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"))
@@ -221,7 +221,7 @@ def test_an_answer_that_could_be_too_big_is_400_naming_what_to_lower(extra, limi
 def test_the_size_estimate_bounds_a_real_answer():
     """The estimate (``check_answer_size``) against the bytes actually sent, for one-character tokens with
     full-precision logprobs: never under, and not so far over that it refuses what would fit (within 3x)."""
-    from torchtsp.serve.service import json_bytes
+    from torchtsp.serve.formats import json_bytes
     from torchtsp.serve.template import ChatTemplate
 
     for chat in (False, True):
@@ -237,7 +237,7 @@ def test_the_size_estimate_bounds_a_real_answer():
 
 
 def _estimate(choices, chat) -> int:
-    from torchtsp.serve.service import LOGPROB_ENTRY_BYTES, TEXT_BYTES_PER_TOKEN, _logprob_entries, _shown_tokens
+    from torchtsp.serve.choices import LOGPROB_ENTRY_BYTES, TEXT_BYTES_PER_TOKEN, _logprob_entries, _shown_tokens
 
     return sum(_shown_tokens(c) * TEXT_BYTES_PER_TOKEN + _logprob_entries(c) * LOGPROB_ENTRY_BYTES[chat]
                for c in choices)

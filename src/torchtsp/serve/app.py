@@ -21,8 +21,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from .formats import json_bytes
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
-from .service import CompletionService, ServerState, json_bytes
+from .service import CompletionService, ServerState
 
 PUBLIC = ("/health", "/metrics")  # answered without the API key (no request data in either)
 MAX_BODY_BYTES = 32 << 20  # far more than any context's prompt; the body is held in memory whole
