@@ -1,8 +1,8 @@
-"""A sliding layer's pruned K/V exchange (``distributed.window``, the rule ``zigzag.window_keys``), in one
+"""A sliding layer's pruned K/V exchange (``distributed.window``; the rule: ``chunks.window_keys``), in one
 process: a whole tensor cut as D ranks hold it, the exchange done by handing tensors over, compared with the
 whole tensor (which keys each rank ends up with) and with one windowed attention of whole rows (forward and
-backward); the traffic figures against the comm model; a planted off-by-one in the rule fails the check.
-The same exchange on real ranks, counted: tests/test_hybrid_parallel.py."""
+backward); the goal figure; a planted off-by-one in the rule fails the check. The same exchange on real
+ranks, counted against the comm model: tests/test_families_parallel.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import rel_err
+from torchtsp import chunks
 from torchtsp.distributed import window as W
 from torchtsp.distributed import zigzag
 from torchtsp.layers import Documents, attend, sequence_mask
@@ -41,7 +42,7 @@ def check_rule(D: int, S: int, window: int) -> None:
         seen = {j for i in held for j in range(max(0, i - window + 1), i + 1)} - held
         received = [int(j) for t in kv.received if t is not None for j in t[0, 0, :, 0, 0].tolist()]
         assert sorted(received) == sorted(seen), (D, S, window, p)  # exactly these, none twice
-        assert zigzag.window_traffic(S, D, p, window)[0] == len(seen)
+        assert chunks.window_traffic(S, D, p, window)[0] == len(seen)
 
 
 @pytest.mark.parametrize("D,S,window", CASES)
@@ -52,9 +53,9 @@ def test_each_rank_receives_exactly_the_keys_its_window_reads(D, S, window):
 def test_an_off_by_one_in_the_rule_is_caught(monkeypatch):
     """A window rule that reaches one token too far back, or one too short, fails the check above (both a
     window inside a chunk and one spanning chunks)."""
-    real = zigzag.window_keys
+    real = chunks.window_keys
     for delta in (1, -1):
-        monkeypatch.setattr(zigzag, "window_keys", lambda s, d, r, w, delta=delta: real(s, d, r, w + delta))
+        monkeypatch.setattr(chunks, "window_keys", lambda s, d, r, w, delta=delta: real(s, d, r, w + delta))
         for D, S, window in ((2, 16, 3), (4, 32, 9)):
             with pytest.raises(AssertionError):
                 check_rule(D, S, window)
@@ -63,7 +64,7 @@ def test_an_off_by_one_in_the_rule_is_caught(monkeypatch):
 def test_the_goal_figure_a_window_of_512_at_8192_tokens_over_4_ranks():
     """S = 8192, D = 4, W = 512: no rank receives more than 1024 tokens' K/V in a sliding layer, against the
     6144 of every other rank's tokens a full layer's all-gather brings (S - S/D)."""
-    received = [zigzag.window_traffic(8192, 4, r, 512)[0] for r in range(4)]
+    received = [chunks.window_traffic(8192, 4, r, 512)[0] for r in range(4)]
     assert max(received) <= 1024, received
     assert received == [511, 1022, 1022, 511]
 
@@ -107,4 +108,4 @@ def test_a_mask_of_another_window_is_refused():
     with pytest.raises(ValueError, match="window of 3 tokens, attended with a mask of window 4"):
         W.window_attention_forward(torch.zeros(1, 1, 8, 4), kv, sequence_mask(window=4))
     with pytest.raises(ValueError, match="positive number of tokens"):
-        zigzag.window_keys(16, 2, 0, 0)
+        chunks.window_keys(16, 2, 0, 0)

@@ -1,9 +1,9 @@
 """A sliding layer's K/V exchange on the zigzag layout: each rank receives only the keys its queries read.
 
 Query chunk c (S/2D tokens) of a sliding layer with window W reads its own keys and the W-1 before it
-(``zigzag.window_keys``, the one rule): a suffix of chunk c-1, and of chunks further back when W > S/2D. So
+(``chunks.window_keys``, the one rule): a suffix of chunk c-1, and of chunks further back when W > S/2D. So
 instead of all-gathering every rank's K/V, each rank sends every other rank the last tokens of its two chunks
-that rank reads (``zigzag.window_needs``: both sides derive the same lists, nothing about them travels), point
+that rank reads (``chunks.window_needs``: both sides derive the same lists, nothing about them travels), point
 to point in one batch, and backward sends their dK/dV back the same way, summed at the owners.
 
 The maths is pure functions of one rank's tensors (``window_sends``, ``WindowKV``, ``window_attention_forward`` /
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import chunks
 from ..layers import Mask, attend, attend_backward
-from . import zigzag
 
 # AxisComm.exchange channels: the K/V and their gradients may be in flight at once between the same peers
 # (TSP's backward gathers group j+2 while group j's gradients go back), each pairs up in its own channel.
@@ -34,13 +34,13 @@ def _tails(kv: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
 
 def _sent(seq_len: int, world: int, rank: int, window: int) -> list[tuple[int, int]]:
     """Per peer, (n0, n1) of ``rank``'s chunks that the peer's queries read ((0, 0) for ``rank`` itself)."""
-    return [zigzag.window_needs(seq_len, world, peer, window)[rank] if peer != rank else (0, 0)
+    return [chunks.window_needs(seq_len, world, peer, window)[rank] if peer != rank else (0, 0)
             for peer in range(world)]
 
 
 def window_sends(kv: torch.Tensor, rank: int, world: int, window: int) -> list[torch.Tensor | None]:
     """What ``rank`` sends each rank from its local K/V ``kv`` [2, B, S/D, H, d] in a sliding layer's exchange:
-    per peer the suffixes of its two chunks that peer's queries read (``zigzag.window_needs`` of the peer), None
+    per peer the suffixes of its two chunks that peer's queries read (``chunks.window_needs`` of the peer), None
     where it reads nothing (and for ``rank`` itself)."""
     return [_tails(kv, n0, n1) if n0 + n1 else None for n0, n1 in _sent(kv.shape[2] * world, world, rank, window)]
 
@@ -67,8 +67,8 @@ class WindowKV:
         """(owner, first row, end row) per piece of the keys of local query chunk ``c``, in global order: rows of
         ``local`` (owner: this rank) or of what ``owner`` sent (its chunk-0 suffix, then its chunk-1 suffix)."""
         seq_len, C = self.local.shape[2] * self.world, self.chunk
-        needs = zigzag.window_needs(seq_len, self.world, self.rank, self.window)
-        for piece in zigzag.window_keys(seq_len, self.world, self.rank, self.window)[c]:
+        needs = chunks.window_needs(seq_len, self.world, self.rank, self.window)
+        for piece in chunks.window_keys(seq_len, self.world, self.rank, self.window)[c]:
             if piece.owner == self.rank:
                 end = (piece.half + 1) * C
             else:
@@ -127,7 +127,7 @@ def window_attention_forward(q, kv: WindowKV, mask: Mask):
     C, world = kv.chunk, kv.world
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    for c, chunk in enumerate(zigzag.chunk_ids(kv.rank, world)):
+    for c, chunk in enumerate(chunks.chunk_ids(kv.rank, world)):
         keys = kv.keys(c)
         rows = slice(c * C, (c + 1) * C)
         part = mask.part(chunk * C, (chunk + 1) * C - keys.shape[2])  # the keys end with the chunk itself
@@ -143,7 +143,7 @@ def window_attention_backward(dout, q, kv: WindowKV, out, lse, mask: Mask):
     f32 = dict(dtype=torch.float32, device=q.device)
     local = torch.zeros(kv.local.shape, **f32)
     back = [None if t is None else torch.zeros(t.shape, **f32) for t in kv.received]
-    for c, chunk in enumerate(zigzag.chunk_ids(kv.rank, world)):
+    for c, chunk in enumerate(chunks.chunk_ids(kv.rank, world)):
         keys = kv.keys(c)
         rows = slice(c * C, (c + 1) * C)
         part = mask.part(chunk * C, (chunk + 1) * C - keys.shape[2])
@@ -161,7 +161,7 @@ def add_returned(local: torch.Tensor, returned: list[torch.Tensor | None], rank:
     world, C = len(returned), local.shape[2] // 2
     for peer, grad in enumerate(returned):
         if grad is not None:
-            n0, n1 = zigzag.window_needs(local.shape[2] * world, world, peer, window)[rank]
+            n0, n1 = chunks.window_needs(local.shape[2] * world, world, peer, window)[rank]
             local[:, :, C - n0:C] += grad[:, :, :n0]
             local[:, :, 2 * C - n1:] += grad[:, :, n0:]
     return local
@@ -176,7 +176,7 @@ def exchange_window_kv(comm, kv: torch.Tensor, window: int, label=None):
     rank, world = comm.rank, comm.size
     seq_len = kv.shape[2] * world
     sends = [(t, peer) for peer, t in enumerate(window_sends(kv, rank, world, window)) if t is not None]
-    needs = zigzag.window_needs(seq_len, world, rank, window)
+    needs = chunks.window_needs(seq_len, world, rank, window)
     received = [kv.new_empty(kv.shape[0], kv.shape[1], n0 + n1, *kv.shape[3:]) if n0 + n1 else None
                 for n0, n1 in needs]
     recvs = [(t, peer) for peer, t in enumerate(received) if t is not None]
