@@ -2,6 +2,8 @@
 
 Documents and sliding windows come in one ``layers.Mask`` on global positions: a (query chunk, key chunk) part
 that no query of it may see is skipped (neither computed nor merged), the others run their visible blocks.
+Under a sliding layer's mask ``gather_kv`` moves only the window's keys (``distributed/window.py``) and the
+attention reads them as they came (``WindowKV``).
 
 Rank p's queries are two chunks (global chunks p and 2D-1-p). Chunk i attends to all
 keys of chunks < i (no mask) and causally to chunk i itself. The keys stay as the

@@ -1,4 +1,5 @@
-"""TSP attention: head-group shards broadcast in turn, K/V all-gathered per group, a hand-written backward.
+"""TSP attention: head-group shards broadcast in turn, K/V all-gathered per group (a sliding layer's: only the
+window's keys, ``distributed/window.py``), a hand-written backward.
 
 Each K/V all-gather and each shard broadcast is a meeting point of every rank; slack between a transfer's
 issue and its wait lets a rank that fell behind catch up before the others wait for it. So both passes run a
