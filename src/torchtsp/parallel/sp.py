@@ -25,6 +25,7 @@ from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..layers import (
+    CAUSAL,
     IGNORE_INDEX,
     Placement,
     block_forward,
@@ -68,7 +69,7 @@ class SPTransformer(ReplicatedTransformer):
         return layer_rope(rope_positions(positions, documents), self.cfg)
 
     def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None,
-                      mask=None) -> torch.Tensor:
+                      mask=CAUSAL) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights; ``mask``: the layer's
         (``layers.sequence_mask``)."""
