@@ -109,3 +109,26 @@ def test_a_mask_of_another_window_is_refused():
         W.window_attention_forward(torch.zeros(1, 1, 8, 4), kv, sequence_mask(window=4))
     with pytest.raises(ValueError, match="positive number of tokens"):
         chunks.window_keys(16, 2, 0, 0)
+
+
+def test_predict_comm_counts_a_sliding_layer_by_its_window():
+    """``predict_comm``'s sliding layer differs from its full layer by the K/V tokens it does not receive, per
+    rank, on a collective backend (full layers: every other rank's 6144 tokens) and on a point-to-point one
+    (full layers causally pruned); without a rank, the busiest rank's figure."""
+    from torchtsp.analysis import predict_comm
+    from torchtsp.config import ModelConfig
+
+    S, D, window = 8192, 4, 512
+    cfg = ModelConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2, max_seq_len=S,
+                      layer_types=("sliding_attention", "full_attention"), sliding_window=window)
+    per_token = 2 * 64 * 4  # K and V of one token (n_kv·d = 64 wide), float32, batch 1
+    full_tokens = {False: [6144] * D, True: [6144, 5120, 4096, 3072]}
+    for point_to_point in (False, True):
+        for r in range(D):
+            types = predict_comm("tsp", cfg, 1, S, tsp=D, seq_rank=r, point_to_point=point_to_point).layer_types
+            received = chunks.window_traffic(S, D, r, window)[0]
+            forward = types["full_attention"]["forward"] - types["sliding_attention"]["forward"]
+            assert forward == (full_tokens[point_to_point][r] - received) * per_token, (point_to_point, r)
+    busiest = predict_comm("tsp", cfg, 1, S, tsp=D).layer_types["sliding_attention"]["forward"]
+    assert busiest == predict_comm("tsp", cfg, 1, S, tsp=D, seq_rank=1, point_to_point=False).layer_types[
+        "sliding_attention"]["forward"]
