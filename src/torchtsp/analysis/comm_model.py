@@ -22,11 +22,6 @@ def layer_weight_elements(cfg: ModelConfig) -> int:
     return 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
 
 
-def _kv_elements(cfg: ModelConfig, batch: int, seq_len: int) -> int:
-    """K and V of every token: 2·B·S·h/g."""
-    return 2 * batch * seq_len * cfg.n_kv_heads * cfg.head_dim
-
-
 def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
     """(gather, scatter): how many halves (chunks) of one rank's local K/V a rank receives in a K/V all-gather
     and in the dK/dV reduce-scatter that mirrors it, over a sequence axis of ``world`` ranks.
