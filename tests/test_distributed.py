@@ -116,6 +116,45 @@ def test_prefix_gather_and_scatter_move_only_what_later_ranks_need(pools, world,
         assert recv.get("all_gather", 0) + sent.get("all_gather", 0) == (3 if pruned else 4) * (world - 1) * half
 
 
+def exchange_on_rank(world, point_to_point=None):
+    """``AxisComm.exchange``: rank r sends r + 1 rows of value 10r + s to each rank s it sends to (every other
+    rank after it, wrapping), on two channels in flight at once, the second one's sends issued first."""
+    comm = AxisComm.from_mesh(torchtsp.init_mesh(tsp=world), "tsp")
+    if point_to_point is not None:
+        comm = AxisComm(comm.group, "tsp", point_to_point=point_to_point)
+    r = comm.rank
+    targets = [s for s in range(world) if s != r and (s - r) % world <= max(1, world - 2)]
+    sources = [s for s in range(world) if s != r and (r - s) % world <= max(1, world - 2)]
+    with comm.counting() as stats:
+        pending = []
+        for channel in (1, 0):
+            sends = [(torch.full((r + 1, 3), 10.0 * r + s + 100 * channel), s) for s in targets]
+            recvs = [(torch.empty(s + 1, 3), s) for s in sources]
+            pending.append(comm.exchange(sends, recvs, async_op=True, channel=channel, finish=lambda out: out[::-1]))
+        got = [p.wait() for p in pending]
+        nothing = comm.exchange([], [])
+        try:
+            comm.exchange([(torch.ones(1), r)], [])
+        except ValueError as e:
+            refused = str(e)
+    return got, sources, nothing, refused, dict(stats.bytes_recv), dict(stats.bytes_sent)
+
+
+@pytest.mark.parametrize("point_to_point", [None, False], ids=["default", "gloo_collectives"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_exchange_moves_each_pair_its_tensors_and_counts_them(pools, world, point_to_point):
+    """Point-to-point exchanges of uneven sizes (a sliding layer's K/V) pair up per channel, the ``finish`` runs
+    on what arrived, an empty exchange moves nothing, a rank cannot send to itself; bytes are what moved."""
+    for r, (got, sources, nothing, refused, recv, sent) in enumerate(pools(world).run(exchange_on_rank, world,
+                                                                                       point_to_point)):
+        for channel, buffers in zip((1, 0), got):
+            for buffer, s in zip(buffers[::-1], sources):
+                assert torch.equal(buffer, torch.full((s + 1, 3), 10.0 * s + r + 100 * channel)), (r, s, channel)
+        assert nothing == [] and "need distinct other ranks" in refused
+        assert recv["exchange"] == 2 * sum(12 * (s + 1) for s in sources)
+        assert sent["exchange"] == 2 * 12 * (r + 1) * len(sources)  # as many targets as sources
+
+
 def overlapping_ops_on_rank(world):
     """Several transfers of different kinds and sizes in flight on one group at once, waited out of order."""
     comm = AxisComm.from_mesh(torchtsp.init_mesh(tsp=world), "tsp")

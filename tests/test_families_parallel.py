@@ -184,16 +184,16 @@ def test_hf_checkpoint_loads_under_tsp_and_exports_back(pools, tmp_path, family)
         assert torch.equal(back(input_ids=tokens).logits, hf(input_ids=tokens).logits)
 
 
-def hybrid_reference(family: str, window: int):
+def hybrid_reference(family: str, window: int, seq_len: int = S):
     """tests/test_hybrid.py's tiny transformers model of ``family`` with ``window``: its config, weights, loss and
-    gradients (torchtsp names) on this file's batch shape."""
+    gradients (torchtsp names) on this file's batch shape (``seq_len`` tokens)."""
     import test_hybrid
 
     hf = test_hybrid.make_hf(family, window)
     cfg = config_from_hf(hf.config.to_dict())
     g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(cfg.vocab_size, (B, S), generator=g)
-    labels = torch.randint(cfg.vocab_size, (B, S), generator=g)
+    tokens = torch.randint(cfg.vocab_size, (B, seq_len), generator=g)
+    labels = torch.randint(cfg.vocab_size, (B, seq_len), generator=g)
     labels[0, :3] = IGNORE_INDEX
     loss = F.cross_entropy(hf(input_ids=tokens).logits.flatten(0, 1).float(), labels.flatten(),
                            ignore_index=IGNORE_INDEX)
@@ -203,13 +203,63 @@ def hybrid_reference(family: str, window: int):
     return cfg, weights, grads, loss.item(), tokens, labels
 
 
+# Zigzag chunks of 4 tokens on the sequence axis (S = 8·D): a window of 3 lies inside one, a window of 9 spans
+# three, so a query chunk's window keys come from one rank or from several (one of them possibly itself).
+HYBRID_SEQ = {2: 16, 4: 32}
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("family,window", [("gemma3", 3), ("mistral", 9)])
-def test_hybrid_attention_under_tsp_tp_sp(pools, family, window):
+def test_hybrid_attention_under_tsp_tp_sp(pools, family, window, world):
     """Gemma 3 (sliding and full layers, its own norms, GeGLU, scaled embeddings, attention scale) and Mistral's
-    window at D = 2 give transformers' loss and every gradient under tsp, tp and sp. Zigzag chunks are S/4 = 4
-    tokens: a window of 3 lies inside one, a window of 9 spans three (parts outside it are skipped)."""
-    cfg, weights, grads, hf_loss, tokens, labels = hybrid_reference(family, window)
+    window at D = 2 and 4 give transformers' loss and every gradient under tsp, sp and tp x sp, whose sliding
+    layers exchange only the window's K/V (and tp at D = 2, which exchanges none)."""
+    seq_len = HYBRID_SEQ[world]
+    cfg, weights, grads, hf_loss, tokens, labels = hybrid_reference(family, window, seq_len)
     assert cfg.sliding
-    for scheme in ("tsp", "tp", "sp"):
-        check_against_transformers(pools(2).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, {scheme: 2}),
+    runs = [("tsp", {"tsp": world}), ("sp", {"sp": world}),
+            ("tp_sp", {"tp": world // 2, "sp": 2} if world == 4 else {"tp": 1, "sp": 2})]
+    runs += [("tp", {"tp": 2})] if world == 2 else []
+    for scheme, degrees in runs:
+        check_against_transformers(pools(world).run(scheme_on_rank, cfg, weights, tokens, labels, scheme, degrees),
                                    grads, hf_loss, scheme)
+
+
+def hybrid_traffic_on_rank(cfg, scheme, degrees, seq_len, collectives=False):
+    """(bytes received, ``traffic_args``, K/V bytes received by op) in one training step of a hybrid model;
+    ``collectives``: the axes run gloo's collectives, as NCCL runs them, instead of point-to-point transfers."""
+    from torchtsp.distributed.comm import Traffic
+
+    torch.manual_seed(0)
+    model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(**degrees), scheme)
+    if collectives:
+        for comm in model.comms().values():
+            comm._point_to_point = comm.weights._point_to_point = False
+    tokens = torch.randint(cfg.vocab_size, (B, seq_len))
+    with Traffic(model.comms()) as traffic:
+        model.loss(tokens, tokens).backward()
+    return traffic.recv, model.traffic_args(), traffic.by_op
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_traffic_equals_the_model_on_every_rank(pools, world):
+    """The bytes every rank counts in a step of a model with sliding and full layers equal ``predict_comm`` for
+    that rank exactly, under tsp, sp and tp x sp, with a window inside a chunk and one spanning several (the
+    sliding layers' K/V move point to point: "exchange"); TSP also with gloo's collectives for the full layers,
+    as on NCCL. Chunks are S/2D = 4 tokens."""
+    from torchtsp.analysis import predict_comm
+
+    seq_len = HYBRID_SEQ[world]
+    base = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=4, ffn_dim=96, vocab_size=101, n_layers=2,
+                                layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    runs = [("tsp", {"tsp": world}, False), ("sp", {"sp": world}, False), ("tp_sp", {"tp": world // 2, "sp": 2}, False)]
+    runs += [("tsp", {"tsp": world}, True)] if world == 4 else []
+    for window in (3, 9):
+        cfg = base.replace(sliding_window=window)
+        for scheme, degrees, collectives in runs:
+            for got, args, by_op in pools(world).run(hybrid_traffic_on_rank, cfg, scheme, degrees, seq_len,
+                                                     collectives):
+                axis = "tsp" if scheme == "tsp" else "sp"
+                assert by_op[axis].get("exchange", 0) > 0, (scheme, by_op)  # the window's keys moved
+                expected = predict_comm(scheme, cfg, B, seq_len, **degrees, **args).total
+                assert got == expected, (scheme, degrees, window, collectives, args, got, expected)

@@ -42,7 +42,7 @@ def one_layer_traffic_on_rank(world, batch_size, seq_len):
         weights = {n.removeprefix("layers.0."): p for n, p in model.module.named_parameters()
                    if n.startswith("layers.0.")}
         x = torch.randn(batch_size, seq_len // world, cfg.dim, requires_grad=True)
-        cos, sin = model.rope(seq_len // world)
+        cos, sin = model.rope(seq_len // world)[0]  # layer 0's tables (one pair per layer)
         with model.comm.counting() as fwd:
             y = model.layer_forward(x, weights, cos, sin)
         y.sum().backward()  # its reduce-scatter of dK/dV must line up on every rank too

@@ -203,8 +203,9 @@ def test_next_transfer_is_requested_before_current_compute(pools, world):
 
 
 def schedule_on_rank(world, name, recompute):
-    """Every transfer of one training step (group, op, label, issue and wait positions) and the event log."""
-    cfg = CASES[name]
+    """Every transfer of one training step (group, op, label, issue and wait positions) and the event log
+    (``name``: a case of CASES, or a config)."""
+    cfg = CASES[name] if isinstance(name, str) else name
     torch.manual_seed(0)
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(tsp=world), "tsp", recompute=recompute)
     tokens, labels = batch(cfg, 2, 8 * world)
@@ -233,6 +234,21 @@ def test_nothing_needed_now_queues_behind_something_needed_later(pools, world, r
         assert ops["tsp.weights"] == {"broadcast", "ring_shift", "reduce"}, ops
         assert ops["tsp"] == {"all_gather", "reduce_scatter", "ring_shift", "all_reduce"}, ops
         assert r["wait_s"] > 0
+
+
+@pytest.mark.parametrize("world,recompute", [(2, False), (4, True)])
+def test_a_sliding_layers_exchange_keeps_issue_order(pools, world, recompute):
+    """A sliding layer's K/V exchange and its dK/dV going back take the all-gather's and reduce-scatter's places
+    in the pipeline: on the activation group every transfer is still waited for in issue order (window 5 over
+    chunks of 4 tokens: several ranks send each query chunk its keys)."""
+    cfg = CASES["gqa_tied"].replace(layer_types=("sliding_attention",) * CASES["gqa_tied"].n_layers, sliding_window=5)
+    for rank, r in enumerate(pools(world).run(schedule_on_rank, world, cfg, recompute)):
+        waits = [(waited, op, label) for g, op, label, _, waited in r["transfers"] if g == "tsp"]
+        assert all(w is not None for w, *_ in waits), (rank, "a transfer was never waited for")
+        for earlier, later in zip(waits, waits[1:]):
+            assert earlier[0] < later[0], (rank, f"{earlier[1:]} issued first but waited after {later[1:]}")
+        ops = {op for _, op, _ in waits}
+        assert ops == {"exchange", "ring_shift", "all_reduce"}, ops  # no K/V all-gather or reduce-scatter left
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])

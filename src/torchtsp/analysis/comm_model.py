@@ -7,9 +7,10 @@ The counts follow the accounting of ``torchtsp.distributed.comm`` (all-reduce = 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from ..config import ModelConfig
+from .. import chunks
+from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ..kv_layouts import resolve_kv_layout
 from ..layout import Layout
 from ..schemes import get_scheme
@@ -19,11 +20,6 @@ def layer_weight_elements(cfg: ModelConfig) -> int:
     """P = (2 + 2/g + 3F/h)·h²: wq, wo (h x n_q·d), wk, wv (h x n_kv·d), and three h x F MLP matrices."""
     h, d = cfg.dim, cfg.head_dim
     return 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
-
-
-def _kv_elements(cfg: ModelConfig, batch: int, seq_len: int) -> int:
-    """K and V of every token: 2·B·S·h/g."""
-    return 2 * batch * seq_len * cfg.n_kv_heads * cfg.head_dim
 
 
 def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
@@ -43,6 +39,63 @@ def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, in
     return 2 * (world - 1) - seq_rank, 2 * seq_rank + (world - 1 - seq_rank)
 
 
+def kv_exchange_tokens(seq_len: int, world: int, seq_rank: int | None = None, window: int | None = None,
+                       point_to_point: bool | None = None) -> tuple[int, int]:
+    """(gather, scatter): how many tokens' K/V a rank receives in one layer's K/V exchange over a sequence axis of
+    ``world`` ranks, and how many tokens' dK/dV come back to it in the exchange that mirrors it.
+
+    A full layer (``window`` None) gathers every rank's K/V: ``kv_exchange_halves`` chunks of S/2D tokens, pruned
+    where the backend moves tensors point to point (``point_to_point``; None: where ``seq_rank`` is given, the
+    historical meaning of ``seq_rank``). A sliding layer receives only the keys its queries read, point to point
+    on every backend (``chunks.window_traffic``: the window's W-1 tokens before each query chunk, at most 2(W-1)),
+    and gets back the gradients of what it sent. Its figures depend on the rank whatever the backend: with
+    ``seq_rank`` None, the most any rank receives (a bound, for planning).
+    """
+    if window is None:
+        gather, scatter = kv_exchange_halves(world, KVExchange(seq_rank, point_to_point).full_layer_rank)
+        chunk = seq_len // world // 2
+        return gather * chunk, scatter * chunk
+    if world == 1:
+        return 0, 0
+    if seq_rank is None:
+        figures = [chunks.window_traffic(seq_len, world, r, window) for r in range(world)]
+        return max(f[0] for f in figures), max(f[1] for f in figures)
+    return chunks.window_traffic(seq_len, world, seq_rank, window)
+
+
+@dataclass(frozen=True)
+class KVExchange:
+    """How one layer's K/V cross the sequence axis, for a rank: its place on the axis (``seq_rank``), whether full
+    layers' exchange is point to point (``point_to_point``, see ``kv_exchange_tokens``) and the layer's window
+    (None: a full layer). What a scheme's traffic formula takes for its K/V terms."""
+
+    seq_rank: int | None = None
+    point_to_point: bool | None = None
+    window: int | None = None
+
+    @property
+    def full_layer_rank(self) -> int | None:
+        """``kv_exchange_halves``'s rank: this rank's on a point-to-point backend, None on a collective one."""
+        point_to_point = self.seq_rank is not None if self.point_to_point is None else self.point_to_point
+        if point_to_point and self.seq_rank is None:
+            raise ValueError("a point-to-point K/V exchange needs seq_rank: what a rank receives depends on it")
+        return self.seq_rank if point_to_point else None
+
+    def tokens(self, seq_len: int, world: int) -> tuple[int, int]:
+        """(gather, scatter) tokens of K/V received (``kv_exchange_tokens``)."""
+        return kv_exchange_tokens(seq_len, world, self.seq_rank, self.window, self.point_to_point)
+
+    def elements(self, seq_len: int, world: int, per_token: int) -> tuple[int, int]:
+        """(gather, scatter) elements received, ``per_token`` elements of K/V (or dK/dV) per token. A full layer
+        counts whole chunks of B·S/2D tokens' elements, rounded as a chunk is (the paper's formulas take any S)."""
+        if self.window is None:
+            gather, scatter = kv_exchange_halves(world, self.full_layer_rank)
+            chunk = per_token * seq_len // (2 * world)
+            return gather * chunk, scatter * chunk
+        gather, scatter = self.tokens(seq_len, world)
+        return gather * per_token, scatter * per_token
+
+
 def tsp_kv_width(cfg: ModelConfig, world: int) -> int:
     """Width of the K/V projections TSP's shards hold together: n_kv·d, or D·d when n_kv < D (each KV head is
     then copied on D/n_kv ranks, so the shards together hold D KV heads)."""
@@ -57,17 +110,20 @@ def tsp_attention_elements(cfg: ModelConfig, world: int) -> int:
 
 
 def tsp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, world: int,
-                                    seq_rank: int | None = None) -> int:
+                                    seq_rank: int | None = None, window: int | None = None,
+                                    point_to_point: bool | None = None) -> int:
     """TSP: (P + 2·B·S·h/g)·(D-1)/D.
 
     Every rank receives the D-1 weight shards it does not own (broadcast for attention, ring for the
     MLP) and, per head group, the K/V of the other ranks' tokens (2·B·S·h/g in all). P counts q/k/v biases
     (they travel in the attention shard), and with n_kv < D the copied KV heads (h/g becomes D·d).
-    ``seq_rank``: this rank's tsp rank on a point-to-point backend (``kv_exchange_halves``).
+    ``seq_rank``, ``window``, ``point_to_point``: the K/V exchange's (``kv_exchange_tokens``; a sliding layer's
+    window receives only the window's tokens).
     """
     weights = tsp_attention_elements(cfg, world) + 3 * cfg.dim * cfg.ffn_dim
-    kv_half = batch * seq_len * tsp_kv_width(cfg, world) // world  # one chunk of one rank's K/V, every group
-    return weights * (world - 1) // world + kv_exchange_halves(world, seq_rank)[0] * kv_half
+    kv_token = 2 * batch * tsp_kv_width(cfg, world)  # K and V of one token, every head group
+    kv = KVExchange(seq_rank, point_to_point, window)
+    return weights * (world - 1) // world + kv.elements(seq_len, world, kv_token)[0]
 
 
 def tp_kv_heads(cfg: ModelConfig, tp: int) -> int:
@@ -84,27 +140,34 @@ def tp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, t
 
 
 def sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, sp: int,
-                                   seq_rank: int | None = None) -> int:
+                                   seq_rank: int | None = None, window: int | None = None,
+                                   point_to_point: bool | None = None) -> int:
     """Sequence (context) parallel: the K/V all-gather, 2·B·S·h/g·(Σ-1)/Σ on a collective backend; on a
-    point-to-point one pass this rank's sp rank as ``seq_rank`` (``kv_exchange_halves``)."""
-    return kv_exchange_halves(sp, seq_rank)[0] * (_kv_elements(cfg, batch, seq_len) // sp // 2)
+    point-to-point one pass this rank's sp rank as ``seq_rank``; a sliding layer's window receives only the
+    window's tokens (``kv_exchange_tokens``)."""
+    kv_token = 2 * batch * cfg.n_kv_heads * cfg.head_dim
+    return KVExchange(seq_rank, point_to_point, window).elements(seq_len, sp, kv_token)[0]
 
 
 def tp_sp_layer_forward_recv_elements(cfg: ModelConfig, batch: int, seq_len: int, tp: int, sp: int,
-                                      seq_rank: int | None = None) -> int:
+                                      seq_rank: int | None = None, window: int | None = None,
+                                      point_to_point: bool | None = None) -> int:
     """TP(T) x SP(Σ): the TP all-reduces on the B·S/Σ local tokens, plus the K/V all-gather over Σ of
-    this rank's 1/T of the KV heads (``seq_rank``: this rank's sp rank on a point-to-point backend)."""
-    kv = 2 * batch * seq_len * tp_kv_heads(cfg, tp) * cfg.head_dim  # a copied KV head counted on each rank
+    this rank's 1/T of the KV heads (``seq_rank``, ``window``, ``point_to_point``: ``kv_exchange_tokens``)."""
+    kv_token = 2 * batch * tp_kv_heads(cfg, tp) * cfg.head_dim // tp  # a copied KV head counted on each rank
     return (tp_layer_forward_recv_elements(cfg, batch, seq_len // sp, tp)
-            + kv_exchange_halves(sp, seq_rank)[0] * (kv // tp // sp // 2))
+            + KVExchange(seq_rank, point_to_point, window).elements(seq_len, sp, kv_token)[0])
 
 
 def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_len: int,
                                 dp: int = 1, tsp: int = 1, tp: int = 1, sp: int = 1,
-                                seq_rank: int | None = None) -> int:
-    """Elements one rank receives during one layer's forward under ``scheme`` (DP moves nothing forward)."""
+                                seq_rank: int | None = None, window: int | None = None,
+                                point_to_point: bool | None = None) -> int:
+    """Elements one rank receives during one layer's forward under ``scheme`` (DP moves nothing forward);
+    ``window``: a sliding layer's."""
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    return _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, 1, False, seq_rank).layer_forward
+    return _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, 1, False,
+                           KVExchange(seq_rank, point_to_point, window)).layer_forward
 
 
 # ---------------------------------------------------------------- crossover and whole-step traffic
@@ -170,7 +233,9 @@ class CommBreakdown:
     all-reduces of gradients of replicated weights (every weight for SP, sp-replicated shards for
     TP x SP, norms for TSP and Megatron-SP) plus the sums over ``dp`` replicas.
     total = L·(layer_forward + layer_backward) + embed_head_forward + embed_head_backward + grad_sync (for a
-    mixture of experts, the layer figures are the mean over its dense and sparse layers, rounded down).
+    mixture of experts or a model with sliding layers, the layer figures are the mean over its layers, rounded
+    down). layer_types: per layer type the model has ("full_attention", "sliding_attention"), one dense layer's
+    {"forward", "backward"} (a sliding layer's K/V exchange moves only its window's keys).
     """
 
     layer_forward: int
@@ -184,6 +249,7 @@ class CommBreakdown:
     routed: int = 0
     routed_forward: int = 0
     forward: int = 0  # one forward exactly: every layer's forward, the embedding, head and loss
+    layer_types: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -234,7 +300,7 @@ def _sparse_layers(cfg: ModelConfig) -> int:
 
 
 def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
-                     seq_rank: int | None = None):
+                     kv: KVExchange = KVExchange()):
     """TSP over D: attention shards broadcast (twice), K/V gathered (twice) and dK/dV reduce-scattered per group,
     partial weight gradients reduced to their owner, MLP/embedding/head shards around the ring (the head again
     in backward) with their gradients travelling along, norm gradients (q/k norms too) all-reduced. With n_kv < D
@@ -245,12 +311,11 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     p_attn = tsp_attention_elements(cfg, D)
     p_mlp = 3 * h * cfg.ffn_dim
     rows = -(-cfg.vocab_size // D) * h  # elements of one vocabulary shard
-    kv_half = B * (seq_len // D) * kv_width // D  # elements of one chunk of one group's K/V of one rank
-    gathered, scattered = kv_exchange_halves(D, seq_rank)
+    gathered, scattered = kv.elements(seq_len, D, 2 * B * kv_width)  # every head group's K/V
     travel = D if D > 1 else 0  # hops of a travelling gradient (ring_shift counts nothing at D = 1)
     g = 4  # gradient sums (dK/dV, partial weight gradients, travelling gradients, norms) travel in float32
     bwd = ((D - 1) * p_attn // D * e  # broadcasts again
-           + D * kv_half * (gathered * e + scattered * g)  # K/V all-gather again + dK/dV reduce-scatter, every group
+           + gathered * e + scattered * g  # K/V exchanged again + dK/dV back, every group
            + (D - 1) * p_attn // D * g  # partial weight gradients reduced to their owner
            + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
@@ -260,7 +325,7 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
     kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
     grad_sync += L * _all_reduce(kv_local * g, replicas)
     dense = [h, p_attn // D, *qk_norms, h, p_mlp // D]
-    fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D, seq_rank) * e
+    fwd = tsp_layer_forward_recv_elements(cfg, B, seq_len, D, kv.seq_rank, kv.window, kv.point_to_point) * e
     sparse_fwd = sparse_bwd = routed_fwd = routed_bwd = 0
     sparse = dense[:-1]  # a sparse layer has no dense MLP shard
     if cfg.moe:
@@ -292,18 +357,18 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
 
 
 def dp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
-                    seq_rank: int | None = None):
+                    kv: KVExchange = KVExchange()):
     """The whole model on each rank: nothing moves but the sums over dp replicas."""
     return SchemeTraffic(0, 0, 0, 0, 0, 0, _reference_tensors(cfg))
 
 
 def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
-                    seq_rank: int | None = None):
+                    kv: KVExchange = KVExchange()):
     """SP over Σ: the K/V all-gather per layer, mirrored by the dK/dV reduce-scatter; every gradient all-reduced."""
     sp = degrees["sp"]
-    fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp, seq_rank) * e
-    # dK/dV are reduce-scattered in float32 (``distributed.attention.ZigzagAttention``).
-    bwd = kv_exchange_halves(sp, seq_rank)[1] * (_kv_elements(cfg, B, seq_len) // sp // 2) * 4
+    fwd = sp_layer_forward_recv_elements(cfg, B, seq_len, sp, kv.seq_rank, kv.window, kv.point_to_point) * e
+    # dK/dV go back in float32 (``distributed.attention.ZigzagAttention``).
+    bwd = kv.elements(seq_len, sp, 2 * B * cfg.n_kv_heads * cfg.head_dim)[1] * 4
     return SchemeTraffic(
         layer_forward=fwd, layer_backward=bwd, embed_head_forward=0, embed_head_backward=0,
         loss=2 * _all_reduce(4, sp) + _aux_stats(cfg, sp),
@@ -312,7 +377,7 @@ def sp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
 
 
 def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int, sequence_parallel: bool,
-                    seq_rank: int | None = None):
+                    kv: KVExchange = KVExchange()):
     """Megatron TP over T on the B·S/Σ tokens of an sp group (Σ = 1 for plain TP), with the K/V gather over
     Σ of TP x SP and, with Megatron-SP, all-gather / reduce-scatter pairs instead of all-reduces."""
     h, L, T, sp = cfg.dim, cfg.n_layers, degrees["tp"], degrees["sp"]
@@ -322,8 +387,9 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
     rows = -(-cfg.vocab_size // T) * h
     kv_width = tp_kv_heads(cfg, T) * cfg.head_dim
     # The dK/dV reduce-scatter over sp, per layer (the gather is part of the forward).
-    kv_sp = kv_exchange_halves(sp, seq_rank)[1] * B * (seq_len // sp) * (kv_width // T) * 4  # in float32
-    fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp, seq_rank) if sp > 1
+    kv_sp = kv.elements(seq_len, sp, 2 * B * (kv_width // T))[1] * 4  # in float32
+    fwd = (tp_sp_layer_forward_recv_elements(cfg, B, seq_len, T, sp, kv.seq_rank, kv.window, kv.point_to_point)
+           if sp > 1
            else tp_layer_forward_recv_elements(cfg, B, seq_len, T)) * e
     grad_sync = 0
     if sequence_parallel:
@@ -356,17 +422,30 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
 
 
 def _scheme_traffic(scheme: str, cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: int,
-                    sequence_parallel: bool, seq_rank: int | None = None) -> SchemeTraffic:
+                    sequence_parallel: bool, kv: KVExchange = KVExchange()) -> SchemeTraffic:
     spec = get_scheme(scheme)
     if spec.traffic is None:
         raise ValueError(f"no communication model for scheme {scheme!r} (its collectives are not counted)")
-    return spec.load("traffic")(cfg, B, seq_len, degrees, e, sequence_parallel, seq_rank)
+    return spec.load("traffic")(cfg, B, seq_len, degrees, e, sequence_parallel, kv)
+
+
+def _layer_figures(t: SchemeTraffic, recompute: bool, mode: str) -> dict[bool, tuple[int, int, int, int]]:
+    """Per layer kind (sparse or dense): (forward, backward, routed forward, routed backward) of one layer."""
+    fwd, bwd, sparse_fwd, sparse_bwd = t.layer_forward, t.layer_backward, t.sparse_forward, t.sparse_backward
+    routed_fwd, routed_bwd = t.routed_forward, t.routed_backward
+    if recompute:
+        bwd += fwd if t.recompute_forward is None else t.recompute_forward
+        sparse_bwd += sparse_fwd
+        routed_bwd += routed_fwd
+    if mode == "infer":  # a prefill: the forward only
+        bwd = sparse_bwd = routed_bwd = 0
+    return {False: (fwd, bwd, 0, 0), True: (sparse_fwd, sparse_bwd, routed_fwd, routed_bwd)}
 
 
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                  tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                  mode: str = "train", recompute: bool = False, seq_rank: int | None = None,
-                 zero: int = 0) -> CommBreakdown:
+                 point_to_point: bool | None = None, zero: int = 0) -> CommBreakdown:
     """Bytes one rank receives per training step (forward + backward + gradient sync), or per prefill
     (``mode="infer"``: the forward only, no loss), under ``scheme`` as our parallel/ modules run it.
 
@@ -375,10 +454,13 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     forward equals ``layer_forward_recv_elements(...) · dtype_bytes`` for every scheme. The scheme's own
     formula is the function its registry entry names (``torchtsp.schemes``).
 
-    ``seq_rank``: None for a collective backend (NCCL), where every rank moves the same bytes. On a
-    point-to-point backend (gloo, CPU) the K/V exchange of TSP, SP and TP x SP skips what causality never
-    reads (``kv_exchange_halves``) and a rank's bytes depend on its rank on the sequence axis (tsp or sp):
-    pass it to count that rank's.
+    ``seq_rank``: this rank's rank on the sequence axis (tsp or sp), where its bytes depend on it.
+    ``point_to_point``: whether full layers' K/V move point to point (gloo, CPU), skipping what causality never
+    reads (``kv_exchange_halves``); None: where ``seq_rank`` is given (the historical call: a rank was passed
+    on point-to-point backends only). On a collective backend (NCCL) full layers move the same bytes on every
+    rank. Sliding layers receive only their window's keys, point to point on every backend, so their bytes
+    always depend on the rank (``kv_exchange_tokens``); without ``seq_rank``, the most any rank receives.
+    ``model.traffic_args()`` gives a running model's pair.
 
     ``zero`` 1 or 2 (``train/zero.py``, dp > 1): each local tensor's gradient is reduce-scattered over dp in fp32
     and the updated weights all-gathered in the model dtype, dp - 1 chunks of ceil(rows/dp) whole rows each.
@@ -387,17 +469,16 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     Layout.of_degrees(scheme, cfg, batch, seq_len, **degrees, sequence_parallel=sequence_parallel)  # layout.py
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-    t = _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes, sequence_parallel, seq_rank)
-    fwd, bwd, emb_fwd, emb_bwd, grad_sync = (t.layer_forward, t.layer_backward, t.embed_head_forward,
-                                             t.embed_head_backward, t.grad_sync)
-    sparse_fwd, sparse_bwd = t.sparse_forward, t.sparse_backward
-    routed_fwd, routed_bwd = t.routed_forward, t.routed_backward
-    if recompute:
-        bwd += fwd if t.recompute_forward is None else t.recompute_forward
-        sparse_bwd += sparse_fwd
-        routed_bwd += routed_fwd
+    traffic = lambda window: _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes,
+                                             sequence_parallel, KVExchange(seq_rank, point_to_point, window))
+    t = traffic(None)
+    # Per layer type, the figures of one layer (a sliding layer differs in its K/V exchange only).
+    by_type = {FULL_ATTENTION: _layer_figures(t, recompute, mode)}
+    if cfg.sliding:
+        by_type[SLIDING_ATTENTION] = _layer_figures(traffic(cfg.sliding_window), recompute, mode)
+    emb_fwd, emb_bwd, grad_sync = t.embed_head_forward, t.embed_head_backward, t.grad_sync
     if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss
-        bwd = sparse_bwd = emb_bwd = grad_sync = routed_bwd = 0
+        emb_bwd = grad_sync = 0
     else:
         # Data parallelism (parallel/dp.py): the NLL sum and token count (and a mixture of experts' router
         # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
@@ -406,16 +487,16 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
             grad_sync += sum((dp - 1) * _dp_chunk(shape, dp) * (4 + dtype_bytes) for shape in t.local_tensors)
         else:
             grad_sync += sum(_all_reduce(_numel(shape) * 4, dp) for shape in t.local_tensors)
-    sparse = sum(map(cfg.is_moe_layer, range(cfg.n_layers)))
-    total = (cfg.n_layers - sparse) * (fwd + bwd) + sparse * (sparse_fwd + sparse_bwd) + emb_fwd + emb_bwd + grad_sync
-    layer_fwd = fwd
-    if sparse:  # a mixture of experts: the per-layer figures are the mean over dense and sparse layers
-        fwd = ((cfg.n_layers - sparse) * fwd + sparse * sparse_fwd) // cfg.n_layers
-        bwd = ((cfg.n_layers - sparse) * bwd + sparse * sparse_bwd) // cfg.n_layers
-    return CommBreakdown(layer_forward=fwd, layer_backward=bwd, embed_head_forward=emb_fwd,
-                         embed_head_backward=emb_bwd, grad_sync=grad_sync, total=total,
-                         routed=sparse * (routed_fwd + routed_bwd), routed_forward=sparse * routed_fwd,
-                         forward=(cfg.n_layers - sparse) * layer_fwd + sparse * sparse_fwd + emb_fwd)
+    layers = [by_type[cfg.layer_type(i)][cfg.is_moe_layer(i)] for i in range(cfg.n_layers)]
+    fwd, bwd, routed_fwd, routed_bwd = (sum(column) for column in zip(*layers))
+    L = cfg.n_layers
+    # One layer's figures; with layers of several kinds (experts, windows) their mean, rounded down.
+    return CommBreakdown(layer_forward=fwd // L, layer_backward=bwd // L, embed_head_forward=emb_fwd,
+                         embed_head_backward=emb_bwd, grad_sync=grad_sync,
+                         total=fwd + bwd + emb_fwd + emb_bwd + grad_sync,
+                         routed=routed_fwd + routed_bwd, routed_forward=routed_fwd, forward=fwd + emb_fwd,
+                         layer_types={kind: {"forward": f[False][0], "backward": f[False][1]}
+                                      for kind, f in by_type.items()})
 
 
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step

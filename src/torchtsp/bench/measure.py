@@ -198,11 +198,14 @@ def _cell(spec: CellSpec, mesh) -> dict:
 
     world = AxisComm.world(spec.timeout_s)  # a separate comm: not counted with the model's axes
     exposed = waited / sum(times) if times else 0.0
-    seq_rank = model.traffic_seq_rank()  # which rank's bytes predict_comm must count (-1 below: None)
+    # Which rank's bytes predict_comm must count (-1 below: None), and whether full layers' K/V move point to point.
+    traffic = model.traffic_args()
+    seq_rank, point_to_point = traffic.get("seq_rank"), traffic.get("point_to_point", False)
     local = torch.tensor([peak, fwd_bytes, step_bytes, loss.item(), exposed, fwd_routed, step_routed,
-                          -1 if seq_rank is None else seq_rank, *times], dtype=torch.float64, device=built.device)
+                          -1 if seq_rank is None else seq_rank, float(point_to_point), *times], dtype=torch.float64,
+                         device=built.device)
     rows = world.all_gather(local).cpu().tolist()
-    step_times = [max(r[8 + i] for r in rows) for i in range(len(times))]
+    step_times = [max(r[9 + i] for r in rows) for i in range(len(times))]
     return {
         "error": None,
         "peak_bytes_per_rank": [int(r[0]) for r in rows],
@@ -211,6 +214,7 @@ def _cell(spec: CellSpec, mesh) -> dict:
         "routed_forward_bytes_per_rank": [int(r[5]) for r in rows] if spec.counted else None,
         "routed_step_bytes_per_rank": [int(r[6]) for r in rows] if spec.counted else None,
         "seq_rank_per_rank": [None if r[7] < 0 else int(r[7]) for r in rows],
+        "kv_point_to_point": any(r[8] for r in rows),
         "loss": rows[0][3],
         "step_times_s": step_times,
         # Fraction of its timed steps each rank spent blocked on transfers; the largest over ranks.

@@ -78,17 +78,18 @@ def layout_error(spec: CellSpec) -> str | None:
     return None
 
 
-def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None) -> dict:
+def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None, point_to_point: bool | None = None) -> dict:
     """The analytic model's per-rank peak memory and received bytes for ``spec`` (None where not modelled);
-    the bytes of the rank at ``seq_rank`` on the sequence axis where they depend on it (``predict_comm``)."""
+    the bytes of the rank at ``seq_rank`` on the sequence axis where they depend on it, full layers' K/V moving
+    point to point or not (``predict_comm``; None: where ``seq_rank`` is given)."""
     if get_scheme(spec.scheme).traffic is None:
         return {"memory": None, "comm": None, "peak_bytes": None, "forward_bytes": None, "step_bytes": None}
     flags = {k: True for k in ("sequence_parallel", "recompute") if spec.options.get(k)}
     mem = predict_memory(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags,
-                         pruned_kv=seq_rank is not None,
+                         pruned_kv=seq_rank is not None if point_to_point is None else point_to_point,
                          dtype_bytes=4, optimizer="adamw", foreach=foreach, zero=spec.zero)
     traffic = predict_comm(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags, dtype_bytes=4,
-                           seq_rank=seq_rank, zero=spec.zero)
+                           seq_rank=seq_rank, point_to_point=point_to_point, zero=spec.zero)
     return {"memory": mem.to_dict(), "comm": traffic.to_dict(), "peak_bytes": mem.total,
             "forward_bytes": traffic.forward, "step_bytes": traffic.total,
             "routed_forward_bytes": traffic.routed_forward, "routed_step_bytes": traffic.routed}
@@ -148,7 +149,7 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
     if result.get("error"):
         return {**base, "status": f"n/a: {result['error']}"}
     seq_ranks = result.get("seq_rank_per_rank") or [None] * len(result["peak_bytes_per_rank"])
-    per_rank = {r: predictions(spec, foreach, r) for r in set(seq_ranks)}
+    per_rank = {r: predictions(spec, foreach, r, result.get("kv_point_to_point")) for r in set(seq_ranks)}
     pred = per_rank[seq_ranks[0]]  # rank 0's, next to rank 0's measured bytes
     peak = max(result["peak_bytes_per_rank"])
     rec = {**base, "status": "ok", "loss": result["loss"],
@@ -163,7 +164,7 @@ def _aggregate(spec: CellSpec, result: dict, foreach: bool) -> dict:
         # reported against their expectation under uniform routing (tests/test_moe.py checks them exactly).
         routed_fwd, routed_step = result["routed_forward_bytes_per_rank"], result["routed_step_bytes_per_rank"]
         # The deterministic bytes each rank should have received (they differ by rank where the K/V exchange is
-        # causally pruned: gloo, ``predict_comm(seq_rank=...)``).
+        # pruned: causally on gloo, and a sliding layer's to its window everywhere; ``predict_comm(seq_rank=...)``).
         expected_fwd = expected_step = None
         if fwd is not None and pred["forward_bytes"] is not None:
             fwd = [b - r for b, r in zip(fwd, routed_fwd)]

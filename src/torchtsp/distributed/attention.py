@@ -2,6 +2,8 @@
 
 Documents and sliding windows come in one ``layers.Mask`` on global positions: a (query chunk, key chunk) part
 that no query of it may see is skipped (neither computed nor merged), the others run their visible blocks.
+Under a sliding layer's mask ``gather_kv`` moves only the window's keys (``distributed/window.py``) and the
+attention reads them as they came (``WindowKV``).
 
 Rank p's queries are two chunks (global chunks p and 2D-1-p). Chunk i attends to all
 keys of chunks < i (no mask) and causally to chunk i itself. The keys stay as the
@@ -21,6 +23,14 @@ import torch
 
 from ..layers import CAUSAL, FULL, Mask, attend, attend_backward
 from . import zigzag
+from .window import (
+    WindowGrad,
+    WindowKV,
+    exchange_window_kv,
+    return_window_grad,
+    window_attention_backward,
+    window_attention_forward,
+)
 
 
 def _key_blocks(rank: int, world: int):
@@ -118,7 +128,10 @@ def zigzag_attention_forward(q, kv, rank: int, world: int, mask: Mask = CAUSAL):
 
     Hkv may divide Hq (GQA): K/V are never expanded. Any strides for q: with token-major q (memory
     [B, S/D, Hq, d], as projections produce it) ``out`` is token-major too, so merging its heads is a view.
+    ``kv`` may instead be a sliding layer's ``WindowKV`` (``gather_kv`` under a window): the keys the queries read.
     """
+    if isinstance(kv, WindowKV):
+        return window_attention_forward(q, kv, mask)
     chunk_len = q.shape[-2] // 2
     if world == 1:  # the local tokens are the sequence, in order: one causal call
         return attend(q, *_halves(kv, 0, 0, 2, chunk_len), mask)
@@ -141,7 +154,10 @@ def zigzag_attention_backward(dout, q, kv, out, lse, rank: int, world: int, mask
     dkv, float32, holds the gradient of every rank's keys and values from these queries (summed
     over the g query heads of each KV head): the input of the reduce-scatter that sums it over ranks at the
     keys' owners. One [D, 2, B, S/D, Hkv, d] tensor when every rank's K/V came whole, else a list of D tensors
-    shaped like ``kv``'s (first chunks only where ``kv`` has them; zero past a written part)."""
+    shaped like ``kv``'s (first chunks only where ``kv`` has them; zero past a written part); a ``WindowGrad``
+    for a ``WindowKV`` (what ``scatter_kv_grad`` sends back)."""
+    if isinstance(kv, WindowKV):
+        return window_attention_backward(dout, q, kv, out, lse, mask)
     shapes = [part.shape for part in kv]
     if all(shape == shapes[rank] for shape in shapes):
         dkv = torch.empty((len(kv), *shapes[rank]), dtype=torch.float32, device=q.device)
@@ -181,20 +197,36 @@ def first_chunk(kv: torch.Tensor) -> tuple[int, int]:
     return 2, kv.shape[2] // 2
 
 
-def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv"):
+def gather_kv(comm, kv: torch.Tensor, async_op: bool = False, label="kv", mask: Mask = CAUSAL):
     """Every rank's local K/V [2, B, S/D, Hkv, d] (token-major) -> a list of D such tensors, rank by rank (the
     layout the zigzag attention reads; no reordering). Rank p never reads the second chunk (2D-1-r) of a rank
     r < p, which comes after both of its query chunks: where the backend moves tensors point to point, those
     ranks' entries hold their first chunk only (a quarter of the K/V traffic saved, evenly over the ranks:
     rank p receives p halves fewer and sends D-1-p halves fewer). At D = 1 ``[kv]``.
 
+    Under a ``mask`` with a window (a sliding layer), only the keys this rank's queries read, point to point on
+    every backend (``distributed.window``): a ``WindowKV``.
+
     With ``async_op`` it returns a function that waits and returns the result, so the caller can
     compute (e.g. the queries) while the gather is in flight.
     """
     if comm.size == 1:
         return (lambda: [kv]) if async_op else [kv]
+    if mask.window is not None:
+        wait = exchange_window_kv(comm, kv, mask.window, label=label)
+        return wait if async_op else wait()
     pending = comm.all_gather_prefixes(kv, first_chunk(kv), async_op=True, label=label)
     return pending.wait if async_op else pending.wait()
+
+
+def scatter_kv_grad(comm, dkv, kv: torch.Tensor, async_op: bool = False, label="kv.grad"):
+    """The adjoint of ``gather_kv``: ``dkv`` from ``zigzag_attention_backward`` -> the float32 gradient
+    [2, B, S/D, Hkv, d] of this rank's own K/V ``kv``, summed over every rank's queries (a ``Pending`` with
+    ``async_op``). A reduce-scatter (causally pruned where ``gather_kv`` was), or for a sliding layer's
+    ``WindowGrad`` the gradients of what each rank sent going back to it."""
+    if isinstance(dkv, WindowGrad):
+        return return_window_grad(comm, dkv, async_op=async_op, label=label)
+    return comm.reduce_scatter(dkv, async_op=async_op, label=label, prefix=first_chunk(kv))
 
 
 class ZigzagAttention(torch.autograd.Function):
@@ -204,9 +236,11 @@ class ZigzagAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, comm, mask=CAUSAL):
-        gathered = gather_kv(comm, kv)
+        gathered = gather_kv(comm, kv, mask=mask)
         out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size, mask)
-        ctx.save_for_backward(q, out, lse, *gathered)
+        # A sliding layer's exchange saves what it received (the tensors saved, their layout on ctx).
+        tensors, ctx.window = gathered.saved() if isinstance(gathered, WindowKV) else (gathered, None)
+        ctx.save_for_backward(q, out, lse, *tensors)
         ctx.comm, ctx.mask = comm, mask
         return out
 
@@ -214,9 +248,12 @@ class ZigzagAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, out, lse, *gathered = ctx.saved_tensors
         comm = ctx.comm
+        own = gathered[0] if ctx.window else gathered[comm.rank]
+        if ctx.window:
+            gathered = WindowKV.restore(gathered, ctx.window)
         dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size, ctx.mask)
-        dkv = comm.reduce_scatter(dkv, label="kv.grad", prefix=first_chunk(gathered[comm.rank]))
-        return dq, dkv.to(gathered[0].dtype), None, None
+        dkv = scatter_kv_grad(comm, dkv, own)
+        return dq, dkv.to(own.dtype), None, None
 
 
 def zigzag_causal_attention(q, kv, comm, mask: Mask = CAUSAL) -> torch.Tensor:

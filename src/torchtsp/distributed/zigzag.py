@@ -8,18 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..chunks import check_divisible, chunk_ids
 
-def check_divisible(seq_len: int, world: int) -> None:
-    if seq_len % (2 * world):
-        raise ValueError(
-            f"sequence length {seq_len} must be divisible by 2*D = {2 * world} for zigzag sharding over "
-            f"D={world} ranks; pick a length that is a multiple of {2 * world}"
-        )
-
-
-def chunk_ids(rank: int, world: int) -> tuple[int, int]:
-    """The two global chunk indices rank ``rank`` holds, in local order."""
-    return rank, 2 * world - 1 - rank
+__all__ = ["check_divisible", "chunk_ids", "positions", "shard", "unshard"]
 
 
 def positions(seq_len: int, world: int, rank: int, device=None) -> torch.Tensor:
@@ -54,4 +45,3 @@ def unshard(gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
     for rank in range(world):
         chunks.select(dim, 2 * world - 1 - rank).copy_(halves[rank].select(dim, 1))
     return full
-

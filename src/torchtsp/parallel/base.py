@@ -175,6 +175,16 @@ class ParallelTransformer(nn.Module):
                 return comm.rank
         return None
 
+    def traffic_args(self) -> dict:
+        """``predict_comm``'s keywords that count this rank's bytes on any backend: its rank on the sequence axis
+        (tsp or sp; sliding layers' K/V exchange depends on it everywhere) and whether that axis moves full layers'
+        K/V point to point; {} without a sequence axis."""
+        for name in ("tsp", "sp"):
+            comm = self.comms().get(name)
+            if comm is not None and comm.size > 1:
+                return {"seq_rank": comm.rank, "point_to_point": comm.point_to_point}
+        return {}
+
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's share of a global [B, S] batch (tokens or labels)."""
         raise NotImplementedError

@@ -8,7 +8,8 @@ docs/design.md, "Tokens: zigzag" (chunks p and 2Σ-1-p), so causal attention wor
 * the local K/V are all-gathered over the axis and attended by the local zigzag queries
   (``zigzag_causal_attention``: 2·B·S·h/g·(Σ-1)/Σ elements received per layer on NCCL, less on gloo, where
   a rank skips the chunks causality never reads; the only forward traffic of a layer; its backward
-  reduce-scatters dK/dV to the tokens' owners).
+  reduce-scatters dK/dV to the tokens' owners). A sliding layer receives only its window's keys, point to point
+  (``distributed/window.py``), and sends their dK/dV back the same way.
 
 The LM head and cross-entropy run on local tokens; the loss is the global mean over every token.
 Replicated weights see only local tokens, so their gradients are summed over the axis (a gradient hook).
@@ -24,6 +25,7 @@ from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..layers import (
+    CAUSAL,
     IGNORE_INDEX,
     Placement,
     block_forward,
@@ -67,7 +69,7 @@ class SPTransformer(ReplicatedTransformer):
         return layer_rope(rope_positions(positions, documents), self.cfg)
 
     def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None,
-                      mask=None) -> torch.Tensor:
+                      mask=CAUSAL) -> torch.Tensor:
         """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
         (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights; ``mask``: the layer's
         (``layers.sequence_mask``)."""

@@ -3,7 +3,7 @@
 * Sequence (context) parallel across ``sp``: each sequence is zigzag-sharded over the Σ ranks of an ``sp``
   group (``distributed/zigzag.py``); RoPE uses global positions; per layer, the K/V of this rank's local
   heads are all-gathered over ``sp`` and attended by the local queries (``zigzag_causal_attention``; backward:
-  reduce-scatter of dK/dV).
+  reduce-scatter of dK/dV); a sliding layer's exchange moves only its window's keys (``distributed/window.py``).
 * Tensor parallel inside ``tp``, exactly as ``tp.py`` without Megatron-SP: column-parallel q/k/v and
   gate/up, row-parallel o/down, vocabulary-parallel embedding, LM head and cross-entropy. The T ranks of a
   ``tp`` group see the same tokens and hold identical activations.

@@ -31,11 +31,16 @@ all_reduce         2(D-1)/D·n (ring algorithm)  2(D-1)/D·n
 ring_shift         n                            n
 all_to_all_single  rows from the other ranks    rows to the other ranks
 pipeline_p2p       n per received tensor        n per sent tensor
+exchange           the tensors received         the tensors sent
 =================  ===========================  ===========================
 
 ``all_gather_prefixes`` and ``reduce_scatter(prefix=...)`` (the causally pruned K/V exchange) count what
 they move on point-to-point backends, where the parts of earlier ranks are cut to a prefix (so the figures
 depend on the rank), and the whole all-gather / reduce-scatter figures on collective ones.
+
+``exchange`` is a step of point-to-point transfers of uneven sizes that every rank derives from one rule (a
+sliding layer's K/V and their gradients, ``distributed/window.py``), batched on every backend; its figures
+depend on the rank everywhere.
 
 ``pipeline_p2p`` is the one kind of traffic this module does not issue itself: the sends and
 receives of ``torch.distributed.pipelining`` between pipeline stages. Its stage hands every

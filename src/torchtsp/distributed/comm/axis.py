@@ -25,11 +25,13 @@ def _cut(t: torch.Tensor, prefix: tuple[int, int] | None) -> torch.Tensor:
 class Pending:
     """An issued transfer; ``wait()`` blocks (with the axis timeout) and returns its result tensor."""
 
-    def __init__(self, comm: AxisComm, works, result, op: str, label, records=(), finish=None):
+    def __init__(self, comm: AxisComm, works, result, op: str, label, records=(), finish=None, on_cpu=None):
         self._comm, self._works, self._result, self._op, self._label = comm, works, result, op, label
         self._records = records  # (stats, Transfer) of every counting() block open at issue time
         self._then = finish  # local work on the received tensor once it has arrived (None: none)
-        self._on_cpu = (result if isinstance(result, torch.Tensor) else result[0]).device.type == "cpu"
+        if on_cpu is None:  # where the result lives (a list's first tensor), unless the caller says
+            on_cpu = (result if isinstance(result, torch.Tensor) else result[0]).device.type == "cpu"
+        self._on_cpu = on_cpu
         self._done = False
 
     def wait(self) -> torch.Tensor | list[torch.Tensor]:
@@ -147,13 +149,13 @@ class AxisComm:
             self._record("issue", "pipeline_p2p", label, n if sending else 0, 0 if sending else n)
         return ops
 
-    def _issue(self, op, label, sent, recv, launch, result, finish=None) -> Pending:
+    def _issue(self, op, label, sent, recv, launch, result, finish=None, on_cpu=None) -> Pending:
         records = [(stats, Transfer(self.stream, op, label, len(stats.events))) for stats in self._active]
         for stats, transfer in records:
             stats.transfers.append(transfer)
         self._record("issue", op, label, sent, recv)
         works = launch() if self.size > 1 else []
-        return Pending(self, [w for w in works if w is not None], result, op, label, records, finish)
+        return Pending(self, [w for w in works if w is not None], result, op, label, records, finish, on_cpu)
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -180,6 +182,8 @@ class AxisComm:
         """Start sends and receives of (tensor, axis rank) pairs. On gloo straight through the process group (which
         takes its own ranks): a step issues hundreds of them, and ``batch_isend_irecv``'s checks per op cost a
         third of the host time of each. Elsewhere as one batch, which NCCL needs to pair them without deadlock."""
+        if not sends and not recvs:  # nothing to move (batch_isend_irecv refuses an empty batch)
+            return []
         if self._point_to_point:
             return ([self.group.send([t], peer, tag) for t, peer in sends]
                     + [self.group.recv([t], peer, tag) for t, peer in recvs])
@@ -336,6 +340,42 @@ class AxisComm:
         launch = lambda: self._send_recv([(send, nxt)], [(recv, prv)], tag)
         return self._finish(self._issue("ring_shift", label, n, n, launch, recv), async_op)
 
+
+    # Tags of ``exchange``'s channels, apart from every other kind's (0.. for rings, 10..14 above).
+    _EXCHANGE_TAG = 20
+
+    def exchange(self, sends, recvs, async_op=False, label=None, channel: int = 0, finish=None):
+        """Point-to-point transfers of one step: send each (tensor, peer) of ``sends`` and receive into each
+        (buffer, peer) of ``recvs`` (axis ranks other than this one, each at most once per list); returns the
+        receive buffers in the order given, or what ``finish`` makes of that list once they have arrived.
+
+        Every pair of ranks must agree on what moves between them (the sender's tensor and the receiver's buffer
+        of one shape): callers derive both lists from one rule that all ranks evaluate alike (a sliding layer's
+        K/V, ``distributed.window``), so nothing about sizes travels. Empty tensors are not moved. Runs as one
+        batch (``batch_isend_irecv`` on collective backends, which NCCL needs to pair the transfers without
+        deadlock; on gloo straight through the group, like the other point-to-point paths). Counted as op
+        "exchange", the bytes of the tensors sent and received. ``channel``: exchanges in flight at once between
+        the same peers in different roles (a layer's K/V and its gradients) each pair up, in issue order, in
+        their own channel.
+        """
+        for name, pairs in (("sends", sends), ("recvs", recvs)):
+            peers = [peer for _, peer in pairs]
+            if len(set(peers)) != len(peers) or any(p == self.rank or not 0 <= p < self.size for p in peers):
+                raise ValueError(f"exchange {name} on axis {self.name!r} (rank {self.rank} of {self.size}) need "
+                                 f"distinct other ranks, got {peers}")
+        sends = [(t.contiguous(), peer) for t, peer in sends if t.numel()]
+        moving = [(t, peer) for t, peer in recvs if t.numel()]
+        if any(not t.is_contiguous() for t, _ in moving):
+            raise ValueError("exchange receives into contiguous buffers only")
+        sent, recv = (sum(self._nbytes(t) for t, _ in pairs) for pairs in (sends, moving))
+        launch = lambda: self._send_recv(sends, moving, self._EXCHANGE_TAG + channel)
+
+        def then(out, _reading=sends):  # the send tensors stay referenced until the wait: the transfers read them
+            return finish(out) if finish is not None else out
+        tensors = [t for t, _ in (*recvs, *sends)]
+        on_cpu = not tensors or tensors[0].device.type == "cpu"
+        return self._finish(self._issue("exchange", label, sent, recv, launch, [t for t, _ in recvs], then, on_cpu),
+                            async_op)
 
     def all_to_all(self, tensor: torch.Tensor, async_op=False, label=None, out: torch.Tensor | None = None):
         """[D, *shape] on each rank, slice r for rank r -> [D, *shape], slice r from rank r (into ``out`` if given).

@@ -1,4 +1,5 @@
-"""TSP attention: head-group shards broadcast in turn, K/V all-gathered per group, a hand-written backward.
+"""TSP attention: head-group shards broadcast in turn, K/V all-gathered per group (a sliding layer's: only the
+window's keys, ``distributed/window.py``), a hand-written backward.
 
 Each K/V all-gather and each shard broadcast is a meeting point of every rank; slack between a transfer's
 issue and its wait lets a rank that fell behind catch up before the others wait for it. So both passes run a
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.attention import first_chunk, gather_kv, zigzag_attention_backward, zigzag_attention_forward
+from ...distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
 from ...layers import CAUSAL, apply_rope, scale_queries
 from .shard_math import TSPShardMath
 from .streams import ACC, BroadcastStream, add_mm, mm_into
@@ -26,9 +27,10 @@ class KVAhead:
     Without saving (no backward), one group's K/V at a time.
     """
 
-    def __init__(self, shard_math: TSPShardMath, weights: BroadcastStream, x2, k_norm, cos, sin, batch: int):
+    def __init__(self, shard_math: TSPShardMath, weights: BroadcastStream, x2, k_norm, cos, sin, batch: int,
+                 mask=CAUSAL):
         self.shard_math, self.weights, self.x2, self.k_norm = shard_math, weights, x2, k_norm
-        self.cos, self.sin, self.batch = cos, sin, batch
+        self.cos, self.sin, self.batch, self.mask = cos, sin, batch, mask
         self.started, self.following = [], 0  # (kv, pre-norm k, finisher) not yet used; the next group to start
 
     def start_until(self, last: int) -> None:
@@ -37,7 +39,7 @@ class KVAhead:
             j = self.following
             kv, k_raw = sm.project_kv(self.x2, sm.attention(self.weights.get(j)), self.k_norm, self.cos, self.sin,
                                       self.batch)
-            self.started.append((kv, k_raw, gather_kv(comm, kv, async_op=True, label=(FORWARD, j))))
+            self.started.append((kv, k_raw, gather_kv(comm, kv, async_op=True, label=(FORWARD, j), mask=self.mask)))
             self.following += 1
 
     def take(self):
@@ -75,7 +77,7 @@ class TSPAttention(torch.autograd.Function):
         y = None
         first = prefetch.take(FORWARD, layer) if prefetch is not None else None
         weights = BroadcastStream(comm.weights, shard, FORWARD, first, depth=3 if saving else 2)
-        ahead = KVAhead(shard_math, weights, x2, k_norm, cos, sin, B)
+        ahead = KVAhead(shard_math, weights, x2, k_norm, cos, sin, B, mask)
         for j in range(D):
             comm.mark((FORWARD, j))
             ahead.start_until(j)
@@ -130,7 +132,7 @@ class AttentionBackward:
         self.weights = BroadcastStream(self.comm.weights, shard, BACKWARD, first, depth=3)
 
     def gather(self, j: int):
-        return gather_kv(self.comm, self.kvs[j], async_op=True, label=(BACKWARD, j))
+        return gather_kv(self.comm, self.kvs[j], async_op=True, label=(BACKWARD, j), mask=self.ctx.mask)
 
     def settle(self, keep: int) -> None:
         """Wait for reductions until at most ``keep`` remain in flight; keep the one owned here."""
@@ -152,7 +154,7 @@ class AttentionBackward:
                                             self.ctx.mask)
         dout = None
         # dK/dV of own tokens, summed over every rank's queries.
-        scattering = comm.reduce_scatter(dkv, async_op=True, label=(BACKWARD, j), prefix=first_chunk(self.kvs[j]))
+        scattering = scatter_kv_grad(comm, dkv, self.kvs[j], async_op=True, label=(BACKWARD, j))
         dkv = None
         if j + 2 < D:
             self.gathers[j + 2] = self.gather(j + 2)
