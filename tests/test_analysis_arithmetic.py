@@ -173,3 +173,16 @@ def test_step_compute_time_is_three_forwards_of_flops_at_the_given_mfu():
     forward = 2 * P_LLAMA3 * 32 * S + 2 * 4096 * 128256 * S + 32 * 2 * S * S * 4096
     assert r.compute_s == pytest.approx(3 * forward / (8 * hw.bf16_flops * mfu), rel=1e-12)
     assert r.tokens_per_s == pytest.approx(S / r.step_s, rel=1e-12) and r.step_s >= r.compute_s
+
+
+@pytest.mark.parametrize("scheme,degrees", [("tsp", {"tsp": 2}), ("sp", {"sp": 2}), ("tp", {"tp": 2})])
+def test_gemma_sandwich_norms_add_their_gradient_sums(scheme, degrees):
+    """Gemma's two extra norms per layer (after each sublayer) are replicated like the others: each adds one
+    float32 all-reduce of h values over the two ranks per layer, (D - 1)/D · 2 · h · 4 bytes received by hand
+    (ring all-reduce: a reduce-scatter and an all-gather). tp sums norms only with Megatron-SP."""
+    cfg = torchtsp.get_preset("tiny-gemma3")
+    plain = cfg.replace(sandwich_norm=False)
+    L, h = cfg.n_layers, cfg.dim
+    extra = predict_comm(scheme, cfg, 2, 64, **degrees, dtype_bytes=4).grad_sync
+    extra -= predict_comm(scheme, plain, 2, 64, **degrees, dtype_bytes=4).grad_sync
+    assert extra == (0 if scheme == "tp" else 2 * L * 2 * h * 4 // 2)

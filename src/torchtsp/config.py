@@ -179,6 +179,11 @@ class ModelConfig:
         return bool(self.layer_types)
 
     @property
+    def norms_per_layer(self) -> int:
+        """RMSNorm weights of one layer (h each): before attention and the MLP, and after each too (sandwich)."""
+        return 4 if self.sandwich_norm else 2
+
+    @property
     def gemma_norms(self) -> bool:
         """Whether the norms are Gemma's: (1 + w) and sandwiched (a model feature a scheme must implement)."""
         return bool(self.norm_offset or self.sandwich_norm)

@@ -212,6 +212,7 @@ def _reference_tensors(cfg: ModelConfig, tp: int = 1) -> list[Shape]:
     layer = [(h, 1), (q, h), (kv, h), (kv, h), (h, q), (h, 1), (f, h), (f, h), (h, f)]
     layer += [(q, 1), (kv, 1), (kv, 1)] if cfg.qkv_bias else []
     layer += [(d, 1), (d, 1)] if cfg.qk_norm else []  # q/k norm weights: per head, replicated
+    layer += [(h, 1)] * (cfg.norms_per_layer - 2)  # Gemma's sandwich norms after each sublayer
     # A sparse layer: the router, each stacked expert weight cut along F, the shared expert and its gate.
     experts = (cfg.n_experts, cfg.moe_ffn_dim * h // tp)
     sparse = layer[:6] + layer[9:] + [(cfg.n_experts, h)] + [experts] * 3
@@ -320,7 +321,8 @@ def tsp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: i
            + (D - 1) * p_mlp // D * e + travel * p_mlp // D * g)  # ring again + travelling gradient
     head = [] if cfg.tie_embeddings else [rows]
     qk_norms = [d, d] if cfg.qk_norm else []
-    grad_sync = (2 * L + 1) * _all_reduce(h * g, D) + L * sum(_all_reduce(n * g, D) for n in qk_norms)  # norms
+    grad_sync = (cfg.norms_per_layer * L + 1) * _all_reduce(h * g, D) + L * sum(_all_reduce(n * g, D)
+                                                                                for n in qk_norms)  # norms
     replicas = D // min(cfg.n_kv_heads, D)
     kv_local = (2 * h * kv_width + (2 * kv_width if cfg.qkv_bias else 0)) // D  # K/V tail of one packed shard
     grad_sync += L * _all_reduce(kv_local * g, replicas)
@@ -396,7 +398,7 @@ def tp_step_traffic(cfg: ModelConfig, B: int, seq_len: int, degrees: dict, e: in
         bwd = 6 * chunk + kv_sp  # re-gather + reduce-scatter (column), all-gather (row), twice
         emb_fwd = chunk + chunk  # embedding reduce-scatter, head input all-gather
         emb_bwd = chunk + 2 * chunk  # embedding gradient all-gather; head re-gather + reduce-scatter
-        grad_sync = (2 * L + 1) * _all_reduce(h * e, T)  # norms see only local tokens
+        grad_sync = (cfg.norms_per_layer * L + 1) * _all_reduce(h * e, T)  # norms see only local tokens
     else:
         bwd = 2 * _all_reduce(act, T) + kv_sp  # column-parallel dX all-reduces
         emb_fwd = _all_reduce(act, T)  # vocabulary-parallel embedding

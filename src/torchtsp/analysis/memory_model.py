@@ -64,7 +64,7 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     rows = _ceil_div(cfg.vocab_size, w)
     return {
         "layers": (cfg.n_layers * attention + mlp) // w,
-        "norms": (2 * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0),
+        "norms": (cfg.norms_per_layer * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0),
         "router": sparse * (cfg.n_experts * h + (h if cfg.shared_expert_ffn_dim else 0)),
         "embedding": rows * h,
         "head": 0 if cfg.tie_embeddings else rows * h,
