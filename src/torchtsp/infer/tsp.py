@@ -160,6 +160,16 @@ class TSPRank:
 
         return run_blocks(x, step, self.view.layers, placement, self.norm, self.cfg)
 
+    def decode_with(self, cache: KVCache, ids, pos, attention) -> torch.Tensor:
+        """One decode step through the model with ``attention(h, layer, step, mask)`` (a cache layout's exchange):
+        every rank writes every token's K/V to ``reserve``'s slots (the spare one for the tokens it does not keep),
+        the keys' mask is the same in every layer, the FFN slices are summed. Returns [B, h] (replicated)."""
+        slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
+        mask = cache.mask(pos)
+        step = CacheStep.of(self.cfg, cache, slots, pos)
+        return self.run(self.embed(ids), step, lambda h, layer, step: attention(h, layer, step, mask),
+                        self.summed_ffn)[:, 0]
+
 
 class SequenceLayout:
     """The ``sequence`` cache layout's steps: every rank caches every KV head of its 1/D of the tokens."""
@@ -228,12 +238,9 @@ class SequenceLayout:
         (``TSPRank.sum``). The keys' mask is built once per step, the exchange buffers once per generation;
         every rank writes every token's K/V to ``reserve``'s slots (the spare one for the tokens it does not keep).
         """
-        r = self.rank
         buffers = self._decode_buffers(ids.shape[0])
-        slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
-        mask = cache.mask(pos)  # the same keys in every layer
-        attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
-        return r.run(r.embed(ids), CacheStep.of(r.cfg, cache, slots, pos), attention, r.summed_ffn)[:, 0]
+        return self.rank.decode_with(cache, ids, pos, lambda h, layer, step, mask: self._decode_attention(
+            h, layer, step, mask, buffers))
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
         """A decode step's attention (see ``decode``)."""

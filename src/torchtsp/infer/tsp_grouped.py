@@ -140,12 +140,9 @@ class GroupedLayout:
     def decode(self, cache: KVCache, ids, pos):
         """One decode step: ids, pos [B, 1] replicated; the member the cache rule names stores each token's K/V of
         its group's head. Returns the final-norm hidden states [B, h] (replicated)."""
-        r = self.rank
         buffers = self._decode_buffers(ids.shape[0])
-        slots = cache.reserve(pos, torch.ones_like(pos, dtype=torch.bool))
-        mask = cache.mask(pos)  # the same keys in every layer
-        attention = lambda h, layer, step: self._decode_attention(h, layer, step, mask, buffers)
-        return r.run(r.embed(ids), CacheStep.of(r.cfg, cache, slots, pos), attention, r.summed_ffn)[:, 0]
+        return self.rank.decode_with(cache, ids, pos, lambda h, layer, step, mask: self._decode_attention(
+            h, layer, step, mask, buffers))
 
     def _decode_attention(self, h, layer: TSPLayerShards, step: CacheStep, mask, buffers):
         """A decode step's attention (module docstring)."""

@@ -74,7 +74,9 @@ class StepPlanner:
         return self.paged.waiting
 
     def has_work(self) -> bool:
-        return self.paged.has_work() or bool(self.compiling)
+        """Sequences to run now. Grammars still compiling are not: the loop then waits IDLE_S between its polls
+        instead of spinning empty steps against the compiling threads."""
+        return self.paged.has_work()
 
     def receive(self, timeout: float) -> None:
         while self.conn.poll(timeout):
