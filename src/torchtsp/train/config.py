@@ -106,6 +106,9 @@ class TrainConfig:
         if self.zero != 3 and (self.cpu_offload or not self.reshard_after_forward):
             flag = _name("cpu_offload") if self.cpu_offload else "--no-reshard-after-forward"
             raise ValueError(f"{flag} applies to FSDP2: give --zero 3 (and dp > 1)")
+        if self.zero == 3 and self.pp > 1:
+            raise ValueError("--zero 3 (FSDP2) with --pp is not supported: a pipeline stage runs forward and backward "
+                             "in one schedule; use --zero 2 with --pp")
         if self.zero_bucket_mb <= 0:
             raise ValueError(f"{_name('zero_bucket_mb')} must be > 0, got {self.zero_bucket_mb}")
         if not 0 <= self.min_lr_ratio <= 1:

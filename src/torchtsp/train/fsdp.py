@@ -107,8 +107,10 @@ def shard_over_dp(model, dp_mesh, *, reshard_after_forward: bool = True, bfloat1
     comm = model.dp
     inner = model.module
     options = {"mesh": dp_mesh,
-               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-               if bfloat16 else MixedPrecisionPolicy(),
+               # Inputs as the scheme gives them: a block's rotary tables stay float32, as under --zero 0.
+               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                 cast_forward_inputs=False)
+               if bfloat16 else MixedPrecisionPolicy(cast_forward_inputs=False),
                "offload_policy": CPUOffloadPolicy() if cpu_offload else None}
     options = {k: v for k, v in options.items() if v is not None}
     units = []
