@@ -104,6 +104,9 @@ def shard_over_dp(model, dp_mesh, *, reshard_after_forward: bool = True, bfloat1
     """Apply FSDP2 over ``dp_mesh`` (the run's dp sub-mesh) to ``model`` (a ``DataParallel`` of a scheme), in place;
     returns its units, the root last. See the module docstring for the units and the options."""
     check_shardable(model)
+    if cpu_offload and dp_mesh.device_type == "cpu":
+        raise ValueError("--cpu-offload moves a GPU run's sharded state to host memory; this run is on the CPU "
+                         "already: drop --cpu-offload")
     comm = model.dp
     inner = model.module
     options = {"mesh": dp_mesh,
