@@ -123,12 +123,25 @@ def shard_over_dp(model, dp_mesh, *, reshard_after_forward: bool = True, bfloat1
             units.append(block)
     fully_shard(inner, reshard_after_forward=reshard_after_forward, **options)
     units.append(inner)
+    replicated = _replicated_axis(inner)
     for unit in units:
         unit.set_custom_all_gather(AxisAllGather(comm))
         unit.set_custom_reduce_scatter(AxisReduceScatter(comm))
         unit.set_gradient_divide_factor(1.0)
+        if replicated is not None:
+            unit.set_all_reduce_hook(lambda shard: replicated.all_reduce(shard, label="replicated.grad"))
     _forward_through_fsdp(inner)
     return units
+
+
+def _replicated_axis(inner) -> AxisComm | None:
+    """The model axis whose ranks hold whole replicas of every weight and see other tokens (SP), or None. Such a
+    scheme sums its gradients over that axis in hooks on its parameters, which FSDP2's own parameters replace:
+    FSDP2 sums them instead, after its reduce-scatter over dp (``set_all_reduce_hook``), each rank its dp shard
+    only: 1/dp of the bytes the hooks moved."""
+    from ..parallel.base import ReplicatedTransformer
+
+    return inner.comm if isinstance(inner, ReplicatedTransformer) else None
 
 
 def _forward_through_fsdp(inner) -> None:
