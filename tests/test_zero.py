@@ -213,6 +213,16 @@ def test_memory_model_learns_zero():
     assert zero1.optimizer == zero2.optimizer and abs(zero2.optimizer * 128 - plain.optimizer) <= 128 * 12
     assert zero2.grads < plain.grads < zero1.grads  # ZeRO-1 keeps a float32 buffer of the local gradient
     assert zero2.total < plain.total
+    # FSDP2: weights (the float32 masters), gradients and moments 1/dp between steps; it gathers the weights for
+    # forward and again for backward, beside ZeRO's reduce-scatter.
+    fsdp = predict_memory("tsp", cfg, 128, 4096, zero=3, **degrees)
+    assert fsdp.params * 128 <= plain.params * 2 + 128 * 4 and fsdp.grads < zero2.grads
+    assert fsdp.optimizer <= zero2.optimizer and fsdp.params + fsdp.grads + fsdp.optimizer < zero2.params
+    sync = {z: predict_comm("tsp", get_preset("tiny"), 4, 32, dp=2, tsp=2, zero=z).grad_sync for z in (2, 3)}
+    gathers = sync[3] - sync[2]  # one more all-gather of the fp32 weights' dp chunks
+    assert 0 < gathers < sync[2] / 2
+    with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3"):
+        predict_memory("tsp", cfg, 128, 4096, zero=4, **degrees)
     at_dp1 = predict_memory("tsp", cfg, 1, 4096, tsp=8, dtype_bytes=2, zero=2)
     assert at_dp1 == predict_memory("tsp", cfg, 1, 4096, tsp=8, dtype_bytes=2)  # nothing to shard over
 
