@@ -56,9 +56,10 @@ FSDP_BF16_BOUND, FSDP_BF16_LOSS = 2 * BASE["lr"] * (BASE["steps"] - 1), 2**-9 * 
 # Each case: world, settings, the --zero levels compared with --zero 0 and their bounds on (parameters, losses): a
 # loss moves by at most ~10x a weight here.
 CASES = {
-    # D = 2, fp32, accumulation and clipping: both levels, FSDP2 (one unit around TSP's schedule), and the measured
-    # bytes (test_memory_...)
-    "dp2-tsp2-fp32-accum-clip": (4, {"dp": 2, "tsp": 2, "grad_accum": 2, "grad_clip": 0.5, "mem_every": 0},
+    # D = 2, fp32, accumulation and clipping: both levels, FSDP2 (one unit around TSP's schedule), the measured
+    # bytes (test_memory_...), and the sample written after training (FSDP2 gathers its shards for the engine)
+    "dp2-tsp2-fp32-accum-clip": (4, {"dp": 2, "tsp": 2, "grad_accum": 2, "grad_clip": 0.5, "mem_every": 0,
+                                     "sample_tokens": 4},
                                  dict.fromkeys((1, 2, 3), (FP32_BOUND, 10 * FP32_BOUND))),
     # D = 1, dp = 4: 257 vocabulary rows split 65/65/65/62 (padded)
     "dp4-D1-bf16-accum-clip": (4, {"dp": 4, "tsp": 1, "batch_size": 8, "grad_accum": 2, "grad_clip": 0.5,
@@ -118,6 +119,7 @@ def test_zero_matches_zero0_loss_every_step_and_every_parameter(case_runs, case)
         for step, (a, b) in enumerate(zip(got["losses"], plain["losses"], strict=True)):
             assert abs(a - b) <= loss_bound, (level, step, a, b)
         assert sorted(weights) == sorted(plain_weights)
+        assert got.get("sample") == plain.get("sample")
         worst = max((weights[n] - plain_weights[n]).abs().max().item() for n in weights)
         loss_gap = max(abs(a - b) for a, b in zip(got["losses"], plain["losses"]))
         print(f"{case} zero {level}: largest parameter difference {worst:.2e}, loss {loss_gap:.2e}")

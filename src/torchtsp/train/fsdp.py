@@ -185,8 +185,8 @@ class FSDPAdamW:
 
     grad_sum = _NoGradSum()
 
-    def __init__(self, model, lr: float, weight_decay: float):
-        self.model, self.comms = model, model.comms()
+    def __init__(self, model, lr: float, weight_decay: float, units: list[FSDPModule] = ()):
+        self.model, self.comms, self.units = model, model.comms(), list(units)
         self.dp: AxisComm = self.comms["dp"]
         sizes = {axis: comm.size for axis, comm in self.comms.items()}
         self.named = list(model.named_parameters())
@@ -213,6 +213,18 @@ class FSDPAdamW:
 
     def wait_for_weights(self) -> None:
         """FSDP2 gathers the weights in the forward itself."""
+
+    @contextlib.contextmanager
+    def whole_weights(self):
+        """Every unit's weights gathered for code that reads them outside a forward (the trainer's sample, through
+        the inference engines), and sharded again after it."""
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.reshard()
 
     def reduce(self) -> None:
         """FSDP2 reduce-scattered every backward pass as it ended."""

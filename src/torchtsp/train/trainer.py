@@ -9,6 +9,7 @@ checkpoint; gradient accumulation and evaluation are in ``torchtsp.train.accumul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -94,9 +95,9 @@ def build_optimizer(model, cfg: TrainConfig, dp: int, mesh=None):
     if cfg.zero_level(dp) == 3:
         from .fsdp import FSDPAdamW, shard_over_dp
 
-        shard_over_dp(model, mesh["dp"], reshard_after_forward=cfg.reshard_after_forward, bfloat16=master_weights,
-                      cpu_offload=cfg.cpu_offload)
-        return FSDPAdamW(model, cfg.lr, cfg.weight_decay)
+        units = shard_over_dp(model, mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
+                              bfloat16=master_weights, cpu_offload=cfg.cpu_offload)
+        return FSDPAdamW(model, cfg.lr, cfg.weight_decay, units)
     if cfg.zero_level(dp):
         from .zero import ZeroOptimizer
 
@@ -442,7 +443,9 @@ class Trainer:
         prompt = tokenizer.encode(self.cfg.prompt) or eos
         if not prompt:
             return None
-        with torch.no_grad():
+        # FSDP2 (--zero 3) gathers its shards for the engine, which reads the weights outside a forward.
+        whole = getattr(self.optimizer, "whole_weights", contextlib.nullcontext)
+        with torch.no_grad(), whole():
             result = generate(model.eval(), [prompt], self.cfg.sample_tokens, temperature=0.8, top_k=40,
                               seed=self.cfg.seed, stop_token_ids=eos)
         model.train()
