@@ -136,8 +136,12 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "a run continued on other data; without it, a dataset other than the run's is refused)")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
     add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
-    add("--zero", type=int, metavar="{0,1,2}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
-        "masters 1/dp, 2 also the gradients (default: 2 when dp > 1; 0: replicated)")
+    add("--zero", type=int, metavar="{0,1,2,3}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
+        "masters 1/dp, 2 also the gradients, 3 also the weights (FSDP2) (default: 2 when dp > 1; 0: replicated)")
+    add("--reshard-after-forward", action=argparse.BooleanOptionalAction, help="with --zero 3: free the gathered "
+        "weights after forward and gather them again for backward (default: on; off trades memory for bytes)")
+    add("--cpu-offload", action="store_true", default=None, help="with --zero 3: keep sharded weights, gradients "
+        "and AdamW state in host memory (GPU runs)")
     add("--zero-bucket-mb", type=float, metavar="MB", help="float32 gradient bucket of one reduce-scatter with "
         "--zero, all dp rows together (default: 32)")
     add("--document-mask", action=argparse.BooleanOptionalAction,

@@ -48,6 +48,8 @@ def live_bytes(tensors) -> int:
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters, their gradients): this rank's piece
+            t = t.to_local()
         storage = t.untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

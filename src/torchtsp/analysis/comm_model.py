@@ -465,7 +465,9 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     ``model.traffic_args()`` gives a running model's pair.
 
     ``zero`` 1 or 2 (``train/zero.py``, dp > 1): each local tensor's gradient is reduce-scattered over dp in fp32
-    and the updated weights all-gathered in the model dtype, dp - 1 chunks of ceil(rows/dp) whole rows each.
+    and the updated weights all-gathered in the model dtype, dp - 1 chunks of ceil(rows/dp) whole rows each. ``zero``
+    3 (FSDP2, ``train/fsdp.py``): the same reduce-scatter and two all-gathers, before forward and before backward
+    (``reshard_after_forward``; one micro-batch of accumulation).
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     Layout.of_degrees(scheme, cfg, batch, seq_len, **degrees, sequence_parallel=sequence_parallel)  # layout.py
@@ -485,7 +487,9 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
         # Data parallelism (parallel/dp.py): the NLL sum and token count (and a mixture of experts' router
         # statistics) over replicas, and each local gradient summed in fp32 by its own all-reduce (nothing at dp = 1).
         emb_fwd += t.loss + 2 * _all_reduce(4, dp) + _aux_stats(cfg, dp)
-        if zero and dp > 1:
+        if zero == 3 and dp > 1:  # FSDP2: gathered for forward and again for backward (resharded after forward)
+            grad_sync += sum((dp - 1) * _dp_chunk(shape, dp) * (4 + 2 * dtype_bytes) for shape in t.local_tensors)
+        elif zero and dp > 1:
             grad_sync += sum((dp - 1) * _dp_chunk(shape, dp) * (4 + dtype_bytes) for shape in t.local_tensors)
         else:
             grad_sync += sum(_all_reduce(_numel(shape) * 4, dp) for shape in t.local_tensors)

@@ -424,9 +424,13 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     moments and fp32 masters of 1/dp of each local tensor; 1 keeps a float32 buffer of the whole local gradient,
     2 the owned 1/dp of it plus the float32 buckets in flight (of ``zero_bucket_mb``). The backward walk still
     counts each gradient as it is produced, an upper bound for ZeRO-2, which frees them bucket by bucket.
+    3 is FSDP2 (``train/fsdp.py``): the float32 weights (the masters), their gradients and AdamW moments are 1/dp of
+    each local tensor between steps; the scheme's whole local model is gathered (in the compute dtype) while a
+    forward or backward runs, and the whole local gradient lives until backward ends, with its float32 copy for
+    the reduce-scatter (an upper bound for the dp scheme, whose blocks are gathered one at a time).
     """
-    if zero not in (0, 1, 2):
-        raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     # The one resolution train, bench, generate and serve use (layout.py), with its errors. Inference pads
@@ -466,6 +470,9 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         if owned < n_params:
             in_flight = min(n_params, ZERO_BUCKETS_IN_FLIGHT * int(zero_bucket_mb * 2**20) // FP32)
             grads = owned * e + (n_params * FP32 if zero == 1 else in_flight * FP32)
+    if zero == 3 and dp > 1:
+        return _fsdp_memory(spec, cfg, s, degrees, parts, n_params, e, master, optimizer, foreach, sequence_parallel,
+                            recompute, pruned_kv)
     # ZeRO-1's float32 gradient buffers live from step to step, beside the weights and optimizer state.
     base = params + opt + (n_params * FP32 if optimizer == "adamw" and zero == 1 and dp > 1 else 0)
     acts, (peak, phase, transient) = spec.load("memory_walk").walk(
@@ -475,3 +482,34 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra
     return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,
                            kv_cache=0, total=peak, phase=phase)
+
+
+def _fsdp_memory(spec, cfg, s, degrees, parts, n_params, e, master, optimizer, foreach, sequence_parallel, recompute,
+                 pruned_kv) -> MemoryBreakdown:
+    """``predict_memory`` under FSDP2 over dp (``zero=3``): the shards at rest, the gathered local model and its
+    gradient during the step (see ``predict_memory``)."""
+    owned = _ceil_div(n_params, degrees["dp"])
+    weight_bytes = FP32 if master else e  # the sharded parameters are the float32 masters under mixed precision
+    params = owned * weight_bytes
+    opt = owned * 2 * FP32 if optimizer == "adamw" else 0
+    # Forward and backward hold the gathered local model beside the shards; the walk adds the gradients.
+    base = params + opt + n_params * e
+    acts, (peak, phase, transient) = spec.load("memory_walk").walk(
+        spec, cfg, s, degrees, sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts,
+        pruned_kv=pruned_kv)
+    # The end of backward: the whole local gradient and its float32 copy for the reduce-scatter.
+    end = base + n_params * (e + FP32) + owned * FP32
+    if end > peak:
+        peak, phase, transient = end, "gradient reduce-scatter", n_params * FP32
+    grads = owned * FP32
+    if optimizer == "adamw":
+        step_extra = FP32 * (owned if foreach else 2 * _ceil_div(_largest_param(spec.name, cfg, **_model_degrees(
+            degrees)), degrees["dp"]))
+        if params + opt + grads + step_extra > peak:
+            peak, phase, transient = params + opt + grads + step_extra, "optimizer step", step_extra
+    return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,
+                           kv_cache=0, total=peak, phase=phase)
+
+
+def _model_degrees(degrees: dict) -> dict:
+    return {"tsp": degrees.get("tsp", 1), "tp": degrees.get("tp", 1)}

@@ -61,8 +61,11 @@ class PipelinePlan:
 
 def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp: int = 1, tsp: int = 1,
                      microbatches: int | None = None, schedule: str = "1f1b", dtype_bytes: int = 2,
-                     recompute: bool = False, foreach: bool = True) -> PipelinePlan:
-    """Per-stage peak memory, bubble and traffic of ``pp`` TSP stages (B = ``batch`` global rows)."""
+                     recompute: bool = False, foreach: bool = True, zero: int = 0) -> PipelinePlan:
+    """Per-stage peak memory, bubble and traffic of ``pp`` TSP stages (B = ``batch`` global rows); ``zero``: the
+    distributed optimizer over dp, as ``predict_memory`` takes it (3, FSDP2, only without a pipeline, as train)."""
+    if zero == 3 and pp > 1:
+        raise ValueError("--zero 3 (FSDP2) with --pp is not supported; use --zero 2 with --pp")
     # The one resolution train, bench, generate and serve use (layout.py): pipeline, model and batch checks.
     layout = Layout.of_degrees("tsp", cfg, batch, seq_len, dp=dp, tsp=tsp, pp=pp, microbatches=microbatches,
                                schedule=schedule)
@@ -76,7 +79,7 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
     # One stage, one microbatch, as a model of `per` layers (with the embedding and head, taken off below where
     # a stage lacks them): the walk of one microbatch's backward.
     one = predict_memory("tsp", stage_cfg, mb_rows, seq_len, dp=dp, tsp=tsp, dtype_bytes=e, optimizer="adamw",
-                         recompute=recompute, foreach=foreach)
+                         recompute=recompute, foreach=foreach, zero=zero)
     parts = param_elements("tsp", stage_cfg, tsp=tsp)
     opt_per = 2 * FP32 + (FP32 if e < FP32 else 0)
     per_param = 2 * e + opt_per  # weight, gradient, AdamW moments (and master)
@@ -109,12 +112,17 @@ def predict_pipeline(cfg: ModelConfig, batch: int, seq_len: int, *, pp: int, dp:
     # One replica's microbatch (B/(dp M) rows) through one stage, counted with the embedding and head rings: an
     # upper bound for the stages that hold neither.
     comm = predict_comm("tsp", stage_cfg, mb_rows // dp, seq_len, tsp=tsp, dtype_bytes=e, recompute=recompute)
-    grads = one.grads // e * FP32  # summed in float32
+    n_local = sum(parts.values())
+    # Over dp: the float32 gradient all-reduce (--zero 0), or its reduce-scatter and the weights' all-gathers in the
+    # model dtype (one after the step for --zero 1/2; FSDP2's before forward and again before backward).
+    dp_bytes = 2 * (dp - 1) * v * n_local * FP32 // dp
+    if zero and dp > 1:
+        dp_bytes = (dp - 1) * v * n_local * (FP32 + (2 if zero == 3 else 1) * e) // dp
     return PipelinePlan(pp=pp, dp=dp, tsp=tsp, microbatches=M, schedule=schedule,
                         bubble=pipeline_bubble(pp, M, schedule), stages=stages, boundary_bytes=boundary,
                         p2p_bytes_per_rank=M * busiest * boundary,
                         tsp_bytes_per_rank=v * M * comm.total,
-                        dp_bytes_per_rank=2 * (dp - 1) * v * grads // dp if dp > 1 else 0)
+                        dp_bytes_per_rank=dp_bytes if dp > 1 else 0)
 
 
 # ---------------------------------------------------------------- nodes

@@ -45,7 +45,7 @@ def run_pipeline_plan(args) -> int:
     e = DTYPE_BYTES[args.dtype]
     plan = predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"], tsp=lay["tsp"],
                             microbatches=args.microbatches, schedule=args.schedule, dtype_bytes=e,
-                            recompute=args.recompute)
+                            recompute=args.recompute, zero=args.zero)
     where = placement(lay["pp"], lay["dp"], lay["tsp"], lay["gpus_per_node"], lay["nodes"], plan,
                       args.inter_node_gbps)
     fits = [s.total <= args.gpu_mem * GB for s in plan.stages]

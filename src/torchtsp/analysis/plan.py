@@ -177,9 +177,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights (default: bfloat16)")
     parser.add_argument("--recompute", action="store_true",
                         help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
-    parser.add_argument("--zero", type=int, choices=[0, 1, 2], default=2,
-                        help="distributed optimizer over dp, as torchtsp train --zero (default: 2; the table shows "
-                             "the model state without it beside)")
+    parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=2,
+                        help="distributed optimizer over dp, as torchtsp train --zero (3: FSDP2) (default: 2; the "
+                             "table shows the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")

@@ -68,10 +68,13 @@ class TrainConfig:
     reset_data: bool = False  # a resumed run reads its (other) data from the start instead of the saved position
     dtype: str = "float32"  # or bfloat16: bf16 compute, fp32 master weights and optimizer state
     # Distributed optimizer over dp (train/zero.py): 0 replicates AdamW state on every replica; 1 shards it (and
-    # the fp32 masters) 1/dp; 2 also frees gradients outside the owned chunk. None: ZERO_DEFAULT where the
-    # scheme supports it, else 0. Without data parallelism (dp = 1) it changes nothing.
+    # the fp32 masters) 1/dp; 2 also frees gradients outside the owned chunk; 3 is FSDP2 (train/fsdp.py: weights
+    # too). None: ZERO_DEFAULT where the scheme supports it, else 0. Without data parallelism (dp = 1) it changes
+    # nothing.
     zero: int | None = None
     zero_bucket_mb: float = 32.0  # float32 gradient bucket of one reduce-scatter (all dp rows together)
+    reshard_after_forward: bool = True  # --zero 3: free the gathered weights after forward, gather them again
+    cpu_offload: bool = False  # --zero 3: sharded weights, gradients and AdamW state in host memory (a GPU run)
     recompute: bool = False
     seed: int = 0
     sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
@@ -98,8 +101,14 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_name(name)} must be >= 0, got {getattr(self, name)}")
-        if self.zero is not None and self.zero not in (0, 1, 2):
-            raise ValueError(f"{_name('zero')} must be 0, 1 or 2, got {self.zero}")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"{_name('zero')} must be 0, 1, 2 or 3, got {self.zero}")
+        if self.zero != 3 and (self.cpu_offload or not self.reshard_after_forward):
+            flag = _name("cpu_offload") if self.cpu_offload else "--no-reshard-after-forward"
+            raise ValueError(f"{flag} applies to FSDP2: give --zero 3 (and dp > 1)")
+        if self.zero == 3 and self.pp > 1:
+            raise ValueError("--zero 3 (FSDP2) with --pp is not supported: a pipeline stage runs forward and backward "
+                             "in one schedule; use --zero 2 with --pp")
         if self.zero_bucket_mb <= 0:
             raise ValueError(f"{_name('zero_bucket_mb')} must be > 0, got {self.zero_bucket_mb}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -240,7 +249,7 @@ NOT_RESTORED = ("resume", "out", "overwrite", "reset_data")
 # The mesh is restored whole or not at all: a run resumed under another scheme or degree names its own, and a
 # saved degree of the old scheme's axis must not leak into it.
 MESH_SETTINGS = ("scheme", "dp", "tsp", "tp", "sp", "pp", "microbatches", "schedule", "nproc", "zero",
-                 "zero_bucket_mb")
+                 "zero_bucket_mb", "reshard_after_forward", "cpu_offload")
 
 
 def build_config(file: str | None = None, **flags) -> TrainConfig:

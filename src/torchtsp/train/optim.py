@@ -88,6 +88,49 @@ def global_grad_norm(squares: dict[tuple[str, ...], torch.Tensor], all_reduce, o
     return total.sqrt()
 
 
+MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
+
+
+def owned_norm_terms(model, name: str, shape, lo: int, hi: int, sizes: dict[str, int], device) -> list:
+    """How elements [lo, hi) of the flattened local parameter ``name`` (a data-parallel rank's chunk of it: ZeRO's
+    owned chunk, FSDP's shard) enter the global norm: (mesh axes they are sharded over, start, end, weight,
+    per-element weights or None), relative to ``lo``; the weight 1 for an element counted as it is, chunks/size
+    for a slice several ranks hold, 0 for padding no reference tensor has (``norm_weight``). Packed shards lay
+    their pieces out one after another, so a few runs of [start, end) cover them; a layout with more runs keeps
+    per-element weights (on ``device``)."""
+    weight, group = torch.zeros(shape), torch.full(shape, -1, dtype=torch.int16)
+    keys: list[tuple] = []
+    # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
+    for (_, w, dims), (_, g, _) in zip(model.reference_parts(name, weight), model.reference_parts(name, group)):
+        key = norm_key(dims)
+        if key not in keys:
+            keys.append(key)
+        w.fill_(norm_weight(dims, sizes))
+        g.fill_(keys.index(key))
+    owned_w, owned_g = weight.view(-1)[lo:hi], group.view(-1)[lo:hi]
+    if owned_w.numel() == 0:
+        return []
+    edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
+    bounds = [0, *edges.tolist(), owned_w.numel()]
+    if len(bounds) <= MAX_NORM_RUNS:
+        return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
+                if owned_g[a] >= 0 and owned_w[a] != 0]
+    return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
+            for i, key in enumerate(keys)]
+
+
+def owned_squares(chunks, device) -> dict[tuple[str, ...], torch.Tensor]:
+    """``local_squares`` of data-parallel chunks: ``chunks`` yields (a flat float32 gradient chunk, its
+    ``owned_norm_terms``). A rank that owns no element still takes part in the sums, with a zero on ``device``."""
+    squares: dict[tuple[str, ...], torch.Tensor] = {(): torch.zeros((), device=device)}
+    for g, terms in chunks:
+        for key, start, end, factor, weights in terms:
+            part = g[start:end].pow(2)
+            sq = part.sum() * factor if weights is None else (part * weights).sum()
+            squares[key] = squares[key] + sq if key in squares else sq
+    return squares
+
+
 def comms_reduce(comms: dict[str, AxisComm]):
     """``global_grad_norm``'s ``all_reduce`` over a model's comms."""
     return lambda tensor, axis: comms[axis].all_reduce(tensor, label="grad_norm")

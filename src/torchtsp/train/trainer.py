@@ -9,6 +9,7 @@ checkpoint; gradient accumulation and evaluation are in ``torchtsp.train.accumul
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -86,10 +87,17 @@ def check_batch_split(cfg: TrainConfig, degrees: dict[str, int], moe: bool) -> N
             raise OSError("--tensorboard needs the tensorboard package: pip install 'torchtsp[tensorboard]'")
 
 
-def build_optimizer(model, cfg: TrainConfig, dp: int):
-    """The run's optimizer, one interface either way: the distributed optimizer over dp (``--zero``,
-    train/zero.py), or AdamW on whole local shards; float32 masters of bfloat16 weights in both."""
+def build_optimizer(model, cfg: TrainConfig, dp: int, mesh=None):
+    """The run's optimizer, one interface for all: FSDP2 over dp (``--zero 3``, train/fsdp.py, which shards the
+    model over ``mesh``'s dp axis first), the distributed optimizer over dp (``--zero 1/2``, train/zero.py), or
+    AdamW on whole local shards; float32 masters of bfloat16 weights in every one."""
     master_weights = cfg.dtype == "bfloat16"
+    if cfg.zero_level(dp) == 3:
+        from .fsdp import FSDPAdamW, shard_over_dp
+
+        units = shard_over_dp(model, mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
+                              bfloat16=master_weights, cpu_offload=cfg.cpu_offload)
+        return FSDPAdamW(model, cfg.lr, cfg.weight_decay, units)
     if cfg.zero_level(dp):
         from .zero import ZeroOptimizer
 
@@ -139,7 +147,7 @@ class Trainer:
         self.model = parallelize_layout(model, self.mesh, self.layout, timeout_s=cfg.timeout_s, weights=weights)
         self.comms = self.model.comms()
 
-        self.optimizer = build_optimizer(self.model, cfg, self.degrees.get("dp", 1))
+        self.optimizer = build_optimizer(self.model, cfg, self.degrees.get("dp", 1), self.mesh)
         self.model.sum_gradients_with(self.optimizer.grad_sum)  # its reduce-scatter, or the model's all-reduce
         self.out = Path(cfg.out)
         self.start_step = 0
@@ -435,7 +443,9 @@ class Trainer:
         prompt = tokenizer.encode(self.cfg.prompt) or eos
         if not prompt:
             return None
-        with torch.no_grad():
+        # FSDP2 (--zero 3) gathers its shards for the engine, which reads the weights outside a forward.
+        whole = getattr(self.optimizer, "whole_weights", contextlib.nullcontext)
+        with torch.no_grad(), whole():
             result = generate(model.eval(), [prompt], self.cfg.sample_tokens, temperature=0.8, top_k=40,
                               seed=self.cfg.seed, stop_token_ids=eos)
         model.train()

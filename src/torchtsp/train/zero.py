@@ -53,10 +53,16 @@ import torch
 
 from ..distributed.comm import AxisComm, Pending
 from ..sizes import ZERO_IN_FLIGHT
-from .optim import build_adamw, clip_grads_, comms_reduce, global_grad_norm, norm_key, norm_weight
+from .optim import (
+    build_adamw,
+    clip_grads_,
+    comms_reduce,
+    global_grad_norm,
+    owned_norm_terms,
+    owned_squares,
+)
 
 DEFAULT_BUCKET_MB = 32.0
-MAX_NORM_RUNS = 64  # runs of equally weighted elements a chunk's norm terms list before keeping weights
 IN_FLIGHT = ZERO_IN_FLIGHT  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
 
 
@@ -201,31 +207,9 @@ class ZeroOptimizer:
         return buckets
 
     def _norm_terms(self, slot: _Slot) -> list:
-        """How the owned elements enter the global norm: (mesh axes they are sharded over, start, end, weight,
-        per-element weights or None), the weight 1 for an element counted as it is, chunks/size for a slice
-        several ranks hold, 0 for padding no reference tensor has. Packed shards lay their pieces out one after
-        another, so a few runs of [start, end) cover them; a layout with more runs keeps per-element weights."""
-        weight, group = torch.zeros(slot.param.shape), torch.full(slot.param.shape, -1, dtype=torch.int16)
-        keys: list[tuple] = []
-        # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
-        for (_, w, dims), (_, g, _) in zip(self.model.reference_parts(slot.name, weight),
-                                           self.model.reference_parts(slot.name, group)):
-            key = norm_key(dims)
-            if key not in keys:
-                keys.append(key)
-            w.fill_(norm_weight(dims, self.sizes))
-            g.fill_(keys.index(key))
-        owned_w, owned_g = weight.view(-1)[slot.lo:slot.hi], group.view(-1)[slot.lo:slot.hi]
-        if owned_w.numel() == 0:
-            return []
-        edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
-        bounds = [0, *edges.tolist(), owned_w.numel()]
-        if len(bounds) <= MAX_NORM_RUNS:
-            return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
-                    if owned_g[a] >= 0 and owned_w[a] != 0]
-        device = slot.param.device
-        return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
-                for i, key in enumerate(keys)]
+        """How the owned elements enter the global norm (``optim.owned_norm_terms``)."""
+        return owned_norm_terms(self.model, slot.name, slot.param.shape, slot.lo, slot.hi, self.sizes,
+                                slot.param.device)
 
     # -- gradients ----------------------------------------------------------------------
 
@@ -385,15 +369,7 @@ class ZeroOptimizer:
         """This rank's share of the squared gradient norm from its owned chunks (``optim.local_squares``'s
         form: weighed sums of squares by the model axes their pieces are sharded over)."""
         self._master_grads()
-        # A rank that owns no element still takes part in the sums, with a zero on the parameters' device.
-        squares: dict[tuple[str, ...], torch.Tensor] = {(): torch.zeros((), device=self.slots[0].param.device)}
-        for slot in self.slots:
-            g = slot.master.grad
-            for key, start, end, factor, weights in slot.norm_terms:
-                part = g[start:end].pow(2)
-                sq = part.sum() * factor if weights is None else (part * weights).sum()
-                squares[key] = squares[key] + sq if key in squares else sq
-        return squares
+        return owned_squares(((slot.master.grad, slot.norm_terms) for slot in self.slots), self.slots[0].param.device)
 
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of the whole model's gradient, each element once (see the module docstring): the owned
