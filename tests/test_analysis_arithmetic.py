@@ -186,3 +186,20 @@ def test_gemma_sandwich_norms_add_their_gradient_sums(scheme, degrees):
     extra = predict_comm(scheme, cfg, 2, 64, **degrees, dtype_bytes=4).grad_sync
     extra -= predict_comm(scheme, plain, 2, 64, **degrees, dtype_bytes=4).grad_sync
     assert extra == (0 if scheme == "tp" else 2 * L * 2 * h * 4 // 2)
+
+
+def test_plan_shows_a_hybrids_local_and_global_layers_apart(capsys):
+    """``plan --preset gemma3-4b --seq-len 131072``: a column per layer type; TSP's local layers receive the weights
+    and only their window's keys (W = 1024 of 131,072 tokens), well under its global layers and under TP's."""
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    args = parser.parse_args(["--preset", "gemma3-4b", "--seq-len", "131072", "--gpus", "8"])
+    assert run_plan(args) == 0
+    out = capsys.readouterr().out
+    assert "fwd GB/local layer" in out and "fwd GB/global layer" in out
+    cfg = torchtsp.get_preset("gemma3-4b")
+    tsp = predict_comm("tsp", cfg, 1, 131072, tsp=8, dtype_bytes=2).layer_types
+    tp = predict_comm("tp", cfg, 1, 131072, tp=8, dtype_bytes=2).layer_types
+    local, full = tsp["sliding_attention"]["forward"], tsp["full_attention"]["forward"]
+    assert local < full / 4 and local < tp["sliding_attention"]["forward"] / 10
+    assert tp["sliding_attention"] == tp["full_attention"]  # TP moves activations: the window changes nothing

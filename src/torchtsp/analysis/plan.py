@@ -245,12 +245,29 @@ def ranked(rows: list[Row]) -> list[Row]:
     return sorted(rows, key=key)
 
 
-def _table_row(r: Row, train: bool, zero: int) -> list[str]:
+LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}  # plan's words for a hybrid's layers
+
+
+def _layer_kinds(cfg) -> list[str]:
+    """The layer types of a hybrid model (sliding first), or [] when every layer is alike."""
+    kinds = [k for k in LAYER_KINDS if k in set(cfg.layer_types or ())]
+    return kinds if len(kinds) > 1 else []
+
+
+def _layer_forward(c, cfg) -> list[str]:
+    """One layer's forward traffic, per layer type for a hybrid model."""
+    kinds = _layer_kinds(cfg)
+    if not kinds:
+        return [gb(c.layer_forward, 2)]
+    return [gb(c.layer_types[k]["forward"], 2) if k in c.layer_types else "-" for k in kinds]
+
+
+def _table_row(r: Row, train: bool, zero: int, cfg) -> list[str]:
     m, c = r.memory, r.comm
     first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
     plain = [gb(r.state_zero0)] if zero else []
     return [r.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
-            gb(c.layer_forward, 2), m.phase]
+            *_layer_forward(c, cfg), m.phase]
 
 
 def _print_table(cfg, args, rows, rec) -> None:
@@ -261,19 +278,22 @@ def _print_table(cfg, args, rows, rec) -> None:
     train, zero = args.mode == "train", _zero(args)
     cols = ("w+g+opt GB", "activations GB") if train else ("weights GB", "KV cache GB")
     beside = ["(zero 0) GB"] if zero else []  # the model state without the distributed optimizer
-    headers = ["layout", cols[0], *beside, cols[1], "peak GB", "fits", "comm GB/step", "fwd GB/layer", "peak during"]
+    per_layer = [f"fwd GB/{LAYER_KINDS[k]} layer" for k in _layer_kinds(cfg)] or ["fwd GB/layer"]
+    headers = ["layout", cols[0], *beside, cols[1], "peak GB", "fits", "comm GB/step", *per_layer, "peak during"]
     cells, notes = [], []
     for r in ranked(rows):
         if r.error:  # every column keeps its place; the reason goes below the table
             notes.append(f"({len(notes) + 1}) {r.layout.label}: {r.error}")
-            cells.append([r.layout.label, *["-"] * (len(headers) - 5), "n/a", "-", "-", f"see ({len(notes)})"])
+            cells.append([r.layout.label, *["-"] * (len(headers) - 4 - len(per_layer)), "n/a", "-",
+                          *["-"] * len(per_layer), f"see ({len(notes)})"])
         else:
-            cells.append(_table_row(r, train, zero))
+            cells.append(_table_row(r, train, zero, cfg))
     print("\n".join(render(headers, cells, left=(0, headers.index("fits"), len(headers) - 1))))
     for note in notes:
         print(note)
     print(f"(per GPU; GB = 1e9 bytes; fits: the peak within --gpu-mem {args.gpu_mem:g} GB; layouts that fit come "
           f"first, by traffic, the others by peak; comm: bytes received per step; fwd/layer: one layer's forward"
+          + ("; local: a sliding-window layer, global: a full-attention layer" if len(per_layer) > 1 else "")
           + (f"; w+g+opt at --zero {zero} where dp > 1, (zero 0): the same without the distributed optimizer"
              if zero else "") + ")")
     print()
