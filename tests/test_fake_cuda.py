@@ -23,8 +23,10 @@ HERE = Path(__file__).parent
 def results():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE),
                                                         os.environ.get("PYTHONPATH", "")])}
+    # About a minute alone; near three on this 2-core machine when other runs share it (measured): the bound
+    # stays under pytest's 600 s per test.
     run = subprocess.run([sys.executable, str(HERE / "fake_cuda_cases.py")], capture_output=True, text=True,
-                         timeout=300, env=env)
+                         timeout=540, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
