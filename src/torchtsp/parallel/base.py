@@ -272,6 +272,12 @@ class ParallelTransformer(nn.Module):
         """Reference-named full tensors assembled from ``pick(param)`` of every rank."""
         raise NotImplementedError
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """Modules FSDP2 (``--zero 3``) may shard as units of their own, because only their own forward reads their
+        weights. None for a scheme whose schedule reads a later layer's weights early (TSP prefetches the next
+        layer's shard, sums all norm gradients at once): the whole model is then one unit."""
+        return []
+
     def reference_parts(self, name: str, local: torch.Tensor) -> list[tuple[str, torch.Tensor, dict[str, int]]]:
         """Split a tensor shaped like parameter ``name`` (the parameter, its gradient or an optimizer
         state) into reference-named pieces: (reference name, view of ``local``, {mesh axis: dim it is

@@ -43,6 +43,9 @@ class Replica(ParallelTransformer):
     def reference_parts(self, name, local):
         return [(name.removeprefix("module."), local, {})]
 
+    def fsdp_blocks(self):
+        return list(self.module.layers)  # whole replicated blocks, one unit each (torchtitan's apply_fsdp)
+
     def _full(self, pick):
         return {name: pick(p) for name, p in self.module.named_parameters()}
 

@@ -117,10 +117,9 @@ def shard_over_dp(model, dp_mesh, *, reshard_after_forward: bool = True, bfloat1
                "offload_policy": CPUOffloadPolicy() if cpu_offload else None}
     options = {k: v for k, v in options.items() if v is not None}
     units = []
-    if inner.scheme == "dp":  # the reference blocks, one unit each, as torchtitan's apply_fsdp
-        for block in inner.module.layers:
-            fully_shard(block, reshard_after_forward=reshard_after_forward and not block.moe, **options)
-            units.append(block)
+    for block in inner.fsdp_blocks():  # a MoE block keeps its weights: its router statistics reach the loss later
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not block.moe, **options)
+        units.append(block)
     fully_shard(inner, reshard_after_forward=reshard_after_forward, **options)
     units.append(inner)
     replicated = _replicated_axis(inner)
