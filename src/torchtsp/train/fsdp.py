@@ -52,7 +52,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from ..distributed.comm import AxisComm
 from ..memory import live_bytes
-from .optim import build_adamw, clip_grads_, comms_reduce, global_grad_norm, owned_norm_terms, owned_squares
+from .optim import AdamWSteps, build_adamw, clip_grads_, comms_reduce, global_grad_norm, owned_norm_terms, owned_squares
 
 
 class _Allocate:
@@ -177,7 +177,7 @@ def _rows_chunk(p) -> tuple[int, int, int]:
     return rows, -(-rows // dp), p.numel() // max(rows, 1)
 
 
-class FSDPAdamW:
+class FSDPAdamW(AdamWSteps):
     """AdamW on the dp shards of a model FSDP2 has sharded (``shard_over_dp``), with ``optim.ReplicatedAdamW``'s
     interface: ``wait_for_weights``, ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` /
     ``load_state_dict``, ``bytes``, ``tracked``, ``param_groups``, ``grad_sum``, ``measuring``."""
@@ -200,15 +200,6 @@ class FSDPAdamW:
         refs = {name: [ref for ref, *_ in model.reference_parts(name, torch.empty(p.shape, device="meta"))]
                 for name, p in self.named}
         self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay)
-        self.measuring, self.measured_grad_bytes = False, 0
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def tracked(self) -> list:
-        return [self.optimizer]
 
     def wait_for_weights(self) -> None:
         """FSDP2 gathers the weights in the forward itself."""
@@ -243,9 +234,7 @@ class FSDPAdamW:
     def step(self, lr: float | None = None) -> None:
         if self.measuring:
             self.measured_grad_bytes = live_bytes(self._grads())
-        for group in self.param_groups if lr is not None else ():
-            group["lr"] = lr
-        self.optimizer.step()
+        self.adamw_step(lr)
         self.discard()
 
     def discard(self) -> None:

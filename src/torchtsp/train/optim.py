@@ -167,7 +167,28 @@ class MasterWeights:
             p.copy_(m)
 
 
-class ReplicatedAdamW:
+class AdamWSteps:
+    """What the trainer's optimizers share around torch's AdamW (``self.optimizer``): its groups, what a step's
+    peak-memory measure counts of the tensors that exist before it (the moments), and a step at a learning rate."""
+
+    measuring, measured_grad_bytes = False, 0  # measuring: record the gradients' bytes at their fullest
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def tracked(self) -> list:
+        return [self.optimizer]
+
+    def adamw_step(self, lr: float | None) -> None:
+        """AdamW at learning rate ``lr`` (if given)."""
+        for group in self.param_groups if lr is not None else ():
+            group["lr"] = lr
+        self.optimizer.step()
+
+
+class ReplicatedAdamW(AdamWSteps):
     """AdamW on whole local tensors (``--zero 0``): every data-parallel replica updates its own copy alike, its
     gradients summed by the model's own all-reduce. ``master_weights``: bfloat16 parameters with float32
     masters (``MasterWeights``). One interface with ``train/zero.py``'s ``ZeroOptimizer``: ``wait_for_weights``,
@@ -183,16 +204,6 @@ class ReplicatedAdamW:
         self.named = list(zip(params, trained))
         refs = {name: [ref for ref, *_ in model.reference_parts(name, p)] for name, p in params.items()}
         self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay)
-        self.measuring, self.measured_grad_bytes = False, 0
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def tracked(self) -> list:
-        """What a step's peak-memory measure counts of the tensors that exist before it: the moments."""
-        return [self.optimizer]
 
     def wait_for_weights(self) -> None:
         """Every weight is whole and current after ``step``: nothing to wait for."""
@@ -217,9 +228,7 @@ class ReplicatedAdamW:
         if self.measuring:  # the gradients at their fullest: reduced, before the update
             self.measured_grad_bytes = live_bytes([p.grad for p in self.model.parameters()] +
                                                   [p.grad for _, p in self.named])
-        for group in self.param_groups if lr is not None else ():
-            group["lr"] = lr
-        self.optimizer.step()
+        self.adamw_step(lr)
         self.discard()
         if self.master:
             self.master.masters_to_params()
