@@ -165,7 +165,7 @@ def test_a_request_refused_by_rank_0_fails_alone():
 
 @pytest.mark.parametrize("ending,status,param", [
     ("bad_grammar", 400, "guided_regex"),  # the ranks refused its grammar: the field that asked for it is named
-    ("error", 500, None),  # the step it ran in failed (the ranks then exit): it fails at once, not at a timeout
+    ("grammar_timeout", 400, "guided_regex"),  # it did not compile on the ranks in time
 ])
 def test_a_request_the_ranks_end_early_fails_alone_naming_its_field(ending, status, param):
     pytest.importorskip("xgrammar")

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import (
+    CAUSAL,
     IGNORE_INDEX,
     SANDWICH_NORMS,
     Placement,
@@ -309,7 +310,7 @@ class TPTransformer(ParallelTransformer):
         return tokens
 
     def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None,
-              mask=None) -> torch.Tensor:
+              mask=CAUSAL) -> torch.Tensor:
         """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
         its router statistics to ``stats``; ``mask``: the layer's (``layers.sequence_mask``)."""
         cfg, tp = self.cfg, self.tp

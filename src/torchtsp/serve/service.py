@@ -41,7 +41,6 @@ _FAILED = {
                       "server is still up", None, "engine_rejected"),
     "bad_grammar": (400, "the engine could not compile this request's grammar for the model's tokenizer", None,
                     "bad_grammar"),
-    "error": (500, "the engine failed while running this request's step", None, "engine_failed"),
     "grammar_timeout": (400, "the grammar did not compile on the engine in time; simplify it", None, "bad_grammar"),
 }
 

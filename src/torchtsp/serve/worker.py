@@ -288,10 +288,8 @@ def _step_loop(control, runner, scheduler, conn) -> dict:
                 result.grammar_states = control.all_gather(states, label="serve.grammars").view(
                     control.size, -1).amin(dim=0).tolist()
         except BaseException:
-            if scheduler is not None:  # the step's requests fail now, none of its blocks cached; then the rank exits
-                scheduler.step_failed()
-                conn.send(("step", {"tokens": [], "finished": scheduler.dropped, "admitted": [], "logprobs": [],
-                                    "prompt_logprobs": [], **scheduler.figures(), "step_s": time.perf_counter() - t0}))
+            if scheduler is not None:  # nothing of the step enters the prefix cache; the rank then exits, and the
+                scheduler.step_failed()  # HTTP process fails every stream with the launcher's word on the cause
             raise
         if scheduler is not None:
             scheduler.after(result)
