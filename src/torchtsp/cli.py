@@ -15,6 +15,7 @@ from .errors import Interrupted, RankFailedError
 from .kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from .layout import Layout
 from .runenv import launched_by_torchrun
+from .recompute import POLICIES
 from .schemes import AXES, INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes
 from .timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -135,7 +136,10 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--reset-data", action="store_true", default=None, help="with --resume: read the data from its start (for "
         "a run continued on other data; without it, a dataset other than the run's is refused)")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
-    add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
+    add("--recompute", nargs="?", const="full", choices=POLICIES, help="activations recomputed in backward: full "
+        "(each layer's forward again), selective (the MLP's elementwise hidden state, no collective again) or none "
+        "(default); a bare --recompute is full")
+    add("--no-recompute", dest="recompute", action="store_const", const="none", help="the same as --recompute none")
     add("--zero", type=int, metavar="{0,1,2,3}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
         "masters 1/dp, 2 also the gradients, 3 also the weights (FSDP2) (default: 2 when dp > 1; 0: replicated)")
     add("--reshard-after-forward", action=argparse.BooleanOptionalAction, help="with --zero 3: free the gathered "
@@ -381,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = e.summary if isinstance(e, RankFailedError) else " ".join(str(e).split()) or type(e).__name__
         if _out_of_memory(e):
-            message = (f"out of memory: {message[:300]}; lower --batch-size or --seq-len, pass --recompute, "
-                       f"or spread the model over more ranks")
+            message = (f"out of memory: {message[:300]}; lower --batch-size or --seq-len, pass --recompute "
+                       f"(selective or full), or spread the model over more ranks")
         print(f"torchtsp: error: {message}", file=sys.stderr)
         return 2
 

@@ -242,9 +242,45 @@ def gated(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu") -> torch.Ten
     return activation(gate, kind) * up
 
 
+def gated_grads(dhidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str = "silu"):
+    """(dgate, dup, act) of ``gated(gate, up)`` given its gradient ``dhidden``; ``act`` = activation(gate), which
+    the caller needs for the next GEMM's weight gradient (act * up, recomputed, not saved)."""
+    act = activation(gate, kind)
+    return activation_backward(dhidden * up, gate, kind), dhidden * act, act
+
+
+class GatedDown(torch.autograd.Function):
+    """``F.linear(gated(gate, up), w_down)`` that saves gate and up only (selective recompute): backward
+    recomputes the elementwise hidden state instead of keeping it, the activation and the product (two
+    [tokens, ffn] tensors fewer per layer). A TP rank calls it on its FFN slice; the sum over ranks is outside."""
+
+    @staticmethod
+    def forward(ctx, gate, up, w_down, kind: str = "silu"):
+        ctx.save_for_backward(gate, up, w_down)
+        ctx.kind = kind
+        return F.linear(gated(gate, up, kind), w_down)
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up, w_down = ctx.saved_tensors
+        return *gated_down_backward(dy, gate, up, w_down, ctx.kind, ctx.needs_input_grad[:3]), None
+
+
+def gated_down_backward(dy, gate, up, w_down, kind: str, needs=(True, True, True)):
+    """(dgate, dup, dw_down) of ``F.linear(gated(gate, up), w_down)`` for its output gradient dy, the hidden
+    state recomputed from gate and up; a gradient not needed (``needs``) is None."""
+    dy_rows = dy.reshape(-1, dy.shape[-1])
+    dgate, dup, act = gated_grads((dy_rows @ w_down).view(gate.shape), gate, up, kind)
+    dw = dy_rows.t() @ (act * up).reshape(-1, gate.shape[-1]) if needs[2] else None
+    return (dgate if needs[0] else None), (dup if needs[1] else None), dw
+
+
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-           kind: str = "silu") -> torch.Tensor:
-    """The gated MLP (SwiGLU, or GeGLU with ``kind="gelu_tanh"``)."""
+           kind: str = "silu", selective: bool = False) -> torch.Tensor:
+    """The gated MLP (SwiGLU, or GeGLU with ``kind="gelu_tanh"``); ``selective``: its hidden state recomputed
+    in backward (``GatedDown``)."""
+    if selective:
+        return GatedDown.apply(F.linear(x, w_gate), F.linear(x, w_up), w_down, kind)
     return F.linear(gated(F.linear(x, w_gate), F.linear(x, w_up), kind), w_down)
 
 

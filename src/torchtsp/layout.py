@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .recompute import recompute_policy
 from .schemes import AXES, PIPELINE_AXIS, Scheme, check_pipeline, get_scheme
 
 OPTIONS = ("recompute", "sequence_parallel")
@@ -29,19 +30,20 @@ def check_positive_int(name: str, value) -> None:
 class Layout:
     """Where every part of a run lives. ``degrees``: (axis, size) for each of ``schemes.AXES``; ``pp`` pipeline
     stages (each a ``degrees`` mesh); ``microbatches`` per replica and step (the pipeline's; 1 without);
-    ``options``: (name, value) of the scheme options given (``recompute``, ``sequence_parallel``)."""
+    ``options``: (name, value) of the scheme options given (``recompute``: a ``recompute.POLICIES`` name;
+    ``sequence_parallel``: a bool)."""
 
     scheme: str
     degrees: tuple[tuple[str, int], ...]
     pp: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
-    options: tuple[tuple[str, bool], ...] = ()
+    options: tuple[tuple[str, bool | str], ...] = ()
 
     @classmethod
     def resolve(cls, scheme: str = "tsp", world: int | None = None, *, dp: int | None = None,
                 tsp: int | None = None, tp: int | None = None, sp: int | None = None, pp: int = 1,
-                microbatches: int | None = None, schedule: str = "1f1b", recompute: bool | None = None,
+                microbatches: int | None = None, schedule: str = "1f1b", recompute: str | bool | None = None,
                 sequence_parallel: bool | None = None, cfg=None, batch: int | None = None,
                 seq_len: int | None = None) -> Layout:
         """The layout of ``scheme`` on ``world`` ranks (None: the product of the degrees given) from the degrees
@@ -60,8 +62,8 @@ class Layout:
         if world % pp:
             raise ValueError(f"--pp {pp} needs a multiple of {pp} ranks, but the world has {world}")
         degrees = spec.degrees(world // pp, dp=dp, tsp=tsp, tp=tp, sp=sp)
-        options = {name: bool(value) for name, value in (("recompute", recompute),
-                                                         ("sequence_parallel", sequence_parallel))
+        options = {name: convert(value) for name, value, convert in (
+            ("recompute", recompute, recompute_policy), ("sequence_parallel", sequence_parallel, bool))
                    if value is not None}
         unsupported = sorted(set(options) - set(spec.options))
         if unsupported:

@@ -18,6 +18,7 @@ from .config import ModelConfig
 from .layers import (
     CAUSAL,
     IGNORE_INDEX,
+    GatedDown,
     LossTerms,
     Mask,
     Placement,
@@ -36,6 +37,7 @@ from .layers import (
     rope_positions,
     scale_embeddings,
 )
+from .recompute import FULL, NONE, SELECTIVE, recompute_policy
 
 INIT_STD = 0.02
 INIT_BLOCK_ROWS = 256  # initial values are drawn per block of rows, so a rank can draw just the rows it keeps
@@ -129,8 +131,11 @@ class FeedForward(nn.Module):
         self.w_up = nn.Linear(cfg.dim, width, bias=False)
         self.w_down = nn.Linear(width, cfg.dim, bias=False)
 
-    def forward(self, x):
-        # swiglu() spelled with module calls, so that hooks on the linears (e.g. DTensor TP) run.
+    def forward(self, x, selective: bool = False):
+        # swiglu() spelled with module calls, so that hooks on the linears (e.g. DTensor TP) run. ``selective``
+        # (selective recompute): the hidden state is recomputed in backward from the saved gate and up.
+        if selective:
+            return GatedDown.apply(self.w_gate(x), self.w_up(x), self.w_down.weight, self.activation)
         return self.w_down(gated(self.w_gate(x), self.w_up(x), self.activation))
 
 
@@ -179,11 +184,12 @@ class Block(nn.Module):
         self.feed_forward = MoEFeedForward(cfg) if self.moe else FeedForward(cfg)
         self.window = cfg.window(index)
 
-    def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL):
+    def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL, selective: bool = False):
         """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss). ``mask``: the
-        model's (causal, documents); this layer adds its own window. cos/sin: this layer type's RoPE tables."""
+        model's (causal, documents); this layer adds its own window. cos/sin: this layer type's RoPE tables.
+        ``selective``: a dense MLP recomputes its hidden state in backward (``recompute.SELECTIVE``)."""
         # Module calls, not the weights, so that hooks on the submodules (DTensor TP) run.
-        mlp = (lambda h: self.feed_forward(h, stats)) if self.moe else self.feed_forward
+        mlp = (lambda h: self.feed_forward(h, stats)) if self.moe else (lambda h: self.feed_forward(h, selective))
         mask = mask.windowed(self.window)
         attention = lambda h, _cache: self.attention(h, cos, sin, mask)
         return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp, self.attention_out_norm,
@@ -223,9 +229,10 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def hidden_states(self, tokens: torch.Tensor, stats: RouterStats | None = None,
-                      recompute: bool = False, document_ids=None) -> torch.Tensor:
+                      recompute: str | bool = NONE, document_ids=None) -> torch.Tensor:
         """Final-norm hidden states [B, S, dim]; sparse layers add their router statistics to ``stats``.
-        ``recompute``: keep each layer's input only and run its forward again in backward. ``document_ids``
+        ``recompute``: a ``recompute.POLICIES`` name (full: keep each layer's input only and run its forward
+        again in backward; selective: recompute the MLP's hidden state from its saved gate and up). ``document_ids``
         ([B, S], or ``Documents``): packed rows, each token attending within its document only."""
         S = tokens.shape[1]
         if S > self.cfg.max_seq_len:
@@ -234,12 +241,13 @@ class Transformer(nn.Module):
         mask = CAUSAL if documents is None else documents.mask()
         tables = layer_rope(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg)
         x = scale_embeddings(self.tok_embeddings(tokens), self.cfg)
+        policy = recompute_policy(recompute)
         for layer, (cos, sin) in zip(self.layers, tables):
-            x = (checkpoint(layer, x, cos, sin, stats, mask, use_reentrant=False) if recompute
-                 else layer(x, cos, sin, stats, mask))
+            x = (checkpoint(layer, x, cos, sin, stats, mask, use_reentrant=False) if policy == FULL
+                 else layer(x, cos, sin, stats, mask, policy == SELECTIVE))
         return self.norm(x)
 
-    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, recompute: bool = False,
+    def loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor, recompute: str | bool = NONE,
                    document_ids=None) -> LossTerms:
         """The summed cross-entropy of the targets, their number and (MoE) this forward's router statistics."""
         stats = RouterStats(self.cfg.n_experts) if self.cfg.moe else None

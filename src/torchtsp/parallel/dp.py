@@ -16,6 +16,7 @@ import torch
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import LossTerms
 from ..model import Transformer
+from ..recompute import NONE, recompute_policy
 from .base import ParallelTransformer, SumOverAxis, materialize, reference_view, sum_router_stats_over
 
 
@@ -24,12 +25,12 @@ class Replica(ParallelTransformer):
 
     scheme = "dp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, model: Transformer, mesh, recompute: str | bool = NONE, timeout_s: float = DEFAULT_TIMEOUT_S,
                  weights=None):
         super().__init__(model.cfg, mesh)
         materialize(model, mesh, weights)
         self.module = model
-        self.recompute = recompute
+        self.recompute = recompute_policy(recompute)
 
     def comms(self):
         return {}
@@ -117,8 +118,8 @@ class DataParallel(ParallelTransformer):
         self._grad_hooks = strategy.in_backward(self.module.parameters())
 
     @property
-    def recompute(self) -> bool:
-        return getattr(self.module, "recompute", False)
+    def recompute(self) -> str:
+        return getattr(self.module, "recompute", NONE)
 
     def comms(self):
         return {**self.module.comms(), "dp": self.dp}

@@ -157,7 +157,7 @@ class Pipeline(ParallelTransformer):
     joint_forward_backward = True
 
     def __init__(self, model: Transformer, mesh, scheme: str = "tsp", microbatches: int | None = None,
-                 schedule: str = "1f1b", recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 schedule: str = "1f1b", recompute: str | bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                  weights: WeightSource | None = None, **options):
         sizes = mesh_sizes(mesh)
         pp = sizes.get(PIPELINE_AXIS, 1)
@@ -293,7 +293,7 @@ def _no_loss(x, labels):  # never called: only the last stage computes the loss
 
 
 def pipeline_parallelize(model: Transformer, mesh, scheme: str = "tsp", *, microbatches: int | None = None,
-                         schedule: str = "1f1b", recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         schedule: str = "1f1b", recompute: str | bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
                          weights: WeightSource | None = None, **options) -> Pipeline:
     """Split ``model`` into ``pp`` pipeline stages (the mesh's ``pp`` axis), each a ``scheme`` model (tsp, tp
     or sp) on that scheme's axes, replicated over ``dp``. ``microbatches`` defaults to the number of stages;

@@ -38,6 +38,7 @@ from ..layers import (
     swiglu,
 )
 from ..model import Transformer
+from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
 from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
 
@@ -52,10 +53,10 @@ class SPTransformer(ReplicatedTransformer):
     scheme = "sp"
     axis = "sp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, model: Transformer, mesh, recompute: str | bool = NONE, timeout_s: float = DEFAULT_TIMEOUT_S,
                  weights=None):
         super().__init__(model, mesh, timeout_s, weights)
-        self.recompute = recompute
+        self.recompute = recompute_policy(recompute)
 
     def shard_batch(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's zigzag shard [B, S/Σ] of a global [B, S] batch (ValueError unless 2Σ divides S)."""
@@ -80,7 +81,7 @@ class SPTransformer(ReplicatedTransformer):
             mlp = lambda h: moe_reference_layer(h, ff, cfg, stats)
         else:
             mlp = lambda h: swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
-                                   w["feed_forward.w_down.weight"], cfg.mlp_activation)
+                                   w["feed_forward.w_down.weight"], cfg.mlp_activation, self.recompute == SELECTIVE)
         norms = {n.removesuffix(".weight"): t for n, t in w.items() if n.endswith("norm.weight")}
         return block_forward(x, Placement.normed(norms, attention, mlp, cfg))
 
@@ -110,7 +111,7 @@ class SPTransformer(ReplicatedTransformer):
             mask = sequence_mask(documents, self.cfg.window(i))
             # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
             x = (checkpoint(self.layer_forward, x, layer, *tables[i], stats, mask, use_reentrant=False)
-                 if self.recompute else self.layer_forward(x, layer, *tables[i], stats, mask))
+                 if self.recompute == FULL else self.layer_forward(x, layer, *tables[i], stats, mask))
         return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):

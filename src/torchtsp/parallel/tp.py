@@ -60,6 +60,7 @@ from ..layers import (
     attend,
     block_forward,
     gated,
+    gated_down_backward,
     layer_rope,
     norm,
     qkv_heads,
@@ -68,6 +69,7 @@ from ..layers import (
     sequence_mask,
 )
 from ..model import Transformer
+from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
 from ..weights import WeightSource
 from .base import ParallelTransformer, ReplicatedGrad, ShardView, replicated_grad, weight_source
 from .moe import tp_moe
@@ -150,23 +152,31 @@ class ColumnParallelLinear(torch.autograd.Function):
 
 class RowParallelLinear(torch.autograd.Function):
     """``x @ w.T`` on the local input slice, summed over the axis: all-reduce (TP) or reduce-scatter to
-    sequence chunks (SP). Backward: dY is the same on every rank (TP) or all-gathered (SP)."""
+    sequence chunks (SP). Backward: dY is the same on every rank (TP) or all-gathered (SP).
+
+    With ``up`` (selective recompute of the MLP), x is the gate and the input is ``gated(x, up, kind)``,
+    recomputed in backward from the saved gate and up (``layers.gated_down_backward``), not saved."""
 
     @staticmethod
-    def forward(ctx, x, w, comm: AxisComm, sequence_parallel: bool):
-        ctx.save_for_backward(x, w)
-        ctx.comm, ctx.sequence_parallel = comm, sequence_parallel
-        return sum_partials(comm, F.linear(x, w), sequence_parallel, "tp.row")  # fresh: reduced in place
+    def forward(ctx, x, w, comm: AxisComm, sequence_parallel: bool, up=None, kind: str = "silu"):
+        ctx.save_for_backward(x, w, up)
+        ctx.comm, ctx.sequence_parallel, ctx.kind = comm, sequence_parallel, kind
+        local = F.linear(x if up is None else gated(x, up, kind), w)
+        return sum_partials(comm, local, sequence_parallel, "tp.row")  # fresh: reduced in place
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, up = ctx.saved_tensors
         if ctx.sequence_parallel:
             dy = gather_seq(ctx.comm, dy.contiguous(), label="tp.row.grad_gather")
+        needs = ctx.needs_input_grad
+        if up is not None:
+            dgate, dup, dw = gated_down_backward(dy, x, up, w, ctx.kind, (needs[0], needs[4], needs[1]))
+            return dgate, dw, None, None, dup, None
         dy_rows = _rows(dy)
-        dx = (dy_rows @ w).view(*x.shape) if ctx.needs_input_grad[0] else None
-        dw = dy_rows.t() @ _rows(x) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        dx = (dy_rows @ w).view(*x.shape) if needs[0] else None
+        dw = dy_rows.t() @ _rows(x) if needs[1] else None
+        return dx, dw, None, None, None, None
 
 
 class VocabParallelEmbedding(torch.autograd.Function):
@@ -250,12 +260,12 @@ class TPTransformer(ParallelTransformer):
 
     scheme = "tp"
 
-    def __init__(self, model: Transformer, mesh, sequence_parallel: bool = False, recompute: bool = False,
+    def __init__(self, model: Transformer, mesh, sequence_parallel: bool = False, recompute: str | bool = NONE,
                  timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
         self.tp = AxisComm.from_mesh(mesh, "tp", timeout_s)
         self.sequence_parallel = bool(sequence_parallel)
-        self.recompute = recompute
+        self.recompute = recompute_policy(recompute)
         # Ranks holding copies of one KV head (n_kv < T; Layout checked T % n_kv == 0) sum their gradients.
         self.kv_replicas = self.tp.size // min(model.cfg.n_kv_heads, self.tp.size)
         self.kv_comm = self.tp.blocks(mesh, self.kv_replicas, "kv_replicas")
@@ -342,6 +352,8 @@ class TPTransformer(ParallelTransformer):
         """Column-parallel gate/up of this rank's FFN slice, row-parallel ``w_down`` summed over the axis."""
         tp, sp, w = self.tp, self.sequence_parallel, self._weight
         gate, up = ColumnParallelLinear.apply(h, tp, sp, w(layer.w_gate), w(layer.w_up))
+        if self.recompute == SELECTIVE:  # the hidden state recomputed in backward from the saved gate and up
+            return RowParallelLinear.apply(gate, w(layer.w_down), tp, sp, up, self.cfg.mlp_activation)
         return RowParallelLinear.apply(gated(gate, up, self.cfg.mlp_activation), w(layer.w_down), tp, sp)
 
     def _kv_params(self, layer: TPLayer) -> list[torch.Tensor]:
@@ -367,8 +379,8 @@ class TPTransformer(ParallelTransformer):
         for i, layer in enumerate(self.layers):
             mask = sequence_mask(documents, self.cfg.window(i))
             # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, *tables[i], stats, mask, use_reentrant=False) if self.recompute
-                 else self.block(layer, x, *tables[i], stats, mask))
+            x = (checkpoint(self.block, layer, x, *tables[i], stats, mask, use_reentrant=False)
+                 if self.recompute == FULL else self.block(layer, x, *tables[i], stats, mask))
         return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):

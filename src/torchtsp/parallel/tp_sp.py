@@ -38,7 +38,7 @@ class TPSPTransformer(TPTransformer):
 
     scheme = "tp_sp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, model: Transformer, mesh, recompute: str | bool = "none", timeout_s: float = DEFAULT_TIMEOUT_S,
                  weights=None):
         super().__init__(model, mesh, sequence_parallel=False, recompute=recompute, timeout_s=timeout_s,
                          weights=weights)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PRESETS
+from ..recompute import recompute_policy
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 from ..timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -75,7 +76,7 @@ class TrainConfig:
     zero_bucket_mb: float = 32.0  # float32 gradient bucket of one reduce-scatter (all dp rows together)
     reshard_after_forward: bool = True  # --zero 3: free the gathered weights after forward, gather them again
     cpu_offload: bool = False  # --zero 3: sharded weights, gradients and AdamW state in host memory (a GPU run)
-    recompute: bool = False
+    recompute: str = "none"  # a recompute.POLICIES name; a bool (configs and runs from before) reads as full/none
     seed: int = 0
     sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "
@@ -83,6 +84,7 @@ class TrainConfig:
     mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
 
     def __post_init__(self):
+        self.recompute = recompute_policy(self.recompute)
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), hints[f.name]))

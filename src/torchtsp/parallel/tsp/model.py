@@ -27,6 +27,7 @@ from ...layers import (
     sequence_mask,
 )
 from ...model import Transformer, reference_shapes
+from ...recompute import FULL, NONE, recompute_policy
 from ...weights import WeightSource
 from ..base import (
     ParallelTransformer,
@@ -96,10 +97,10 @@ class TSPTransformer(ParallelTransformer):
 
     scheme = "tsp"
 
-    def __init__(self, model: Transformer, mesh, recompute: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, model: Transformer, mesh, recompute: str | bool = NONE, timeout_s: float = DEFAULT_TIMEOUT_S,
                  weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
-        self.recompute = recompute
+        self.recompute = recompute_policy(recompute)
         comm = AxisComm.from_mesh(mesh, "tsp", timeout_s, weight_stream=True)
         cfg, D, p = model.cfg, comm.size, comm.rank
         self.comm = comm
@@ -166,7 +167,7 @@ class TSPTransformer(ParallelTransformer):
             # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
             x = (checkpoint(block, x, i, use_reentrant=False,
                             context_fn=lambda: (contextlib.nullcontext(), prefetch.rerun()))
-                 if self.recompute else block(x, i))
+                 if self.recompute == FULL else block(x, i))
         return x
 
     def _block(self, x, i: int, tables, norms, prefetch: ShardPrefetch, stats, documents=None):
@@ -182,7 +183,7 @@ class TSPTransformer(ParallelTransformer):
         qk_norms = [norms["q_norm"], norms["k_norm"]] if self.cfg.qk_norm else [None, None]
         # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
         rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
-                 if self.recompute and i > 0 else None)
+                 if self.recompute == FULL and i > 0 else None)
         return TSPAttention.apply(h, layers[i].attention_shard, cos, sin, self.shard_math, prefetch, i, *qk_norms,
                                   rerun, mask)
 
@@ -196,8 +197,10 @@ class TSPTransformer(ParallelTransformer):
         behind = prefetch.request("attention.backward", i, layer.attention_shard)
         if layer.moe is not None:
             return layer.moe(h, stats, self.shard_math, ahead, behind)
-        return TSPFeedForward.apply(h, layer.mlp_shard, self.shard_math, ahead, behind, None, self.recompute,
-                                    prefetch.rerunning)
+        # Full and selective recompute alike keep the MLP's input only: backward projects gate and up again as the
+        # shards pass (they travel in backward anyway, so selective moves no byte twice).
+        return TSPFeedForward.apply(h, layer.mlp_shard, self.shard_math, ahead, behind, None,
+                                    self.recompute != NONE, prefetch.rerunning)
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states x [B, S/D, h] against labels [B, S/D]."""
