@@ -112,7 +112,8 @@ def resolve_train_layout(cfg: TrainConfig, model_cfg, world: int) -> Layout:
     sees one micro-batch of accumulation at a time. The launcher calls it before any rank starts; each rank again."""
     resolve = functools.partial(Layout.resolve, cfg.scheme, world, dp=cfg.dp, tsp=cfg.tsp, tp=cfg.tp, sp=cfg.sp,
                                 pp=cfg.pp, microbatches=cfg.microbatches, schedule=cfg.schedule,
-                                recompute=None if cfg.recompute == "none" else cfg.recompute, cfg=model_cfg, seq_len=cfg.seq_len)
+                                recompute=None if cfg.recompute == "none" else cfg.recompute, cfg=model_cfg,
+                                seq_len=cfg.seq_len)
     check_batch_split(cfg, resolve(batch=cfg.batch_size).sizes, model_cfg.moe)
     return resolve(batch=cfg.batch_size // cfg.grad_accum)
 
