@@ -13,6 +13,7 @@ from .. import chunks
 from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ..kv_layouts import resolve_kv_layout
 from ..layout import Layout
+from ..recompute import FULL, recompute_policy
 from ..schemes import get_scheme
 
 
@@ -446,7 +447,7 @@ def _layer_figures(t: SchemeTraffic, recompute: bool, mode: str) -> dict[bool, t
 
 def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                  tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
-                 mode: str = "train", recompute: bool = False, seq_rank: int | None = None,
+                 mode: str = "train", recompute: str | bool = False, seq_rank: int | None = None,
                  point_to_point: bool | None = None, zero: int = 0) -> CommBreakdown:
     """Bytes one rank receives per training step (forward + backward + gradient sync), or per prefill
     (``mode="infer"``: the forward only, no loss), under ``scheme`` as our parallel/ modules run it.
@@ -471,6 +472,8 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     """
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
     Layout.of_degrees(scheme, cfg, batch, seq_len, **degrees, sequence_parallel=sequence_parallel)  # layout.py
+    # Only full recompute re-runs collectives (a layer's forward again); selective recomputes no collective.
+    recompute = recompute_policy(recompute) == FULL
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     traffic = lambda window: _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes,

@@ -24,10 +24,12 @@ This module imports no torch: ``torchtsp plan`` must start instantly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..layout import Layout
+from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
 from ..schemes import Scheme, get_scheme
 from ..sizes import ZERO_IN_FLIGHT
 from .breakdown import FP32, MemoryBreakdown, _ceil_div, _kv_heads_held
@@ -156,19 +158,20 @@ def _walk(start: int, events: list[_Event]) -> tuple[int, str, int]:
     return best
 
 
-def _reference_saved(s: _Shape, n_rep: int, zigzag: bool) -> tuple[int, int]:
+def _reference_saved(s: _Shape, n_rep: int, zigzag: bool, selective: bool = False) -> tuple[int, int]:
     """Bytes one reference block (model.py) saves when run on shards: (attention half, MLP half).
 
     n_rep: tokens of the replicated part (norms and block inputs; n/T under Megatron-SP, else n).
     Attention: its norm, its input (e·h), q, K and V over the kv_len tokens it attends to, the output
     (token-major, shared with wo's input) and its fp32 log-sum-exp. SDPA (DP, TP) keeps K and V expanded
     to the query heads; the zigzag kernel of SP and TP x SP keeps the gathered K/V unexpanded.
-    MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product).
+    MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product); two, gate
+    and up, under selective recompute (``layers.GatedDown`` recomputes the silu and the product in backward).
     """
     e = s.e
     kv = 2 * e * (s.hkv if zigzag else s.hq) * s.kv_len
     attention = (n_rep * (s.norm + e * s.h) + s.n * (2 * e * s.hq + FP32 * s.nq) + kv + s.rope_per_layer)
-    mlp = n_rep * (s.norm + e * s.h) + 4 * e * s.ff * s.n
+    mlp = n_rep * (s.norm + e * s.h) + (2 if selective else 4) * e * s.ff * s.n
     return attention, mlp
 
 
@@ -204,13 +207,15 @@ def _sparse(cfg, s: _Shape, w: int, tsp: bool) -> _Sparse:
     return _Sparse(saved, extra, experts + 3 * h * shared_ff * e + cfg.n_experts * h * e)
 
 
-def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, recompute, base, parts):
-    """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards)."""
+def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, policy, base, parts):
+    """Saved activations and the backward walk of DP, TP, SP and TP x SP (the reference block on shards) under
+    the recompute ``policy``."""
     e, h, n, L = s.e, s.h, s.n, cfg.n_layers
+    recompute, selective = policy == FULL, policy == SELECTIVE
     n_rep = n // tp if sequence_parallel and tp > 1 else n
     gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
     zigzag = bool(spec.token_axes)  # the zigzag attention kernel (SP, TP x SP)
-    att, mlp = _reference_saved(s, n_rep, zigzag)
+    att, mlp = _reference_saved(s, n_rep, zigzag, selective)
     sparse = _sparse(cfg, s, tp, tsp=False) if cfg.moe else None
     mlps = [n_rep * (s.norm + e * h) + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n_rep * s.norm + e * h * n  # final norm and the head's input
@@ -246,9 +251,10 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
         events += [
             _Event("experts backward", sparse.extra, freed=mlps[i] - n_rep * s.norm, added=sparse.weights)
             if cfg.is_moe_layer(i) else
-            # w_down backward then the gate x up product backward: dW_down and two [n, F] gradients.
-            _Event("mlp backward", mlp_w // 3 + 2 * e * s.ff * n + gathered, freed=mlp - n_rep * s.norm,
-                   added=mlp_w),
+            # w_down backward then the gate x up product backward: dW_down and two [n, F] gradients (selective:
+            # with the recomputed activation and product beside them).
+            _Event("mlp backward", mlp_w // 3 + (4 if selective else 2) * e * s.ff * n + gathered,
+                   freed=mlp - n_rep * s.norm, added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n_rep, freed=n_rep * s.norm),
             # wo backward, then attention backward: dq and the gradient of the output (n x hq) and
             # dK, dV (kv_grad).
@@ -279,9 +285,12 @@ def _tsp_gathered_kv(s: _Shape, e: int, D: int, pruned_kv: bool) -> tuple[int, i
     return attn_kv, K32
 
 
-def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
-    """Saved activations and the backward walk of TSP (parallel/tsp.py), calibrated on measurements."""
+def _tsp_walk(cfg, s: _Shape, *, tsp, policy, base, parts, pruned_kv=False):
+    """Saved activations and the backward walk of TSP (parallel/tsp.py) under the recompute ``policy``, calibrated
+    on measurements. Selective is full's MLP (its input kept, gate and up projected again in backward's ring)
+    without the layer's forward again: the attention saves as without recompute."""
     e, h, n, L, D = s.e, s.h, s.n, cfg.n_layers, tsp
+    recompute, mlp_again = policy == FULL, policy != NONE
     many = D > 1
     bufs = min(D - 1, 2)  # received weight-shard buffers (none at D = 1)
     # Attention backward: shard j-1 (its K/V gradients finish late), j, and j+1, j+2 in flight. Float32
@@ -304,7 +313,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
     # FFN shard the gate and up projections (under recompute, projected again shard by shard in backward's ring).
     raw = Q + e * s.hkv * n if cfg.qk_norm else 0
     att = n * s.norm + A + D * (2 * Q + 2 * e * s.hkv * n + FP32 * s.nq * n + raw)
-    mlp = n * s.norm + A + (0 if recompute else D * 2 * e * s.ff * n)
+    mlp = n * s.norm + A + (0 if mlp_again else D * 2 * e * s.ff * n)
     sparse = _sparse(cfg, s, D, tsp=True) if cfg.moe else None
     mlps = [n * s.norm + A + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n * (s.norm + FP32 + 2 * INDEX) + A  # final norm, the head's input z, LSE, token ids and labels
@@ -332,7 +341,7 @@ def _tsp_walk(cfg, s: _Shape, *, tsp, recompute, base, parts, pruned_kv=False):
             # four, and one more from D = 2 on, where the previous step's are still bound when the next step's
             # are made; two more, gate and up, under recompute), shard buffers, the shard's float32 gradient
             # and the travelling ones; at D = 1 in bf16 the gradient's cast while its float32 sum lives.
-            _Event("mlp backward", A32 + A + (4 + many + 2 * recompute) * e * s.ff * n + bufs * mlp_w
+            _Event("mlp backward", A32 + A + (4 + many + 2 * mlp_again) * e * s.ff * n + bufs * mlp_w
                    + (1 + flight) * FP32 * mlp_elems + (mlp_w if e < FP32 and not many else 0),
                    freed=mlp - n * s.norm, added=mlp_w),
             _Event("mlp norm backward", s.norm_backward * n, freed=n * s.norm),
@@ -355,12 +364,12 @@ class ReferenceWalk:
     """The memory model of schemes that run the reference block on shards (DP, TP, SP, TP x SP)."""
 
     @staticmethod
-    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, recompute, base, parts,
+    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, policy, base, parts,
              pruned_kv):
-        """(saved activations, (peak, phase, transient)); ``pruned_kv`` changes nothing: the zigzag kernels keep
-        the whole gathered K/V."""
+        """(saved activations, (peak, phase, transient)); ``policy``: the recompute policy; ``pruned_kv`` changes
+        nothing: the zigzag kernels keep the whole gathered K/V."""
         return _reference_walk(spec, cfg, s, tp=degrees.get("tp", 1), sp=degrees.get("sp", 1),
-                               sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts)
+                               sequence_parallel=sequence_parallel, policy=policy, base=base, parts=parts)
 
     @staticmethod
     def largest_param(spec: Scheme, cfg: ModelConfig, w: int) -> int:
@@ -375,9 +384,9 @@ class TSPWalk:
     parameter."""
 
     @staticmethod
-    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, recompute, base, parts,
+    def walk(spec: Scheme, cfg, s: _Shape, degrees: dict[str, int], *, sequence_parallel, policy, base, parts,
              pruned_kv):
-        return _tsp_walk(cfg, s, tsp=degrees.get("tsp", 1), recompute=recompute, base=base, parts=parts,
+        return _tsp_walk(cfg, s, tsp=degrees.get("tsp", 1), policy=policy, base=base, parts=parts,
                          pruned_kv=pruned_kv)
 
     @staticmethod
@@ -399,15 +408,17 @@ REFERENCE_WALK, TSP_WALK = ReferenceWalk(), TSPWalk()
 def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp: int = 1, tsp: int = 1,
                    tp: int = 1, sp: int = 1, sequence_parallel: bool = False, dtype_bytes: int = 4,
                    optimizer: str | None = "adamw", master_weights: bool | None = None, foreach: bool = True,
-                   recompute: bool = False, mode: str = "train", new_tokens: int = 0, schedule: str = "auto",
+                   recompute: str | bool = False, mode: str = "train", new_tokens: int = 0, schedule: str = "auto",
                    prefill_chunk: int | None = None, pruned_kv: bool = False, zero: int = 0,
                    zero_bucket_mb: float = 32.0, kv_layout: str = "auto") -> MemoryBreakdown:
     """Predicted per-rank memory of one step of ``scheme`` (bytes).
 
     ``batch`` is the global batch B (each of the ``dp`` replicas gets B/dp rows). ``sequence_parallel``
-    is Megatron's SP inside TP (norm and residual activations split over T). ``recompute=True`` is
-    full activation checkpointing of every layer: only each layer's input is saved and backward runs
-    one layer's forward again. ``optimizer``: "adamw" or None (a bare forward + backward, as
+    is Megatron's SP inside TP (norm and residual activations split over T). ``recompute``: the policy
+    (``recompute.POLICIES``; True is "full"): "full" is activation checkpointing of every layer: only each
+    layer's input is saved and backward runs one layer's forward again; "selective" keeps the GEMM outputs and
+    recomputes the MLP's elementwise hidden state (TSP: its MLP keeps its input only, as under full). ``optimizer``:
+    "adamw" or None (a bare forward + backward, as
     ``measure_peak`` of ``loss.backward()`` sees it). ``master_weights`` (fp32 copies holding the
     optimizer, as train/optim.py's MasterWeights) defaults to dtype_bytes < 4. ``foreach``: AdamW's
     multi-tensor path (PyTorch's default on CUDA) allocates sqrt(v) for every parameter at once; the
@@ -429,24 +440,10 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
     forward or backward runs, and the whole local gradient lives until backward ends, with its float32 copy for
     the reduce-scatter (an upper bound for the dp scheme, whose blocks are gathered one at a time).
     """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     spec = get_scheme(scheme)
     degrees = {"dp": dp, "tsp": tsp, "tp": tp, "sp": sp}
-    # The one resolution train, bench, generate and serve use (layout.py), with its errors. Inference pads
-    # prompts and gives replicas unequal rows: only the model must split, not the batch.
-    train = mode != "infer"
-    Layout.of_degrees(scheme, cfg, batch if train else None, seq_len if train else None, **degrees,
-                      sequence_parallel=sequence_parallel)
-    if spec.memory_walk is None:
-        raise ValueError(f"no memory model for scheme {scheme!r}")
-    if mode not in ("train", "infer"):
-        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-    if optimizer not in ("adamw", None):
-        raise ValueError(f"optimizer must be 'adamw' or None, got {optimizer!r}")
-    if dtype_bytes not in (2, 4):
-        raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
-    e = dtype_bytes
+    _check_inputs(spec, cfg, batch, seq_len, degrees, sequence_parallel, mode, optimizer, dtype_bytes, zero)
+    e, policy = dtype_bytes, recompute_policy(recompute)
     parts = param_elements(scheme, cfg, tsp=tsp, tp=tp)
     n_params = sum(parts.values())
     if mode == "infer":
@@ -455,8 +452,55 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         return predict_infer(spec, cfg, batch, seq_len, degrees, e=e, params=n_params * e, new_tokens=new_tokens,
                               schedule=schedule, prefill_chunk=prefill_chunk, kv_layout=kv_layout)
     s = _shape(spec, cfg, batch // dp, seq_len, degrees, e)
-
+    walk = functools.partial(spec.load("memory_walk").walk, spec, cfg, s, degrees,
+                             sequence_parallel=sequence_parallel, policy=policy, parts=parts, pruned_kv=pruned_kv)
     master = (e < FP32) if master_weights is None else master_weights
+    if zero == 3 and dp > 1:
+        return _fsdp_memory(spec, cfg, degrees, n_params, e, master, optimizer, foreach, walk)
+    state = _model_state(spec, cfg, degrees, n_params, e, master, optimizer, foreach, zero, zero_bucket_mb)
+    acts, (peak, phase, transient) = walk(base=state.base)
+    if optimizer == "adamw" and state.base + state.grads + state.step_extra > peak:
+        peak, phase, transient = state.base + state.grads + state.step_extra, "optimizer step", state.step_extra
+    return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.opt, activations=acts,
+                           transient=transient, kv_cache=0, total=peak, phase=phase)
+
+
+def _check_inputs(spec: Scheme, cfg, batch, seq_len, degrees, sequence_parallel, mode, optimizer, dtype_bytes,
+                  zero) -> None:
+    """``predict_memory``'s arguments checked, the layout through the one resolution train, bench, generate and
+    serve use (layout.py), with its errors. Inference pads prompts and gives replicas unequal rows: only the
+    model must split, not the batch."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    train = mode != "infer"
+    Layout.of_degrees(spec.name, cfg, batch if train else None, seq_len if train else None, **degrees,
+                      sequence_parallel=sequence_parallel)
+    if spec.memory_walk is None:
+        raise ValueError(f"no memory model for scheme {spec.name!r}")
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+    if optimizer not in ("adamw", None):
+        raise ValueError(f"optimizer must be 'adamw' or None, got {optimizer!r}")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+
+
+@dataclass(frozen=True)
+class _State:
+    """Model state between steps without FSDP: ``params``, ``grads`` (what the step holds of them), ``opt``
+    (AdamW state), ``base`` (what lives through forward and backward) and ``step_extra`` (the step's
+    temporaries)."""
+
+    params: int
+    grads: int
+    opt: int
+    base: int
+    step_extra: int
+
+
+def _model_state(spec: Scheme, cfg, degrees, n_params, e, master, optimizer, foreach, zero,
+                 zero_bucket_mb) -> _State:
+    dp = degrees["dp"]
     params = grads = n_params * e
     opt = step_extra = 0
     if optimizer == "adamw":
@@ -464,39 +508,27 @@ def predict_memory(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, d
         owned = _ceil_div(n_params, dp) if zero and dp > 1 else n_params
         opt = owned * (2 * FP32 + (FP32 if master else 0))
         # AdamW's sqrt(v) temporaries; mixed precision keeps fp32 copies of the gradients for the masters;
-        largest = _largest_param(scheme, cfg, tsp=tsp, tp=tp)
+        largest = _largest_param(spec.name, cfg, **_model_degrees(degrees))
         step_extra = FP32 * (owned if foreach else 2 * _ceil_div(largest, dp if owned < n_params else 1))
         step_extra += owned * FP32 if master else 0
         if owned < n_params:
             in_flight = min(n_params, ZERO_BUCKETS_IN_FLIGHT * int(zero_bucket_mb * 2**20) // FP32)
             grads = owned * e + (n_params * FP32 if zero == 1 else in_flight * FP32)
-    if zero == 3 and dp > 1:
-        return _fsdp_memory(spec, cfg, s, degrees, parts, n_params, e, master, optimizer, foreach, sequence_parallel,
-                            recompute, pruned_kv)
     # ZeRO-1's float32 gradient buffers live from step to step, beside the weights and optimizer state.
     base = params + opt + (n_params * FP32 if optimizer == "adamw" and zero == 1 and dp > 1 else 0)
-    acts, (peak, phase, transient) = spec.load("memory_walk").walk(
-        spec, cfg, s, degrees, sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts,
-        pruned_kv=pruned_kv)
-    if optimizer == "adamw" and base + grads + step_extra > peak:
-        peak, phase, transient = base + grads + step_extra, "optimizer step", step_extra
-    return MemoryBreakdown(params=params, grads=grads, optimizer=opt, activations=acts, transient=transient,
-                           kv_cache=0, total=peak, phase=phase)
+    return _State(params, grads, opt, base, step_extra)
 
 
-def _fsdp_memory(spec, cfg, s, degrees, parts, n_params, e, master, optimizer, foreach, sequence_parallel, recompute,
-                 pruned_kv) -> MemoryBreakdown:
+def _fsdp_memory(spec, cfg, degrees, n_params, e, master, optimizer, foreach, walk) -> MemoryBreakdown:
     """``predict_memory`` under FSDP2 over dp (``zero=3``): the shards at rest, the gathered local model and its
-    gradient during the step (see ``predict_memory``)."""
+    gradient during the step (see ``predict_memory``); ``walk(base=...)``: the scheme's backward walk."""
     owned = _ceil_div(n_params, degrees["dp"])
     weight_bytes = FP32 if master else e  # the sharded parameters are the float32 masters under mixed precision
     params = owned * weight_bytes
     opt = owned * 2 * FP32 if optimizer == "adamw" else 0
     # Forward and backward hold the gathered local model beside the shards; the walk adds the gradients.
     base = params + opt + n_params * e
-    acts, (peak, phase, transient) = spec.load("memory_walk").walk(
-        spec, cfg, s, degrees, sequence_parallel=sequence_parallel, recompute=recompute, base=base, parts=parts,
-        pruned_kv=pruned_kv)
+    acts, (peak, phase, transient) = walk(base=base)
     # The end of backward: the whole local gradient and its float32 copy for the reduce-scatter.
     end = base + n_params * (e + FP32) + owned * FP32
     if end > peak:
