@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 from ..argtypes import DTYPE_BYTES
 from ..config import ModelConfig, get_preset
+from ..recompute import FULL, recompute_policy
 from ..schemes import AXES, SCHEMES, get_scheme
 from .comm_model import layer_weight_elements, predict_comm
 from .memory_model import predict_memory
@@ -105,9 +106,15 @@ def forward_flops(cfg: ModelConfig, batch: int, seq_len: int) -> Flops:
                  head=2 * cfg.dim * cfg.vocab_size * tokens, layers=cfg.n_layers)
 
 
-def step_multiplier(recompute: bool) -> int:
+def _full(recompute: str | bool) -> bool:
+    """Whether the policy re-runs each layer's forward (full). Selective's recomputed elementwise ops (and TSP's
+    gate and up projections) are not priced: its step is priced as none's."""
+    return recompute_policy(recompute) == FULL
+
+
+def step_multiplier(recompute: str | bool) -> int:
     """Forwards' worth of FLOPs in a training step: forward, backward (twice the forward), and the re-run."""
-    return 3 + int(recompute)
+    return 3 + int(_full(recompute))
 
 
 # ---------------------------------------------------------------- step time
@@ -173,12 +180,13 @@ def priced_schemes() -> tuple[str, ...]:
 
 
 def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degrees: dict, seq_len: int,
-                 batch: int | None = None, mfu: float = 0.4, dtype_bytes: int = 2, recompute: bool = False,
+                 batch: int | None = None, mfu: float = 0.4, dtype_bytes: int = 2, recompute: str | bool = False,
                  sequence_parallel: bool = False) -> StepTime:
     """One training step of ``scheme`` over ``degrees`` (one replica, inside a node) replicated over
     gpus / group replicas. ``batch``: sequences per step over the cluster (default one per replica)."""
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
+    recompute = _full(recompute)
     spec = get_scheme(scheme)
     if spec.step_cost is None:
         raise ValueError(f"no step-time model for scheme {scheme!r}; choose one of: {', '.join(priced_schemes())}")
@@ -222,7 +230,7 @@ def predict_step(scheme: str, cfg: ModelConfig, hw: Hardware, *, gpus: int, degr
 
 
 def ceiling_tokens_per_s(cfg: ModelConfig, hw: Hardware, gpus: int, seq_len: int, *, train: bool = True,
-                         recompute: bool = False) -> float:
+                         recompute: str | bool = False) -> float:
     """Tokens/s of the cluster at 100% of peak FLOP/s, with no communication at all: the physical ceiling."""
     per_token = forward_flops(cfg, 1, seq_len).forward / seq_len
     if train:
@@ -345,7 +353,7 @@ def ranked_steps(rows: list[StepTime], peaks: dict[str, int], hbm_bytes: float) 
 def _print_hardware_table(args, hw: Hardware, group: int, batch: int | None, report: dict) -> None:
     print(f"torchtsp plan --hardware {hw.name}: {args.preset}, S={count(args.seq_len)}, {args.gpus:,} GPUs in "
           f"replicas of {group}, one sequence per replica{'' if batch is None else f' (batch {batch:,})'}, "
-          f"{args.dtype}, MFU {args.mfu:g}{', recompute' if args.recompute else ''}")
+          f"{args.dtype}, MFU {args.mfu:g}{f', recompute {args.recompute}' if args.recompute != 'none' else ''}")
     print(f"  {hw.bf16_flops / TERA:,.0f} TFLOP/s bf16, HBM {hw.hbm_bytes / GIGA:,.0f} GB at "
           f"{hw.hbm_bytes_per_s / GIGA:,.0f} GB/s, intra-node {hw.intra_node_bytes_per_s / GIGA:,.0f} GB/s, "
           f"NIC {hw.inter_node_bytes_per_s / GIGA:,.0f} GB/s per GPU")

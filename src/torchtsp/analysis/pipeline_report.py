@@ -8,6 +8,7 @@ import math
 from ..argtypes import DTYPE_BYTES
 from ..config import get_preset
 from .pipeline_model import placement, predict_pipeline
+from .plan import policy_label, by_policy, paper_figure, print_policies
 from .validation import check_gpu_mem, check_gpus, dumps
 
 GB = 1e9
@@ -43,9 +44,14 @@ def run_pipeline_plan(args) -> int:
     check_gpu_mem(args.gpu_mem)
     lay = resolve_layout(args)
     e = DTYPE_BYTES[args.dtype]
-    plan = predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"], tsp=lay["tsp"],
-                            microbatches=args.microbatches, schedule=args.schedule, dtype_bytes=e,
-                            recompute=args.recompute, zero=args.zero)
+    predict = lambda policy: predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"],
+                                              tsp=lay["tsp"], microbatches=args.microbatches, schedule=args.schedule,
+                                              dtype_bytes=e, recompute=policy, zero=args.zero)
+    plan = predict(args.recompute)
+    # Each policy's fullest stage (activations and peak per GPU).
+    policies = by_policy(lambda p: max(predict(p).stages, key=lambda s: s.total))
+    paper = paper_figure(args.preset, "tsp", {"tsp": lay["tsp"]}, args.seq_len, args.batch_size // lay["dp"]) \
+        if lay["pp"] == 1 else None
     where = placement(lay["pp"], lay["dp"], lay["tsp"], lay["gpus_per_node"], lay["nodes"], plan,
                       args.inter_node_gbps)
     fits = [s.total <= args.gpu_mem * GB for s in plan.stages]
@@ -53,13 +59,14 @@ def run_pipeline_plan(args) -> int:
         print(dumps({"inputs": {"preset": args.preset, "seq_len": args.seq_len, "batch_size": args.batch_size,
                                 "dtype": args.dtype, "recompute": args.recompute, "gpu_mem_gb": args.gpu_mem,
                                 "inter_node_gbps": args.inter_node_gbps, **lay},
-                     "pipeline": plan.to_dict(), "fits": fits, "placement": where}))
+                     "pipeline": plan.to_dict(), "fits": fits, "placement": where,
+                     "recompute_policies": {**policies, "paper_gb": paper}}))
         return 0
     M, pp = plan.microbatches, lay["pp"]
     nodes = f" ({lay['nodes']} nodes x {lay['gpus_per_node']})" if lay["nodes"] > 1 else ""
     print(f"torchtsp plan: {args.preset} (L={cfg.n_layers}), B={args.batch_size}, S={args.seq_len:,}, "
           f"{lay['gpus']} GPUs{nodes}, mesh pp={pp} x dp={lay['dp']} x tsp={lay['tsp']}, {M} microbatches, "
-          f"{args.schedule}, {args.dtype}{', recompute' if args.recompute else ''}")
+          f"{args.schedule}, {args.dtype}{policy_label(args)}")
     if pp > 1:
         v = 2 if args.schedule == "interleaved_1f1b" else 1
         formula = "(pp-1)/(M+pp-1)" if v == 1 else "(pp-1)/(2M+pp-1)"
@@ -89,4 +96,5 @@ def run_pipeline_plan(args) -> int:
         print(f"slow link carries: {', '.join(crossing) or 'nothing'}")
     print("(GB = 1e9 bytes per GPU; memory as `plan` models it for TSP, per stage: one microbatch's backward walk "
           "plus the activations of the microbatches in flight; dp traffic counted whole on the slow link)")
+    print_policies(policies, "the fullest stage", paper)
     return 0

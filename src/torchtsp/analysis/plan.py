@@ -15,6 +15,7 @@ from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
 from ..layout import Layout
+from ..recompute import FULL, NONE, POLICIES, SELECTIVE
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
@@ -81,7 +82,7 @@ def layouts(gpus: int) -> list[Layout]:
 
 
 def evaluate(cfg: ModelConfig, gpus: int, batch: int, seq_len: int, *, mode: str, gpu_mem_gb: float,
-             dtype_bytes: int, recompute: bool, zero: int = 0, kv_layout: str = "auto") -> list[Row]:
+             dtype_bytes: int, recompute: str | bool, zero: int = 0, kv_layout: str = "auto") -> list[Row]:
     """Every layout's predicted memory and traffic; with ``zero`` (the distributed optimizer, on layouts with dp >
     1 whose scheme has it), also its model state without it (``Row.state_zero0``). ``kv_layout``: TSP's decode
     cache layout in infer mode (the other schemes have their own)."""
@@ -125,7 +126,7 @@ def recommend(rows: list[Row], gpu_mem_gb: float) -> dict:
     best = [r for r in valid if r.memory.total == least]
     return {"layouts": [r.label for r in best], "fits": False,
             "reason": f"nothing fits in {gpu_mem_gb:g} GB; this needs the least memory ({least / GB:.1f} GB); "
-                      f"try --recompute, more GPUs or a shorter sequence"}
+                      f"try --recompute (selective or full), more GPUs or a shorter sequence"}
 
 
 def paper_comparison() -> list[dict]:
@@ -175,8 +176,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype, choices=list(DTYPE_BYTES), default="bfloat16",
                         help="model dtype, as train --dtype (bf16, fp32: the same); bfloat16 adds fp32 master "
                              "weights (default: bfloat16)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="full activation recompute of every layer (default: off, as torchtsp trains by default)")
+    parser.add_argument("--recompute", nargs="?", const="full", choices=POLICIES, default="none",
+                        help="activation recompute policy, as train --recompute: full (each layer's input saved), "
+                             "selective (the MLP's elementwise hidden state recomputed) or none (default, as "
+                             "torchtsp trains by default); a bare --recompute is full. The activation memory of "
+                             "every policy is printed below the table")
     parser.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=2,
                         help="distributed optimizer over dp, as torchtsp train --zero (3: FSDP2) (default: 2; the "
                              "table shows the model state without it beside)")
@@ -227,12 +231,46 @@ def _assumptions(args) -> list[str]:
              + (", AdamW (two fp32 moments), foreach step" if args.mode == "train" else ", prefill with KV cache")
              + (f", --zero {_zero(args)} where dp > 1 (AdamW state and masters 1/dp"
                 + (", gradients too)" if _zero(args) == 2 else ")") if _zero(args) else ""),
-             "activations: " + ("full recompute (each layer's input saved)" if args.recompute
-                                else "as torchtsp's modules save them (no recompute)"),
+             "activations: " + POLICY_WORDS[args.recompute],
              "memory: live tensor bytes at the peak; CUDA context, NCCL buffers, workspaces and fragmentation "
              "are not modelled (budget a few GB)",
              "traffic: bytes received per GPU per step, as torchtsp.distributed.comm counts them"]
     return lines
+
+
+POLICY_WORDS = {NONE: "as torchtsp's modules save them (no recompute)",
+                FULL: "full recompute (each layer's input saved)",
+                SELECTIVE: "selective recompute (the MLP's elementwise hidden state recomputed; TSP: its MLP's input "
+                           "saved, gate and up projected again in backward's ring)"}
+
+
+def policy_label(args) -> str:
+    return "" if args.recompute == NONE else f", recompute {args.recompute}"
+
+
+def by_policy(memory) -> dict[str, dict]:
+    """Activation and peak bytes per GPU under each recompute policy: ``memory(policy)`` is the prediction
+    (a ``MemoryBreakdown``, or anything with ``activations`` and ``total``)."""
+    return {p: {"activations_bytes": m.activations, "peak_bytes": m.total} for p, m in
+            ((p, memory(p)) for p in POLICIES)}
+
+
+def paper_figure(preset: str, scheme: str, degrees: dict, seq_len: int, rows_per_replica: int) -> float | None:
+    """The paper's measured GB for this layout, where it measured it (paper-7b, one sequence per replica)."""
+    if preset != "paper-7b" or rows_per_replica != 1:
+        return None
+    return next((gb for _, s, d, S, gb in PAPER_FIGURES if (s, d, S) == (scheme, degrees, seq_len)), None)
+
+
+def print_policies(figures: dict[str, dict], what: str, paper_gb: float | None) -> None:
+    """``by_policy``'s figures as plan prints them, the paper's figure beside where there is one."""
+    paper = f"; the paper measured {paper_gb:g} GB (with full recompute)" if paper_gb is not None else ""
+    print(f"recompute policies, {what} (per GPU{paper}):")
+    for policy, f in figures.items():
+        fits = ("" if paper_gb is None else
+                f"  {'<=' if f['peak_bytes'] <= paper_gb * GB else '> '} the paper's {paper_gb:g} GB")
+        print(f"  {policy:<9} activations {f['activations_bytes'] / GB:6.1f} GB, peak {f['peak_bytes'] / GB:6.1f} GB"
+              + fits)
 
 
 def ranked(rows: list[Row]) -> list[Row]:
@@ -274,7 +312,7 @@ def _print_table(cfg, args, rows, rec) -> None:
     e = DTYPE_BYTES[args.dtype]
     print(f"torchtsp plan: {args.preset} (h={cfg.dim:,}, L={cfg.n_layers}, g={cfg.group_size}, F={cfg.ffn_dim:,}, "
           f"V={cfg.vocab_size:,}), {args.mode}, B={args.batch_size}, S={count(args.seq_len)}, {args.gpus} GPUs of "
-          f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}")
+          f"{args.gpu_mem:g} GB, {args.dtype}{policy_label(args)}")
     train, zero = args.mode == "train", _zero(args)
     cols = ("w+g+opt GB", "activations GB") if train else ("weights GB", "KV cache GB")
     beside = ["(zero 0) GB"] if zero else []  # the model state without the distributed optimizer
@@ -329,7 +367,7 @@ def _sweep(cfg, args) -> list[dict]:
 def _print_sweep(cfg, args, sweep) -> None:
     labels = [r.label for r in sweep[0]["rows"]]
     print(f"torchtsp plan --sweep: {args.preset}, {args.mode}, B={args.batch_size}, {args.gpus} GPUs of "
-          f"{args.gpu_mem:g} GB, {args.dtype}{', recompute' if args.recompute else ''}: peak GB per GPU "
+          f"{args.gpu_mem:g} GB, {args.dtype}{policy_label(args)}: peak GB per GPU "
           f"('-': cannot split; '*': does not fit)")
     width = max(9, *(len(x) for x in labels)) + 1
     print(f"{'S':>7} " + "".join(f"{x:>{width}}" for x in labels) + "  recommended")
@@ -372,16 +410,33 @@ def run_plan(args: argparse.Namespace) -> int:
                     dtype_bytes=dtype_bytes, recompute=args.recompute, zero=_zero(args),
                     kv_layout=getattr(args, "kv_layout", "auto"))
     rec = recommend(rows, args.gpu_mem)
+    best = next((r for r in ranked(rows) if not r.error), None) if args.mode == "train" else None
+    policies = _row_policies(cfg, args, best) if best else None
     if args.json:
         print(dumps({"inputs": _inputs(args), "assumptions": _assumptions(args),
                      "rows": [r.to_dict() for r in rows], "recommendation": rec,
                      "crossover_tokens": float(tsp_tp_crossover_tokens(cfg)),
+                     "recompute_policies": policies and {"layout": best.label, **policies},
                      "paper": paper and {"figures": paper, "notes": list(PAPER_NOTES)}}))
     else:
         _print_table(cfg, args, rows, rec)
+        if policies:
+            lay = best.layout
+            print_policies(policies, f"{best.label} (the table's first)",
+                           paper_figure(args.preset, lay.scheme, lay.degree_flags(), args.seq_len,
+                                        args.batch_size // lay.sizes["dp"]))
         if paper:
             _print_paper(paper)
     return 0
+
+
+def _row_policies(cfg, args, row: Row) -> dict:
+    """``by_policy`` of one row's layout, as ``evaluate`` predicts it."""
+    lay = row.layout
+    level = _zero(args) if lay.sizes["dp"] > 1 and get_scheme(lay.scheme).zero else 0
+    return by_policy(lambda p: predict_memory(lay.scheme, cfg, args.batch_size, args.seq_len, recompute=p,
+                                              dtype_bytes=DTYPE_BYTES[args.dtype], optimizer="adamw", zero=level,
+                                              **lay.degree_flags()))
 
 
 def main(argv: list[str] | None = None) -> int:
