@@ -8,6 +8,7 @@ import math
 from ..argtypes import length, length_list
 from ..config import PRESETS
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
+from ..recompute import POLICIES
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 from ..timeouts import BENCH_CELL_TIMEOUT_S
 
@@ -60,9 +61,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "infer: generate runs per scheme, interleaved; median and range; default: 3)")
     add("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
         help="Megatron sequence parallelism for tp and torch_tp alike (default: off, plain TP)")
-    add("--recompute", action="store_true",
-        help="every scheme keeps each layer's input only and re-runs its forward in backward (default: off: "
-             "every scheme saves its activations); a scheme without recompute (torch_tp) is reported n/a")
+    add("--recompute", nargs="?", const="full", choices=POLICIES, default="none",
+        help="the recompute policy of every scheme, as train --recompute: full (each layer's input kept, its "
+             "forward re-run in backward; a bare --recompute), selective (the MLP's elementwise hidden state "
+             "recomputed) or none (default: every scheme saves its activations); a scheme without recompute "
+             "(torch_tp) is reported n/a")
     add("--zero", type=int, choices=[0, 1, 2], default=0,
         help="the distributed optimizer over dp (as train --zero; it changes only meshes with dp > 1, here the dp "
              "scheme): 1 shards AdamW state, 2 also gradients (default: 0, replicated AdamW, like the committed runs)")

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
 from ..schemes import SCHEMES
 from .infer import ratio_text, tpot_text
 
@@ -23,6 +24,10 @@ MARKERS = {s.name: s.marker for s in SCHEMES.values()}
 # (DODGE), so none hides another.
 LINESTYLES = ("-", "--", "-.", (0, (1, 1)), (0, (5, 1, 1, 1, 1, 1)), (0, (3, 2)))
 DODGE = 0.04  # octaves between neighbouring series along a log2 S axis
+
+# The report's words for each recompute policy (a run recorded before the policies stored a bool).
+RECOMPUTE_WORDS = {NONE: "saved by every scheme", FULL: "every scheme recomputes each layer in backward",
+                   SELECTIVE: "selective recompute (the MLP's elementwise hidden state recomputed in backward)"}
 
 
 def _style(scheme: str, line: bool = True) -> dict:
@@ -109,7 +114,7 @@ def sweep_markdown(result: dict) -> str:
         f"max over ranks; bytes = received per rank in one forward, counted by the comm layer; "
         f"exposed comm = share of the timed steps a rank spent blocked on transfers (largest over ranks); "
         f"tp and torch_tp sequence parallel: {'on' if meta['sequence_parallel'] else 'off'}; activations: "
-        f"{'every scheme recomputes each layer in backward' if meta.get('recompute') else 'saved by every scheme'}. "
+        f"{RECOMPUTE_WORDS[recompute_policy(meta.get('recompute'))]}. "
         f"Run took {meta['elapsed_s']:.0f} s ({meta['date']}, torch {meta['torch']}, {meta['cpu_count']} CPU cores).",
         "",
         "| scheme | mesh | S | peak MiB | predicted MiB | error | step ms | tokens/s | exposed comm | fwd bytes "

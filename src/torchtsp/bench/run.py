@@ -34,6 +34,7 @@ from ..distributed import comm
 from ..distributed.launch import WorkerPool
 from ..distributed.mesh import default_device_type
 from ..layout import Layout
+from ..recompute import NONE, recompute_policy
 from ..runenv import launched_by_torchrun
 from ..schemes import SCHEMES, get_scheme
 from . import report
@@ -57,13 +58,13 @@ def mesh_label(scheme: str, degrees: dict[str, int]) -> str:
     return Layout.of_degrees(scheme, **degrees).mesh_label
 
 
-def scheme_options(scheme: str, sequence_parallel: bool, recompute: bool = False) -> dict:
+def scheme_options(scheme: str, sequence_parallel: bool, recompute: str | bool = False) -> dict:
     """The options the bench applies alike to every scheme that takes them (sequence parallelism: tp and
     torch_tp; recompute: every scheme that takes it; a scheme without it is refused, never run unlike)."""
     spec = get_scheme(scheme)
     options = {"sequence_parallel": sequence_parallel} if "sequence_parallel" in spec.options else {}
-    if recompute:
-        options["recompute"] = True
+    if recompute_policy(recompute) != NONE:
+        options["recompute"] = recompute_policy(recompute)
     return options
 
 
@@ -84,7 +85,8 @@ def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None, poin
     point to point or not (``predict_comm``; None: where ``seq_rank`` is given)."""
     if get_scheme(spec.scheme).traffic is None:
         return {"memory": None, "comm": None, "peak_bytes": None, "forward_bytes": None, "step_bytes": None}
-    flags = {k: True for k in ("sequence_parallel", "recompute") if spec.options.get(k)}
+    flags = {"sequence_parallel": True} if spec.options.get("sequence_parallel") else {}
+    flags["recompute"] = spec.options.get("recompute", NONE)
     mem = predict_memory(spec.scheme, spec.cfg, spec.batch, spec.seq_len, **spec.degrees, **flags,
                          pruned_kv=seq_rank is not None if point_to_point is None else point_to_point,
                          dtype_bytes=4, optimizer="adamw", foreach=foreach, zero=spec.zero)
@@ -234,7 +236,8 @@ def _meta(args, cfg: ModelConfig, runner: _Runner, elapsed_s: float) -> dict:
             "launcher": "torchrun" if runner.torchrun else "local WorkerPool",
             "device": runner.device if runner.device == "cpu" else torch.cuda.get_device_name(),
             "backend": "nccl" if runner.device == "cuda" else "gloo", "dtype": "float32",
-            "sequence_parallel": args.sequence_parallel, "recompute": getattr(args, "recompute", False),
+            "sequence_parallel": args.sequence_parallel,
+            "recompute": recompute_policy(getattr(args, "recompute", False)),
             "zero": getattr(args, "zero", 0),
             "warmup": args.warmup, "steps": args.steps,
             "threads_per_rank": 1 if not runner.torchrun else torch.get_num_threads(),
