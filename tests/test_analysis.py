@@ -117,6 +117,29 @@ def test_comm_grows_with_tokens(scheme, kw):
         previous = c.total
 
 
+@pytest.mark.parametrize("scheme,kw", LAYOUTS)
+def test_selective_recompute_saves_between_none_and_full(scheme, kw):
+    """Saved activations: full < selective < none for every scheme at the paper's 128K. The gap to none is, by
+    arithmetic, two bf16 [tokens, F] tensors per layer of the rank's tokens and FFN slice: silu and the product for
+    the reference block's schemes; for TSP the D shards' gate and up, [tokens, F/D] each."""
+    acts = {p: predict_memory(scheme, PAPER, 1, 131072, dtype_bytes=2, recompute=p, **kw).activations
+            for p in ("none", "full", "selective")}
+    assert acts["full"] < acts["selective"] < acts["none"], acts
+    tokens = 131072 // (kw.get("sp", 1) * kw.get("tsp", 1))
+    assert acts["none"] - acts["selective"] == PAPER.n_layers * 2 * 2 * tokens * PAPER.ffn_dim // kw.get("tp", 1)
+
+
+def test_plan_prints_each_recompute_policy_beside_the_paper(capsys):
+    """The multi-node plan of the paper's model: each policy's peak, and the paper's 38.8 GB (TSP 8 at 128K)."""
+    assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus-per-node", "8", "--nodes", "8",
+                          "--zero", "3", "--batch-size", "8")) == 0
+    out = capsys.readouterr().out
+    assert "the paper measured 38.8 GB" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if "activations" in line and "peak" in line}
+    assert set(lines) == {"none", "full", "selective"}
+    assert "<= the paper's 38.8 GB" in lines["full"]
+
+
 def test_bad_layouts_are_value_errors():
     predict_memory("tsp", LLAMA3, 1, 4096, tsp=16)  # 8 KV heads, each copied on 2 ranks
     with pytest.raises(ValueError, match="n_kv_heads=3 divisible by 4, or 4 a multiple of it"):
@@ -243,6 +266,19 @@ def test_predicted_tsp_peak_under_recompute_within_15_percent(pools, world):
     measured = max(pools(world).run(peak_on_rank, "tsp", world, "mha", 1, seq_len, True))
     predicted = predict_memory("tsp", cfg, 1, seq_len, optimizer=None, recompute=True, tsp=world, pruned_kv=True).total
     print(f"\ntsp recompute D={world} S={seq_len}: measured {measured / 2**20:.2f} MiB, predicted "
+          f"{predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
+    assert abs(predicted - measured) <= 0.15 * measured
+
+
+@pytest.mark.parametrize("scheme,batch", [("tsp", 1), ("dp", 2), ("sp", 1)])
+def test_predicted_peak_under_selective_recompute_within_15_percent(pools, scheme, batch):
+    """Selective recompute (the MLP's hidden state recomputed; TSP's MLP keeps its input only) against the
+    measured peak, the same 15% as the other policies."""
+    world, seq_len = 2, 1024
+    measured = max(pools(world).run(peak_on_rank, scheme, world, "mha", batch, seq_len, "selective"))
+    predicted = predict_memory(scheme, torchtsp.ModelConfig(**CALIBRATION["mha"]), batch, seq_len, optimizer=None,
+                               recompute="selective", pruned_kv=True, **{scheme: world}).total
+    print(f"\n{scheme} selective D={world} S={seq_len}: measured {measured / 2**20:.2f} MiB, predicted "
           f"{predicted / 2**20:.2f} MiB ({predicted / measured:.3f})")
     assert abs(predicted - measured) <= 0.15 * measured
 
