@@ -49,8 +49,6 @@ def test_unknown_scheme_and_option_are_clear_errors():
     model = torchtsp.Transformer(CASES["mha_untied"])
     with pytest.raises(ValueError, match="unknown scheme 'zero'"):
         torchtsp.parallelize(model, None, "zero")
-    with pytest.raises(ValueError, match="scheme 'torch_tp' does not support recompute"):
-        torchtsp.parallelize(model, None, "torch_tp", recompute=True)
     with pytest.raises(ValueError, match="scheme 'dp' does not support sequence_parallel"):
         torchtsp.parallelize(model, None, "dp", sequence_parallel=True)
 

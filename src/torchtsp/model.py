@@ -189,7 +189,9 @@ class Block(nn.Module):
         model's (causal, documents); this layer adds its own window. cos/sin: this layer type's RoPE tables.
         ``selective``: a dense MLP recomputes its hidden state in backward (``recompute.SELECTIVE``)."""
         # Module calls, not the weights, so that hooks on the submodules (DTensor TP) run.
-        mlp = (lambda h: self.feed_forward(h, stats)) if self.moe else (lambda h: self.feed_forward(h, selective))
+        # (A dense MLP is called with its input alone unless selective: DTensor TP's input plan expects one.)
+        mlp = ((lambda h: self.feed_forward(h, stats)) if self.moe else
+               (lambda h: self.feed_forward(h, True)) if selective else self.feed_forward)
         mask = mask.windowed(self.window)
         attention = lambda h, _cache: self.attention(h, cos, sin, mask)
         return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp, self.attention_out_norm,

@@ -309,8 +309,8 @@ SCHEMES.add(Scheme(
     memory_walk=f"{_MEMORY}:REFERENCE_WALK", color="#8c564b", marker="v"))
 SCHEMES.add(Scheme(
     "torch_tp", "torch TP", "PyTorch's own DTensor tensor parallelism (an outside peer; not counted)",
-    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel",), features=("sliding",),
-    zero=False,
+    axes=("tp",), weight_axes=("tp",), free_axis="tp", options=("sequence_parallel", "recompute"),
+    features=("sliding",), zero=False,
     model="torchtsp.parallel.torch_tp:TorchTPTransformer", color="#7f7f7f", marker="x"))
 
 

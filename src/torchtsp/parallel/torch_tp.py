@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -55,6 +56,7 @@ from torch.distributed.tensor.parallel import (
 from ..distributed.comm import DEFAULT_TIMEOUT_S
 from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, layer_rope, rope_positions, scale_embeddings
 from ..model import Transformer
+from ..recompute import NONE, SELECTIVE, recompute_policy
 from ..weights import WeightSource
 from .base import ParallelTransformer, weight_source
 
@@ -84,14 +86,36 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
         return dlogits, None
 
 
+# Selective recompute for DTensor TP, in torchtitan's "op" form (an outside peer, so PyTorch's own mechanism):
+# the matmul and attention outputs and the functional collectives' results are kept, everything else (norms,
+# rotary, silu, products) recomputed, so backward's re-run of a layer issues no collective again. Our own schemes
+# cannot use it: their collectives are in-place c10d calls counted in Python (docs/design.md, "Selective recompute").
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+              torch.ops.aten._scaled_dot_product_efficient_attention.default,
+              torch.ops.aten._scaled_dot_product_flash_attention.default,
+              torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+              torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.all_gather_into_tensor.default,
+              torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.wait_tensor.default}
+
+
+def _save_matmuls_and_collectives(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls_and_collectives)
+
+
 class TorchTPTransformer(ParallelTransformer):
     """A reference ``Transformer`` parallelised in place by ``torch.distributed.tensor.parallel``."""
 
     scheme = "torch_tp"
 
-    def __init__(self, model: Transformer, mesh, sequence_parallel: bool = True,
+    def __init__(self, model: Transformer, mesh, sequence_parallel: bool = True, recompute: str | bool = NONE,
                  timeout_s: float = DEFAULT_TIMEOUT_S, weights: WeightSource | None = None):
         super().__init__(model.cfg, mesh)
+        self.recompute = recompute_policy(recompute)
         self.mesh = mesh["tp"]
         self.tp = self.mesh.size()
         self.sequence_parallel = sequence_parallel
@@ -178,7 +202,11 @@ class TorchTPTransformer(ParallelTransformer):
         mask = CAUSAL if documents is None else documents.mask()  # each block adds its own window
         x = scale_embeddings(m.tok_embeddings(tokens), cfg)  # [B, S, h], or [B, S/T, h] local shard with SP
         for layer, (cos, sin) in zip(m.layers, tables):
-            x = layer(x, cos, sin, None, mask)
+            if self.recompute == NONE:
+                x = layer(x, cos, sin, None, mask)
+            else:  # full: the layer's forward again in backward; selective: torch's op policy (_save_matmuls)
+                x = checkpoint(layer, x, cos, sin, None, mask, use_reentrant=False,
+                               **({"context_fn": _selective_contexts} if self.recompute == SELECTIVE else {}))
         nll_sum = _LossParallelCrossEntropy.apply(self._logits(m.norm(x)), labels)
         # Every rank holds every token: the local count is the global one.
         return LossTerms(nll_sum, (labels != IGNORE_INDEX).sum().to(nll_sum.dtype))
