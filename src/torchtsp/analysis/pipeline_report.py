@@ -8,7 +8,7 @@ import math
 from ..argtypes import DTYPE_BYTES
 from ..config import get_preset
 from .pipeline_model import placement, predict_pipeline
-from .plan import by_policy, paper_figure, policy_label, print_policies
+from .policies import by_policy, paper_figure, policy_label, print_policies
 from .validation import check_gpu_mem, check_gpus, dumps
 
 GB = 1e9

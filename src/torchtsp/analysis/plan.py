@@ -15,28 +15,20 @@ from ..argtypes import DTYPE_BYTES, dtype, length
 from ..config import PRESETS, ModelConfig, get_preset
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
 from ..layout import Layout
-from ..recompute import FULL, NONE, POLICIES, SELECTIVE
+from ..recompute import POLICIES
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from .comm_model import predict_comm, tsp_tp_crossover_tokens
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
+from .policies import PAPER_FIGURES, POLICY_WORDS, by_policy, paper_figure, policy_label, print_policies
 from .table import count, gb, render
 from .validation import axis_splits, check_gpu_mem, check_gpus, divisors, dumps
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (an "80 GB" H100)
 SWEEP_LENGTHS = tuple(2**k for k in range(12, 19))  # 4K .. 256K
 
-# The paper's measured peak memory per GPU (GB): one 8-GPU node, 7B model, batch 1
-# (docs/design.md, "Where we differ from the paper").
-PAPER_FIGURES = (
-    # (layout label, scheme, degrees, sequence length, paper GB)
-    ("TSP8", "tsp", {"tsp": 8}, 131072, 38.8),
-    ("TP8", "tp", {"tp": 8}, 131072, 70.0),
-    ("TP4xSP2", "tp_sp", {"tp": 4, "sp": 2}, 131072, 85.0),
-    ("TP2xSP4", "tp_sp", {"tp": 2, "sp": 4}, 131072, 140.0),
-    ("TSP8", "tsp", {"tsp": 8}, 16384, 31.0),
-    ("TP8", "tp", {"tp": 8}, 16384, 31.5),
-)
+# The paper's measured peak memory per GPU (PAPER_FIGURES, analysis/policies.py): one 8-GPU node, 7B model,
+# batch 1 (docs/design.md, "Where we differ from the paper"), under these assumptions.
 PAPER_ASSUMPTIONS = dict(batch=1, dtype_bytes=2, optimizer="adamw", recompute=True, foreach=True)
 
 
@@ -236,41 +228,6 @@ def _assumptions(args) -> list[str]:
              "are not modelled (budget a few GB)",
              "traffic: bytes received per GPU per step, as torchtsp.distributed.comm counts them"]
     return lines
-
-
-POLICY_WORDS = {NONE: "as torchtsp's modules save them (no recompute)",
-                FULL: "full recompute (each layer's input saved)",
-                SELECTIVE: "selective recompute (the MLP's elementwise hidden state recomputed; TSP: its MLP's input "
-                           "saved, gate and up projected again in backward's ring)"}
-
-
-def policy_label(args) -> str:
-    return "" if args.recompute == NONE else f", recompute {args.recompute}"
-
-
-def by_policy(memory) -> dict[str, dict]:
-    """Activation and peak bytes per GPU under each recompute policy: ``memory(policy)`` is the prediction
-    (a ``MemoryBreakdown``, or anything with ``activations`` and ``total``)."""
-    return {p: {"activations_bytes": m.activations, "peak_bytes": m.total} for p, m in
-            ((p, memory(p)) for p in POLICIES)}
-
-
-def paper_figure(preset: str, scheme: str, degrees: dict, seq_len: int, rows_per_replica: int) -> float | None:
-    """The paper's measured GB for this layout, where it measured it (paper-7b, one sequence per replica)."""
-    if preset != "paper-7b" or rows_per_replica != 1:
-        return None
-    return next((gb for _, s, d, S, gb in PAPER_FIGURES if (s, d, S) == (scheme, degrees, seq_len)), None)
-
-
-def print_policies(figures: dict[str, dict], what: str, paper_gb: float | None) -> None:
-    """``by_policy``'s figures as plan prints them, the paper's figure beside where there is one."""
-    paper = f"; the paper measured {paper_gb:g} GB (with full recompute)" if paper_gb is not None else ""
-    print(f"recompute policies, {what} (per GPU{paper}):")
-    for policy, f in figures.items():
-        fits = ("" if paper_gb is None else
-                f"  {'<=' if f['peak_bytes'] <= paper_gb * GB else '> '} the paper's {paper_gb:g} GB")
-        print(f"  {policy:<9} activations {f['activations_bytes'] / GB:6.1f} GB, peak {f['peak_bytes'] / GB:6.1f} GB"
-              + fits)
 
 
 def ranked(rows: list[Row]) -> list[Row]:
