@@ -80,6 +80,7 @@ def main():
                                "predicted_mib": max(r[p]["predicted_bytes"] for r in ranks) / 2**20,
                                "step_ms": 1e3 * ranks[0][p]["median_s"],
                                "steps_ms": [round(1e3 * t, 1) for t in ranks[0][p]["times_s"]]} for p in policies}
+            print(json.dumps({scheme: out[scheme]}), flush=True)  # each scheme as it ends
     print(json.dumps({"args": vars(args), "results": out}, indent=1))
 
 
