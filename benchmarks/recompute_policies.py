@@ -24,14 +24,17 @@ from torchtsp.memory import measure_peak
 from torchtsp.recompute import POLICIES
 
 
-def _step(model, tokens, labels) -> float:
+def _step(model, tokens, labels) -> tuple[float, float]:
+    """(wall seconds of the step, ended by the slowest rank; this rank's own CPU seconds in it, which a shared
+    machine's other load disturbs less than the wall clock)."""
     for p in model.parameters():
         p.grad = None
     comm_module.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     model.loss(tokens, labels).backward()
+    cpu = time.process_time() - cpu
     comm_module.barrier()  # the step ends when the slowest rank ends
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu
 
 
 def on_rank(scheme, world, preset, batch, seq_len, steps, policies):
@@ -48,16 +51,18 @@ def on_rank(scheme, world, preset, batch, seq_len, steps, policies):
         for q in model.parameters():
             q.grad = None
         peaks[p] = measure_peak(lambda m=model: m.loss(tokens, labels).backward(), model)[1]
-    times = {p: [] for p in policies}
+    times, cpus = {p: [] for p in policies}, {p: [] for p in policies}
     for step in range(steps):
         order = policies[step % len(policies):] + policies[:step % len(policies)]
         for p in order:
-            times[p].append(_step(models[p], tokens, labels))
+            wall, cpu = _step(models[p], tokens, labels)
+            times[p].append(wall)
+            cpus[p].append(cpu)
     pruned = models[policies[0]].traffic_seq_rank() is not None
     predicted = {p: predict_memory(scheme, cfg, batch, seq_len, optimizer=None, recompute=p, pruned_kv=pruned,
                                    **{scheme: world}).total for p in policies}
     return {p: {"peak_bytes": peaks[p], "predicted_bytes": predicted[p], "median_s": statistics.median(times[p]),
-                "times_s": times[p]} for p in policies}
+                "times_s": times[p], "cpu_s": statistics.median(cpus[p])} for p in policies}
 
 
 def main():
@@ -79,6 +84,7 @@ def main():
             out[scheme] = {p: {"peak_mib": max(r[p]["peak_bytes"] for r in ranks) / 2**20,
                                "predicted_mib": max(r[p]["predicted_bytes"] for r in ranks) / 2**20,
                                "step_ms": 1e3 * ranks[0][p]["median_s"],
+                               "cpu_ms_per_rank": 1e3 * statistics.mean(r[p]["cpu_s"] for r in ranks),
                                "steps_ms": [round(1e3 * t, 1) for t in ranks[0][p]["times_s"]]} for p in policies}
             print(json.dumps({scheme: out[scheme]}), flush=True)  # each scheme as it ends
     print(json.dumps({"args": vars(args), "results": out}, indent=1))
