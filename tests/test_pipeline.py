@@ -62,8 +62,9 @@ def check_against_reference(results, pp, dp, tsp, microbatches, crossings=1, cfg
 
 
 @pytest.mark.parametrize("schedule,microbatches,recompute,cfg", [("gpipe", 2, False, CFG), ("1f1b", 4, True, CFG),
+                                                                ("1f1b", 2, "selective", CFG),
                                                                 ("1f1b", 2, False, FAMILY)],
-                         ids=["gpipe", "1f1b-recompute", "1f1b-qwen-features"])
+                         ids=["gpipe", "1f1b-recompute", "1f1b-selective", "1f1b-qwen-features"])
 def test_pp2_tsp2_matches_reference(pools, schedule, microbatches, recompute, cfg):
     results = pools(4).run(steps_on_rank, 2, 1, 2, schedule, microbatches, recompute, cfg)
     check_against_reference(results, 2, 1, 2, microbatches, cfg=cfg)
