@@ -88,8 +88,11 @@ def test_a_chunk_never_outgrows_the_sliding_pool_alone():
 
 def test_budget_split_by_one_max_length_sequence():
     # Full blocks cost 1 layer, sliding blocks 5 layers (bytes 100 and 500 per block); max_model_len 2048 with
-    # blocks of 16: a sequence needs 128 full blocks (12,800 B) and 5 sliding ones (2,500 B) of W = 64.
-    assert split_budget(15_300 * 10, [100, 500], [None, 64], 2048, 16) == [1280, 50]
+    # blocks of 16: a decoding sequence needs 128 full blocks (12,800 B) and 5 sliding ones (2,500 B) of W = 64.
+    # A prefill chunk of 256 tokens needs the blocks of 256 + 63 positions, at most 20: the sliding group sets
+    # aside its null block and the 15 beyond a decoding sequence's 5 (16 blocks, 8,000 B); the remaining 145,000 B
+    # are shared 12,800 : 2,500, which buys 1213 full blocks and 47 (+ 16) sliding ones: 9 sequences at once.
+    assert split_budget(153_000, [100, 500], [None, 64], 2048, 16, chunk_tokens=256) == [1213, 47 + 16]
     # Without sliding layers the whole budget is one group, as before.
     assert split_budget(10_000, [100], [None], 2048, 16) == [100]
 
@@ -164,11 +167,16 @@ class HybridEngine:
             end = seq.num_computed + n
             if end == len(seq.tokens):
                 context = [self.store["full", full[p // bt], p % bt] for p in range(end)]
-                window = [self.store["sliding", sliding[p // bt], p % bt] for p in range(max(0, end - W_SIM), end)]
+                window = [self.read(sliding, p) for p in range(max(0, end - W_SIM), end)]
                 assert window == context[-W_SIM:]
                 sampled[seq_id] = windowed_model(context)
         self.sliding_free.append(self.sched.blocks.groups[1].pool.num_free)
         self.sched.update(plan, sampled, {}, written=scheduled(plan))
+
+    def read(self, sliding_table, p):
+        bt = self.sched.blocks.block_tokens
+        assert sliding_table[p // bt] != NULL_BLOCK, f"position {p} in the window was freed"
+        return self.store["sliding", sliding_table[p // bt], p % bt]
 
 
 def run_hybrid(sched, requests, steps=2000):
@@ -364,7 +372,7 @@ def test_a_free_rule_one_position_early_reads_the_null_block_and_fails(monkeypat
     import torchtsp.serve.blocks as blocks
 
     monkeypatch.setattr(blocks, "first_needed_block", lambda q, w, bt: max(0, q - w + 2) // bt)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="in the window was freed"):
         test_windowed_sequences_generate_exactly_while_their_old_blocks_are_freed()
 
 

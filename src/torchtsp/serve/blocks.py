@@ -61,16 +61,24 @@ class GroupSpec:
 
 
 def split_budget(budget_bytes: int, bytes_per_block_of: Sequence[int], windows: Sequence[int | None],
-                 max_model_len: int, block_tokens: int) -> list[int]:
-    """Blocks of each group from one budget: shared in proportion to what one sequence of ``max_model_len`` tokens
-    needs in each group, in bytes (a full group: every token; a sliding one: ``window_blocks``, at most the
-    sequence), so the groups fill up together as sequences of that length arrive (a sliding group's count
-    includes its null block). ``bytes_per_block_of``: a block's bytes in each group (its own layers only)."""
-    need = [per * (math.ceil(max_model_len / block_tokens) if w is None else
-                   min(math.ceil(max_model_len / block_tokens), window_blocks(w, block_tokens)))
-            for per, w in zip(bytes_per_block_of, windows)]
-    total = sum(need)
-    return [int(budget_bytes * n / total) // per for n, per in zip(need, bytes_per_block_of)]
+                 max_model_len: int, block_tokens: int, chunk_tokens: int | None = None) -> list[int]:
+    """Blocks of each group (a sliding group's count includes its null block) from one budget of bytes.
+
+    A sliding group first sets aside its null block and what one prefill chunk of ``chunk_tokens`` (default
+    ``max_model_len``) needs beyond a decoding sequence's window (the chunk's positions and the window before
+    them), so a sequence can always be brought in; the rest is shared in proportion to what one sequence of
+    ``max_model_len`` tokens needs in each group once decoding, in bytes (a full group: every token; a sliding
+    one: ``window_blocks``, at most the sequence's), so the groups fill up together as sequences of that length
+    arrive. ``bytes_per_block_of``: a block's bytes in each group (its own layers only)."""
+    seq_blocks = math.ceil(max_model_len / block_tokens)
+    chunk = min(chunk_tokens or max_model_len, max_model_len)
+    need = [seq_blocks if w is None else min(seq_blocks, window_blocks(w, block_tokens)) for w in windows]
+    aside = [0 if w is None else
+             1 + max(0, min(seq_blocks, max_blocks_spanned(chunk + w - 1, block_tokens)) - need[g])
+             for g, w in enumerate(windows)]
+    rest = max(0, budget_bytes - sum(a * per for a, per in zip(aside, bytes_per_block_of)))
+    total = sum(n * per for n, per in zip(need, bytes_per_block_of))
+    return [a + int(rest * n * per / total) // per for a, n, per in zip(aside, need, bytes_per_block_of)]
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:

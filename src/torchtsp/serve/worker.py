@@ -240,9 +240,11 @@ class PoolSizing:
                              f"--block-size")
 
 
-def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int) -> PoolSizing:
-    """This rank's blocks per group from ``budget`` bytes (``blocks.split_budget``: in proportion to what one
-    sequence of ``max_model_len`` tokens needs in each group)."""
+def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int,
+                chunk_tokens: int | None = None) -> PoolSizing:
+    """This rank's blocks per group from ``budget`` bytes (``blocks.split_budget``: a sliding group's null block and
+    one prefill chunk of ``chunk_tokens`` set aside, the rest in proportion to what one decoding sequence of
+    ``max_model_len`` tokens needs in each group)."""
     from ..kv_layouts import KVGroups
     from .blocks import bytes_per_block, split_budget
 
@@ -250,7 +252,7 @@ def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int) -
     per_block = tuple(bytes_per_block(groups.layers(g), engine.kv_heads_per_rank, cfg.head_dim,
                                       engine.dtype.itemsize, block_size) for g in range(len(groups.windows)))
     block_tokens = block_size * engine.kv_token_ranks
-    blocks = split_budget(budget, per_block, groups.windows, max_model_len, block_tokens)
+    blocks = split_budget(budget, per_block, groups.windows, max_model_len, block_tokens, chunk_tokens)
     return PoolSizing(tuple(blocks), per_block, groups.windows, block_size, budget)
 
 
@@ -281,7 +283,9 @@ def run_serve_rank(job: ServeJob) -> dict:
     engine = make_engine(model, job.kv_layout)
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
     budget = kv_cache_budget_bytes(job.kv_cache_mb, engine.device)
-    sizing = pool_sizing(cfg, engine, job.block_size, budget, job.max_model_len)
+    # The longest chunk one sequence computes in a step: the token budget, or the prefill chunk if smaller.
+    chunk = min(job.max_num_batched_tokens, job.prefill_chunk or job.max_num_batched_tokens)
+    sizing = pool_sizing(cfg, engine, job.block_size, budget, job.max_model_len, chunk)
     # Every rank holds the same blocks: the least any rank can afford, group by group.
     blocks = control.all_gather(torch.tensor(sizing.blocks), label="serve.ready").view(control.size, -1).amin(0)
     sizing = dataclasses.replace(sizing, blocks=tuple(blocks.tolist()))
