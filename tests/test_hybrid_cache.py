@@ -89,10 +89,11 @@ def test_a_chunk_never_outgrows_the_sliding_pool_alone():
 def test_budget_split_by_one_max_length_sequence():
     # Full blocks cost 1 layer, sliding blocks 5 layers (bytes 100 and 500 per block); max_model_len 2048 with
     # blocks of 16: a decoding sequence needs 128 full blocks (12,800 B) and 5 sliding ones (2,500 B) of W = 64.
-    # A prefill chunk of 256 tokens needs the blocks of 256 + 63 positions, at most 20: the sliding group sets
-    # aside its null block and the 15 beyond a decoding sequence's 5 (16 blocks, 8,000 B); the remaining 145,000 B
-    # are shared 12,800 : 2,500, which buys 1213 full blocks and 47 (+ 16) sliding ones: 9 sequences at once.
-    assert split_budget(153_000, [100, 500], [None, 64], 2048, 16, chunk_tokens=256) == [1213, 47 + 16]
+    # A prefill chunk of 256 tokens needs the blocks of 256 + 63 = 319 positions, at most 21 (starting at a
+    # block's last slot: 1 + ceil(318 / 16)): the sliding group sets aside its null block and the 16 beyond a
+    # decoding sequence's 5 (17 blocks, 8,500 B); the remaining 144,500 B are shared 12,800 : 2,500, which buys
+    # 1208 full blocks and 47 (+ 17) sliding ones: 9 sequences at once.
+    assert split_budget(153_000, [100, 500], [None, 64], 2048, 16, chunk_tokens=256) == [1208, 47 + 17]
     # Without sliding layers the whole budget is one group, as before.
     assert split_budget(10_000, [100], [None], 2048, 16) == [100]
 
