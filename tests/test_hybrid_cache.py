@@ -423,3 +423,17 @@ def test_every_engine_and_layout_serves_a_hybrid_model_as_transformers(pools, en
         assert got["block_tokens"] == BS * token_ranks
         assert got["tokens"] == expected, (scheme, got["layout"])
         assert got["preemptions"] > 0 and got["hits"] > 0 and got["null_entries"] > 0
+
+
+def test_the_memory_model_counts_a_sliding_layers_paged_cache_as_its_window():
+    from torchtsp.analysis.infer_memory import paged_kv_bytes
+    from torchtsp.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+    types = (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
+    cfg = ModelConfig(dim=256, n_layers=6, n_heads=4, n_kv_heads=4, layer_types=types, sliding_window=64)
+    slot = 2 * 4 * 4 * 64  # K and V, float32, 4 heads of 64
+    # 2048 tokens in blocks of 16: the global layer 128 blocks, each local layer its window's 5 (64 positions
+    # starting anywhere in a block).
+    assert paged_kv_bytes(cfg, 2048, 4, 4, 16) == (1 * 128 + 5 * 5) * 16 * slot
+    assert paged_kv_bytes(cfg.replace(layer_types=(), sliding_window=None), 2048, 4, 4, 16) == 6 * 128 * 16 * slot
+    assert paged_kv_bytes(cfg, 40, 4, 4, 16) == 6 * 3 * 16 * slot  # shorter than the window: every block

@@ -51,6 +51,13 @@ def window_blocks(window: int, block_tokens: int) -> int:
     return max_blocks_spanned(window, block_tokens)
 
 
+def sequence_blocks(window: int | None, n_tokens: int, block_tokens: int) -> int:
+    """Blocks a decoding sequence of ``n_tokens`` holds in a group: every one in a full group (``window`` None),
+    at most its window's in a sliding one."""
+    blocks = math.ceil(n_tokens / block_tokens)
+    return blocks if window is None else min(blocks, window_blocks(window, block_tokens))
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """One block group: ``num_blocks`` stored blocks (a sliding group's include its null block) of the layers of
@@ -72,7 +79,7 @@ def split_budget(budget_bytes: int, bytes_per_block_of: Sequence[int], windows: 
     arrive. ``bytes_per_block_of``: a block's bytes in each group (its own layers only)."""
     seq_blocks = math.ceil(max_model_len / block_tokens)
     chunk = min(chunk_tokens or max_model_len, max_model_len)
-    need = [seq_blocks if w is None else min(seq_blocks, window_blocks(w, block_tokens)) for w in windows]
+    need = [sequence_blocks(w, max_model_len, block_tokens) for w in windows]
     aside = [0 if w is None else
              1 + max(0, min(seq_blocks, max_blocks_spanned(chunk + w - 1, block_tokens)) - need[g])
              for g, w in enumerate(windows)]
