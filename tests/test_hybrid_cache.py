@@ -437,3 +437,25 @@ def test_the_memory_model_counts_a_sliding_layers_paged_cache_as_its_window():
     assert paged_kv_bytes(cfg, 2048, 4, 4, 16) == (1 * 128 + 5 * 5) * 16 * slot
     assert paged_kv_bytes(cfg.replace(layer_types=(), sliding_window=None), 2048, 4, 4, 16) == 6 * 128 * 16 * slot
     assert paged_kv_bytes(cfg, 40, 4, 4, 16) == 6 * 3 * 16 * slot  # shorter than the window: every block
+
+
+def test_the_worker_sizes_each_group_within_the_budget_and_refuses_one_without_room_for_a_window(gemma):
+    from torchtsp.infer import make_engine
+    from torchtsp.serve.worker import pool_sizing
+
+    _, model = gemma
+    engine, cfg = make_engine(model), model.cfg
+    slot = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # K and V of every KV head, float32, one layer
+    sizing = pool_sizing(cfg, engine, BS, 100_000, 64, chunk_tokens=8)
+    # 4 layers, every second one global (Gemma 3's pattern 2), blocks of 2 tokens: either group's block is 2 layers.
+    assert sizing.windows == (None, WINDOW) and sizing.bytes_per_block == (2 * BS * slot, 2 * BS * slot)
+    assert list(sizing.blocks) == split_budget(100_000, sizing.bytes_per_block, sizing.windows, 64, BS, 8)
+    sizing.check()
+    pool = engine.kv_pool(sizing.blocks, BS, grouped=True)
+    full_layer, sliding_layer = pool.layer_group.index(0), pool.layer_group.index(1)
+    assert pool.nbytes <= 100_000 and pool.k[full_layer].shape[0] == sizing.blocks[0] + 1  # + the spare block
+    assert pool.k[sliding_layer].shape[0] == sizing.blocks[1] + 1 < sizing.blocks[0]
+    # A window of 5 in blocks of 2 touches up to 4 blocks: 2 sliding blocks (null + 1) cannot decode.
+    tight = pool_sizing(cfg, engine, BS, 8 * 2 * BS * slot, 64, chunk_tokens=1)
+    with pytest.raises(ValueError, match="raise --kv-cache-mb"):
+        tight.check()

@@ -229,13 +229,19 @@ class PoolSizing:
     bytes_per_block: tuple[int, ...]
     windows: tuple[int | None, ...]
     block_size: int
+    block_tokens: int  # tokens one block id covers (block_size x the ranks sharing a sequence's tokens)
     budget: int
 
     def check(self) -> None:
-        least = [2 if w is not None else 1 for w in self.windows]  # a sliding group: its null block and one more
+        """At least one block per full group; a sliding group its null block and a decoding sequence's window
+        (``blocks.window_blocks``), so that one token a step always fits."""
+        from .blocks import window_blocks
+
+        least = [1 if w is None else 1 + window_blocks(w, self.block_tokens) for w in self.windows]
         if any(n < m for n, m in zip(self.blocks, least)):
             raise ValueError(f"--kv-cache-mb {self.budget / 2**20:.3g} holds {list(self.blocks)} blocks of "
-                             f"{self.block_size} tokens in the cache's groups (windows {list(self.windows)}; "
+                             f"{self.block_size} tokens in the cache's groups (windows {list(self.windows)}, which "
+                             f"need at least {least}; "
                              f"{list(self.bytes_per_block)} bytes per block per rank); raise --kv-cache-mb or lower "
                              f"--block-size")
 
@@ -253,7 +259,7 @@ def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int,
                                       engine.dtype.itemsize, block_size) for g in range(len(groups.windows)))
     block_tokens = block_size * engine.kv_token_ranks
     blocks = split_budget(budget, per_block, groups.windows, max_model_len, block_tokens, chunk_tokens)
-    return PoolSizing(tuple(blocks), per_block, groups.windows, block_size, budget)
+    return PoolSizing(tuple(blocks), per_block, groups.windows, block_size, block_tokens, budget)
 
 
 def block_manager(runner, enable_prefix_caching: bool = True):
