@@ -459,3 +459,25 @@ def test_the_worker_sizes_each_group_within_the_budget_and_refuses_one_without_r
     tight = pool_sizing(cfg, engine, BS, 8 * 2 * BS * slot, 64, chunk_tokens=1)
     with pytest.raises(ValueError, match="raise --kv-cache-mb"):
         tight.check()
+
+
+def test_the_capacity_benchmark_holds_at_least_3x_the_sequences_of_a_full_only_cache():
+    """benchmarks/hybrid_cache_capacity.py's measure (the worker's sizing, the real pool and block manager), on a
+    narrow 6-layer toy (5 local layers of W = 64, 1 global), max_model_len 2048, the same 12 MiB: a sequence
+    holds 6 x 2048 layer-tokens in the full-only cache, 2048 + 5 x 80 in the hybrid one (5x less; the budget also
+    pays the sliding group's null block and one prefill chunk)."""
+    import importlib.util
+    from pathlib import Path
+
+    from torchtsp.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_cache_capacity.py"
+    spec = importlib.util.spec_from_file_location("hybrid_cache_capacity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = dict(dim=64, n_layers=6, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=64, max_seq_len=2048)
+    types = (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
+    budget = 12 * 2**20  # 512 B per token and layer: 6 MiB per full-only sequence
+    full = bench.measure(ModelConfig(**base), budget, 16, 2048, 512)
+    hybrid = bench.measure(ModelConfig(**base, layer_types=types, sliding_window=64), budget, 16, 2048, 512)
+    assert full["sequences"] == 2 and hybrid["sequences"] >= 3 * full["sequences"], (full, hybrid)
