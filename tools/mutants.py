@@ -286,7 +286,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown mutants: {', '.join(sorted(unknown))} (python tools/mutants.py --list)", file=sys.stderr)
         return 2
-    chosen = [m for m in MUTANTS if not names or m[0] in names]
+    by_name = {m[0]: m for m in MUTANTS}
+    chosen = [by_name[n] for n in dict.fromkeys(names)] if names else MUTANTS  # in the order given
     if "--check" in argv:
         missing = [m[0] for m in chosen if not found(m[1], m[2])]
         for name in missing:
