@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not multirank" --durations=5
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

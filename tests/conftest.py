@@ -35,7 +35,7 @@ def pools():
 
 # Modules whose tests launch ranks themselves (the command line with --nproc, torchrun, spawn): multirank whole.
 LAUNCHING_MODULES = {"test_bench", "test_bench_infer", "test_cli", "test_distributed", "test_generate_cli",
-                     "test_pipeline", "test_reliability", "test_serve", "test_train"}
+                     "test_pipeline", "test_reliability", "test_serve", "test_serve_hybrid", "test_train"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -134,7 +134,7 @@ class Engine:
         bt = self.sched.blocks.block_tokens
         sampled = {}
         for seq_id, n in scheduled(plan).items():
-            seq, table = self.sched.seqs[seq_id], plan.tables[seq_id]
+            seq, (table,) = self.sched.seqs[seq_id], plan.tables[seq_id]
             assert len(table) * bt >= seq.num_computed + n
             for p in range(seq.num_computed, seq.num_computed + n):
                 self.store[table[p // bt], p % bt] = seq.tokens[p]

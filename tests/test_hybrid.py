@@ -421,3 +421,22 @@ def test_decode_of_sliding_layers_masks_keys_older_than_the_window():
         assert rel_err(unwindowed(torch.tensor([tokens[:-1]]))[0], full) > 1e-3  # the window shows
     for step, logits in enumerate(result.logits):
         assert rel_err(logits.float().reshape(-1), full[len(prompt) - 1 + step]) <= 1e-5, step
+
+
+def test_bench_builds_the_hybrid_model_it_is_asked_for():
+    """`bench --sliding-window W --global-every N`: Gemma 3's pattern, written out here by hand (every 6th layer
+    full, counting from 1), and the flags refused alone; a depth override keeps a preset's pattern."""
+    import argparse
+
+    from torchtsp.bench.args import add_bench_arguments
+    from torchtsp.bench.run import _model_config
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    cfg = _model_config(parser.parse_args(["--n-layers", "12", "--sliding-window", "512", "--global-every", "6"]))
+    full = [i for i in range(12) if cfg.window(i) is None]
+    assert full == [5, 11] and cfg.sliding_window == 512
+    with pytest.raises(ValueError, match="go together"):
+        _model_config(parser.parse_args(["--sliding-window", "512"]))
+    deeper = _model_config(parser.parse_args(["--preset", "tiny-gemma3", "--n-layers", "4"]))
+    assert [deeper.window(i) for i in range(4)] == [64, None, 64, None]

@@ -140,11 +140,11 @@ def test_the_paged_cache_writes_and_reads_the_rules_slots(token_ranks, member):
     lengths = [5 * token_ranks + 1, 2 * token_ranks]
     pos = torch.arange(max(lengths)).expand(2, -1)
     valid = pos < torch.tensor(lengths).unsqueeze(1)
-    slots = cache.reserve(pos, valid)
+    (slots,) = cache.reserve(pos, valid)  # [G = 1, B, T]: one block group
     for b, length in enumerate(lengths):
         for p in range(max(lengths)):
             kept = p < length and p % token_ranks == member
             where = tables[b, p // (token_ranks * bs)] * pool.stride + p % (token_ranks * bs) // token_ranks
-            assert slots[b, p] == (where if kept else pool.spare), (b, p)
+            assert slots[b, p] == (where if kept else pool.spare[0]), (b, p)
         keys = cache.key_positions()[b]
         assert sorted(keys[keys != FAR].tolist()) == [p for p in range(length) if p % token_ranks == member]

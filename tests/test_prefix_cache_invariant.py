@@ -8,6 +8,9 @@ decoding or preempted, preempted and recomputed, and a step that raises. Afterwa
 - every block the prefix cache holds has the content a fresh prefill of its token chain writes (a fresh core,
   nothing cached, computes the same chain: a block the ranks never wrote holds zeros or another sequence's K/V);
 - a later greedy request with the same prompt gets what ``generate`` gives it alone, without any cache.
+
+Both on a dense toy and on a hybrid one (a tiny Gemma 3 with a window of 5: its sliding block group frees blocks
+as they leave the window, and each group's cached blocks are checked in the group's own layers).
 """
 
 from __future__ import annotations
@@ -102,19 +105,23 @@ class Core:
 
 
 def check_cached_blocks(core: Core, model) -> int:
-    """Every cached block holds what a fresh prefill of its chain writes; returns how many were checked."""
-    chains, cached = core.chains(), dict(core.blocks.pool.cached)
-    for digest, block in cached.items():
-        chain = chains[digest]
-        fresh = Core(model)
-        fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
-        fresh.run(0)
-        want, mine, theirs = fresh.blocks.pool.cached[digest], core.runner.pool, fresh.runner.pool
-        for layer in range(model.cfg.n_layers):
-            for got_kv, want_kv in ((mine.k, theirs.k), (mine.v, theirs.v)):
-                torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
-                                           atol=K_V_ATOL, rtol=0)
-    return len(cached)
+    """Every cached block holds what a fresh prefill of its chain writes, in each block group (a hybrid model has one
+    per attention type, serve/blocks.py: a group's blocks hold its own layers); returns how many were checked."""
+    chains, checked, pool = core.chains(), 0, core.runner.pool
+    for g, group in enumerate(core.blocks.groups):
+        layers = [i for i, lg in enumerate(pool.layer_group) if lg == g]
+        for digest, block in dict(group.pool.cached).items():
+            chain = chains[digest]
+            fresh = Core(model)
+            fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
+            fresh.run(0)
+            want, theirs = fresh.blocks.groups[g].pool.cached[digest], fresh.runner.pool
+            for layer in layers:
+                for got_kv, want_kv in ((pool.k, theirs.k), (pool.v, theirs.v)):
+                    torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
+                                               atol=K_V_ATOL, rtol=0)
+            checked += 1
+    return checked
 
 
 def alone(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -200,9 +207,16 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model():
-    return _model()
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def model(request):
+    """The dense toy, and a tiny Gemma 3 from transformers (window 5, every second layer global): its paged cache
+    has a sliding block group whose blocks leave the window while the scenarios run."""
+    if request.param == "dense":
+        return _model()
+    pytest.importorskip("transformers")
+    from test_hybrid import make_hf, ours_from_hf
+
+    return ours_from_hf(make_hf("gemma3", 5))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

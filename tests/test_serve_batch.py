@@ -53,14 +53,14 @@ def _model():
 def serving(model, num_blocks=64, block_size=4, max_num_seqs=3, budget=16, prefill_chunk=4, schedule="auto",
             kv_layout="auto", max_model_len=48, prefix_caching=True, eos_token_id=None, grammars=None):
     """The serving core of one rank as ``worker.run_serve_rank`` builds it: a BatchRunner over a pool of
-    ``num_blocks`` blocks and rank 0's StepPlanner over their block manager, fed through a pipe as the HTTP process
-    feeds it; returns (runner, scheduler, the HTTP end of the pipe)."""
-    from torchtsp.serve.blocks import KVBlockManager
+    ``num_blocks`` blocks (in each block group, or a count per group) and rank 0's StepPlanner over their block
+    manager, fed through a pipe as the HTTP process feeds it; returns (runner, scheduler, the HTTP end of the pipe)."""
+    from torchtsp.serve.worker import block_manager
 
     runner = BatchRunner(make_engine(model, kv_layout), num_blocks, block_size, schedule=schedule,
                          eos_token_id=eos_token_id, grammars=grammars)
     inbox, http = multiprocessing.Pipe()
-    blocks = KVBlockManager(num_blocks, runner.block_tokens, prefix_caching)
+    blocks = block_manager(runner, prefix_caching)
     scheduler = StepPlanner(runner, inbox, blocks, budget, max_num_seqs, max_model_len, prefill_chunk)
     return runner, scheduler, http
 
@@ -184,8 +184,8 @@ def test_plan_round_trip_covers_every_declared_field():
     a = _every_field_set()
     assert admission_problem(a, 101, 48) is None  # the examples are valid requests too
     plan = StepPlan(7, [a, Admission(4, [1], 1, Sampling())], cancel=[1, 2], prefill=[(3, 0, 3), (9, 16, 5)],
-                    decode=[4, 8], tables={3: [7], 9: [0, 5, 2, 11, 6], 4: [1], 8: []}, preempted=[12],
-                    poll=[13, 21])
+                    decode=[4, 8], tables={3: [[7]], 9: [[0, 5, 2, 11, 6], [0, 0, 3, 4, 1]], 4: [[1], [2]], 8: [[]]},
+                    preempted=[12], poll=[13, 21])
     again = decode(*encode(plan))
     assert again == plan
     for f in FIELDS:  # each field itself (== on the dataclass would not say which one was lost)
@@ -194,7 +194,7 @@ def test_plan_round_trip_covers_every_declared_field():
 
 
 def test_a_plan_whose_length_or_format_disagrees_fails_loudly():
-    header, payload = encode(StepPlan(3, [_every_field_set()], decode=[0], tables={0: [2, 3]}))
+    header, payload = encode(StepPlan(3, [_every_field_set()], decode=[0], tables={0: [[2, 3]]}))
     with pytest.raises(PlanFormatError, match="header says"):
         decode(header, payload[:-1])  # the payload is shorter than the header announces
     short = header.clone()

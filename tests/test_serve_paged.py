@@ -85,9 +85,9 @@ def _record_tables(plan, runner, got: dict) -> None:
     """Per sequence with work: (its table, the tokens it has slots for once the step ran)."""
     tokens = {r: start + n for r, start, n in plan.prefill}
     tokens.update({r: len(runner.seqs[r].tokens) for r in plan.decode})  # the last token's K/V is written now
-    got["tables"].append({r: (list(plan.tables[r]), n) for r, n in tokens.items()})
+    got["tables"].append({r: (list(plan.tables[r][0]), n) for r, n in tokens.items()})  # one group: no window
     got["prefill"].append(list(plan.prefill))
-    ids = [b for t in plan.tables.values() for b in t]
+    ids = [b for t in plan.tables.values() for b in t[0]]
     got["shared_blocks"] += len(ids) - len(set(ids))
 
 

@@ -366,7 +366,7 @@ _LLAMA3_ROPE = dict(
     rope_original_max_position_embeddings=8192,
 )
 
-def _pattern(n_layers: int, every: int) -> tuple[str, ...]:
+def layer_pattern(n_layers: int, every: int) -> tuple[str, ...]:
     """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
     return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(n_layers))
 
@@ -387,8 +387,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-mqa": ModelConfig(n_kv_heads=1),
     # Toy hybrid models (tests and demos): a sliding and a full layer each, heads wider than dim / n_heads.
     # Gemma 3's layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar 24.
-    "tiny-gemma3": ModelConfig(head_dim=32, layer_types=_pattern(2, 2), sliding_window=64, query_pre_attn_scalar=24,
-                               **_GEMMA3),
+    "tiny-gemma3": ModelConfig(head_dim=32, layer_types=layer_pattern(2, 2), sliding_window=64,
+                               query_pre_attn_scalar=24, **_GEMMA3),
     # Qwen3 with a window in its upper layer (use_sliding_window, max_window_layers 1) and head_dim 32.
     "tiny-qwen3-window": ModelConfig(head_dim=32, qk_norm=True, norm_eps=1e-6, sliding_window=64,
                                      layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
@@ -475,13 +475,16 @@ PRESETS: dict[str, ModelConfig] = {
     # Gemma 3 (text): 5 local layers (window 512 / 1024, RoPE base 1e4) to 1 global (base 1e6, linear scaling by
     # 8 on 4B and 27B); 27B's heads are narrower than dim / n_heads and its attention scale 168**-0.5.
     "gemma3-1b": ModelConfig(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
-                             vocab_size=262144, max_seq_len=32768, layer_types=_pattern(26, 6), sliding_window=512,
+                             vocab_size=262144, max_seq_len=32768,
+                             layer_types=layer_pattern(26, 6), sliding_window=512,
                              **_GEMMA3),
     "gemma3-4b": ModelConfig(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=10240,
-                             vocab_size=262208, max_seq_len=131072, layer_types=_pattern(34, 6), sliding_window=1024,
+                             vocab_size=262208, max_seq_len=131072,
+                             layer_types=layer_pattern(34, 6), sliding_window=1024,
                              rope_scaling="linear", rope_factor=8.0, **_GEMMA3),
     "gemma3-27b": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
-                              vocab_size=262208, max_seq_len=131072, layer_types=_pattern(62, 6), sliding_window=1024,
+                              vocab_size=262208, max_seq_len=131072,
+                              layer_types=layer_pattern(62, 6), sliding_window=1024,
                               rope_scaling="linear", rope_factor=8.0, query_pre_attn_scalar=168, **_GEMMA3),
     # Mixtral 8x7B: 8 experts of width 14336 in every layer, top-2, GQA g=4.
     "mixtral-8x7b": ModelConfig(

@@ -161,3 +161,24 @@ class KVPlacement:
     def tokens_kept(self, length, member):
         """How many of positions 0 .. length - 1 (length >= 0) member ``member`` keeps."""
         return (length - member + self.token_ranks - 1) // self.token_ranks
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """A paged cache's block groups (serve/blocks.py): one per attention type of the model, the full layers' first.
+    ``layer_group[i]``: layer i's group; ``windows[g]``: group g's sliding window (None: full attention). Each group
+    is another block table over the same ``KVPlacement``; its pool stores its own layers only."""
+
+    layer_group: tuple[int, ...]
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, cfg) -> KVGroups:
+        """The groups of a model config (``cfg.window(i)``: layer i's window, None for a full layer)."""
+        windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full attention first
+        return cls(tuple(order.index(w) for w in windows), tuple(order))
+
+    def layers(self, group: int) -> int:
+        """How many layers group ``group`` stores."""
+        return self.layer_group.count(group)

@@ -1,5 +1,8 @@
 """Analytic per-rank memory of inference (``predict_memory(..., mode="infer")``): the prefill's working set, the KV
 cache of each scheme and decode cache layout, and a decode step's working set (docs/analysis.md, "Inference memory").
+``generate`` preallocates every token of every layer (a sliding layer too: its cache is one block of the whole
+sequence), and ``predict_infer`` counts that; the paged serving cache keeps a sliding layer's window only
+(``paged_kv_bytes``).
 
 Torch-free, like memory_model.py.
 """
@@ -94,6 +97,20 @@ def predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, d
     return MemoryBreakdown(params=params, grads=0, optimizer=0, activations=0, transient=transient,
                            kv_cache=kv_cache, total=params + kv_cache + transient, phase=phase,
                            decode_peak=params + kv_cache + decode, kv_layout=layout or "")
+
+
+def paged_kv_bytes(cfg: ModelConfig, n_tokens: int, e: int, heads_per_rank: int, block_size: int,
+                   token_ranks: int = 1) -> int:
+    """Bytes one decoding sequence of ``n_tokens`` holds on a rank in the paged serving cache (serve/blocks.py): in
+    each block group (one per attention type, ``kv_layouts.KVGroups``) its blocks (``blocks.sequence_blocks``: a
+    full layer every token's, a sliding layer only the blocks of its window) times the group's layers, K and V of
+    ``heads_per_rank`` heads of ``block_size`` slots per block (``token_ranks`` ranks share a block's tokens)."""
+    from ..kv_layouts import KVGroups
+    from ..serve.blocks import sequence_blocks
+
+    groups, block_tokens = KVGroups.of(cfg), block_size * token_ranks
+    return sum(groups.layers(g) * sequence_blocks(w, n_tokens, block_tokens) * 2 * e * heads_per_rank * block_size
+               * cfg.head_dim for g, w in enumerate(groups.windows))
 
 
 @dataclass(frozen=True)

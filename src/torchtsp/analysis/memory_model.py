@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .. import chunks
 from ..config import ModelConfig
 from ..layout import Layout
 from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
@@ -158,7 +159,16 @@ def _walk(start: int, events: list[_Event]) -> tuple[int, str, int]:
     return best
 
 
-def _reference_saved(s: _Shape, n_rep: int, zigzag: bool, selective: bool = False) -> tuple[int, int]:
+def _window_kv_len(s: _Shape, tok: int, window: int) -> int:
+    """Tokens (B·S_kv) whose K/V a sliding layer's zigzag kernel holds on the fullest rank of ``tok``: its own and
+    the window's keys it receives (``chunks.window_traffic``, the exchange's rule), not the whole sequence."""
+    seq_len, rows = s.s_loc * tok, s.n // s.s_loc
+    received = max(chunks.window_traffic(seq_len, tok, r, window)[0] for r in range(tok))
+    return rows * (s.s_loc + received)
+
+
+def _reference_saved(s: _Shape, n_rep: int, zigzag: bool, kv_len: int | None = None,
+                     selective: bool = False) -> tuple[int, int]:
     """Bytes one reference block (model.py) saves when run on shards: (attention half, MLP half).
 
     n_rep: tokens of the replicated part (norms and block inputs; n/T under Megatron-SP, else n).
@@ -167,9 +177,10 @@ def _reference_saved(s: _Shape, n_rep: int, zigzag: bool, selective: bool = Fals
     to the query heads; the zigzag kernel of SP and TP x SP keeps the gathered K/V unexpanded.
     MLP: its norm, its input, and four [n, F] tensors (gate pre-activation, silu, up, their product); two, gate
     and up, under selective recompute (``layers.GatedDown`` recomputes the silu and the product in backward).
+    ``kv_len``: the tokens of K/V kept when not the whole sequence's (a sliding layer's window exchange).
     """
     e = s.e
-    kv = 2 * e * (s.hkv if zigzag else s.hq) * s.kv_len
+    kv = 2 * e * (s.hkv if zigzag else s.hq) * (s.kv_len if kv_len is None else kv_len)
     attention = (n_rep * (s.norm + e * s.h) + s.n * (2 * e * s.hq + FP32 * s.nq) + kv + s.rope_per_layer)
     mlp = n_rep * (s.norm + e * s.h) + (2 if selective else 4) * e * s.ff * s.n
     return attention, mlp
@@ -215,12 +226,17 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     n_rep = n // tp if sequence_parallel and tp > 1 else n
     gathered = e * h * n if n_rep < n else 0  # Megatron-SP re-gathers a block input in backward
     zigzag = bool(spec.token_axes)  # the zigzag attention kernel (SP, TP x SP)
-    att, mlp = _reference_saved(s, n_rep, zigzag, selective)
+    _, mlp = _reference_saved(s, n_rep, zigzag, selective=selective)
+    # Under SP and TP x SP a sliding layer's kernel keeps only its own and its window's K/V (the exchange of
+    # distributed/window.py); DP and TP attend over whole sequences, masked.
+    kv_lens = [_window_kv_len(s, sp, cfg.window(i)) if zigzag and sp > 1 and cfg.window(i) else s.kv_len
+               for i in range(L)]
+    atts = [_reference_saved(s, n_rep, zigzag, kv_len)[0] for kv_len in kv_lens]
     sparse = _sparse(cfg, s, tp, tsp=False) if cfg.moe else None
     mlps = [n_rep * (s.norm + e * h) + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]
     final = n_rep * s.norm + e * h * n  # final norm and the head's input
     layer_in = e * h * n_rep
-    saved_layers = sum(layer_in if recompute else att + m for m in mlps)
+    saved_layers = sum(layer_in if recompute else atts[i] + m for i, m in enumerate(mlps))
     if "tp" in spec.weight_axes:
         # Vocabulary-parallel cross-entropy saves its fp32 softmax slice [n, V/T]; backward scales it
         # into a new fp32 tensor and casts that to the model dtype.
@@ -239,7 +255,11 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     # dK/dV over the kv_len tokens attended to: SDPA's of the expanded heads; the zigzag kernel's float32
     # buffer of the gathered (unexpanded) heads, and with sp > 1 the reduce-scatter's receive buffer of the
     # same size.
-    kv_grad = 2 * e * s.hq * s.kv_len if not zigzag else 2 * FP32 * s.hkv * s.kv_len * (2 if sp > 1 else 1)
+    # A sliding layer's window kernel holds float32 dK/dV of its own and received tokens, then receives the
+    # dK/dV of what it sent (at most as many tokens again) and one chunk's keys at a time: bounded by twice
+    # its kept tokens, as the all-gathered layer's.
+    kv_grads = [2 * e * s.hq * s.kv_len if not zigzag else 2 * FP32 * s.hkv * kv_len * (2 if sp > 1 else 1)
+                for kv_len in kv_lens]
     events = [
         _Event("loss backward", loss_extra, freed=saved_loss),
         _Event("head backward", e * n * s.v + e * h * n + head_w, freed=e * h * n, added=head_w + e * h * n),
@@ -247,7 +267,7 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     ]
     for i in reversed(range(L)):
         if recompute:  # the checkpointed layer runs its forward again, saving everything
-            events.append(_Event("layer recompute", att + mlps[i], added=att + mlps[i]))
+            events.append(_Event("layer recompute", atts[i] + mlps[i], added=atts[i] + mlps[i]))
         events += [
             _Event("experts backward", sparse.extra, freed=mlps[i] - n_rep * s.norm, added=sparse.weights)
             if cfg.is_moe_layer(i) else
@@ -258,8 +278,8 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
             _Event("mlp norm backward", s.norm_backward * n_rep, freed=n_rep * s.norm),
             # wo backward, then attention backward: dq and the gradient of the output (n x hq) and
             # dK, dV (kv_grad).
-            _Event("attention backward", h * s.hq * e + 2 * e * s.hq * n + kv_grad + gathered,
-                   freed=att - n_rep * s.norm, added=attn_w),
+            _Event("attention backward", h * s.hq * e + 2 * e * s.hq * n + kv_grads[i] + gathered,
+                   freed=atts[i] - n_rep * s.norm, added=attn_w),
             _Event("attention norm backward", s.norm_backward * n_rep,
                    freed=n_rep * s.norm + (layer_in if recompute else 0)),
         ]

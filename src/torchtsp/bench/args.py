@@ -47,6 +47,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="model shape (default: the bench model, dim 256, 4 layers, 4 heads, 4 KV heads, ffn 768, vocab 257)")
     for flag in MODEL_FLAGS:
         add(f"--{flag.replace('_', '-')}", type=int, metavar="N", help=f"override the model's {flag}")
+    add("--sliding-window", type=int, metavar="W", help="make the model hybrid: its sliding layers attend to the "
+        "last W tokens (with --global-every; default: the preset's window, none for the bench model)")
+    add("--global-every", type=int, metavar="N", help="with --sliding-window: every N-th layer attends to the "
+        "whole context, the others to the window (Gemma 3's pattern: 6 gives 5 local : 1 global; 1: no window)")
     add("--schemes", type=_scheme_list, default=list(ALL_SCHEMES), metavar="LIST",
         help=f"comma-separated schemes (default: {DEFAULT_SCHEMES})")
     add("--nproc", type=int, metavar="N",

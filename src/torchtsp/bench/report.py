@@ -83,9 +83,18 @@ def _pct(p) -> str:
     return "-" if p is None else f"{p:+.1f}%"
 
 
+def _layers(m: dict) -> str:
+    """"6 layers" or, for a hybrid model, "6 layers (5 sliding, window 512 : 1 full)"."""
+    types = m.get("layer_types") or []
+    sliding = sum(t == "sliding_attention" for t in types)
+    if not sliding:
+        return f"{m['n_layers']} layers"
+    return f"{m['n_layers']} layers ({sliding} sliding, window {m['sliding_window']} : {m['n_layers'] - sliding} full)"
+
+
 def _model_line(meta: dict) -> str:
     m = meta["model"]
-    return (f"model dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads / {m['n_kv_heads']} KV heads, "
+    return (f"model dim {m['dim']}, {_layers(m)}, {m['n_heads']} heads / {m['n_kv_heads']} KV heads, "
             f"ffn {m['ffn_dim']}, vocab {m['vocab_size']}{', tied' if m.get('tie_embeddings') else ''}; "
             f"global batch {meta['batch']}; {meta['world']} ranks ({meta['launcher']}, {meta['backend']}, "
             f"{meta['device']}, {meta['dtype']})")

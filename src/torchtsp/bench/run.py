@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from ..analysis import predict_comm, predict_memory
-from ..config import ModelConfig, get_preset
+from ..config import ModelConfig, get_preset, layer_pattern
 from ..distributed import comm
 from ..distributed.launch import WorkerPool
 from ..distributed.mesh import default_device_type
@@ -103,12 +103,31 @@ def predictions(spec: CellSpec, foreach: bool, seq_rank: int | None = None, poin
 def _model_config(args) -> ModelConfig:
     cfg = get_preset(args.preset) if args.preset else ModelConfig(**BENCH_MODEL)
     overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k, None) is not None}
+    window, every = getattr(args, "sliding_window", None), getattr(args, "global_every", None)
+    if (window is None) != (every is None):
+        raise ValueError("--sliding-window W and --global-every N go together: a hybrid model needs both the "
+                         "window and which layers keep the whole context")
+    if window is not None:
+        n_layers = overrides.get("n_layers", cfg.n_layers)
+        overrides.update(sliding_window=window, layer_types=layer_pattern(n_layers, every))
+    elif "n_layers" in overrides and cfg.layer_types:  # keep the preset's pattern at the new depth
+        overrides["layer_types"] = layer_pattern(overrides["n_layers"], _global_every(cfg))
     return cfg.replace(**overrides) if overrides else cfg
+
+
+def _global_every(cfg: ModelConfig) -> int:
+    """The period of ``cfg``'s full layers (Gemma 3's pattern), for a depth override; refuses another pattern."""
+    for every in range(1, cfg.n_layers + 2):  # n_layers + 1: every layer sliding (Mistral)
+        if layer_pattern(cfg.n_layers, every) == cfg.layer_types:
+            return every
+    raise ValueError(f"--n-layers cannot keep this preset's layer types {cfg.layer_types}; give --sliding-window "
+                     "and --global-every too")
 
 
 # Every integer flag's least value: none is silently replaced by a default (a 0 read as "not given").
 _AT_LEAST = {"batch_size": 1, "steps": 1, "warmup": 1, "max_seq_start": 1, "max_seq_cap": 1, "nproc": 1,
-             "new_tokens": 1, "pp": 2, "microbatches": 1, "seed": 0, **dict.fromkeys(MODEL_FLAGS, 1)}
+             "new_tokens": 1, "pp": 2, "microbatches": 1, "seed": 0,
+             "sliding_window": 1, "global_every": 1, **dict.fromkeys(MODEL_FLAGS, 1)}
 
 
 def _check_args(args) -> None:

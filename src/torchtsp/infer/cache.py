@@ -18,6 +18,12 @@ which the rule gives without storing them; slots past a sequence's length are ma
 
 ``generate`` gives each sequence one block of its whole length; the server (``torchtsp.serve``) deals blocks
 from rank 0's block manager and sends the tables with every step.
+
+**Block groups.** A server's pool of a hybrid model (sliding-window and full layers) has one group of blocks per
+attention type (``kv_layouts.KVGroups``): each layer's storage holds its group's blocks only, and a sequence has a
+table per group, [G, B, n], over the same placement. Slots are per group ([G, B, T]); a layer writes and reads
+through its group's. A sliding group's table points entries that left the window at its null block (never
+written: zeros), at positions the window masks; a masked key's weight is exactly 0, so those zeros add nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..kv_layouts import KVPlacement
+from ..kv_layouts import KVGroups, KVPlacement
 from ..layers import attend, layer_rope, positions_mask
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
@@ -81,23 +87,31 @@ class CacheStep:
 class KVPool:
     """One rank's K/V storage: per layer [num_blocks (+ 1: a spare block), heads, block_size (+ 1: a spare slot),
     d]. Head-major inside a block, so a sequence that is one block (``generate``) is read as [heads, tokens, d]
-    matrices with no copy, as the attention kernel's batched products want them."""
+    matrices with no copy, as the attention kernel's batched products want them.
 
-    def __init__(self, n_layers: int, num_blocks: int, heads: int, head_dim: int, dtype, device,
-                 placement: KVPlacement, member: int = 0, spare_slots: bool = False):
+    ``groups`` (a server's pool of a hybrid model): layer i stores ``num_blocks[groups.layer_group[i]]`` blocks, its
+    group's; without it every layer is in one group of ``num_blocks``."""
+
+    def __init__(self, n_layers: int, num_blocks, heads: int, head_dim: int, dtype, device,
+                 placement: KVPlacement, member: int = 0, spare_slots: bool = False, groups: KVGroups | None = None):
         block_size = placement.block_size
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV pool needs at least one block of at least one slot, got {num_blocks} blocks of "
-                             f"{block_size}: raise the cache budget")
+        groups = groups or KVGroups((0,) * n_layers, (None,))
+        counts = (num_blocks,) if isinstance(num_blocks, int) else tuple(num_blocks)
+        if len(counts) != len(groups.windows) or min(counts) < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs at least one block of at least one slot in each of its "
+                             f"{len(groups.windows)} groups, got {counts} blocks of {block_size}: raise the cache "
+                             f"budget")
         # Slots per stored block: block_size, and with ``spare_slots`` one more that no position maps to.
         self.stride = block_size + int(spare_slots)
-        shape = (num_blocks + int(not spare_slots), heads, self.stride, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.groups, self.layer_group = groups, groups.layer_group
+        shapes = [(counts[g] + int(not spare_slots), heads, self.stride, head_dim) for g in self.layer_group]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.num_blocks, self.block_size, self.device = counts, block_size, device
         self.placement, self.member = placement, member  # the rule, and which of the R ranks sharing tokens this is
-        # The spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra block.
-        self.spare = block_size if spare_slots else num_blocks * self.stride
+        # Each group's spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra
+        # block.
+        self.spare = [block_size if spare_slots else n * self.stride for n in counts]
 
     @property
     def block_tokens(self) -> int:
@@ -107,12 +121,12 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V the blocks hold for tokens (every layer; the spare place not counted)."""
-        per_slot = sum(t[0, :, 0].numel() * t.element_size() for t in (*self.k, *self.v))
-        return per_slot * self.num_blocks * self.block_size
+        return sum(t[0, :, 0].numel() * t.element_size() * self.num_blocks[g] * self.block_size
+                   for ts in (self.k, self.v) for t, g in zip(ts, self.layer_group))
 
     def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
-        """The view of the sequences with block tables ``tables`` [B, n] that hold ``lengths`` [B] tokens so far
-        (host tensors: the driver knows them)."""
+        """The view of the sequences with block tables ``tables`` ([G, B, n], one per group; [B, n] with one group)
+        that hold ``lengths`` [B] tokens so far (host tensors: the driver knows them)."""
         return KVCache(self, tables.cpu(), lengths.cpu())
 
 
@@ -125,14 +139,19 @@ class KVCache:
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
         self.pool = pool
+        tables = tables if tables.dim() == 3 else tables.unsqueeze(0)  # [G, B, n]
+        if tables.shape[0] != len(pool.num_blocks):
+            raise ValueError(f"{tables.shape[0]} block tables per sequence for a pool of {len(pool.num_blocks)} "
+                             f"groups; rank 0's block manager and the ranks disagree")
         self.tables, self.lengths = tables.to(pool.device), lengths.to(pool.device)
         self.host_lengths = lengths.clone()
         self.before, self.host_before = self.lengths, self.host_lengths  # before this step's tokens (``reserve``)
         self._next: torch.Tensor | None = None  # host lengths after the next step (``expect``)
         self._index = {}  # (before?, member) -> (key positions [B, S], valid [B, S])
-        self.capacity = tables.shape[1] * pool.block_tokens  # tokens each sequence's table covers
+        self.capacity = tables.shape[2] * pool.block_tokens  # tokens each sequence's table covers
         # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
-        self.one_block_each = tables.shape[1] == 1 and bool((tables[:, 0] == torch.arange(len(tables))).all())
+        self.one_block_each = tables.shape[0] == 1 and tables.shape[2] == 1 and bool(
+            (tables[0, :, 0] == torch.arange(tables.shape[1])).all())
 
     def expect(self, lengths) -> None:
         """The sequences' lengths after the next step's tokens (host values; ``reserve`` then reads none back)."""
@@ -157,17 +176,18 @@ class KVCache:
         return self.slots_of(pos, valid)
 
     def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Pool slots [B, T] (block · stride + offset) of the tokens at ``pos`` that this rank keeps; the spare
-        block's first slot for the others."""
+        """Pool slots [G, B, T] (block · stride + offset, in each group's blocks) of the tokens at ``pos`` that this
+        rank keeps; the spare block's first slot for the others."""
         pool, rule = self.pool, self.pool.placement
         kept = valid & (rule.keeper(pos) == pool.member)
         pos = torch.where(kept, pos, 0)
-        slots = self.tables.gather(1, rule.block_index(pos)) * pool.stride + rule.offset(pos)
-        return torch.where(kept, slots, pool.spare)
+        index, offset = rule.block_index(pos), rule.offset(pos)
+        return torch.stack([torch.where(kept, table.gather(1, index) * pool.stride + offset, spare)
+                            for table, spare in zip(self.tables, pool.spare)])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
-        """Store k, v [B, h, T, d] of the given heads at ``slots`` [B, T]."""
-        stride = self.pool.stride
+        """Store k, v [B, h, T, d] of the given heads at ``slots`` ([G, B, T]: the layer's group's are used)."""
+        stride, slots = self.pool.stride, slots[self.pool.layer_group[layer]]
         block, offset = slots.flatten() // stride, slots.flatten() % stride
         self.pool.k[layer][block, heads, offset] = k.transpose(1, 2).flatten(0, 1)
         self.pool.v[layer][block, heads, offset] = v.transpose(1, 2).flatten(0, 1)
@@ -194,7 +214,7 @@ class KVCache:
         bs = self.pool.block_size
         if self.one_block_each:
             return tuple(t[layer][:B, heads, :S] for t in (self.pool.k, self.pool.v))
-        blocks = self.tables[:, :-(-S // bs)]  # [B, n]: the blocks holding the first S slots
+        blocks = self.tables[self.pool.layer_group[layer], :, :-(-S // bs)]  # [B, n]: the blocks of the first S slots
         return tuple(t[layer][blocks][:, :, heads, :bs].transpose(1, 2).flatten(2, 3)[:, :, :S]
                      for t in (self.pool.k, self.pool.v))
 

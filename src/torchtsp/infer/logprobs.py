@@ -21,6 +21,15 @@ def vocab_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int
     slice ``[rows, cols]`` (columns ``vocab_start ..``) over the vocabulary split along ``comm``. ``targets``
     [rows] are global ids (a negative id gives NaN: no target). Top entries are ordered by probability, ties by
     the lower id, as a stable sort of the whole vocabulary orders them."""
+    packed = logprob_part(logits, targets, vocab_start, top_n)
+    every = comm.all_gather(packed, label="infer.logprobs") if comm.size > 1 else packed.unsqueeze(0)
+    return merge_logprob_parts(every, targets, top_n)
+
+
+def logprob_part(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, top_n: int) -> torch.Tensor:
+    """What one rank contributes for its slice ``[rows, cols]`` (columns ``vocab_start ..``): ``[3 + 2N, rows]``
+    float64 rows of (max, sum of exp(x - max), the target's logit or -inf where another slice owns it, the
+    slice's top-N values, their global ids). Pure: the all-gather is the caller's."""
     x = logits.float()
     rows, cols = x.shape
     peak = x.amax(dim=-1)
@@ -32,8 +41,15 @@ def vocab_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int
     values, index = _top(x, min(top_n, cols))
     values = torch.nn.functional.pad(values, (0, top_n - values.shape[1]), value=NEG_INF)
     ids = torch.nn.functional.pad(index + vocab_start, (0, top_n - index.shape[1]), value=-1)
-    packed = torch.cat([torch.stack([peak, total, target]), values.T, ids.T.float()]).double()
-    every = comm.all_gather(packed, label="infer.logprobs") if comm.size > 1 else packed.unsqueeze(0)
+    return torch.cat([torch.stack([peak, total, target]), values.T, ids.T.float()]).double()
+
+
+def merge_logprob_parts(every: torch.Tensor, targets: torch.Tensor,
+                        top_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The D ranks' ``logprob_part``s stacked ``[D, 3 + 2N, rows]`` -> ``vocab_logprobs``'s answer: the LSE
+    merged from each slice's (max, sum) rescaled to the highest max, the target's logit from the slice that owns
+    it, the best N of the D x N candidates. Every rank computes it from the same numbers."""
+    rows = every.shape[2]
     peaks, totals = every[:, 0], every[:, 1]  # [D, rows]
     high = peaks.amax(dim=0)
     high_shift = torch.where(torch.isfinite(high), high, 0.0)

@@ -32,6 +32,7 @@ import torch
 
 from ..infer.logprobs import vocab_logprobs
 from ..infer.sampling import TokenSelector
+from ..kv_layouts import KVGroups
 from .penalties import penalize_slice, sampling_scores
 from .plan import Admission, StepPlan
 
@@ -91,7 +92,11 @@ class BatchRunner:
         # take seconds); rank 0 schedules the request once it has compiled on every rank.
         self.compiling: dict[int, concurrent.futures.Future] = {}
         self.token_multiple = engine.token_multiple
-        self.pool = engine.kv_pool(num_blocks, block_size)
+        # One block group per attention type of the model (kv_layouts.KVGroups); ``num_blocks``: a count per group,
+        # or one count for every group.
+        groups = KVGroups.of(self.cfg)
+        counts = (num_blocks,) * len(groups.windows) if isinstance(num_blocks, int) else tuple(num_blocks)
+        self.pool = engine.kv_pool(counts, block_size, grouped=True)
         self.seqs: dict[int, Sequence] = {}
         self.device = engine.device
         self.greedy = TokenSelector(engine.vocab_comm, self.cfg.vocab_size, engine.vocab_start, 1, slice(0, 1),
@@ -130,14 +135,17 @@ class BatchRunner:
     def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:
         """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
         step."""
-        rows = [tables[s.request_id] for s in seqs]
-        short = [s.request_id for s, r, n in zip(seqs, rows, after) if len(r) * self.block_tokens < n]
+        rows = [tables[s.request_id] for s in seqs]  # per sequence, its table in each block group
+        groups = len(self.pool.num_blocks)
+        short = [s.request_id for s, r, n in zip(seqs, rows, after)
+                 if len(r) != groups or any(len(t) * self.block_tokens < n for t in r)]
         if short:  # a token would land in another sequence's block (tables are padded with block 0)
-            raise RuntimeError(f"the plan's block tables of requests {short} do not cover this step's tokens; rank "
-                               f"0's scheduler and the ranks disagree")
-        index = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+            raise RuntimeError(f"the plan's block tables of requests {short} do not cover this step's tokens in each "
+                               f"of the {groups} block groups; rank 0's scheduler and the ranks disagree")
+        index = torch.zeros(groups, len(rows), max(len(t) for r in rows for t in r), dtype=torch.long)
         for i, r in enumerate(rows):
-            index[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            for g, t in enumerate(r):
+                index[g, i, :len(t)] = torch.tensor(t, dtype=torch.long)
         self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
         self.engine.cache.expect(after)
 

@@ -116,7 +116,7 @@ class PagedScheduler:
         if not plan.preempted:  # blocks just ran out: admitting now would only preempt again
             self._schedule_waiting(plan, budget)
         for seq_id in scheduled(plan):
-            plan.tables[seq_id] = list(self.blocks.tables[seq_id])
+            plan.tables[seq_id] = self.blocks.group_tables(seq_id)
         self._pending = plan
         return plan
 
@@ -124,6 +124,9 @@ class PagedScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            # Its sliding groups' blocks that no query from here on sees go back first (the next query is at
+            # num_computed), so the chunk's blocks can take their place.
+            self.blocks.free_out_of_window(seq.seq_id, seq.num_computed)
             n = self._chunk(len(seq.tokens) - seq.num_computed, budget)
             while not self.blocks.append_slots(seq.seq_id, n):
                 victim = self.running[-1]
@@ -153,8 +156,9 @@ class PagedScheduler:
             budget -= n
 
     def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens a sequence with ``remaining`` to compute runs this step."""
-        return min(remaining, budget, self.max_prefill_chunk or remaining)
+        """Tokens a sequence with ``remaining`` to compute runs this step (at most what a sliding group holds for
+        one sequence's step, alone: ``KVBlockManager.max_chunk_tokens``)."""
+        return min(remaining, budget, self.max_prefill_chunk or remaining, self.blocks.max_chunk_tokens or remaining)
 
     def _add(self, plan: StepPlan, seq: ScheduledSeq, n: int) -> None:
         if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:

@@ -28,7 +28,8 @@ import torch
 
 HEADER = 8  # magic, format version, layout checksum, step, stop, cancels, admissions, payload length (last)
 MAGIC = 0x7E5A
-FORMAT_VERSION = 3  # 2: fields declared once, each admission length-prefixed, penalties; 3: grammar polls
+# 2: fields declared once, each admission length-prefixed, penalties; 3: grammar polls; 4: a block table per group
+FORMAT_VERSION = 4
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request: each is applied on every rank at every step
 MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's range)
@@ -87,7 +88,8 @@ class Admission:
 class StepPlan:
     """One engine step. ``admit``: requests the ranks see for the first time (their state starts here);
     ``cancel``: requests the ranks drop; ``prefill`` (request id, first position, tokens) and ``decode``
-    (request ids): the work of the step; ``tables``: the block table of every request with work;
+    (request ids): the work of the step; ``tables``: every request with work's block table in each block group
+    (blocks.py: one group per attention type; a model without sliding layers has one);
     ``preempted``: requests whose blocks rank 0 took back (they recompute from position 0 later); ``poll``:
     requests whose grammars the ranks are compiling, off the step loop: after the step every rank reports how
     each one stands (rank 0 schedules one only once it compiled everywhere)."""
@@ -98,7 +100,7 @@ class StepPlan:
     stop: bool = False
     prefill: list[tuple[int, int, int]] = field(default_factory=list)
     decode: list[int] = field(default_factory=list)
-    tables: dict[int, list[int]] = field(default_factory=dict)
+    tables: dict[int, list[list[int]]] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
     poll: list[int] = field(default_factory=list)
 
@@ -386,7 +388,7 @@ def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     payload += [len(plan.prefill), *[v for work in plan.prefill for v in work], len(plan.decode), *plan.decode,
                 len(plan.preempted), *plan.preempted, len(plan.poll), *plan.poll]
     for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
-        payload += [len(plan.tables[rid]), *plan.tables[rid]]
+        payload += [len(plan.tables[rid]), *(w for table in plan.tables[rid] for w in (len(table), *table))]
     header = [MAGIC, FORMAT_VERSION, LAYOUT, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit),
               len(payload)]
     return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
@@ -415,7 +417,7 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
     plan.preempted = r.take(r.count())
     plan.poll = r.take(r.count())
     for rid in [*(rid for rid, _, _ in plan.prefill), *plan.decode]:
-        plan.tables[rid] = r.take(r.count())
+        plan.tables[rid] = [r.take(r.count()) for _ in range(r.count())]
     if r.at != length:
         raise PlanFormatError(f"the step plan's payload has {length} words and its fields took {r.at}; the ranks "
                               f"disagree on its format")

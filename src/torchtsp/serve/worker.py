@@ -11,6 +11,7 @@ figures back.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -219,6 +220,56 @@ def kv_cache_budget_bytes(kv_cache_mb: float | None, device) -> int:
     return int(CPU_KV_CACHE_MB * 2**20)
 
 
+@dataclass(frozen=True)
+class PoolSizing:
+    """How one rank's paged pool splits its budget: blocks per block group (kv_layouts.KVGroups; one group for a
+    model without sliding layers) and the bytes one block of each group takes (its own layers only)."""
+
+    blocks: tuple[int, ...]
+    bytes_per_block: tuple[int, ...]
+    windows: tuple[int | None, ...]
+    block_size: int
+    block_tokens: int  # tokens one block id covers (block_size x the ranks sharing a sequence's tokens)
+    budget: int
+
+    def check(self) -> None:
+        """At least one block per full group; a sliding group its null block and a decoding sequence's window
+        (``blocks.window_blocks``), so that one token a step always fits."""
+        from .blocks import window_blocks
+
+        least = [1 if w is None else 1 + window_blocks(w, self.block_tokens) for w in self.windows]
+        if any(n < m for n, m in zip(self.blocks, least)):
+            raise ValueError(f"--kv-cache-mb {self.budget / 2**20:.3g} holds {list(self.blocks)} blocks of "
+                             f"{self.block_size} tokens in the cache's groups (windows {list(self.windows)}, which "
+                             f"need at least {least}; "
+                             f"{list(self.bytes_per_block)} bytes per block per rank); raise --kv-cache-mb or lower "
+                             f"--block-size")
+
+
+def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int,
+                chunk_tokens: int | None = None) -> PoolSizing:
+    """This rank's blocks per group from ``budget`` bytes (``blocks.split_budget``: a sliding group's null block and
+    one prefill chunk of ``chunk_tokens`` set aside, the rest in proportion to what one decoding sequence of
+    ``max_model_len`` tokens needs in each group)."""
+    from ..kv_layouts import KVGroups
+    from .blocks import bytes_per_block, split_budget
+
+    groups = KVGroups.of(cfg)
+    per_block = tuple(bytes_per_block(groups.layers(g), engine.kv_heads_per_rank, cfg.head_dim,
+                                      engine.dtype.itemsize, block_size) for g in range(len(groups.windows)))
+    block_tokens = block_size * engine.kv_token_ranks
+    blocks = split_budget(budget, per_block, groups.windows, max_model_len, block_tokens, chunk_tokens)
+    return PoolSizing(tuple(blocks), per_block, groups.windows, block_size, block_tokens, budget)
+
+
+def block_manager(runner, enable_prefix_caching: bool = True):
+    """Rank 0's ``blocks.KVBlockManager`` over ``runner``'s pool: a group of the same blocks and window per group."""
+    from .blocks import GroupSpec, KVBlockManager
+
+    specs = [GroupSpec(n, w) for n, w in zip(runner.pool.num_blocks, runner.pool.groups.windows)]
+    return KVBlockManager(specs, runner.block_tokens, enable_prefix_caching)
+
+
 def run_serve_rank(job: ServeJob) -> dict:
     """On every rank: load, parallelize, size the KV pool, then engine steps until the plan says stop."""
     import torch
@@ -229,7 +280,6 @@ def run_serve_rank(job: ServeJob) -> dict:
     from ..generate_job import _load_model, model_config_and_tokenizer
     from ..infer.api import make_engine
     from .batch import BatchRunner
-    from .blocks import KVBlockManager, bytes_per_block
     from .structured import Grammars
 
     load = job.load
@@ -238,23 +288,26 @@ def run_serve_rank(job: ServeJob) -> dict:
     model = _load_model(load, cfg, mesh)
     engine = make_engine(model, job.kv_layout)
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
-    per_block = bytes_per_block(cfg.n_layers, engine.kv_heads_per_rank, cfg.head_dim, engine.dtype.itemsize,
-                                job.block_size)
     budget = kv_cache_budget_bytes(job.kv_cache_mb, engine.device)
-    blocks = control.all_gather(torch.tensor([budget // per_block]), label="serve.ready").min().item()
-    if blocks < 1:
-        raise ValueError(f"--kv-cache-mb {budget / 2**20:.3g} holds no block of {job.block_size} tokens "
-                         f"({per_block} bytes per rank); raise --kv-cache-mb or lower --block-size")
-    runner = BatchRunner(engine, blocks, job.block_size, job.schedule, job.eos_token_id,
+    # The longest chunk one sequence computes in a step: the token budget, or the prefill chunk if smaller.
+    chunk = min(job.max_num_batched_tokens, job.prefill_chunk or job.max_num_batched_tokens)
+    sizing = pool_sizing(cfg, engine, job.block_size, budget, job.max_model_len, chunk)
+    # Every rank holds the same blocks: the least any rank can afford, group by group.
+    blocks = control.all_gather(torch.tensor(sizing.blocks), label="serve.ready").view(control.size, -1).amin(0)
+    sizing = dataclasses.replace(sizing, blocks=tuple(blocks.tolist()))
+    sizing.check()
+    runner = BatchRunner(engine, sizing.blocks, job.block_size, job.schedule, job.eos_token_id,
                          Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     conn = scheduler = None
     if control.rank == 0:
         from multiprocessing.connection import Client
 
-        manager = KVBlockManager(blocks, runner.block_tokens, job.enable_prefix_caching)
+        manager = block_manager(runner, job.enable_prefix_caching)
         conn = Client(tuple(job.address), authkey=job.authkey)
         conn.send(("ready", {"world": control.size, "engine": engine.scheme, "kv_layout": engine.kv_layout,
-                             "num_blocks": blocks, "block_size": job.block_size, "block_tokens": runner.block_tokens,
+                             "num_blocks": manager.pool.total, "block_size": job.block_size,
+                             "block_tokens": runner.block_tokens,
+                             "kv_groups": [{"window": g.window, "num_blocks": g.pool.total} for g in manager.groups],
                              "kv_capacity_tokens": manager.capacity_tokens,
                              "kv_cache_bytes_per_rank": runner.pool.nbytes, "max_model_len": job.max_model_len}))
         scheduler = StepPlanner(runner, conn, manager, job.max_num_batched_tokens, job.max_num_seqs,

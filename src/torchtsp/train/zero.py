@@ -47,6 +47,7 @@ resumes at any dp, D or ``--zero``. The full moments live only while a checkpoin
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,46 @@ from .optim import (
 
 DEFAULT_BUCKET_MB = 32.0
 IN_FLIGHT = ZERO_IN_FLIGHT  # ZeRO-2: reduce-scatters in flight before the oldest is waited for (and its buffer freed)
+
+
+# ---------------------------------------------------------------- the per-rank arithmetic, without collectives
+# (pure functions of the tensors; the optimizer below calls them around its reduce-scatter and all-gather)
+
+
+def chunk_elements(shape: tuple[int, ...] | torch.Size, dp: int) -> int:
+    """Elements per dp chunk of a parameter of ``shape``: ceil(rows / dp) whole rows (dim 0; a scalar is a row)."""
+    rows = shape[0] if len(shape) else 1
+    numel = math.prod(shape)
+    per_row = numel // max(rows, 1)
+    return -(-rows // dp) * per_row
+
+
+def owned_span(numel: int, chunk: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the flattened parameter dp rank ``rank`` owns: chunk ``rank``, cut at the end (the last ranks'
+    chunks padded, or empty when there are fewer rows than ranks)."""
+    return min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+def split_chunks(flat: torch.Tensor, chunk: int, dp: int):
+    """(full chunks [k, chunk], the last partial one or None) of ``flat``'s elements as dp chunks (views)."""
+    k = min(flat.numel() // chunk, dp)
+    rest = flat[k * chunk:]
+    return flat[:k * chunk].view(k, chunk), (rest if rest.numel() else None)
+
+
+def fill_rows(rows: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy ``flat`` into ``rows`` [dp, chunk] (a bucket's columns of one parameter), chunk r into row r; the
+    padding past the parameter's end is left as it is (zeros in a fresh buffer)."""
+    full, rest = split_chunks(flat, rows.shape[1], rows.shape[0])
+    rows[:len(full)].copy_(full)
+    if rest is not None:
+        rows[len(full), :rest.numel()].copy_(rest)
+
+
+def accumulate(owned: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """The owned gradient after one more reduced pass (a micro-batch) adds ``part``: the sum over passes, as
+    ``--zero 0`` sums ``.grad`` across micro-batches."""
+    return part if owned is None else owned.add_(part)
 
 
 @dataclass(eq=False)
@@ -87,9 +128,7 @@ class _Slot:
 
     def chunks_of(self, flat: torch.Tensor, dp: int):
         """(full rows [k, chunk], the last partial row or None) of ``flat``'s elements, as dp chunks."""
-        k = min(self.numel // self.chunk, dp)
-        rest = flat[k * self.chunk:]
-        return flat[:k * self.chunk].view(k, self.chunk), (rest if rest.numel() else None)
+        return split_chunks(flat, self.chunk, dp)
 
 
 @dataclass(eq=False)
@@ -132,10 +171,8 @@ class ZeroOptimizer:
         for name, p in model.named_parameters():
             if not p.is_contiguous():
                 raise ValueError(f"ZeroOptimizer needs contiguous parameters; {name} is not")
-            rows = p.shape[0] if p.dim() else 1
-            per_row = p.numel() // max(rows, 1)
-            chunk = -(-rows // dp) * per_row
-            self.slots.append(_Slot(name, p, chunk, min(r * chunk, p.numel()), min((r + 1) * chunk, p.numel())))
+            chunk = chunk_elements(p.shape, dp)
+            self.slots.append(_Slot(name, p, chunk, *owned_span(p.numel(), chunk, r)))
         for slot in self.slots:
             slot.norm_terms = self._norm_terms(slot)
             owned = slot.param.detach().view(-1)[slot.lo:slot.hi]
@@ -263,10 +300,7 @@ class ZeroOptimizer:
         if grad is None:  # no gradient this pass: zeros (a kept ZeRO-1 buffer holds the last pass's)
             rows.zero_()
         else:
-            full, rest = slot.chunks_of(grad.detach().reshape(-1), self.dp.size)
-            rows[:len(full)].copy_(full)
-            if rest is not None:
-                rows[len(full), :rest.numel()].copy_(rest)
+            fill_rows(rows, grad.detach().reshape(-1))
         bucket.arrived += 1
 
     def _issue_ready(self) -> None:
@@ -293,7 +327,7 @@ class ZeroOptimizer:
         bucket.pending, bucket.arrived = None, 0
         for slot in bucket.slots:
             part = total[slot.offset:slot.offset + slot.hi - slot.lo].to(slot.param.dtype)
-            slot.grad = part if slot.grad is None else slot.grad.add_(part)
+            slot.grad = accumulate(slot.grad, part)
         if self.level == 2:
             bucket.buffer = None
 
