@@ -138,6 +138,10 @@ def test_plan_prints_each_recompute_policy_beside_the_paper(capsys):
     lines = {line.split()[0]: line for line in out.splitlines() if "activations" in line and "peak" in line}
     assert set(lines) == {"none", "full", "selective"}
     assert "<= the paper's 38.8 GB" in lines["full"]
+    # One node of 8 GPUs: the table's first layout, TSP8, is the paper's too.
+    assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus", "8")) == 0
+    out = capsys.readouterr().out
+    assert "recompute policies, TSP8 (the table's first) (per GPU; the paper measured 38.8 GB" in out
 
 
 def test_bad_layouts_are_value_errors():

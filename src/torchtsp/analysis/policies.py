@@ -38,8 +38,9 @@ def by_policy(memory) -> dict[str, dict]:
 
 def paper_figure(preset: str, scheme: str, degrees: dict, seq_len: int, rows_per_replica: int) -> float | None:
     """The paper's measured GB for this layout, where it measured it (paper-7b, one sequence per replica)."""
-    if preset != "paper-7b" or rows_per_replica != 1:
+    if preset != "paper-7b" or rows_per_replica != 1 or degrees.get("sequence_parallel"):
         return None
+    degrees = {a: n for a, n in degrees.items() if a in ("tsp", "tp", "sp") and n > 1}  # the model axes used
     return next((gb for _, s, d, S, gb in PAPER_FIGURES if (s, d, S) == (scheme, degrees, seq_len)), None)
 
 
