@@ -5,6 +5,7 @@ mean what they meant."""
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -151,9 +152,10 @@ def policies_on_rank(scheme, degrees, B, S):
 
 
 @pytest.mark.parametrize("scheme,degrees", [("tsp", {"tsp": 2}), ("tp", {"tp": 2}), ("sp", {"sp": 2}),
-                                            ("dp", {"dp": 2}), ("torch_tp", {"tp": 2})])
+                                            ("dp", {"dp": 2}), ("torch_tp", {"tp": 2}),
+                                            ("tp_sp", {"tp": 2, "sp": 2})])
 def test_policies_match_the_reference_and_selective_moves_no_byte_more(pools, scheme, degrees):
-    """At D = 2 every policy's loss and full gradients equal the single-process reference's to fp32 round-off
+    """At D = 2 (tp_sp: 2 x 2) every policy's loss and full gradients equal the single-process reference's to fp32 round-off
     (2e-5 relative: the sums over ranks add partials in another order than the whole-tensor GEMM; the schemes'
     own tests hold 1e-4 for the same reason). Selective re-runs no collective: its counted bytes equal none's;
     full re-runs each layer's forward, collectives and all (TSP's MLP ring excepted), so it moves more; the
@@ -161,7 +163,7 @@ def test_policies_match_the_reference_and_selective_moves_no_byte_more(pools, sc
     our comm layer does not count) is held to the gradients only."""
     B, S = 2, 32
     cfg = torchtsp.ModelConfig(**CFG)
-    for rank_result in pools(2).run(policies_on_rank, scheme, degrees, B, S):
+    for rank_result in pools(math.prod(degrees.values())).run(policies_on_rank, scheme, degrees, B, S):
         for policy, (cmp, _, _) in rank_result.items():
             assert cmp["names"], policy
             assert cmp["loss"] == pytest.approx(cmp["ref_loss"], rel=2e-5), policy
