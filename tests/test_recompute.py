@@ -155,8 +155,8 @@ def policies_on_rank(scheme, degrees, B, S):
                                             ("dp", {"dp": 2}), ("torch_tp", {"tp": 2}),
                                             ("tp_sp", {"tp": 2, "sp": 2})])
 def test_policies_match_the_reference_and_selective_moves_no_byte_more(pools, scheme, degrees):
-    """At D = 2 (tp_sp: 2 x 2) every policy's loss and full gradients equal the single-process reference's to fp32 round-off
-    (2e-5 relative: the sums over ranks add partials in another order than the whole-tensor GEMM; the schemes'
+    """At D = 2 (tp_sp: 2 x 2) every policy's loss and full gradients equal the single-process reference's to fp32
+    round-off (2e-5 relative: the sums over ranks add partials in another order than the whole-tensor GEMM; the schemes'
     own tests hold 1e-4 for the same reason). Selective re-runs no collective: its counted bytes equal none's;
     full re-runs each layer's forward, collectives and all (TSP's MLP ring excepted), so it moves more; the
     analytic model (``predict_comm``, recompute = full) says how much. torch_tp (DTensor's own collectives, which
