@@ -146,8 +146,8 @@ PAPER_NOTES = (
     "and our TP x SP 27-34 GB lower; the paper's implementations keep something ours do not (its TSP "
     "schedule saves more than one layer input per layer, or its TP x SP keeps gathered K/V), or measured "
     "without recompute for some schemes. Our TSP8 peaks at about 104 GB without recompute and 70 GB under "
-    "selective recompute (the lines above). TSP is the leanest at 128K and about equal to TP at 16K in both; the paper has both "
-    "TP x SP layouts above TP, we have TP4xSP2 below it.",
+    "selective recompute (the lines above). TSP is the leanest at 128K and about equal to TP at 16K in both; "
+    "the paper has both TP x SP layouts above TP, we have TP4xSP2 below it.",
 )
 
 
