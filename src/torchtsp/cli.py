@@ -136,6 +136,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "a run continued on other data; without it, a dataset other than the run's is refused)")
     add("--dtype", choices=["float32", "bfloat16"], help="bfloat16: bf16 compute, fp32 master weights")
     add("--recompute", action=argparse.BooleanOptionalAction, help="recompute each layer in backward")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each block's math (norms, RoPE, "
+        "the MLP's elementwise part; a dp block whole), collectives left eager; the first step compiles "
+        "(default: off)")
     add("--zero", type=int, metavar="{0,1,2,3}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
         "masters 1/dp, 2 also the gradients, 3 also the weights (FSDP2) (default: 2 when dp > 1; 0: replicated)")
     add("--reshard-after-forward", action=argparse.BooleanOptionalAction, help="with --zero 3: free the gathered "
