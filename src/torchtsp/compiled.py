@@ -60,22 +60,30 @@ def compile_options() -> dict:
     return {"fullgraph": True, "dynamic": False}
 
 
+def _eager_here() -> bool:
+    """Whether a compiled piece must run eager here: inside a region being compiled (traced inline), or under a
+    dispatch mode (the live-tensor peak's ``measure_peak``; torch.compile does not run under one)."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
 def compilable(fn):
     """``fn`` (pure tensor math, no collective) compiled with ``compile_options`` when ``enabled``, else as is.
 
-    Inside a region already being compiled (a whole block) it is traced inline like any function."""
+    Inside a region already being compiled (a whole block) it is traced inline like any function; under a dispatch
+    mode (a measured peak) it runs eager."""
     compiled = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
-        if not _ENABLED:
-            return fn(*args, **kwargs)
-        import torch
-
-        if torch.compiler.is_compiling():
+        if not _ENABLED or _eager_here():
             return fn(*args, **kwargs)
         if compiled is None:
+            import torch
+
             compiled = torch.compile(fn, **compile_options())
         return compiled(*args, **kwargs)
 
@@ -84,8 +92,8 @@ def compilable(fn):
 
 
 def compile_blocks(blocks) -> None:
-    """Compile each module of ``blocks`` whole (``nn.Module.compile``, in place), as torchtitan compiles each
+    """Compile each module of ``blocks`` whole (its ``forward``, ``compilable``), as torchtitan compiles each
     TransformerBlock: for blocks with no collective inside. Nothing when not ``enabled``."""
     if _ENABLED:
         for block in blocks:
-            block.compile(**compile_options())
+            block.forward = compilable(block.forward)
