@@ -435,6 +435,8 @@ class Trainer:
         from ..parallel.dp import DataParallel
 
         self.weights_ready()
+        # Generation is not what --compile compiles: its shapes change every token (each would compile anew).
+        compiled.enable(False)
         model = self.model
         if model.joint_forward_backward:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages
