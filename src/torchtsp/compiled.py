@@ -35,6 +35,11 @@ def enable(on: bool = True, device_type: str = "cpu") -> None:
     global _ENABLED
     if on:
         check_backend(device_type)
+        import torch._functorch.config
+
+        # AOTAutograd's on-disk cache: a cache hit on graphs of DTensor inputs (torch_tp's pieces) killed the rank
+        # with SIGSEGV under torch 2.13 (a first, cold run passed); Inductor's own graph cache stays on.
+        torch._functorch.config.enable_autograd_cache = False
     _ENABLED = bool(on)
 
 
