@@ -140,6 +140,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "(each layer's forward again), selective (the MLP's elementwise hidden state, no collective again) or none "
         "(default); a bare --recompute is full")
     add("--no-recompute", dest="recompute", action="store_const", const="none", help="the same as --recompute none")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile each block's math (norms, RoPE, "
+        "the MLP's elementwise part; a dp block whole), collectives left eager; the first step compiles "
+        "(default: off)")
     add("--zero", type=int, metavar="{0,1,2,3}", help="distributed optimizer over dp: 1 shards AdamW state and fp32 "
         "masters 1/dp, 2 also the gradients, 3 also the weights (FSDP2) (default: 2 when dp > 1; 0: replicated)")
     add("--reshard-after-forward", action=argparse.BooleanOptionalAction, help="with --zero 3: free the gathered "

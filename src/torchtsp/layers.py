@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .compiled import compilable
 from .config import FULL_ATTENTION, SLIDING_ATTENTION
 from .masks import (  # noqa: F401  (re-exported: the layer core's one mask)
     CAUSAL,
@@ -53,6 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return weight * normed.to(x.dtype)
 
 
+@compilable
 def norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
     """The model's RMSNorm (its eps and variant) of x with ``weight``: what every norm of every scheme calls."""
     return rms_norm(x, weight, cfg.norm_eps, cfg.norm_offset)
@@ -142,7 +144,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
     half = x.shape[-1] // 2
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)  # one table row for all heads
     x1, x2 = x[..., :half], x[..., half:]
-    if out is None and torch.is_grad_enabled() and x.requires_grad:  # autograd cannot record out= writes
+    # Neither autograd nor a compiled graph (which writes its own output buffer) can record out= writes.
+    if out is None and (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
         return torch.cat([x1 * cos[..., :half] - x2 * sin[..., :half], x2 * cos[..., half:] + x1 * sin[..., half:]],
                          dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -161,6 +164,7 @@ def heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
 
 
+@compilable
 def qkv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg, cos: torch.Tensor, sin: torch.Tensor,
               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
     """Projections [B, S, H·d] -> token-major heads [B, S, H, d]: q/k norm (Qwen3) and RoPE on queries and keys."""
@@ -237,16 +241,10 @@ def activation_backward(grad: torch.Tensor, gate: torch.Tensor, kind: str = "sil
     return torch.ops.aten.gelu_backward(grad, gate, approximate="tanh")
 
 
+@compilable
 def gated(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu") -> torch.Tensor:
     """The gated MLP's hidden state: activation(gate) * up (SwiGLU with silu, GeGLU with gelu_tanh)."""
     return activation(gate, kind) * up
-
-
-def gated_grads(dhidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str = "silu"):
-    """(dgate, dup, act) of ``gated(gate, up)`` given its gradient ``dhidden``; ``act`` = activation(gate), which
-    the caller needs for the next GEMM's weight gradient (act * up, recomputed, not saved)."""
-    act = activation(gate, kind)
-    return activation_backward(dhidden * up, gate, kind), dhidden * act, act
 
 
 class GatedDown(torch.autograd.Function):
@@ -270,9 +268,17 @@ def gated_down_backward(dy, gate, up, w_down, kind: str, needs=(True, True, True
     """(dgate, dup, dw_down) of ``F.linear(gated(gate, up), w_down)`` for its output gradient dy, the hidden
     state recomputed from gate and up; a gradient not needed (``needs``) is None."""
     dy_rows = dy.reshape(-1, dy.shape[-1])
-    dgate, dup, act = gated_grads((dy_rows @ w_down).view(gate.shape), gate, up, kind)
-    dw = dy_rows.t() @ (act * up).reshape(-1, gate.shape[-1]) if needs[2] else None
+    hidden, dgate, dup = gated_backward((dy_rows @ w_down).view(gate.shape), gate, up, kind)
+    dw = dy_rows.t() @ hidden.reshape(-1, gate.shape[-1]) if needs[2] else None
     return (dgate if needs[0] else None), (dup if needs[1] else None), dw
+
+
+@compilable
+def gated_backward(dhidden: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, kind: str = "silu"):
+    """The transpose of ``gated`` for hand-written backward passes: from the gradient ``dhidden`` of its output,
+    (the output activation(gate) * up, recomputed; the gradient of gate; the gradient of up)."""
+    act = activation(gate, kind)
+    return act * up, activation_backward(dhidden * up, gate, kind), dhidden * act
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

@@ -70,6 +70,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              "forward re-run in backward; a bare --recompute), selective (the MLP's elementwise hidden state "
              "recomputed) or none (default: every scheme saves its activations); a scheme without recompute "
              "(torch_tp) is reported n/a")
+    add("--compile", action="store_true",
+        help="--mode train: torch.compile each block's math (norms, RoPE, the MLP's elementwise part; a dp block "
+             "whole), collectives left eager; the --warmup steps compile (default: off, eager)")
     add("--zero", type=int, choices=[0, 1, 2], default=0,
         help="the distributed optimizer over dp (as train --zero; it changes only meshes with dp > 1, here the dp "
              "scheme): 1 shards AdamW state, 2 also gradients (default: 0, replicated AdamW, like the committed runs)")

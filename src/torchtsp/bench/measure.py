@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import compiled
 from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
@@ -57,6 +58,7 @@ class CellSpec:
     timeout_s: float = BENCH_CELL_TIMEOUT_S
     documents: int = 0  # packed rows of documents of this mean length (0: one sequence per row)
     zero: int = 0  # the distributed optimizer's level over dp (train/zero.py; effective when dp > 1)
+    compile: bool = False  # torch.compile each block's math (torchtsp.compiled); the warm-up steps compile
 
     @property
     def label(self) -> str:
@@ -99,6 +101,7 @@ class _Built:
 
     def __init__(self, spec: CellSpec, mesh):
         self.device = mesh_device(mesh)
+        compiled.enable(spec.compile, self.device.type)  # this process's switch: a worker runs cells of both
         torch.manual_seed(spec.seed)
         self.model = parallelize(Transformer(spec.cfg, device="meta"), mesh, spec.scheme, timeout_s=spec.timeout_s,
                                  **spec.options)

@@ -145,6 +145,13 @@ def _check_args(args) -> None:
         if args.mode != "train" or args.max_seq_under is not None or getattr(args, "pp", None) is not None:
             raise ValueError("--documents times training steps: use it with --mode train, without --max-seq-under "
                              "or --pp")
+    if getattr(args, "compile", False):
+        if args.mode != "train" or getattr(args, "pp", None) is not None:
+            raise ValueError("--compile applies to --mode train without --pp (training steps of each scheme)")
+        from .. import compiled
+        from ..distributed.mesh import default_device_type
+
+        compiled.check_backend(default_device_type())
     if args.max_seq_under is not None and args.max_seq_start > args.max_seq_cap:
         raise ValueError(f"--max-seq-start {args.max_seq_start} exceeds --max-seq-cap {args.max_seq_cap}")
 
@@ -257,6 +264,7 @@ def _meta(args, cfg: ModelConfig, runner: _Runner, elapsed_s: float) -> dict:
             "backend": "nccl" if runner.device == "cuda" else "gloo", "dtype": "float32",
             "sequence_parallel": args.sequence_parallel,
             "recompute": recompute_policy(getattr(args, "recompute", False)),
+            "compile": getattr(args, "compile", False),
             "zero": getattr(args, "zero", 0),
             "warmup": args.warmup, "steps": args.steps,
             "threads_per_rank": 1 if not runner.torchrun else torch.get_num_threads(),
@@ -270,7 +278,8 @@ def _sweep(args, cfg: ModelConfig, runner: _Runner) -> dict:
     recompute = getattr(args, "recompute", False)
     by_scheme = {s: [CellSpec(s, scheme_degrees(s, runner.world), cfg, args.batch_size, S, args.warmup, args.steps,
                               scheme_options(s, args.sequence_parallel, recompute), "sweep", args.seed,
-                              args.timeout_s, zero=args.zero) for S in args.seq_lens] for s in args.schemes}
+                              args.timeout_s, zero=args.zero, compile=args.compile)
+                     for S in args.seq_lens] for s in args.schemes}
     # A scheme against the outside implementation of its layout (its registry entry's ``bench_peer``: our tp and
     # PyTorch's own TP): besides each cell's timing, the two are timed interleaved per S.
     peers = [(s, get_scheme(s).bench_peer) for s in args.schemes if get_scheme(s).bench_peer in args.schemes]
@@ -314,7 +323,7 @@ def _documents(args, cfg: ModelConfig, runner: _Runner) -> dict:
             bar.set_postfix_str(f"{scheme} S={S}")
             plain = CellSpec(scheme, scheme_degrees(scheme, runner.world), cfg, args.batch_size, S, args.warmup,
                              args.steps, scheme_options(scheme, args.sequence_parallel, recompute), "sweep",
-                             args.seed, args.timeout_s, zero=args.zero)
+                             args.seed, args.timeout_s, zero=args.zero, compile=args.compile)
             masked = dataclasses.replace(plain, documents=args.documents)
             why = layout_error(plain)
             result = {"error": why} if why else runner(paired_on_rank, [plain, masked], True)
@@ -370,7 +379,7 @@ def _max_seq(args, cfg: ModelConfig, runner: _Runner) -> dict:
         degrees = scheme_degrees(scheme, runner.world)
         specs = [CellSpec(scheme, degrees, cfg, args.batch_size, S, 0, 0,
                           scheme_options(scheme, args.sequence_parallel, recompute), "memory", args.seed,
-                          args.timeout_s, zero=args.zero) for S in lengths]
+                          args.timeout_s, zero=args.zero, compile=args.compile) for S in lengths]
         # Every length the layout allows, up to the first it refuses (which stops the search with its reason).
         first_bad = next((i for i, spec in enumerate(specs) if layout_error(spec)), len(specs))
         results = runner(longest_on_rank, specs[:first_bad], budget) if first_bad else []

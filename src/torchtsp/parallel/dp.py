@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from ..compiled import compile_blocks
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import LossTerms
 from ..model import Transformer
@@ -31,6 +32,7 @@ class Replica(ParallelTransformer):
         materialize(model, mesh, weights)
         self.module = model
         self.recompute = recompute_policy(recompute)
+        compile_blocks(model.layers)  # under --compile: no collective inside a block, so each is compiled whole
 
     def comms(self):
         return {}

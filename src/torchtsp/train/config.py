@@ -77,6 +77,7 @@ class TrainConfig:
     reshard_after_forward: bool = True  # --zero 3: free the gathered weights after forward, gather them again
     cpu_offload: bool = False  # --zero 3: sharded weights, gradients and AdamW state in host memory (a GPU run)
     recompute: str = "none"  # a recompute.POLICIES name; a bool (configs and runs from before) reads as full/none
+    compile: bool = False  # torch.compile each block's math, collectives eager (torchtsp.compiled)
     seed: int = 0
     sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "

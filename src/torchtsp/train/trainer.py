@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .. import compiled
 from ..config import get_preset
 from ..data.tokenizers import RUN_TOKENIZER_DIR, HFTokenizer, copy_tokenizer_files
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
 from ..distributed.launch import stop_signals_handled
-from ..distributed.mesh import init_mesh, mesh_device
+from ..distributed.mesh import default_device_type, init_mesh, mesh_device
 from ..layout import Layout
 from ..memory import live_bytes, measure_peak
 from ..model import Transformer
@@ -123,6 +124,8 @@ def check_before_launch(cfg: TrainConfig, world: int | None) -> tuple[Layout, Tr
     and the loop's options."""
     model_cfg, _ = model_config_and_weights(cfg)
     layout = resolve_train_layout(cfg, model_cfg, world)
+    if cfg.compile:
+        compiled.check_backend(default_device_type())
     return layout, TrainData(cfg, model_cfg.vocab_size, check=True)
 
 
@@ -139,6 +142,7 @@ class Trainer:
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
+        compiled.enable(cfg.compile, self.device.type)  # before the model: a dp block is compiled as it is built
 
         torch.manual_seed(cfg.seed)
         # Built on the meta device: each rank materialises only its own shards (of the seeded initial values, or
@@ -432,6 +436,8 @@ class Trainer:
         from ..parallel.dp import DataParallel
 
         self.weights_ready()
+        # Generation is not what --compile compiles: its shapes change every token (each would compile anew).
+        compiled.enable(False)
         model = self.model
         if model.joint_forward_backward:
             return None  # generate runs a scheme's model on one stage's ranks, not pipeline stages

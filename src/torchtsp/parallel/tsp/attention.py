@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import torch
 
+from ...compiled import compilable
 from ...distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
 from ...layers import CAUSAL, apply_rope, scale_queries
 from .shard_math import TSPShardMath
 from .streams import ACC, BroadcastStream, add_mm, mm_into
 
 FORWARD, BACKWARD = "attention.forward", "attention.backward"
+
+
+@compilable
+def unrotated(g, cos, minus_sin, dtype):
+    """RoPE's transpose (rotation by the opposite angle: ``minus_sin``) of a gradient [B, S/D, H, d], in ``dtype``
+    (one compiled kernel under ``--compile``)."""
+    return apply_rope(g, cos, minus_sin).to(dtype)
 
 
 class KVAhead:
@@ -162,7 +170,8 @@ class AttentionBackward:
         g = sm.attention(dw)
         mm_into(g.wo, self.dy2.t(), self.outs[j].reshape(B * n, -1))
         # The query scale is a constant factor: its transpose is itself.
-        dq2 = apply_rope(scale_queries(dq.transpose(1, 2), sm.cfg), self.cos, self.unrotate_sin).view(B * n, -1)
+        dq2 = unrotated(scale_queries(dq.transpose(1, 2), sm.cfg), self.cos, self.unrotate_sin, dq.dtype)
+        dq2 = dq2.view(B * n, -1)
         if self.q_norm is not None:
             dq2 = sm.norm_backward(dq2, self.q_raws[j], self.q_norm, self.dnorms[0])
         self.dx = add_mm(self.dx, dq2, w.wq)
@@ -177,7 +186,7 @@ class AttentionBackward:
         B, n, _ = x.shape
         w, g = sm.attention(self.weights.get(j)), sm.attention(dw)
         dkv = scattering.wait()  # [2, B, S/D, Hkv, d] float32, summed over every rank's queries
-        dk2 = apply_rope(dkv[0], self.cos, self.unrotate_sin).to(x.dtype).view(B * n, -1)
+        dk2 = unrotated(dkv[0], self.cos, self.unrotate_sin, x.dtype).view(B * n, -1)
         if self.k_norm is not None:
             dk2 = sm.norm_backward(dk2, self.k_raws[j], self.k_norm, self.dnorms[1])
         dv2 = dkv[1].reshape(B * n, -1).to(x.dtype)

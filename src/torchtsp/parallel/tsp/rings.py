@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...layers import IGNORE_INDEX, activation, activation_backward, gated, swiglu
+from ... import compiled
+from ...layers import IGNORE_INDEX, activation, activation_backward, gated, gated_backward, swiglu
 from ..shards import vocab_slice_index
 from .shard_math import TSPShardMath
 from .streams import ACC, GradientRing, add_mm, mm_into, ring_each
@@ -70,14 +71,19 @@ class TSPFeedForward(torch.autograd.Function):
                 prefetch.issue()
             wg, wu, wd = layout.unpack(w)
             gate, up = (kept[0][s], kept[1][s]) if kept else (x2 @ wg.t(), x2 @ wu.t())
-            kind = shard_math.cfg.mlp_activation
-            act = activation(gate, kind)
             dw = torch.empty(layout.numel, dtype=ACC, device=x.device)
             dwg, dwu, dwd = layout.unpack(dw)
-            mm_into(dwd, dy2.t(), act * up)
-            dhidden = dy2 @ wd
-            dgate = activation_backward(dhidden * up, gate, kind)  # the kernel autograd runs for the activation
-            dup = dhidden * act
+            kind = shard_math.cfg.mlp_activation
+            if compiled.enabled():  # the elementwise part as one compiled kernel (one more buffer alive at once)
+                hidden, dgate, dup = gated_backward(dy2 @ wd, gate, up, kind)
+                mm_into(dwd, dy2.t(), hidden)
+                hidden = None
+            else:  # eager: act * up freed before dhidden is made (the memory model counts these buffers)
+                act = activation(gate, kind)
+                mm_into(dwd, dy2.t(), act * up)
+                dhidden = dy2 @ wd
+                dgate = activation_backward(dhidden * up, gate, kind)  # the kernel autograd runs for the activation
+                dup = dhidden * act
             dx = add_mm(add_mm(dx, dgate, wg), dup, wu)
             mm_into(dwg, dgate.t(), x2)
             mm_into(dwu, dup.t(), x2)

@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from ... import compiled
+from ...compiled import compilable
 from ...distributed.comm import AxisComm
 from ...layers import apply_rope, head_norm, scale_queries
 from ..shards import PackedLayout, Part
@@ -31,6 +33,28 @@ def linear_into(x2, weight, bias, out=None):
     if bias is None:
         return torch.mm(x2, weight.t(), out=out)
     return torch.addmm(bias, x2, weight.t(), out=out)
+
+
+def rotated_heads(raw, norm, cos, sin, batch: int, cfg, out=None):
+    """[B·S/D, H·d] projection -> per-head norm (if ``norm``) -> RoPE, token-major [B, S/D, H, d] (into ``out``
+    if given)."""
+    y = raw.view(batch, -1, raw.shape[-1] // cfg.head_dim, cfg.head_dim)
+    if norm is not None:
+        y = head_norm(y, norm, cfg)
+    return apply_rope(y, cos, sin, out)
+
+
+@compilable
+def rotated_queries(raw, norm, cos, sin, batch: int, cfg):
+    """The rotated, scaled queries [B, S/D, Hq/D, d] of a query projection (``rotated_heads``)."""
+    return scale_queries(rotated_heads(raw, norm, cos, sin, batch, cfg), cfg)
+
+
+@compilable
+def stacked_kv(raw_k, v, norm, cos, sin, batch: int, cfg):
+    """[2, B, S/D, Hkv/D, d]: the rotated keys (``rotated_heads``) of a key projection and its values."""
+    k = rotated_heads(raw_k, norm, cos, sin, batch, cfg)
+    return torch.stack([k, v.view(k.shape)])
 
 
 class TSPShardMath:
@@ -88,26 +112,24 @@ class TSPShardMath:
         dweight.add_(dw)
         return dr.view(raw2.shape)
 
-    def _rotated_heads(self, raw, norm, cos, sin, batch: int, out=None):
-        """[B·S/D, H·d] projection -> per-head norm (if ``norm``) -> RoPE, token-major [B, S/D, H, d]."""
-        y = raw.view(batch, -1, raw.shape[-1] // self.cfg.head_dim, self.cfg.head_dim)
-        if norm is not None:
-            y = head_norm(y, norm, self.cfg)
-        return apply_rope(y, cos, sin, out)
-
     def project_q(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
         """Local tokens' rotated queries of one head group, token-major [B, S/D, Hq/D, d], and the pre-norm
         projection (None without q norm: backward needs it only for the norm)."""
         raw = linear_into(x2, w.wq, w.bq)
-        return scale_queries(self._rotated_heads(raw, norm, cos, sin, batch), self.cfg), \
-            raw if norm is not None else None
+        return rotated_queries(raw, norm, cos, sin, batch, self.cfg), raw if norm is not None else None
 
     def project_kv(self, x2, w: AttentionShard, norm, cos, sin, batch: int):
         """Local tokens' rotated keys and values of one head group, token-major [2, B, S/D, Hkv/D, d] (the
-        all-gather's send buffer, written in place), and the pre-norm key projection (None without k norm)."""
-        kv = x2.new_empty(2, batch, x2.shape[0] // batch, self.kv_heads, self.cfg.head_dim)
+        all-gather's send buffer), and the pre-norm key projection (None without k norm).
+
+        Eager, the keys' RoPE and the values' GEMM write into the buffer in place; compiled (``--compile``), one
+        graph stacks them (a compiled region writes its own output buffers)."""
         raw = linear_into(x2, w.wk, w.bk)
-        self._rotated_heads(raw, norm, cos, sin, batch, out=kv[0])
+        if compiled.enabled():
+            return stacked_kv(raw, linear_into(x2, w.wv, w.bv), norm, cos, sin, batch, self.cfg), \
+                raw if norm is not None else None
+        kv = x2.new_empty(2, batch, x2.shape[0] // batch, self.kv_heads, self.cfg.head_dim)
+        rotated_heads(raw, norm, cos, sin, batch, self.cfg, out=kv[0])
         linear_into(x2, w.wv, w.bv, out=kv[1].view(x2.shape[0], -1))
         return kv, raw if norm is not None else None
 
