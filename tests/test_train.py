@@ -112,10 +112,11 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, uninterrupted):
     assert all(resumed[s] == full[s] for s in range(6, 13)), (resumed, full)  # bit-identical
 
 
-def test_resume_at_another_tsp_degree_continues_within_round_off(tmp_path, uninterrupted):
+def test_resume_at_another_tsp_degree_continues_within_round_off(pools, tmp_path, uninterrupted):
+    """The command line's run, resumed at D = 4 by the trainer in the shared pool of 4 (the resharding is the
+    trainer's; the command line's own resume is test_killed_run_resumes_with_identical_losses)."""
     out = tmp_path / "resharded"
-    code, _, err = torchtsp_cli(*cli_settings(out, tsp=4, resume=uninterrupted / "checkpoints" / "step_000005"))
-    assert code == 0, err
+    run(pools, 4, tmp_path, "resharded", tsp=4, steps=12, resume=str(uninterrupted / "checkpoints" / "step_000005"))
     full, resumed = losses(uninterrupted), losses(out)
     assert sorted(resumed) == list(range(6, 13))
     # Another D reorders float32 sums: round-off, compounded over 7 steps.
