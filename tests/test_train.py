@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli_in_process
 from torchtsp.config import get_preset
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.single import train_single
@@ -145,7 +146,8 @@ def test_bad_input_is_one_clear_error_and_a_non_zero_exit(tmp_path, uninterrupte
         "mesh": {"dp": 3},
     }[case]
     start = time.monotonic()
-    code, _, err = torchtsp_cli(*cli_settings(tmp_path / "bad", **extra))
+    proc = cli_in_process("train", *cli_settings(tmp_path / "bad", **extra))  # main's exit code and stderr
+    code, err = proc.returncode, proc.stderr
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("torchtsp: error:")]
     assert len(lines) == 1 and match in lines[0], err
