@@ -35,10 +35,15 @@ def pools():
 
 # Modules whose tests launch ranks themselves (the command line with --nproc, torchrun, spawn): multirank whole.
 LAUNCHING_MODULES = {"test_bench", "test_bench_infer", "test_cli", "test_distributed", "test_generate_cli",
-                     "test_pipeline", "test_reliability", "test_serve", "test_serve_hybrid", "test_train"}
+                     "test_pipeline", "test_reliability", "test_serve", "test_serve_hybrid", "test_train",
+                     "test_workflow"}
+
+# Fixtures that start ranks: the shared pools, and every module's ``server`` (a ``torchtsp serve --nproc 2``
+# process, tests/test_serve.py's Server). A test needing one, even through another fixture, is multirank.
+LAUNCHING_FIXTURES = {"pools", "server"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "pools" in getattr(item, "fixturenames", ()) or item.module.__name__ in LAUNCHING_MODULES:
+        if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in LAUNCHING_MODULES:
             item.add_marker(pytest.mark.multirank)

@@ -1,6 +1,36 @@
 """Helpers shared by tests (importable by spawned ranks, which unpickle functions by module name)."""
 
+import contextlib
+import io
+import os
+import subprocess
+
 import torch
+
+
+def cli_in_process(*args) -> subprocess.CompletedProcess:
+    """``python -m torchtsp ARGS`` as its ``main`` in this process, returned as the finished process would be (exit
+    code, stdout, stderr), with ``TORCHTSP_DEBUG=0`` as the subprocess tests set it. For refusals and other paths
+    that end before any rank starts: a fresh interpreter costs seconds of imports (torch) per call. The command
+    line as a process stays tested where the process is the point (signals, exit on a dead rank, the entry point:
+    tests/test_cli.py)."""
+    from torchtsp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = os.environ.get("TORCHTSP_DEBUG")
+    os.environ["TORCHTSP_DEBUG"] = "0"
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        if saved is None:
+            del os.environ["TORCHTSP_DEBUG"]
+        else:
+            os.environ["TORCHTSP_DEBUG"] = saved
+    return subprocess.CompletedProcess(["torchtsp", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

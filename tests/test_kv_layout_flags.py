@@ -56,6 +56,7 @@ def test_serve_checks_the_layout_before_any_rank_and_hands_it_to_the_ranks():
     assert ServeJob(load=launch.load, address=(), authkey=b"", **launch.settings).kv_layout == "sequence"
 
 
+@pytest.mark.multirank  # launches generate --tsp 2: two ranks of its own
 def test_generate_reports_the_layout_it_decoded_with():
     run = subprocess.run([sys.executable, "-m", "torchtsp", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens",
                           "3", "--tsp", "2", "--kv-layout", "sequence", "--json"], capture_output=True, text=True,

@@ -9,12 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import cli_in_process
+
 pytestmark = pytest.mark.multirank
 
 
 def train(*args):
     proc = subprocess.run([sys.executable, "-m", "torchtsp", "train", *map(str, args)], capture_output=True,
                           text=True, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def refused(*args):
+    """A resume refused before any rank starts, run as the command line's main in this process."""
+    proc = cli_in_process("train", *args)
     return proc.returncode, proc.stderr
 
 
@@ -79,11 +87,11 @@ def test_another_dataset_is_refused_unless_its_position_is_reset(full_run, tmp_p
     root, full = full_run
     run = interrupted_copy(full, tmp_path / "run")
     other = ids(tmp_path / "train.npy", 3)  # another file of the same size and name: the contents differ
-    code, err = train("--resume", run, "--data", other)
+    code, err = refused("--resume", run, "--data", other)
     assert code != 0 and "--reset-data" in err and "Traceback" not in err, err
     same_path_other_contents = ids(root / "train.npy", 4, n=7000)
     try:
-        code, err = train("--resume", run)
+        code, err = refused("--resume", run)
         assert code != 0 and "--reset-data" in err, err
     finally:
         ids(root / "train.npy", 1)  # the fixture's data back, for any test after this one
@@ -99,5 +107,5 @@ def test_another_tokenizer_is_refused(full_run, tmp_path):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
-    code, err = train("--resume", run, "--tokenizer", tmp_path / "tok")
+    code, err = refused("--resume", run, "--tokenizer", tmp_path / "tok")
     assert code != 0 and "tokenizer" in err and "Traceback" not in err, err

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchtsp
+from helpers import cli_in_process
 from torchtsp.cli import main
 from torchtsp.config import get_preset
 from torchtsp.distributed.launch import WorkerPool
@@ -26,10 +27,8 @@ from torchtsp.train import checkpoint
 TINY = torchtsp.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=40, max_seq_len=32)
 
 
-def cli(*args, timeout=300):
-    env = {**os.environ, "TORCHTSP_DEBUG": "0"}
-    return subprocess.run([sys.executable, "-m", "torchtsp", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+def cli(*args):
+    return cli_in_process(*args)  # every call here is refused before any rank starts
 
 
 def one_line_error(source) -> str:
@@ -63,7 +62,6 @@ def crafted_checkpoint(folder: Path, marker: Path) -> Path:
     return folder
 
 
-@pytest.mark.multirank  # launches processes of its own
 @pytest.mark.parametrize("command", ["train", "generate", "convert"])
 def test_a_crafted_dcp_metadata_runs_no_code(tmp_path, command):
     marker = tmp_path / "marker"
@@ -135,7 +133,6 @@ def test_dcp_data_files_outside_the_checkpoint_are_refused(tmp_path):
         checkpoint._load_tensors(folder, state)
 
 
-@pytest.mark.multirank  # launches processes of its own
 def test_an_unreadable_metadata_is_one_line_without_dcp_tracebacks(tmp_path):
     folder = crafted_checkpoint(tmp_path / "ckpt", tmp_path / "marker")
     (folder / ".metadata").write_bytes(os.urandom(100))

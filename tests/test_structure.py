@@ -1,6 +1,7 @@
 """The shape of the source tree: no import cycles (lazy imports inside functions count), files of one job."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def imported_modules(path: Path, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
+@functools.cache  # the source does not change within a session: three tests read one parse of the tree
 def import_graph() -> dict[str, set[str]]:
     files = {module_name(p): p for p in SRC.rglob("*.py")}
     return {name: imported_modules(path, set(files)) for name, path in files.items()}

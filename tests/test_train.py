@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import cli_in_process
 from torchtsp.config import get_preset
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.single import train_single
@@ -115,10 +116,11 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, uninterrupted):
     assert all(resumed[s] == full[s] for s in range(6, 13)), (resumed, full)  # bit-identical
 
 
-def test_resume_at_another_tsp_degree_continues_within_round_off(tmp_path, uninterrupted):
+def test_resume_at_another_tsp_degree_continues_within_round_off(pools, tmp_path, uninterrupted):
+    """The command line's run, resumed at D = 4 by the trainer in the shared pool of 4 (the resharding is the
+    trainer's; the command line's own resume is test_killed_run_resumes_with_identical_losses)."""
     out = tmp_path / "resharded"
-    code, _, err = torchtsp_cli(*cli_settings(out, tsp=4, resume=uninterrupted / "checkpoints" / "step_000005"))
-    assert code == 0, err
+    run(pools, 4, tmp_path, "resharded", tsp=4, steps=12, resume=str(uninterrupted / "checkpoints" / "step_000005"))
     full, resumed = losses(uninterrupted), losses(out)
     assert sorted(resumed) == list(range(6, 13))
     # Another D reorders float32 sums: round-off, compounded over 7 steps.
@@ -147,7 +149,8 @@ def test_bad_input_is_one_clear_error_and_a_non_zero_exit(tmp_path, uninterrupte
         "mesh": {"dp": 3},
     }[case]
     start = time.monotonic()
-    code, _, err = torchtsp_cli(*cli_settings(tmp_path / "bad", **extra))
+    proc = cli_in_process("train", *cli_settings(tmp_path / "bad", **extra))  # main's exit code and stderr
+    code, err = proc.returncode, proc.stderr
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("torchtsp: error:")]
     assert len(lines) == 1 and match in lines[0], err

@@ -160,7 +160,12 @@ def bpe_dataset(tmp_path_factory):
     return folder
 
 
-def test_refusals_are_one_line_before_any_rank(tmp_path, bpe_dataset):
+def test_refusals_are_one_line_before_any_rank(tmp_path, bpe_dataset, monkeypatch, capsys):
+    """The command line's refusals, through its ``main`` in this process (what a subprocess would run, less a
+    torch import per case): each is exit code 2 and one ``torchtsp: error:`` line, and no rank starts."""
+    from torchtsp.cli import main
+
+    monkeypatch.setenv("TORCHTSP_DEBUG", "0")
     base = ["train", "--nproc", 2, "--tsp", 2, "--steps", 2, "--batch-size", 4, "--seq-len", 32,
             "--sample-tokens", 0, "--out", tmp_path / "run"]
     np.save(tmp_path / "high.npy", np.arange(2000, dtype=np.int32) % 300)
@@ -174,8 +179,10 @@ def test_refusals_are_one_line_before_any_rank(tmp_path, bpe_dataset):
         (["--data", tmp_path / "nowhere"], "no such file, folder or Megatron dataset"),
     ]
     for extra, match in cases:
-        line = one_error_line(cli(*base, *extra))
-        assert match in line, (extra, line)
+        assert main(list(map(str, base + extra))) == 2, extra
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("torchtsp: error:") and match in lines[0], (extra, err)
     assert not (tmp_path / "run").exists()  # no rank ever started
 
 

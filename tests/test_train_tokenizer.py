@@ -3,15 +3,13 @@
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import torchtsp
+from helpers import cli_in_process
 from torchtsp.train import checkpoint
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.trainer import run_training
@@ -76,9 +74,7 @@ def test_vocab_size_flag_sets_the_preset_vocabulary(pools, tmp_path, tokenizers_
 
 
 def cli(*args):
-    env = {**os.environ, "TORCHTSP_DEBUG": "0"}
-    return subprocess.run([sys.executable, "-m", "torchtsp", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=240)
+    return cli_in_process(*args)  # every call here is refused before any rank starts
 
 
 def error_line(result) -> str:

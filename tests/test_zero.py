@@ -4,14 +4,13 @@ reshard, the memory it saves (live-tensor meter), the bytes it moves, overlap, a
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import cli_in_process
 from torchtsp.analysis import predict_comm, predict_memory
 from torchtsp.analysis.memory_model import _largest_param
 from torchtsp.config import get_preset
@@ -320,10 +319,8 @@ def test_zero_is_a_no_op_without_dp_and_zero_2_is_the_default():
     assert TrainConfig(scheme="torch_tp").zero_level(4) == 0  # its default falls back to replicated state
 
 
-@pytest.mark.multirank  # it starts a process (the command line), not ranks; cheap, but not a unit test
 def test_cli_bad_zero_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torchtsp", "train", "--zero", "4", "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
+    proc = cli_in_process("train", "--zero", "4", "--out", tmp_path / "x")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["torchtsp: error: zero (--zero) must be 0, 1, 2 or 3, got 4"]
     assert not Path(tmp_path / "x").exists()
