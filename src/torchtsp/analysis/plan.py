@@ -291,6 +291,8 @@ def _print_table(cfg, args, rows, rec) -> None:
           + ("; local: a sliding-window layer, global: a full-attention layer" if len(per_layer) > 1 else "")
           + (f"; w+g+opt at --zero {zero} where dp > 1, (zero 0): the same without the distributed optimizer"
              if zero else "") + ")")
+    if not train and len(per_layer) > 1:
+        print(_kv_per_layer_type(cfg, args.batch_size, args.seq_len, e))
     print()
     print(f"recommended: {', '.join(rec['layouts']) or 'none'} - {rec['reason']}")
     bs = tsp_tp_crossover_tokens(cfg)
@@ -298,6 +300,23 @@ def _print_table(cfg, args, rows, rec) -> None:
     print(f"TSP's forward traffic per layer is at most TP's when B·S >= {count(float(bs))} tokens "
           f"(P/(4h - 2h/g)); here B·S = {count(tokens)} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
     print("assumptions: " + "; ".join(_assumptions(args)) + f" ({e} bytes per element).")
+
+
+SERVE_BLOCK_TOKENS = 16  # serve's default --block-size on one rank
+
+
+def _kv_per_layer_type(cfg: ModelConfig, batch: int, seq_len: int, e: int) -> str:
+    """A hybrid model's KV cache per layer type, whole model (every rank's share together): the KV cache column
+    is generate's, which keeps every position of every layer; the paged server (serve/blocks.py) keeps a sliding
+    layer's window only (its blocks, ``sequence_blocks``)."""
+    from ..serve.blocks import sequence_blocks
+
+    per_token = 2 * e * cfg.n_kv_heads * cfg.head_dim * batch
+    full = per_token * seq_len
+    window = per_token * SERVE_BLOCK_TOKENS * sequence_blocks(cfg.sliding_window, seq_len, SERVE_BLOCK_TOKENS)
+    return (f"KV cache of one layer, all ranks together: a global layer {gb(full, 3)} GB; a local layer "
+            f"{gb(full, 3)} GB under generate, {gb(window, 3)} GB in serve's paged cache (its window of "
+            f"{cfg.sliding_window} tokens, in blocks of {SERVE_BLOCK_TOKENS})")
 
 
 def _print_paper(paper: list[dict]) -> None:
