@@ -440,7 +440,7 @@ def test_resume_survives_damaged_or_missing_metrics(pools, tmp_path):
 @pytest.mark.parametrize("toml,match", [
     ('steps = "three"', "steps (--steps) must be an integer, got 'three'"),
     ("seq_len = 64.0", "seq_len (--seq-len) must be an integer, got 64.0"),
-    ('recompute = "false"', "recompute (--recompute) must be true or false"),
+    ('recompute = "false"', "recompute must be one of none, full, selective"),
     ('nproc = "2"', "nproc (--nproc) must be an integer, got '2'"),
     ('scheme = "bogus"', "scheme (--scheme) must be one of tsp"),
     ("lr = nan", "lr (--lr) must be a finite number"),
