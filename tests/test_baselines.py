@@ -70,9 +70,11 @@ def memory_on_rank(seq_len, batch_size):
 
 
 def test_tsp_has_the_lowest_per_rank_peak_memory(pools):
-    results = pools(4).run(memory_on_rank, 2048, 4)
+    # S = 1024: the ordering is the same as at the README's S = 2048 (predict_memory: TSP 77 MiB, then DP 110, SP
+    # 134, TP x SP 137, TP 184; at 2048 each about twice), at half the time.
+    results = pools(4).run(memory_on_rank, 1024, 4)
     peaks = {scheme: max(r[scheme] for r in results) for scheme in MESHES}
-    print("\nper-rank peak, dim 256, 4 layers, B=4, S=2048, 4 ranks: "
+    print("\nper-rank peak, dim 256, 4 layers, B=4, S=1024, 4 ranks: "
           + ", ".join(f"{s} {b / 2**20:.1f} MiB" for s, b in peaks.items()))
     assert peaks["tsp"] < peaks["tp"] and peaks["tsp"] < peaks["sp"]
     assert peaks["tsp"] == min(peaks.values())

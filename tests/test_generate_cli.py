@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchtsp
+from helpers import cli_in_process
 from torchtsp.cli import main
 from torchtsp.infer import generate
 
@@ -19,6 +20,13 @@ TINY = torchtsp.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim
 
 
 def torchtsp_cli(*args):
+    """``torchtsp generate ARGS`` through the command line's ``main`` in this process (its ranks, with --nproc > 1,
+    are real processes): a fresh interpreter would add seconds of imports per call. The entry point as a process
+    is test_streams_text_without_json's."""
+    return cli_in_process("generate", *args)
+
+
+def generate_process(*args):
     env = {**os.environ, "TORCHTSP_DEBUG": "0"}
     return subprocess.run([sys.executable, "-m", "torchtsp", "generate", *args], capture_output=True, text=True,
                           env=env, timeout=300)
@@ -74,7 +82,7 @@ def test_schemes_and_schedules_agree_from_the_command_line(hf_dir):
 
 def test_streams_text_without_json(hf_dir):
     path, _ = hf_dir
-    result = torchtsp_cli("--hf", str(path), "--prompt", "w1 w2", "--max-new-tokens", "3")
+    result = generate_process("--hf", str(path), "--prompt", "w1 w2", "--max-new-tokens", "3")
     assert result.returncode == 0, result.stderr
     words = result.stdout.split()
     assert words[:2] == ["w1", "w2"] and len(words) == 5
@@ -91,9 +99,8 @@ def test_stop_ids_end_the_sequence(hf_dir):
 
 def test_training_checkpoint_with_the_byte_tokenizer(tmp_path):
     run = tmp_path / "run"
-    train = subprocess.run([sys.executable, "-m", "torchtsp", "train", "--steps", "2", "--seq-len", "16",
-                            "--batch-size", "2", "--sample-tokens", "0", "--out", str(run)],
-                           capture_output=True, text=True, timeout=300)
+    train = cli_in_process("train", "--steps", "2", "--seq-len", "16", "--batch-size", "2", "--sample-tokens", "0",
+                           "--out", str(run))
     assert train.returncode == 0, train.stderr
     out = last_json(torchtsp_cli("--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "3", "--json"))
     assert out["tokens"][0][:4] == list(b"def ") and len(out["tokens"][0]) <= 7

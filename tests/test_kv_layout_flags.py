@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from helpers import cli_in_process
 from torchtsp.analysis.plan import add_plan_arguments, run_plan
 from torchtsp.cli import build_parser, main
 from torchtsp.config import get_preset
@@ -58,9 +59,9 @@ def test_serve_checks_the_layout_before_any_rank_and_hands_it_to_the_ranks():
 
 @pytest.mark.multirank  # launches generate --tsp 2: two ranks of its own
 def test_generate_reports_the_layout_it_decoded_with():
-    run = subprocess.run([sys.executable, "-m", "torchtsp", "generate", "--prompt-ids", "1,2,3", "--max-new-tokens",
-                          "3", "--tsp", "2", "--kv-layout", "sequence", "--json"], capture_output=True, text=True,
-                         env={**os.environ, "TORCHTSP_DEBUG": "0"}, timeout=300)
+    # The command line's main in this process (its two ranks are processes): no interpreter start of its own.
+    run = cli_in_process("generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--tsp", "2", "--kv-layout",
+                         "sequence", "--json")
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["kv_layout"] == "sequence" and len(out["tokens"][0]) == 6

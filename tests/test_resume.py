@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +13,9 @@ pytestmark = pytest.mark.multirank
 
 
 def train(*args):
-    proc = subprocess.run([sys.executable, "-m", "torchtsp", "train", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    """``torchtsp train ARGS`` through the command line's main in this process; its ranks are real processes (the
+    entry point as a process: tests/test_train.py, tests/test_cli.py)."""
+    proc = cli_in_process("train", *args)
     return proc.returncode, proc.stderr
 
 

@@ -74,6 +74,13 @@ def torchtsp_cli(*args, wait=True, **kwargs):
     return proc.returncode, out, err
 
 
+def cli_train(*args):
+    """``torchtsp train ARGS`` through the command line's main in this process (its ranks are real processes), for
+    runs whose process as a whole is not what is tested: a fresh interpreter costs seconds of imports."""
+    proc = cli_in_process("train", *args)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def cli_settings(out, steps=12, tsp=2, **extra):
     args = ["--nproc", tsp, "--tsp", tsp, "--batch-size", 4, "--seq-len", 32, "--steps", steps,
             "--sample-tokens", 0, "--out", out]
@@ -98,7 +105,7 @@ def wait_for_step(run_dir, step, proc, limit=180):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    code, _, err = torchtsp_cli(*cli_settings(out, checkpoint_every=5))
+    code, _, err = cli_train(*cli_settings(out, checkpoint_every=5))
     assert code == 0, err
     return out
 
@@ -110,7 +117,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, uninterrupted):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group, mid-run
     proc.communicate()
     assert (out / "checkpoints" / "latest").read_text() == "step_000005"
-    code, _, err = torchtsp_cli(*cli_settings(out, resume=out))
+    code, _, err = cli_train(*cli_settings(out, resume=out))
     assert code == 0, err
     full, resumed = losses(uninterrupted), losses(out)
     assert all(resumed[s] == full[s] for s in range(6, 13)), (resumed, full)  # bit-identical

@@ -4,20 +4,19 @@ Hugging Face Llama saved with it, ``prepare-data`` on a jsonl corpus, ``train --
 tokenizer and produces the same greedy text."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import cli_in_process
 
 WORDS = "the cat dog bird sat ran flew on in over a mat park tree and then".split()
 
 
 def cli(*args):
-    env = {**os.environ, "TORCHTSP_DEBUG": "0"}
-    result = subprocess.run([sys.executable, "-m", "torchtsp", *map(str, args)], capture_output=True, text=True,
-                            env=env, timeout=300)
+    """The command line's ``main`` in this process (ranks and prepare-data's workers are real processes); a fresh
+    interpreter per command would add seconds of imports each. The entry point as a process: tests/test_cli.py."""
+    result = cli_in_process(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
-_measuring: list[MemTracker] = []
+# MemTracker's module pulls in Dynamo, Inductor and sympy (about 1.8 s of CPU): imported when a peak is measured,
+# not by every rank that merely imports this module.
+_measuring: list = []
 
 
 def next_pass() -> None:
@@ -23,6 +24,8 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     Tensors that already exist count only if they belong to ``track`` (parameters, gradients,
     optimizer state); everything allocated inside ``fn`` counts while it is alive.
     """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     tracker = MemTracker()
     if track:
         tracker.track_external(*track)

@@ -26,11 +26,11 @@ the schedule, are those of the single-device model.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..distributed import comm as comm_lib
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
@@ -44,7 +44,15 @@ from .api import parallelize
 from .base import ParallelTransformer, weight_source
 from .dp import AllReduceGrads
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining imports Dynamo and DTensor (about 1.5 s of CPU): it is imported when a pipeline is
+# built, not by every rank that imports this package.
+SCHEDULE_CLASS_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def _schedule_class(name: str):
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULE_CLASS_NAMES[name])
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -125,24 +133,30 @@ class _Unhooked(nn.Module):
         return self.stage.forward(*args, **kwargs)
 
 
-class CountedStage(PipelineStage):
-    """A ``PipelineStage`` whose point-to-point ops are counted on the ``pp`` axis's ``AxisComm``."""
+@functools.cache
+def counted_stage_class():
+    """``CountedStage``: a ``PipelineStage`` whose point-to-point ops are counted on the ``pp`` axis's
+    ``AxisComm`` (a class made on first use: its base comes from torch.distributed.pipelining)."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def __init__(self, *args, counter: AxisComm, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.counter = counter
+    class CountedStage(PipelineStage):
+        def __init__(self, *args, counter: AxisComm, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.counter = counter
 
-    def get_fwd_recv_ops(self, fwd_chunk_id):
-        return self.counter.count_p2p(super().get_fwd_recv_ops(fwd_chunk_id), ("forward", self.stage_index))
+        def get_fwd_recv_ops(self, fwd_chunk_id):
+            return self.counter.count_p2p(super().get_fwd_recv_ops(fwd_chunk_id), ("forward", self.stage_index))
 
-    def get_fwd_send_ops(self, fwd_chunk_id):
-        return self.counter.count_p2p(super().get_fwd_send_ops(fwd_chunk_id), ("forward", self.stage_index))
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            return self.counter.count_p2p(super().get_fwd_send_ops(fwd_chunk_id), ("forward", self.stage_index))
 
-    def get_bwd_recv_ops(self, bwd_chunk_id):
-        return self.counter.count_p2p(super().get_bwd_recv_ops(bwd_chunk_id), ("backward", self.stage_index))
+        def get_bwd_recv_ops(self, bwd_chunk_id):
+            return self.counter.count_p2p(super().get_bwd_recv_ops(bwd_chunk_id), ("backward", self.stage_index))
 
-    def get_bwd_send_ops(self, bwd_chunk_id):
-        return self.counter.count_p2p(super().get_bwd_send_ops(bwd_chunk_id), ("backward", self.stage_index))
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            return self.counter.count_p2p(super().get_bwd_send_ops(bwd_chunk_id), ("backward", self.stage_index))
+
+    return CountedStage
 
 
 class Pipeline(ParallelTransformer):
@@ -208,14 +222,14 @@ class Pipeline(ParallelTransformer):
         dtype = next(self.parameters()).dtype
         tokens = torch.empty(rows, n, dtype=torch.long, device="meta")
         hidden = torch.empty(rows, n, h, dtype=dtype, device="meta", requires_grad=True)
-        pipe = [CountedStage(_Unhooked(stage), s, self.n_stages, self.device,
-                             input_args=tokens if stage.first else hidden, output_args=hidden, group=self.pp.group,
-                             counter=self.pp)
+        pipe = [counted_stage_class()(_Unhooked(stage), s, self.n_stages, self.device,
+                                      input_args=tokens if stage.first else hidden, output_args=hidden,
+                                      group=self.pp.group, counter=self.pp)
                 for s, stage in zip(self.stage_ids, self.stages)]
         last = self.stages[-1] if self.has_last else None
         # Every rank's schedule needs a loss function to run backward at all; only the last stage's is called.
         loss_fn = (lambda x, labels: last.nll_sum(x, labels) / self._count) if last is not None else _no_loss
-        klass = SCHEDULE_CLASSES[self.schedule_name]
+        klass = _schedule_class(self.schedule_name)
         # Sums, not means, over microbatches: the loss function already divides by the global target count.
         if self.schedule_name == "interleaved_1f1b":
             self._schedule = klass(pipe, self.microbatches, loss_fn=loss_fn, scale_grads=False)
