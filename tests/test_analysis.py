@@ -138,6 +138,14 @@ def test_plan_prints_each_recompute_policy_beside_the_paper(capsys):
     lines = {line.split()[0]: line for line in out.splitlines() if "activations" in line and "peak" in line}
     assert set(lines) == {"none", "full", "selective"}
     assert "<= the paper's 38.8 GB" in lines["full"]
+    # Without --batch-size, one sequence per replica: the command as written (B = 8 over dp = 8).
+    assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus-per-node", "8", "--nodes", "8")) == 0
+    out = capsys.readouterr().out
+    assert "B=8, S=131,072, 64 GPUs (8 nodes x 8), mesh pp=1 x dp=8 x tsp=8" in out
+    # An explicit batch the replicas cannot share is still refused.
+    with pytest.raises(ValueError, match="batch size 4 must be divisible by the DP degree 8"):
+        run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus-per-node", "8", "--nodes", "8",
+                       "--batch-size", "4"))
     # One node of 8 GPUs: the table's first layout, TSP8, is the paper's too.
     assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus", "8")) == 0
     out = capsys.readouterr().out

@@ -326,7 +326,7 @@ def run_hardware_plan(args: argparse.Namespace) -> int:
     if not 1 <= group <= hw.gpus_per_node or args.gpus % group:
         raise ValueError(f"--tsp (GPUs per replica) must be between 1 and {hw.gpus_per_node} (one node) and divide "
                          f"--gpus={args.gpus}; got {group}")
-    batch = args.batch_size if args.batch_size > 1 else None  # the default: one sequence per replica
+    batch = args.batch_size if (args.batch_size or 1) > 1 else None  # the default: one sequence per replica
     dtype_bytes = DTYPE_BYTES[args.dtype]
     report = hardware_report(cfg, hw, gpus=args.gpus, group=group, seq_len=args.seq_len, mfu=args.mfu,
                              batch=batch, dtype_bytes=dtype_bytes, recompute=args.recompute, zero=args.zero)

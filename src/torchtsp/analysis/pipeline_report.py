@@ -39,10 +39,12 @@ def resolve_layout(args) -> dict:
 
 def run_pipeline_plan(args) -> int:
     cfg = get_preset(args.preset)
-    if args.seq_len < 1 or args.batch_size < 1:
+    if args.seq_len < 1 or (args.batch_size is not None and args.batch_size < 1):
         raise ValueError("--seq-len and --batch-size must be positive")
     check_gpu_mem(args.gpu_mem)
     lay = resolve_layout(args)
+    if args.batch_size is None:  # the default: one sequence per microbatch of each replica
+        args.batch_size = lay["dp"] * (args.microbatches or lay["pp"])
     e = DTYPE_BYTES[args.dtype]
     predict = lambda policy: predict_pipeline(cfg, args.batch_size, args.seq_len, pp=lay["pp"], dp=lay["dp"],
                                               tsp=lay["tsp"], microbatches=args.microbatches, schedule=args.schedule,

@@ -159,7 +159,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=length, default=131072, help="tokens per sequence; 32k = 32768 "
                         "(default: 128k)")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs to spread the model over (default: 8)")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step, all GPUs together (default: 1)")
+    parser.add_argument("--batch-size", type=int, help="sequences per step, all GPUs together (default: 1; with "
+                        "--nodes or --pp, one sequence per microbatch of each data-parallel replica)")
     parser.add_argument("--mode", choices=["train", "infer"], default="train",
                         help="train: one AdamW step; infer: one prefill with its KV cache (default: train)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="auto",
@@ -367,6 +368,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from .pipeline_report import run_pipeline_plan
 
         return run_pipeline_plan(args)
+    if args.batch_size is None:
+        args.batch_size = 1
     cfg = _check_args(args)
     dtype_bytes = DTYPE_BYTES[args.dtype]
     paper = paper_comparison() if args.preset == "paper-7b" else None
