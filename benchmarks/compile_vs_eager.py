@@ -14,27 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from recompute_policies import timed_step  # benchmarks/, this script's folder
 
 import torchtsp
 from torchtsp import compiled
 from torchtsp.bench.args import BENCH_MODEL
 from torchtsp.distributed import WorkerPool
-from torchtsp.distributed import comm as comm_module
-
-
-def _step(model, tokens, labels) -> tuple[float, float]:
-    """(wall seconds of forward + backward, ended by the slowest rank; this rank's own CPU seconds in it)."""
-    for p in model.parameters():
-        p.grad = None
-    comm_module.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    model.loss(tokens, labels).backward()
-    cpu = time.process_time() - cpu
-    comm_module.barrier()
-    return time.perf_counter() - start, cpu
 
 
 def on_rank(scheme, world, batch, seq_len, pairs):
@@ -44,16 +31,16 @@ def on_rank(scheme, world, batch, seq_len, pairs):
     tokens, labels = (torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g) for _ in range(2))
     model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(**{scheme: world}), scheme)
     compiled.enable(False)
-    _step(model, tokens, labels)  # eager warm-up
+    timed_step(model, tokens, labels)  # eager warm-up
     compiled.enable(True)
-    first_compiled_s, _ = _step(model, tokens, labels)  # compiles every region
-    _step(model, tokens, labels)  # a second compiled step: nothing may compile again
+    first_compiled_s, _ = timed_step(model, tokens, labels)  # compiles every region
+    timed_step(model, tokens, labels)  # a second compiled step: nothing may compile again
     times = {"eager": [], "compiled": []}
     cpus = {"eager": [], "compiled": []}
     for pair in range(pairs):
         for mode in (("eager", "compiled") if pair % 2 == 0 else ("compiled", "eager")):
             compiled.enable(mode == "compiled")
-            wall, cpu = _step(model, tokens, labels)
+            wall, cpu = timed_step(model, tokens, labels)
             times[mode].append(wall)
             cpus[mode].append(cpu)
     compiled.enable(False)

@@ -24,7 +24,7 @@ from torchtsp.memory import measure_peak
 from torchtsp.recompute import POLICIES
 
 
-def _step(model, tokens, labels) -> tuple[float, float]:
+def timed_step(model, tokens, labels) -> tuple[float, float]:
     """(wall seconds of the step, ended by the slowest rank; this rank's own CPU seconds in it, which a shared
     machine's other load disturbs less than the wall clock)."""
     for p in model.parameters():
@@ -47,7 +47,7 @@ def on_rank(scheme, world, preset, batch, seq_len, steps, policies):
     models = {p: torchtsp.parallelize(copy.deepcopy(ref), mesh, scheme, recompute=p) for p in policies}
     peaks = {}
     for p, model in models.items():
-        _step(model, tokens, labels)  # warm-up
+        timed_step(model, tokens, labels)  # warm-up
         for q in model.parameters():
             q.grad = None
         peaks[p] = measure_peak(lambda m=model: m.loss(tokens, labels).backward(), model)[1]
@@ -55,7 +55,7 @@ def on_rank(scheme, world, preset, batch, seq_len, steps, policies):
     for step in range(steps):
         order = policies[step % len(policies):] + policies[:step % len(policies)]
         for p in order:
-            wall, cpu = _step(models[p], tokens, labels)
+            wall, cpu = timed_step(models[p], tokens, labels)
             times[p].append(wall)
             cpus[p].append(cpu)
     pruned = models[policies[0]].traffic_seq_rank() is not None
