@@ -142,6 +142,10 @@ def test_plan_prints_each_recompute_policy_beside_the_paper(capsys):
     assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus-per-node", "8", "--nodes", "8")) == 0
     out = capsys.readouterr().out
     assert "B=8, S=131,072, 64 GPUs (8 nodes x 8), mesh pp=1 x dp=8 x tsp=8" in out
+    # With stages, one sequence per microbatch (the default: pp of them) of each of the dp = 16 / (2 x 4) replicas.
+    assert run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus", "16", "--pp", "2",
+                          "--tsp", "4")) == 0
+    assert "B=4, S=131,072, 16 GPUs, mesh pp=2 x dp=2 x tsp=4, 2 microbatches" in capsys.readouterr().out
     # An explicit batch the replicas cannot share is still refused.
     with pytest.raises(ValueError, match="batch size 4 must be divisible by the DP degree 8"):
         run_plan(_args("--preset", "paper-7b", "--seq-len", "131072", "--gpus-per-node", "8", "--nodes", "8",
