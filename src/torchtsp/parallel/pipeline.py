@@ -53,6 +53,8 @@ def _schedule_class(name: str):
     import torch.distributed.pipelining as pipelining
 
     return getattr(pipelining, SCHEDULE_CLASS_NAMES[name])
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
