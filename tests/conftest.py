@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchtsp.distributed import WorkerPool
+from torchtsp.rank_server import start_rank_server
 
 torch.set_num_threads(1)
 
@@ -43,7 +44,14 @@ LAUNCHING_MODULES = {"test_bench", "test_bench_infer", "test_cli", "test_distrib
 LAUNCHING_FIXTURES = {"pools", "server"}
 
 
+# What ranks started from this process run (pools, launches through the command line's ``main``): imported once,
+# in the fork server they are forked from, instead of in every new pool's ranks.
+RANK_MODULES = ["torchtsp.train.trainer", "torchtsp.generate_job", "torchtsp.serve.worker", "torchtsp.bench.run"]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in LAUNCHING_MODULES:
             item.add_marker(pytest.mark.multirank)
+    if not config.option.collectonly and any(item.get_closest_marker("multirank") for item in items):
+        start_rank_server(RANK_MODULES)  # its imports run while the first tests do

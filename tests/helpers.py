@@ -33,6 +33,27 @@ def cli_in_process(*args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["torchtsp", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+def is_rank(pid: int) -> bool:
+    """Whether process ``pid`` is a rank a torchtsp launcher started (read from /proc): ranks are forked from
+    multiprocessing's fork server, so they and the server share its command line; a rank's parent is the server."""
+    def cmdline(p):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                return f.read()
+        except OSError:
+            return b""
+
+    def parent(p):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                return int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return -1
+
+    server = b"multiprocessing.forkserver"
+    return server in cmdline(pid) and server in cmdline(parent(pid))
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - b| / max |b|: error relative to the tensor's scale, robust to near-zero entries."""
     scale = expected.abs().max().item()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import torchtsp
+from helpers import is_rank
 from torchtsp.cli import main
 from torchtsp.errors import RankFailedError
 from torchtsp.train import checkpoint
@@ -63,14 +64,7 @@ def group_members(pgid):
 
 
 def ranks_in(pgid):
-    return [pid for pid in group_members(pgid) if b"spawn_main" in _read(f"/proc/{pid}/cmdline")]
-
-
-def _read(path):
-    try:
-        return Path(path).read_bytes()
-    except OSError:
-        return b""
+    return [pid for pid in group_members(pgid) if is_rank(pid)]
 
 
 def wait_until_gone(pgid, limit=10.0):
@@ -146,7 +140,7 @@ def test_ctrl_c_during_start_up_is_an_interruption_not_a_dead_rank(tmp_path):
 def test_a_signal_while_ranks_start_reaches_the_launchers_handler():
     # The ranks are started with the stop signals blocked (they inherit it): one that arrives meanwhile must wait
     # for the launcher's handler, not vanish as an ignored signal would (the race the Ctrl-C test above hit).
-    from torchtsp.distributed.launch import stop_signals_held
+    from torchtsp.rank_server import stop_signals_held
 
     received = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchtsp
-from helpers import cli_in_process
+from helpers import cli_in_process, is_rank
 from torchtsp.cli import main
 from torchtsp.config import get_preset
 from torchtsp.distributed.launch import WorkerPool
@@ -490,7 +490,7 @@ def test_a_rank_killed_under_the_launcher_leaves_one_line(tmp_path):
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
-    rank = next(pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    rank = next(pid for child in children(proc.pid) for pid in children(child) if is_rank(pid))
     os.kill(rank, signal.SIGKILL)
     _, err = proc.communicate(timeout=120)
     # The progress bar ends without a newline: the error may follow it on the same line.

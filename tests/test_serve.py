@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import metric_samples, tiny_hf_llama
+from helpers import is_rank, metric_samples, tiny_hf_llama
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -88,7 +88,7 @@ class Server:
         return found
 
     def ranks(self) -> list[int]:
-        return [p for p in self.descendants() if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+        return [p for p in self.descendants() if is_rank(p)]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -81,7 +81,8 @@ def _launch(cfg, nproc: int) -> dict:
     # Listening before the ranks start: a signal while they start up is one to pass on, not one to lose.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None) as pool:
+        with WorkerPool(nproc, timeout_s=cfg.timeout_s, device_type=None,
+                        preload=[run_training.__module__]) as pool:
             return pool.run(run_training, cfg, True, timeout_s=float("inf"), on_wait=lambda: forward(pool))[0]
     finally:
         for sig, handler in previous.items():
@@ -246,7 +247,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         from .distributed.launch import WorkerPool
 
-        with WorkerPool(world, timeout_s=args.timeout_s) as pool:
+        with WorkerPool(world, timeout_s=args.timeout_s, preload=[run_generate.__module__]) as pool:
             summary, show = pool.run(run_generate, job)[0], True
     if args.json and show:
         print_json(summary)
@@ -372,8 +373,27 @@ def _out_of_memory(e: BaseException) -> bool:
         or "can't allocate memory" in text
 
 
+# The module each command's ranks run: imported by the fork server the launcher starts first (``_start_ranks_early``).
+RANK_MODULES = {"train": "torchtsp.train.trainer", "generate": "torchtsp.generate_job",
+                "serve": "torchtsp.serve.worker", "bench": "torchtsp.bench.run"}
+
+
+def _start_ranks_early(args: argparse.Namespace) -> None:
+    """Start the fork server local ranks come from now, when the flags alone say that this command starts several
+    (bench: unless --nproc 1): its imports then run beside the launcher's own instead of after them. Otherwise the
+    launcher starts it when it starts ranks, if it does."""
+    if args.command not in RANK_MODULES or launched_by_torchrun():
+        return
+    nproc = getattr(args, "nproc", None) or (4 if args.command == "bench" else 1)
+    if nproc > 1 or any((getattr(args, axis, None) or 1) > 1 for axis in AXES):
+        from .rank_server import start_rank_server
+
+        start_rank_server([RANK_MODULES[args.command]])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _start_ranks_early(args)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -238,7 +238,8 @@ class _Runner:
             self.rank = comm.global_rank()
         else:
             self.world = args.nproc or 4
-            self.pool = WorkerPool(self.world, timeout_s=args.timeout_s) if self.world > 1 else None
+            self.pool = (WorkerPool(self.world, timeout_s=args.timeout_s, preload=[__name__])
+                         if self.world > 1 else None)
             self.rank = 0
         self.timeout_s = args.timeout_s
         self.device = default_device_type() if self.torchrun else "cpu"

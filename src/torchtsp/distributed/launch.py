@@ -4,10 +4,14 @@ A rank that raises, dies, or does not answer within the timeout fails the whole 
 names the rank that failed first (a rank that died before the survivors that lost their connection
 to it); the other ranks are killed rather than left waiting in a collective.
 
-The ranks belong to the process that started them: a rank whose parent has gone exits within a
+The ranks belong to the process that started them: a rank whose launcher has gone exits within a
 second, and ranks start with SIGINT and SIGTERM held off (blocked from the start, ignored once running,
 ``stop_signals_held``), so that a Ctrl-C during start-up leaves the decision to the launcher (see
 ``signal_ranks``) instead of killing some ranks half-way.
+
+Ranks are forked from a fork server (``torchtsp.rank_server``) that imports torch and torchtsp once per
+launcher instead of once per rank; each rank takes the launcher's environment as it is when the rank starts,
+as a spawned rank would.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
+from ..rank_server import STOP_SIGNALS, start_rank_server
 from . import comm
 
 PARENT_POLL_S = 0.5
@@ -40,12 +46,18 @@ def _free_port() -> int:
 
 
 def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
-    """Exit this process soon after its parent dies (the parent's pid changes when it is re-parented)."""
-    parent = os.getppid()
+    """Exit this process soon after its launcher dies: the process that started it through multiprocessing
+    (which a forked rank's parent, the fork server, is not; its sentinel closes when the launcher dies), else
+    its parent (torchrun's agent; the parent's pid changes when this process is re-parented)."""
+    launcher = mp.parent_process()
+    parent = launcher.pid if launcher is not None else os.getppid()
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
+        if launcher is not None:
+            launcher.join()
+        else:
+            while os.getppid() == parent:
+                time.sleep(poll_s)
         print(f"torchtsp: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) has gone; exiting",
               file=sys.stderr, flush=True)
         os._exit(1)
@@ -68,13 +80,15 @@ def rank_backend(nprocs: int, device_type: str | None) -> tuple[str, str]:
     return "nccl", "cuda"
 
 
-def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
-    if set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, []):  # started under ``stop_signals_held``
-        for sig in STOP_SIGNALS:  # until a trainer listens, the launcher decides (it sends again until we stop)
+def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results, environ, hold_signals):
+    # Forked with the stop signals blocked (``_start_fork_server``): a signal during start-up stays pending.
+    if hold_signals:  # until a trainer listens, the launcher decides (it sends again until we stop)
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     watch_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.clear()  # the launcher's environment now, not the fork server's when it started
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs))
     # One thread per rank: N ranks share few cores; oversubscription makes gloo runs crawl.
     torch.set_num_threads(threads)
@@ -98,22 +112,6 @@ def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results):
             result = (rank, False, traceback.format_exc())
         results.put(result)
     comm.destroy_process_group()
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def stop_signals_held():
-    """SIGINT and SIGTERM blocked in this thread inside the block. Ranks started here inherit the block (across
-    exec), so a Ctrl-C during their start-up cannot kill them; ``_worker`` then ignores the signals until a trainer
-    listens. Blocking, not ignoring, here: a signal that arrives meanwhile stays pending and reaches this process's
-    handler (another thread takes it at once, or this one after the block); an ignored one would be lost."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextlib.contextmanager
@@ -150,46 +148,38 @@ def _timed_out(traceback_text: str) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def _quiet_resource_tracker() -> None:
-    """Ranks killed on a failure (see ``close``) cannot unregister the semaphores they made (tqdm's lock, ...);
-    multiprocessing's resource tracker then frees them at exit, but warns first, after torchtsp's one-line error.
-    The tracker is started with this process's -W options, so the warning is filtered there, before it starts."""
-    quiet = "ignore:resource_tracker:UserWarning"
-    if quiet not in sys.warnoptions:
-        sys.warnoptions.append(quiet)
-
-
 class WorkerPool:
     """N spawned ranks with an initialised process group, kept alive between ``run`` calls.
 
     ``device_type`` "cpu" (default): gloo. "cuda": NCCL, rank r on GPU r. None: CUDA when available.
+    ``preload``: modules the fork server imports for the ranks, if this pool starts it (``start_rank_server``).
     Must be created from the main thread when signals are to be handled (as Python requires).
     """
 
     def __init__(self, nprocs: int, timeout_s: float = comm.DEFAULT_TIMEOUT_S, threads_per_rank: int = 1,
-                 device_type: str | None = "cpu"):
+                 device_type: str | None = "cpu", preload: Sequence[str] = ()):
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
         self._backend, self.device_type = rank_backend(nprocs, device_type)
-        self.nprocs, self.timeout_s, self._threads = nprocs, timeout_s, threads_per_rank
+        self.nprocs, self.timeout_s, self._threads, self._preload = nprocs, timeout_s, threads_per_rank, preload
         self._start()
 
     def _start(self) -> None:
-        _quiet_resource_tracker()
-        ctx = mp.get_context("spawn")
+        start_rank_server(self._preload)
+        ctx = mp.get_context("forkserver")
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         self._results = ctx.Queue()
         self._ready: set[int] = set()
         port = _free_port()
+        # Held in ranks that a main thread starts: the launcher, which can handle signals, decides for them.
+        hold = threading.current_thread() is threading.main_thread()
         self._procs = [
             ctx.Process(target=_worker, args=(r, self.nprocs, port, self.timeout_s, self._threads, self._backend,
-                                              self._tasks[r], self._results), daemon=True)
+                                              self._tasks[r], self._results, dict(os.environ), hold), daemon=True)
             for r in range(self.nprocs)
         ]
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        with stop_signals_held() if in_main_thread else contextlib.nullcontext():
-            for p in self._procs:
-                p.start()
+        for p in self._procs:
+            p.start()
 
     def _port_taken(self, rank: int, ok: bool, value) -> bool:
         """Whether rank 0 could not listen on its port: another process took it between our choice and its bind."""

@@ -243,7 +243,7 @@ class _Engine:
         if not torchrun:
             from ..distributed.launch import WorkerPool
 
-            self.pool = WorkerPool(world, timeout_s=timeout_s, device_type=None)
+            self.pool = WorkerPool(world, timeout_s=timeout_s, device_type=None, preload=["torchtsp.serve.worker"])
         self.thread = threading.Thread(target=self._run, name="torchtsp-serve-ranks", daemon=True)
 
     def _run(self) -> None:
