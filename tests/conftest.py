@@ -49,9 +49,21 @@ LAUNCHING_FIXTURES = {"pools", "server"}
 RANK_MODULES = ["torchtsp.train.trainer", "torchtsp.generate_job", "torchtsp.serve.worker", "torchtsp.bench.run"]
 
 
+def pytest_runtest_setup(item):
+    # Once, in the first multirank test: started while pytest captures the test's output, the server (and every
+    # rank forked from it) writes where the ranks of a pool started in a test always wrote.
+    if item.get_closest_marker("multirank"):
+        start_rank_server(RANK_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in LAUNCHING_MODULES:
             item.add_marker(pytest.mark.multirank)
-    if not config.option.collectonly and any(item.get_closest_marker("multirank") for item in items):
-        start_rank_server(RANK_MODULES)  # its imports run while the first tests do
+        if item.get_closest_marker("multirank"):
+            # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) one worker runs every multirank test, one after
+            # another as without it (two at once put twice the ranks on the cores: they contend, and bounded waits
+            # time out), while the other runs the single-process tests beside them, on what the ranks leave idle
+            # (they keep about 1.6 of this machine's 2 cores busy).
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+

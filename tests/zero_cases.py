@@ -67,7 +67,7 @@ def train_with_a_poisoned_step(cfg, poisoned: int) -> dict:
 
 # Many narrow layers: the model's gradient is several times ZeRO-2's buckets in flight (a bucket holds at least one
 # whole local tensor), so what ZeRO-2 frees shows from the first step on.
-DEEP = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, n_layers=12,
+DEEP = torchtsp.ModelConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=101, n_layers=6,
                             max_seq_len=64)
 
 
