@@ -26,7 +26,7 @@ demo: $(RUNTIME)
 	$(VENV)/bin/torchtsp train --preset tiny --nproc 4 --tsp 4 --steps 120 --out runs/demo --overwrite
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup --durations=15
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest --durations=15
 
 # The inner loop: single-process unit tests only (no multi-rank runs); README gives the measured time.
 test-fast: $(STAMP)

@@ -60,10 +60,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in LAUNCHING_MODULES:
             item.add_marker(pytest.mark.multirank)
-        if item.get_closest_marker("multirank"):
-            # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) one worker runs every multirank test, one after
-            # another as without it (two at once put twice the ranks on the cores: they contend, and bounded waits
-            # time out), while the other runs the single-process tests beside them, on what the ranks leave idle
-            # (they keep about 1.6 of this machine's 2 cores busy).
-            item.add_marker(pytest.mark.xdist_group("ranks"))
 
