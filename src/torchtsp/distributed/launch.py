@@ -81,7 +81,7 @@ def rank_backend(nprocs: int, device_type: str | None) -> tuple[str, str]:
 
 
 def _worker(rank, nprocs, port, timeout_s, threads, backend, tasks, results, environ, hold_signals):
-    # Forked with the stop signals blocked (``_start_fork_server``): a signal during start-up stays pending.
+    # Forked with the stop signals blocked (``rank_server.start_rank_server``): a signal during start-up stays pending.
     if hold_signals:  # until a trainer listens, the launcher decides (it sends again until we stop)
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
