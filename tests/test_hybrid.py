@@ -193,6 +193,8 @@ def _visible(mask: Mask, n: int) -> torch.Tensor:
             block.q.stop - block.q.start, block.k.stop - block.k.start, dtype=torch.bool)
         if block.kind == "causal":
             part = part.tril()
+        elif block.kind == "anticausal":  # the far edge: query i sees keys j >= i
+            part = part.triu()
         seen[block.q, block.k] |= part
     return seen
 
@@ -237,6 +239,54 @@ def test_an_off_by_one_window_is_caught(where, monkeypatch):
         monkeypatch.setattr(kernels, "masked_attention", planted)
     with pytest.raises(AssertionError):
         check_window_edge(5, monkeypatch)
+
+
+def check_windowed_attention(window: int, tile: int, monkeypatch) -> int:
+    """attend() under a sliding layer's mask, forward and the gradients of q, k and v (GQA: 4 query heads on 2 KV
+    heads), against a plain softmax masked by transformers' window mask; returns how many far-edge blocks ran
+    as "anticausal" (the fused kernel on reversed rows)."""
+    monkeypatch.setattr("torchtsp.masks.WINDOW_TILE", tile)
+    ran, real = [], kernels.anticausal_attention
+    monkeypatch.setattr(kernels, "anticausal_attention", lambda *a: ran.append(1) or real(*a))
+    n, g = 29, torch.Generator().manual_seed(window)
+    q = torch.randn(2, 4, n, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, n, 8, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(2, 4, n, 8, generator=g)
+    i = torch.arange(n)
+    visible = sliding_window_causal_mask_function(window)(torch.tensor(0), torch.tensor(0), i[:, None], i[None, :])
+    expand = lambda t: t.repeat_interleave(2, dim=1)
+    scores = (q @ expand(k).transpose(-1, -2) * 8**-0.5).masked_fill(~visible.expand(n, n), float("-inf"))
+    dense = scores.softmax(-1) @ expand(v)
+    expected = torch.autograd.grad(dense, (q, k, v), dout)
+    out, _ = attend(q, k, v, sequence_mask(window=window))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    # float32 throughout on both sides: differences are rounding of sums over at most `window` keys (~1e-7).
+    assert rel_err(out, dense) < 1e-5
+    for name, a, b in zip("qkv", got, expected):
+        assert rel_err(a, b) < 1e-5, name
+    return len(ran)
+
+
+@pytest.mark.parametrize("window,tile", [(3, 4), (8, 4), (8, 8), (13, 4), (14, 4)])
+def test_windowed_attention_and_its_gradients_equal_a_masked_softmax(window, tile, monkeypatch):
+    """The block kernels of a window (its far edge run fused on reversed rows, its diagonal causal or banded) give
+    the output and every gradient of a dense softmax under transformers' mask: tiles as long as the window and
+    longer (whose diagonal is then banded), rows ending in a short tile (its edge banded: fewer queries than keys)."""
+    assert check_windowed_attention(window, tile, monkeypatch) > 0
+
+
+@pytest.mark.parametrize("planted", ["lse not reversed back", "edge rows shifted by one"])
+def test_a_wrong_far_edge_is_caught(planted, monkeypatch):
+    """Plausible slips in the reversed-rows edge (its LSE left reversed; the keys' rows misaligned by one, as
+    a causal mask that kept the diagonal out would be) fail the check above."""
+    real = kernels.anticausal_attention
+    if planted == "lse not reversed back":
+        wrong = lambda q, k, v: (lambda out, lse: (out, lse.flip(-1)))(*real(q, k, v))
+    else:
+        wrong = lambda q, k, v: real(q, torch.roll(k, 1, dims=-2), torch.roll(v, 1, dims=-2))
+    monkeypatch.setattr(kernels, "anticausal_attention", wrong)
+    with pytest.raises(AssertionError):
+        check_windowed_attention(8, 8, monkeypatch)
 
 
 # --------------------------------------------------------------------------- windows with documents, on shards

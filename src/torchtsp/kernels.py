@@ -182,8 +182,9 @@ def masked_attention(q, k, v, q_pos, k_pos, k_valid, window: int | None = None):
 
 
 # Blocks (packed documents, sliding windows): each ``layers.Block`` is one kernel call, unmasked where every
-# pair is visible, the fused kernel's causal mask on a square diagonal, an explicit block-sized mask otherwise
-# (a window's edge); blocks nobody sees are never computed and no mask of all queries x all keys is built.
+# pair is visible, the fused kernel's causal mask on a square diagonal or (rows reversed) on a window's far edge,
+# an explicit block-sized mask otherwise (a window cut by a document's start); blocks nobody sees are never
+# computed and no mask of all queries x all keys is built.
 # (A varlen / windowed kernel would take them in one call; on the CPU there is none.)
 
 
@@ -230,10 +231,51 @@ def band_attention_backward(dout, q, k, v, out, lse, block, dk, dv):
     return (ds @ k.repeat_interleave(g, dim=1).float()).to(q.dtype)
 
 
+# A window's far edge: query row i sees key rows j >= i. With both row orders reversed that is j' <= i', the fused
+# kernel's causal square, so the edge runs fused instead of as an explicit block-sized mask (measured on the CPU:
+# a 512 x 511 edge's forward and backward in 3.0 ms instead of 6.6 ms). Query rows past the last key see none.
+
+
+def _reversed_rows(t):
+    return t.flip(-2)
+
+
+def anticausal_attention(q, k, v):
+    """(out, lse float32) of an "anticausal" ``layers.Block``: q [B, Hq, Lq, d] against k, v [B, Hkv, Lk, d],
+    Lq >= Lk, query i seeing keys j >= i; rows i >= Lk get out = 0, lse = -inf."""
+    n = k.shape[-2]
+    out, lse = fused_attention(_reversed_rows(q[..., :n, :]), _reversed_rows(k), _reversed_rows(v), True)
+    out, lse = _reversed_rows(out), lse.flip(-1)
+    if q.shape[-2] == n:
+        return out, lse
+    full_out = q.new_zeros(q.shape)
+    full_lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    full_out[..., :n, :], full_lse[..., :n] = out, lse
+    return full_out, full_lse
+
+
+def anticausal_attention_backward(dout, q, k, v, out, lse, dk, dv):
+    """dq of ``anticausal_attention`` from the merged output and LSE; dK/dV added to float32 ``dk``, ``dv``."""
+    n = k.shape[-2]
+    rows = lambda t: _reversed_rows(t[..., :n, :])
+    dk_rev, dv_rev = (torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    dq_rev = fused_attention_backward(rows(dout), rows(q), _reversed_rows(k), _reversed_rows(v), rows(out),
+                                      lse[..., :n].flip(-1), True, dk_rev, dv_rev, accumulate=False)
+    dk.add_(_reversed_rows(dk_rev))
+    dv.add_(_reversed_rows(dv_rev))
+    if q.shape[-2] == n:
+        return _reversed_rows(dq_rev)
+    dq = q.new_zeros(q.shape)
+    dq[..., :n, :] = _reversed_rows(dq_rev)
+    return dq
+
+
 def _run_block(q, k, v, block):
     kind = block.kind
     if kind == "masked":
         return band_attention(q, k, v, block)
+    if kind == "anticausal":
+        return anticausal_attention(q, k, v)
     return fused_attention(q, k, v, kind == "causal")
 
 
@@ -328,6 +370,8 @@ def block_attention_backward(dout, q, k, v, out, lse, rows, dk, dv, accumulate: 
                     lse[r, :, block.q])
             if block.kind == "masked":
                 part = band_attention_backward(*args, block, dk[r, :, block.k], dv[r, :, block.k])
+            elif block.kind == "anticausal":
+                part = anticausal_attention_backward(*args, dk[r, :, block.k], dv[r, :, block.k])
             else:
                 part = fused_attention_backward(*args, block.kind == "causal", dk[r, :, block.k], dv[r, :, block.k],
                                                 accumulate=True)

@@ -73,8 +73,10 @@ class Documents:
 class Block(NamedTuple):
     """One kernel call of attention: local query rows ``q`` against local key rows ``k``, where the query at
     local row i sees the key at local row j iff ``lo <= j - i <= hi`` (None: no bound). ``kind`` says how the
-    kernel runs it: "full" (every pair visible), "causal" (square, j <= i: the fused kernel's own causal mask)
-    or "masked" (any other band: an explicit mask, block-sized)."""
+    kernel runs it: "full" (every pair visible), "causal" (square, j <= i: the fused kernel's own causal mask),
+    "anticausal" (j >= i, at least as many queries as keys: a window's far edge, the fused kernel's causal mask
+    on both row orders reversed; queries past the last key see none) or "masked" (any other band: an explicit
+    mask, block-sized)."""
 
     q: slice
     k: slice
@@ -90,12 +92,15 @@ class Block(NamedTuple):
             return "full"
         if lo_free and self.hi == 0 and nq == nk:
             return "causal"
+        if self.lo == 0 and hi_free and nq >= nk:
+            return "anticausal"
         return "masked"
 
 
-# Query rows per tile of a windowed run. A tile's keys split where its first query is: keys before it (all
-# visible, or a triangle at the window's edge) and its own diagonal block, so the explicitly masked work per
-# tile is one edge triangle; tiles of at least this size keep the number of kernel calls down for small windows.
+# Query rows per tile of a windowed run. A tile's keys split where its first query is: the keys before it (a
+# triangle at the window's far edge, "anticausal": the fused kernel on reversed rows) and its own diagonal
+# block (causal when the tile is no longer than the window), so no tile needs an explicit mask unless a document
+# starts inside the window; tiles of at least this size keep the number of kernel calls down for small windows.
 WINDOW_TILE = 128
 
 
