@@ -52,6 +52,12 @@ FP32_BOUND, BF16_BOUND = 1e-6, BASE["steps"] * BASE["lr"] * 2**-6
 # 2 · lr a step after the first (8.2e-3 measured at dp 2 and dp 4). The loss, a mean over every token, moves by
 # far less than one bfloat16 rounding of itself, 2^-9 relative (3e-4 measured).
 FSDP_BF16_BOUND, FSDP_BF16_LOSS = 2 * BASE["lr"] * (BASE["steps"] - 1), 2**-9 * 6
+# The same flip reaches --zero 1 and 2 in bfloat16 wherever a gradient sums to within one rounding of zero: on a CPU
+# whose bf16 GEMMs run on AMX tiles (other rounding than AVX-512's), 13 of 460K elements of the dp4 case exceeded
+# BF16_BOUND, the largest an embedding row's element by 3.4e-3 (about lr). So in bfloat16 a few elements, at most
+# FLIP_SHARE of all, may move by up to the flip bound; every other one stays within the rounding bound. A ZeRO bug
+# (a bucket not reduced, a chunk misplaced, a wrong average) moves whole buckets or rows: thousands of elements.
+FLIP_SHARE = 1e-4
 # Each case: world, settings, the --zero levels compared with --zero 0 and their bounds on (parameters, losses): a
 # loss moves by at most ~10x a weight here.
 CASES = {
@@ -119,10 +125,15 @@ def test_zero_matches_zero0_loss_every_step_and_every_parameter(case_runs, case)
             assert abs(a - b) <= loss_bound, (level, step, a, b)
         assert sorted(weights) == sorted(plain_weights)
         assert got.get("sample") == plain.get("sample")
-        worst = max((weights[n] - plain_weights[n]).abs().max().item() for n in weights)
+        gaps = torch.cat([(weights[n] - plain_weights[n]).abs().flatten() for n in weights])
+        worst, beyond = gaps.max().item(), int((gaps > bound).sum())
         loss_gap = max(abs(a - b) for a, b in zip(got["losses"], plain["losses"]))
-        print(f"{case} zero {level}: largest parameter difference {worst:.2e}, loss {loss_gap:.2e}")
-        assert worst <= bound, (level, worst)
+        print(f"{case} zero {level}: largest parameter difference {worst:.2e} ({beyond} of {gaps.numel()} elements "
+              f"beyond {bound:.2e}), loss {loss_gap:.2e}")
+        if settings.get("dtype") == "bfloat16":
+            assert beyond <= FLIP_SHARE * gaps.numel() and worst <= FSDP_BF16_BOUND, (level, beyond, worst)
+        else:
+            assert worst <= bound, (level, worst)
 
 
 @pytest.mark.skipif(not os.environ.get("TORCHTSP_ZERO_BY_HAND"), reason="run by hand: TORCHTSP_ZERO_BY_HAND=1")
