@@ -1,5 +1,5 @@
 # Two entry points: `make demo` and `make test`. Both create .venv on first use.
-# Two stamps: `make demo` installs the runtime only (torch, then torchtsp and its dependencies); `make test`,
+# Two stamps: `make demo` installs the runtime only (torch, then torchtsp, its dependencies and the serve extra); `make test`,
 # `make test-fast` and `make lint` add the test dependencies (the dev extra: transformers, lm-eval, ...) on top.
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +14,9 @@ $(RUNTIME): pyproject.toml
 	# Pinned torch first: a local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 	@echo "make: installing torch (CPU wheel), then torchtsp into $(VENV) (pip names each package as it goes)"
 	$(PY) -m pip install --progress-bar off torch==2.13.0 numpy
-	$(PY) -m pip install --progress-bar off -e .
+	# The serve extra too (fastapi, uvicorn, pydantic, jinja2, prometheus_client: small), so the README's serve
+	# example runs after `make demo` alone.
+	$(PY) -m pip install --progress-bar off -e ".[serve]"
 	touch $(RUNTIME)
 
 $(STAMP): $(RUNTIME)
