@@ -47,3 +47,7 @@ __all__ = [
     "to_hf_state_dict",
     "write_weights",
 ]
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use
