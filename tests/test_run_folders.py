@@ -49,3 +49,18 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(tmp_path):
     assert lines == [f"torchtsp: nothing left to do: {out} is at step 2 of 2 (give --steps N above 2 to train "
                      f"further)"], proc.stdout
     assert "nan" not in proc.stdout + proc.stderr
+
+
+def test_by_default_only_the_first_two_steps_pay_for_the_memory_peak(tmp_path):
+    """A measured step runs under MemTracker (~3x slower): by default only the first step and the first with
+    optimizer state, which hold the run's peak, are measured; the summary still reports the peak per rank."""
+    import json
+
+    out = tmp_path / "run"
+    proc = train(*TINY_RUN[:4], "--steps", 12, *TINY_RUN[6:], "--out", out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    measured = [r["step"] for r in records if "peak_mem_bytes" in r]
+    assert measured == [1, 2], measured
+    peak = max(r["peak_mem_bytes"] for r in records if "peak_mem_bytes" in r)
+    assert peak > 0
+    assert f"peak live memory / rank  {peak / 2**20:.1f} MiB" in proc.stdout, proc.stdout

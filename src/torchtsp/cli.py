@@ -165,7 +165,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--sample-tokens", type=length, help="tokens the trained model writes after the prompt \"def \" when "
         "training ends, sampled at temperature 0.8 among the 40 likeliest (seeded by --seed) (default: 64; 0: none)")
     add("--timeout-s", type=float, help=COLLECTIVE_TIMEOUT_HELP)
-    add("--mem-every", type=int, metavar="N", help="log the peak live memory every N steps (default: 10)")
+    add("--mem-every", type=int, metavar="N", help="also measure the peak live memory every N steps, each such "
+        "step 2-3x slower (default: 0, only the first two steps, which hold the run's peak)")
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:

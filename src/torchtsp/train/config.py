@@ -85,7 +85,9 @@ class TrainConfig:
     sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "
     timeout_s: float = COLLECTIVE_TIMEOUT_S
-    mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
+    # Also measure the live-tensor peak every N steps. 0: only the first step and the first with optimizer state,
+    # which hold the run's peak (later steps repeat them); a measured step costs 2-3x an unmeasured one (MemTracker).
+    mem_every: int = 0
 
     def __post_init__(self):
         self.recompute = recompute_policy(self.recompute)
