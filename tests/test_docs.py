@@ -1,6 +1,7 @@
 """The documentation against the tree and the CLI: every relative link in README.md and docs/*.md names a file
 that exists (and, into a markdown file, a heading that exists); every ``torchtsp ...`` command in their code
-blocks parses with the CLI's own parser; every flag of every command appears somewhere in them. Fast, torch-free
+blocks parses with the CLI's own parser; every flag of every command appears somewhere in them; every dotted
+``torchtsp.a.b`` name they show resolves after a plain ``import torchtsp``. Fast, torch-free
 where the CLI is (the parser is built, never run)."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 import io
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,6 +144,36 @@ def test_every_flag_is_documented():
     missing = [f"torchtsp {name} {flag}" for name, flag in _flags()
                if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
     assert not missing, "flags no document mentions:\n" + "\n".join(missing)
+
+
+DOTTED = re.compile(r"\btorchtsp(?:\.[A-Za-z_]\w*)+")
+
+
+def test_dotted_names_resolve_after_import_torchtsp():
+    """What a reader types after ``import torchtsp`` (code and prose alike) must not raise AttributeError; run in a
+    fresh interpreter, so that no module another test imported makes a submodule an attribute by accident."""
+    names = sorted({m.group(0) for doc in DOCS for m in DOTTED.finditer(doc.read_text())})
+    assert len(names) > 10, f"only {len(names)} dotted names found: the extraction is broken"
+    script = ("import sys, torchtsp\n"
+              "bad = []\n"
+              "for name in sys.argv[1:]:\n"
+              "    obj = torchtsp\n"
+              "    try:\n"
+              "        for part in name.split('.')[1:]:\n"
+              "            obj = getattr(obj, part)\n"
+              "    except AttributeError as e:\n"
+              "        bad.append(f'{name}: {e}')\n"
+              "print('\\n'.join(bad))\n")
+    result = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert not result.stdout.strip(), "names the docs show that fail after `import torchtsp`:\n" + result.stdout
+
+
+def test_import_torchtsp_imports_no_torch():
+    code = "import sys, torchtsp; assert 'torch' not in sys.modules, 'import torchtsp imported torch'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("text, expected", [

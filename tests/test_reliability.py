@@ -109,6 +109,29 @@ def test_ranks_of_a_killed_launcher_exit_within_seconds(tmp_path):
     assert wait_until_gone(proc.pid, limit=5.0) == []
 
 
+def parent_of(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds processes through /proc")
+def test_a_killed_fork_server_is_named_by_its_ranks_and_the_launcher(tmp_path):
+    """The ranks' parent is the fork server, not the launcher: killing it ends the run within seconds, and every
+    message says that the server died (its pid), not the launcher, which lives, nor a rank's placeholder code."""
+    proc = launcher(tmp_path)
+    wait_for_step(tmp_path, 1, proc)
+    server = parent_of(ranks_in(proc.pid)[0])
+    assert server != proc.pid
+    os.kill(server, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode not in (0, None), err
+    assert f"the fork server it was forked from (pid {server}) has gone, its launcher (pid {proc.pid}) lives" in err
+    # The launcher's one-line error (a rank's message may come after it: they exit as the launcher reports).
+    assert (f"torchtsp: error: run_training on 2 ranks: the fork server the ranks were forked from (pid {server}) "
+            f"died") in err, err
+    assert f"launcher (pid {proc.pid}) has gone" not in err and "code 255" not in err and "Traceback" not in err
+    assert wait_until_gone(proc.pid, limit=5.0) == []
+
+
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
 def test_nothing_is_left_behind_under_timeout(tmp_path):
     # `timeout` signals the launcher and its whole process group; ranks stop at a step boundary and save. Its timer

@@ -112,3 +112,36 @@ def test_resuming_with_a_larger_tokenizer_names_the_checkpoints_vocabulary(pools
                           "--sample-tokens", 0, "--tokenizer", folder, "--data", folder / "corpus.txt"))
     assert f"has 300 ids but the model's vocabulary, fixed by the checkpoint of --resume {tmp_path / 'run'}, " \
            f"has 257" in line, line
+
+
+# A run on bytes (the presets' default) keeps no tokenizer: convert writes the byte tokenizer as Hugging Face files.
+BYTE_TEXTS = ["Once upon a time", "  two  spaces\nnewline\ttab", "naïve café, 日本語 🙂", "", "ends with EOS"]
+
+
+def test_convert_of_a_byte_run_writes_a_tokenizer_transformers_and_torchtsp_read_as_bytes(tmp_path):
+    from transformers import AutoTokenizer
+
+    from torchtsp.data.tokenizers import ByteTokenizer
+    from torchtsp.generate_job import model_config_and_tokenizer
+
+    run, folder = tmp_path / "run", tmp_path / "hf_export"
+    trained = cli_in_process("train", "--nproc", 1, "--tsp", 1, "--steps", 1, "--batch-size", 2, "--seq-len", 16,
+                             "--sample-tokens", 0, "--out", run)
+    assert trained.returncode == 0, trained.stderr
+    converted = cli_in_process("convert", run, folder)
+    assert converted.returncode == 0, converted.stderr
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+
+    hf = AutoTokenizer.from_pretrained(folder)
+    _, ours, eos = model_config_and_tokenizer("hf", str(folder))  # what generate and serve --hf load
+    assert hf.eos_token_id == ours.eos_id == eos == ByteTokenizer.eos_id == 256
+    for text in BYTE_TEXTS:
+        expected = list(text.encode("utf-8"))  # ByteTokenizer's ids, by definition
+        assert hf.encode(text, add_special_tokens=False) == ours.encode(text) == expected, text
+        assert hf.decode(expected + [256], skip_special_tokens=True) == ours.decode(expected + [256]) == text
+    # The model answers the same through the converted folder as through its run (the byte tokenizer).
+    prompt = ("--prompt", "Once upon", "--max-new-tokens", 6, "--temperature", 0)
+    via_hf = cli_in_process("generate", "--hf", folder, *prompt)
+    via_run = cli_in_process("generate", "--checkpoint", run, *prompt)
+    assert via_hf.returncode == via_run.returncode == 0, via_hf.stderr + via_run.stderr
+    assert via_hf.stdout == via_run.stdout

@@ -29,10 +29,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Imported here so that `torchtsp --help` stays fast.
     from .distributed import comm
     from .distributed.launch import watch_parent
-    from .train.config import FIELDS, build_config
+    from .train.config import FIELDS, build_config, resumed_step
     from .train.trainer import check_before_launch, format_summary, run_training
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
+    done = resumed_step(cfg)
+    if done is not None and done >= cfg.steps:  # no rank needs to start for a run that has finished
+        if os.environ.get("RANK", "0") == "0":
+            print(f"torchtsp: nothing left to do: {cfg.resume} is at step {done} of {cfg.steps} (give --steps N "
+                  f"above {done} to train further)")
+        return 0
     if launched_by_torchrun():
         watch_parent()  # a rank whose torchrun agent was killed exits instead of training on alone
         try:
@@ -128,7 +134,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--tensorboard", action="store_true", default=None, help="also write TensorBoard scalars to OUT/tensorboard")
     add("--profile-steps", metavar="A:B", help="torch.profiler trace of steps A..B per rank, OUT/profile/rankR.json")
     add("--out", metavar="DIR", help="run folder: metrics.jsonl and checkpoints/ (default: the --resume run "
-        "folder, else runs/latest)")
+        "folder, else a new runs/<UTC time>-<scheme>, which runs/latest then points at)")
     add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
     add("--checkpoint-every", type=int, help="save every N steps (default: only at the end)")
     add("--keep-last", type=int, metavar="N", help="keep only the newest N checkpoints (default: all)")
@@ -159,7 +165,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--sample-tokens", type=length, help="tokens the trained model writes after the prompt \"def \" when "
         "training ends, sampled at temperature 0.8 among the 40 likeliest (seeded by --seed) (default: 64; 0: none)")
     add("--timeout-s", type=float, help=COLLECTIVE_TIMEOUT_HELP)
-    add("--mem-every", type=int, metavar="N", help="log the peak live memory every N steps (default: 10)")
+    add("--mem-every", type=int, metavar="N", help="also measure the peak live memory every N steps, each such "
+        "step 2-3x slower (default: 0, only the first two steps, which hold the run's peak)")
 
 
 def add_generate_arguments(gen: argparse.ArgumentParser) -> None:

@@ -77,11 +77,20 @@ def convert_checkpoint(
     kind, weights = open_weights(src)
     # The model's tokenizer travels with it: a Hugging Face folder's own files, or the one a training run kept.
     # Its files are checked (no link out of its folder) before anything is written.
-    from .data.tokenizers import copy_tokenizer_files, run_tokenizer_folder, tokenizer_files
+    from .data.tokenizers import (
+        BYTE_FINGERPRINT,
+        copy_tokenizer_files,
+        run_tokenizer_folder,
+        tokenizer_files,
+        write_byte_tokenizer,
+    )
 
     tokenizer = run_tokenizer_folder(src) if kind == "train" else src
     if tokenizer is not None:
         tokenizer_files(tokenizer)
+    # A run that kept no tokenizer read bytes (checkpoints of before the fingerprint was saved included).
+    byte_run = kind == "train" and tokenizer is None and (
+        getattr(weights, "tokenizer_fingerprint", None) in (None, BYTE_FINGERPRINT))
     target = to or ("torchtsp" if kind == "hf" else "hf")
     if dst.exists():
         if not dst.is_dir():
@@ -99,18 +108,20 @@ def convert_checkpoint(
                   dtype=getattr(weights, "stored_dtype", None))
     if tokenizer is not None:
         copy_tokenizer_files(tokenizer, dst)
+    elif byte_run and target == "hf":  # the byte tokenizer as HF files: serve --hf and AutoTokenizer read it
+        write_byte_tokenizer(dst)
     if target == "hf":
-        write_special_token_ids(dst, byte_tokenizer=kind == "train" and tokenizer is None)
+        write_special_token_ids(dst)
     return target
 
 
-def write_special_token_ids(folder: Path, byte_tokenizer: bool = False) -> None:
-    """The tokenizer's BOS / EOS / PAD ids in ``config.json`` and a ``generation_config.json``, as
+def write_special_token_ids(folder: Path) -> None:
+    """The BOS / EOS / PAD ids of the folder's tokenizer in ``config.json`` and a ``generation_config.json``, as
     ``save_pretrained`` writes them: without them transformers' ``generate`` never stops at the EOS and servers
-    that read the model folder find no stop token. ``byte_tokenizer``: a training run that read bytes."""
-    from .data.tokenizers import ByteTokenizer, hf_folder_tokenizer
+    that read the model folder find no stop token."""
+    from .data.tokenizers import hf_folder_tokenizer
 
-    tokenizer = ByteTokenizer() if byte_tokenizer else hf_folder_tokenizer(folder)
+    tokenizer = hf_folder_tokenizer(folder)
     if tokenizer is None:
         return  # no tokenizer travels with the weights: nothing to name
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,

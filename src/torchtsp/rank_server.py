@@ -46,6 +46,15 @@ def _quiet_resource_tracker() -> None:
         sys.warnoptions.append(quiet)
 
 
+def rank_server_pid() -> int | None:
+    """The pid of this process's fork server (None before it starts): the parent of every rank forked from it, which
+    a failure report names when the server, not a rank, is what died. multiprocessing keeps it in a private
+    attribute; None if a Python version keeps it elsewhere."""
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
 def start_rank_server(preload: Sequence[str] = ()) -> None:
     """Start this process's fork server unless it runs already (multiprocessing keeps one per process): it
     imports ``RANK_PRELOAD`` and ``preload`` (the module of the function the ranks will run), and starts with the

@@ -30,3 +30,7 @@ __all__ = [
     "tsp_layer_forward_recv_elements",
     "tsp_tp_crossover_tokens",
 ]
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

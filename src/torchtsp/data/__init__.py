@@ -8,3 +8,7 @@ Only ``samples`` imports torch, so tokenizer worker processes start quickly.
 from .tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

@@ -40,6 +40,43 @@ class ByteTokenizer:
         return bytes(i for i in map(int, ids) if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+BYTE_EOS_TOKEN = "<|endoftext|>"  # the byte tokenizer's id 256 in its Hugging Face files
+
+
+def _byte_characters() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters, which ``tokenizers``' ByteLevel pre-tokenizer and
+    decoder use: the printable Latin-1 bytes are themselves, the others 256 + their rank."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def write_byte_tokenizer(folder: str | Path) -> list[str]:
+    """The byte tokenizer as Hugging Face files in ``folder``, so that a model trained on bytes is served and
+    loaded like any other: ``tokenizer.json`` (byte b is id b: a BPE without merges over the ByteLevel
+    characters; ``<|endoftext|>``, a special token, is id 256, the EOS) and ``tokenizer_config.json``. Text that
+    spells ``<|endoftext|>`` itself is the one difference: these files read it as id 256, ByteTokenizer as bytes.
+    Returns the names written."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    vocab = {char: b for b, char in _byte_characters().items()}
+    tokenizer = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(BYTE_EOS_TOKEN, special=True, normalized=False)])
+    assert tokenizer.token_to_id(BYTE_EOS_TOKEN) == ByteTokenizer.eos_id  # the next id after the 256 bytes
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        (folder / name).unlink(missing_ok=True)  # a link already there must not be written through
+    tokenizer.save(str(folder / TOKENIZER_FILE))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BYTE_EOS_TOKEN,
+              "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000_000}
+    (folder / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
+
+
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()

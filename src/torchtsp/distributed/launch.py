@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
-from ..rank_server import STOP_SIGNALS, start_rank_server
+from ..rank_server import STOP_SIGNALS, rank_server_pid, start_rank_server
 from . import comm
 
 PARENT_POLL_S = 0.5
@@ -45,12 +45,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: absent, or a zombie its parent has not reaped yet (read from /proc where
+    there is one; elsewhere a zombie counts as alive)."""
+    state = _process_state(pid)
+    if state is not None:
+        return state in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, as another user's
+        pass
+    return False
+
+
 def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
-    """Exit this process soon after its launcher dies: the process that started it through multiprocessing
-    (which a forked rank's parent, the fork server, is not; its sentinel closes when the launcher dies), else
-    its parent (torchrun's agent; the parent's pid changes when this process is re-parented)."""
+    """Exit this process soon after its launcher dies: the process that started it through multiprocessing, else
+    its parent (torchrun's agent; the parent's pid changes when this process is re-parented). A rank forked from
+    the fork server (its parent, not the launcher) learns of the launcher through a pipe the server holds, so the
+    pipe also closes when the server alone dies: the message then names the server, as the launcher's does."""
     launcher = mp.parent_process()
     parent = launcher.pid if launcher is not None else os.getppid()
+    server = os.getppid() if launcher is not None and os.getppid() != launcher.pid else None
 
     def watch():
         if launcher is not None:
@@ -58,8 +75,11 @@ def watch_parent(poll_s: float = PARENT_POLL_S) -> None:
         else:
             while os.getppid() == parent:
                 time.sleep(poll_s)
-        print(f"torchtsp: rank {os.environ.get('RANK', '?')}: its launcher (pid {parent}) has gone; exiting",
-              file=sys.stderr, flush=True)
+        if server is not None and not _gone(parent):
+            what = f"the fork server it was forked from (pid {server}) has gone, its launcher (pid {parent}) lives"
+        else:
+            what = f"its launcher (pid {parent}) has gone"
+        print(f"torchtsp: rank {os.environ.get('RANK', '?')}: {what}; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="torchtsp-parent-watch", daemon=True).start()
@@ -166,6 +186,7 @@ class WorkerPool:
 
     def _start(self) -> None:
         start_rank_server(self._preload)
+        self._server = rank_server_pid()  # the ranks' parent: if it dies, they go with it
         ctx = mp.get_context("forkserver")
         self._tasks = [ctx.Queue() for _ in range(self.nprocs)]
         self._results = ctx.Queue()
@@ -268,6 +289,11 @@ class WorkerPool:
         silent = [r for r in range(self.nprocs) if r not in raised and r not in answered]
         stopped = set(self._stopped())
         self.close(force=True)
+        if dead and self._server is not None and _gone(self._server):
+            # The ranks' exit codes come through the server: with it gone they read 255 whatever happened.
+            return RankFailedError(f"{name} on {self.nprocs} ranks: the fork server the ranks were forked from (pid "
+                                   f"{self._server}) died, and the ranks exited with it (was it killed from outside "
+                                   f"the run, or by the kernel's OOM killer?)")
         if dead:
             first = dead[0]
             return RankFailedError(f"{name} on {self.nprocs} ranks: rank {first} died ({_death(codes[first])})",

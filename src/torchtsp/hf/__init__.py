@@ -2,8 +2,9 @@
 folders on disk, read and written by one reader and one writer (``files``). Conversion lives in convert.py.
 
 The families handled are Llama (with Llama 3's ``llama3`` RoPE scaling), Mistral (without a sliding
-window that masks anything), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and the mixtures of
-experts Qwen2-MoE and Mixtral; every other feature is refused with its config field named.
+window that masks anything), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Gemma 3's text model
+(sandwich norms) and the mixtures of experts Qwen2-MoE and Mixtral; every other feature is refused with its
+config field named.
 """
 
 from .config import config_from_hf, config_to_hf
@@ -47,3 +48,7 @@ __all__ = [
     "to_hf_state_dict",
     "write_weights",
 ]
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

@@ -25,7 +25,15 @@ from ..model import reference_shapes
 from ..paths import contained, hub_blobs
 from ..weights import SafetensorsWeights, WeightSource
 from .config import config_from_hf, config_to_hf
-from .names import check_state_dict, file_location, format_names, hf_location, is_fused, to_hf_name, to_hf_tensors
+from .names import (
+    check_state_dict,
+    file_location,
+    format_names,
+    is_fused,
+    model_location,
+    to_hf_name,
+    to_hf_tensors,
+)
 
 HF_CONFIG_NAME = "config.json"
 TORCHTSP_CONFIG_NAME = "torchtsp.json"
@@ -215,7 +223,7 @@ def open_hf_weights(path: str | os.PathLike):
     cfg, cfg_path = _hf_dir_config(path)
     files = weight_files(path)
     try:
-        return cfg, SafetensorsWeights(cfg, files, hf_location if is_fused(files) else file_location(cfg))
+        return cfg, SafetensorsWeights(cfg, files, model_location(cfg) if is_fused(files) else file_location(cfg))
     except ValueError as e:
         raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
 

@@ -62,21 +62,26 @@ _HF_EMBED, _HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Non-persistent RoPE buffers that old checkpoints sometimes carry; they are recomputed, never loaded.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
-def hf_location(name: str, cfg: ModelConfig | None = None) -> str | tuple:
+def hf_location(name: str, cfg: ModelConfig) -> str | tuple:
     """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name, or
-    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj). ``cfg``: the
-    model, where its family names a block's norms otherwise (Gemma's sandwich norms)."""
+    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj). ``cfg`` is
+    required: a family may name a block's norms otherwise (Gemma's sandwich norms)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")
     idx, _, local = rest.partition(".")
-    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg is not None and cfg.sandwich_norm else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norm else _LAYER_NAMES
     if prefix == "layers" and idx.isdigit() and local in names:
         return f"model.layers.{idx}.{names[local]}"
     if prefix == "layers" and idx.isdigit() and local in _FUSED_NAMES:
         hf_name, dim, half = _FUSED_NAMES[local]
         return "fused", f"model.layers.{idx}.{hf_name}", dim, half
     raise KeyError(name)
+
+
+def model_location(cfg: ModelConfig):
+    """``hf_location`` of ``cfg``'s model as a function of the name alone (what ``file_location`` is for files)."""
+    return lambda name: hf_location(name, cfg)
 
 
 # The experts' matrices one by one, as checkpoint files hold them (what save_pretrained writes and the Hub
@@ -108,7 +113,7 @@ def is_fused(names) -> bool:
     return any(n.endswith(".experts.gate_up_proj") for n in names)
 
 
-def to_hf_name(name: str, cfg: ModelConfig | None = None) -> str:
+def to_hf_name(name: str, cfg: ModelConfig) -> str:
     """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
     where = hf_location(name, cfg)
     return where if isinstance(where, str) else where[1]
@@ -185,7 +190,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     """
     expected = reference_shapes(cfg)
     # Expert weights fused (a transformers model's state dict) or one tensor per expert (checkpoint files).
-    location = hf_location if is_fused(hf_sd) else file_location(cfg)
+    location = model_location(cfg) if is_fused(hf_sd) else file_location(cfg)
     hf_expected = _hf_shapes(expected, location)
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if cfg.tie_embeddings and _HF_LM_HEAD in sd:
@@ -211,4 +216,4 @@ def to_hf_state_dict(sd: dict, cfg: ModelConfig, files: bool = False) -> dict:
     expert, as ``save_pretrained`` writes)."""
     expected = reference_shapes(cfg)
     check_state_dict(sd, expected, "torchtsp state dict")
-    return to_hf_tensors(sd, expected, file_location(cfg) if files else hf_location)
+    return to_hf_tensors(sd, expected, file_location(cfg) if files else model_location(cfg))

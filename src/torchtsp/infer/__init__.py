@@ -12,3 +12,7 @@ On every rank of the mesh, with the same arguments::
 from .api import GenerationResult, generate, make_engine
 
 __all__ = ["GenerationResult", "generate", "make_engine"]
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

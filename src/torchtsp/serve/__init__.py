@@ -11,3 +11,7 @@
 The HTTP side needs the ``serve`` extra (``pip install 'torchtsp[serve]'``); this package imports nothing of it
 until the server starts.
 """
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

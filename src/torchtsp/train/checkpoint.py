@@ -378,6 +378,7 @@ class CheckpointWeights(WeightSource):
         meta = read_meta(self.checkpoint)
         verify(self.checkpoint, meta)  # a damaged file is named before anything is read
         self._metadata = read_dcp_metadata(self.checkpoint)  # once, and a crafted one is refused before any write
+        self.tokenizer_fingerprint = meta.get("tokenizer")  # what the run read its text with ("byte": bytes)
         super().__init__(ModelConfig.from_dict(meta["model"]))
 
     def _read(self, name, shape, dim, start, stop):

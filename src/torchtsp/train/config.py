@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
+import time
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from ..config import PRESETS
 from ..recompute import recompute_policy
+from ..runenv import launched_by_torchrun
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 from ..timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -61,7 +64,7 @@ class TrainConfig:
     document_mask: bool = False  # attend within documents of packed samples (a document ends after its EOS)
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars under out/tensorboard
     profile_steps: str | None = None  # "A:B": a torch.profiler trace of steps A..B per rank under out/profile
-    out: str | None = None  # default: the --resume run folder, else runs/latest
+    out: str | None = None  # default: the --resume run folder, else a new runs/<UTC time>-<scheme> (new_run_folder)
     overwrite: bool = False  # replace the run already in `out` (its metrics and checkpoints)
     checkpoint_every: int = 0  # 0: only the final checkpoint
     keep_last: int | None = None  # keep only the newest N checkpoints (default: all)
@@ -82,7 +85,9 @@ class TrainConfig:
     sample_tokens: int = 64  # continuation printed after training, sampled (temperature 0.8, top-k 40); 0: none
     prompt: str = "def "
     timeout_s: float = COLLECTIVE_TIMEOUT_S
-    mem_every: int = 10  # measure the live-tensor peak every N steps (0: once, on the first step with optimizer state)
+    # Also measure the live-tensor peak every N steps. 0: only the first step and the first with optimizer state,
+    # which hold the run's peak (later steps repeat them); a measured step costs 2-3x an unmeasured one (MemTracker).
+    mem_every: int = 0
 
     def __post_init__(self):
         self.recompute = recompute_policy(self.recompute)
@@ -143,7 +148,7 @@ class TrainConfig:
         if self.reset_data and not self.resume:
             raise ValueError(f"{_name('reset_data')} applies to a resumed run; give --resume RUN")
         if self.out is None:  # a resumed run continues in its own folder unless told otherwise
-            self.out = str(run_folder_of(self.resume)) if self.resume else "runs/latest"
+            self.out = str(run_folder_of(self.resume)) if self.resume else str(new_run_folder(self.scheme))
         _check_run_folder(self.out)
 
     def zero_level(self, dp: int) -> int:
@@ -210,12 +215,66 @@ def _check_run_folder(out: str) -> None:
         raise ValueError(f"{_name('out')}: {out} {where}; give a folder for the run (it is created if missing)")
 
 
+# Runs without --out: each its own folder under runs/, and runs/latest a link to the newest, so that a second run
+# never collides with the first and `--resume runs/latest` / `convert runs/latest` name the last one.
+RUNS = Path("runs")
+LATEST_RUN = RUNS / "latest"
+_DEFAULT_RUN_NAME = re.compile(r"\d{8}-\d{6}-[a-z_]+(-\d+)?")
+
+
+def new_run_folder(scheme: str) -> Path:
+    """``runs/<UTC time>-<scheme>`` (``-2``, ``-3``, ... if a run of the same second has it). Under torchrun every
+    rank builds its own settings, and their clocks need not agree on the second: there it stays ``runs/latest``,
+    a plain folder, as before (give --out to keep several)."""
+    if launched_by_torchrun():
+        return LATEST_RUN
+    base = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{scheme}"
+    folder, n = RUNS / base, 1
+    while folder.exists() or folder.is_symlink():
+        n += 1
+        folder = RUNS / f"{base}-{n}"
+    return folder
+
+
+def is_new_run_folder(out: str | Path) -> bool:
+    """Whether ``out`` is a name ``new_run_folder`` gives (runs/latest then points at it)."""
+    out = Path(out)
+    return out.parent == RUNS and _DEFAULT_RUN_NAME.fullmatch(out.name) is not None
+
+
+def point_latest_run(out: str | Path) -> str | None:
+    """Point ``runs/latest`` at the run folder ``out`` (a relative link, replaced atomically); the reason when it
+    cannot be, for a notice: an older runs/latest that is a real folder is left alone."""
+    if LATEST_RUN.exists() and not LATEST_RUN.is_symlink():
+        return (f"{LATEST_RUN} is the folder of an earlier run, so it was left as it is and does not point at "
+                f"{out}; move it away (e.g. to runs/previous) to have {LATEST_RUN} follow the newest run")
+    staged = RUNS / f".latest.{os.getpid()}"
+    try:
+        staged.unlink(missing_ok=True)
+        os.symlink(Path(out).name, staged, target_is_directory=True)
+        os.replace(staged, LATEST_RUN)
+    except OSError as e:
+        return f"could not point {LATEST_RUN} at {out} ({e.strerror or e}); name the run folder itself"
+    return None
+
+
 def run_folder_of(resume: str) -> Path:
-    """The run folder a resume path belongs to: the folder itself, or the run of a ``checkpoints/step_N`` folder."""
+    """The run folder a resume path belongs to: the folder itself, or the run of a ``checkpoints/step_N`` folder.
+    A link (runs/latest) is followed now, so that the resumed run keeps writing to the folder it named even when
+    a newer run moves the link."""
     p = Path(resume)
     if p.parent.name == "checkpoints" and not (p / "checkpoints").exists():
-        return p.parent.parent
-    return p
+        p = p.parent.parent
+    return p.parent / os.readlink(p) if p.is_symlink() and not Path(os.readlink(p)).is_absolute() else p
+
+
+def resumed_step(cfg: TrainConfig) -> int | None:
+    """The step the checkpoint ``cfg.resume`` names was saved at (None without --resume)."""
+    if not cfg.resume:
+        return None
+    from .checkpoint import read_meta, resolve
+
+    return read_meta(resolve(cfg.resume)).get("step")
 
 
 def load_toml(path: str) -> dict:

@@ -35,7 +35,7 @@ from ..parallel.pipeline import parallelize_layout
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
-from .config import TrainConfig
+from .config import TrainConfig, is_new_run_folder, point_latest_run
 from .data import TrainData
 from .metrics import MetricsLog, NonFiniteBudget, ProfileWindow, finite_or_none, resident_bytes
 from .optim import ReplicatedAdamW, warmup_cosine
@@ -269,6 +269,8 @@ class Trainer:
         except BaseException:
             lock.close()
             raise
+        if is_new_run_folder(self.out) and (problem := point_latest_run(self.out)):
+            print(f"torchtsp: {problem}", file=sys.stderr)
         return lock
 
     def _claim_or_refuse(self, world: AxisComm):
@@ -474,7 +476,7 @@ def format_summary(summary: dict) -> str:
         ("eval loss", f"{summary['eval_loss']:.4f} (perplexity {math.exp(min(summary['eval_loss'], 700)):.2f})"
          if summary.get("eval_loss") is not None else "-"),
         ("epochs", f"{summary['epoch']:.3f}" if summary.get("epoch") is not None else "-"),
-        ("median step", f"{summary['median_step_s'] * 1000:.0f} ms"),
+        ("median step", f"{summary['median_step_s'] * 1000:.0f} ms" if summary["steps_run"] else "-"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
         ("peak live memory / rank", f"{peak / 2**20:.1f} MiB" if peak else "-"),
         ("output", summary["out"]),

@@ -87,3 +87,7 @@ __all__ = [
     "sibling_group",
     "world_size",
 ]
+
+from ...lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use

@@ -43,3 +43,7 @@ from .shard_math import TSPShardMath
 from .streams import broadcast_each, ring_each
 
 __all__ = ["TSPLayer", "TSPMoE", "TSPShardMath", "TSPTransformer", "broadcast_each", "ring_each"]
+
+from ...lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__)  # submodules as attributes on first use
