@@ -580,6 +580,28 @@ def test_killed_rank_fails_in_flight_requests_then_the_server_exits_non_zero(ser
     assert not [p for p in ranks if _alive(p)]
 
 
+def test_a_killed_fork_server_ends_the_server_naming_it(checkpoint, tmp_path):
+    """The ranks' parent is the fork server, not the serving process: when the fork server is killed, the ranks
+    say so (not that their launcher, alive, has gone) and the server exits non-zero within seconds with one line
+    naming the fork server, not a rank's placeholder exit code 255."""
+    folder, _ = checkpoint
+    server = Server(folder, tmp_path / "log")
+    try:
+        server.wait_ready()
+        ranks = server.ranks()
+        assert len(ranks) == 2, ranks
+        fork_server = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert fork_server != server.proc.pid
+        os.kill(fork_server, signal.SIGKILL)
+        assert server.proc.wait(STOP_S) not in (0, None)
+        log = server.log.read_text()
+        assert f"fork server the ranks were forked from (pid {fork_server}) died" in log, log[-3000:]
+        assert f"launcher (pid {server.proc.pid}) has gone" not in log and "code 255" not in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    finally:
+        server.close()
+
+
 def test_sigterm_under_load_exits_cleanly(server):
     family = server.descendants()
     assert family
