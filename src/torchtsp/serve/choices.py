@@ -303,7 +303,8 @@ class ChoiceMaker:
     async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
         self.check_model(body.model)
-        tools = tool_choice(body.tools, body.tool_choice, self.state.tool_call_parser, body.parallel_tool_calls)
+        tools = tool_choice(body.tools, body.tool_choice, self.state.tool_call_parser,
+                            parallel=body.parallel_tool_calls is not False)
         grammar = await self.grammar(body)
         if tools is not None and tools.grammar() is not None:
             if grammar is not None:

@@ -217,7 +217,7 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True  # false: at most one call in the answer
+    parallel_tool_calls: bool | None = None  # false: at most one call in the answer (null: the default, true)
     functions: list | None = None
     add_generation_prompt: bool = True
 
