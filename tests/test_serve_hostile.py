@@ -139,7 +139,8 @@ def test_the_service_answers_without_http():
     answer, chunks = asyncio.run(run())
     assert client.submitted[0][:2] == ([104, 105], 2) and client.submitted[0][2] == Sampling(1.0, 5, None, 3)
     assert answer["choices"][0]["text"] == "ok" and answer["choices"][0]["finish_reason"] == "length"
-    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert answer["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     events = [json.loads(c[6:]) for c in chunks if c != "data: [DONE]\n\n"]
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "ok"
     assert events[-1]["usage"]["completion_tokens"] == 2 and chunks[-1] == "data: [DONE]\n\n"

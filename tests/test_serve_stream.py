@@ -66,9 +66,11 @@ def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk():
         texts[c["index"]] += c["text"]
         # what this choice has streamed so far, counted independently: one byte token per character
         want = len(texts[c["index"]])
-        assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": want, "total_tokens": 3 + want}, chunk
+        assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": want, "total_tokens": 3 + want,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}, chunk
     assert texts == ["abc", "wxyz"]
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10,
+                                                       "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("options,shown", [({"include_usage": True}, "null"),

@@ -150,8 +150,122 @@ def test_a_round_trip_call_result_answer(served):
 
 def test_a_tool_schema_that_cannot_constrain_the_output_is_a_400_naming_it(served):
     _, _, client = served
-    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "string", "minLength": -3}}}
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "minLength": -3}}}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-llama", messages=ASK, tools=[FORECAST, broken],
                                        tool_choice="required", max_tokens=8)
-    assert e.value.body["param"] == "tools" and "'broken'" in e.value.body["message"], e.value.body
+    assert e.value.body["param"] == "tools[1]" and "'broken'" in e.value.body["message"], e.value.body
+
+
+# Strings bounded in length (xgrammar 0.2.9 let raw control characters into those, and the call did not parse).
+TICKET = {"type": "function", "function": {"name": "ticket", "parameters": {
+    "type": "object", "properties": {"title": {"type": "string", "maxLength": 4},
+                                     "body": {"type": "string", "minLength": 1, "maxLength": 6}},
+    "required": ["title", "body"], "additionalProperties": False}}}
+# Local references into the schema's $defs and into itself (they did not resolve nested under required's anyOf).
+MOVE = {"type": "function", "function": {"name": "move", "parameters": {
+    "type": "object", "properties": {"to": {"$ref": "#/$defs/Cell"}, "via": {"$ref": "#/properties/to"}},
+    "required": ["to", "via"], "additionalProperties": False,
+    "$defs": {"Cell": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 7}},
+                       "required": ["x"], "additionalProperties": False}}}}}
+# No root "type": any JSON value was allowed, and one that is not an object is no call.
+PING = {"type": "function", "function": {"name": "ping", "parameters": {"description": "takes nothing"}}}
+
+
+def _forced_calls(client, tools, choice, seeds=range(4), **extra) -> list:
+    """The call of each seed's forced answer at temperature 1, streamed and not: always exactly one."""
+    calls = []
+    for seed in seeds:
+        ask = dict(model="tiny-llama", messages=ASK, tools=tools, tool_choice=choice, temperature=1.0, seed=seed,
+                   max_tokens=160, **extra)
+        c = client.chat.completions.create(**ask).choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        deltas = [d.choices[0] for d in client.chat.completions.create(**ask, stream=True) if d.choices]
+        streamed = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+        assert [(s.function.name, json.loads(s.function.arguments)) for s in streamed] == [
+            (c.message.tool_calls[0].function.name, _call_args(c.message.tool_calls[0]))]
+        calls.append((c.message.tool_calls[0].function.name, _call_args(c.message.tool_calls[0])))
+    return calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ticket"}}])
+def test_a_forced_call_with_bounded_strings_always_parses_at_temperature_1(served, choice):
+    for name, args in _forced_calls(served[2], [TICKET, CLOCK], choice, seeds=range(6)):
+        if name == "ticket":
+            assert set(args) == {"title", "body"} and len(args["title"]) <= 4 and 1 <= len(args["body"]) <= 6
+        else:
+            _check(name, args)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move"}},
+                                    {"type": "function", "function": {"name": "ping"}}])
+def test_forced_calls_of_schemas_with_defs_and_refs_or_no_root_type(served, choice):
+    for name, args in _forced_calls(served[2], [MOVE, PING], choice):
+        if name == "move":
+            assert set(args) == {"to", "via"} and all(set(v) == {"x"} and 0 <= v["x"] <= 7 for v in args.values())
+        else:
+            assert name == "ping" and args == {}
+
+
+@pytest.mark.parametrize("tools,param,words", [
+    ([CLOCK, {"type": "function", "function": {"name": "long", "description": "x" * (1 << 20)}}], "tools[1]",
+     "characters"),
+    ([{"type": "function", "function": {"name": "remote", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "https://example.com/a.json"}}}}}], "tools[0]", "not a local reference"),
+])
+def test_a_bad_tool_is_a_400_naming_it(served, tools, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        served[2].chat.completions.create(model="tiny-llama", messages=ASK, tools=tools, tool_choice="required",
+                                          max_tokens=8)
+    assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+@pytest.mark.parametrize("function,param", [
+    ("forecast", "function"), (3, "function"), (["forecast"], "function"), ({"arguments": "{}"}, "function.name"),
+    ({"name": "forecast", "arguments": 5}, "function.arguments"),
+    ({"name": "forecast", "arguments": ["c", 2]}, "function.arguments"),
+    ({"name": "forecast"}, "function.arguments"),
+])
+def test_a_malformed_call_in_the_history_is_a_400_naming_it_in_chat_and_tokenize(served, function, param):
+    import httpx
+
+    from test_serve import KEY
+
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": function}]}, {"role": "tool", "content": "sunny"}]
+    want = f"messages[1].tool_calls[0].{param}"
+    with pytest.raises(openai.BadRequestError) as e:
+        served[2].chat.completions.create(model="tiny-llama", messages=messages, tools=TOOLS, max_tokens=4)
+    assert e.value.body["param"] == want, e.value.body
+    got = httpx.post(served[1].url + "/tokenize", json={"messages": messages, "tools": TOOLS},
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert got.status_code == 400 and got.json()["error"]["param"] == want, got.text
+
+
+def test_a_call_with_arguments_as_an_object_is_taken_as_templates_take_it(served):
+    messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "forecast", "arguments": {"unit": "c", "day": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    answer = served[2].chat.completions.create(model="tiny-llama", messages=messages, tools=TOOLS, max_tokens=2,
+                                               temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+TWO_CALLS = ('<tool_call>{"name": "clock", "arguments": {"zone": "utc"}}</tool_call>'
+             '<tool_call>{"name": "forecast", "arguments": {"unit": "c", "day": 1}}</tool_call>')
+
+
+@pytest.mark.parametrize("parallel,names", [(None, ["clock", "forecast"]), (True, ["clock", "forecast"]),
+                                            (False, ["clock"])])
+def test_parallel_tool_calls_false_answers_one_call_streamed_and_not(served, parallel, names):
+    """The model writes two calls (guided_choice makes it, under tool_choice auto and the hermes parser)."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    ask = dict(model="tiny-llama", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=400,
+               extra_body={"guided_choice": [TWO_CALLS]}, **extra)
+    c = served[2].chat.completions.create(**ask).choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == names
+    deltas = [d.choices[0] for d in served[2].chat.completions.create(**ask, stream=True) if d.choices]
+    streamed = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name) for tc in streamed] == list(enumerate(names))
+    assert deltas[-1].finish_reason == "tool_calls"

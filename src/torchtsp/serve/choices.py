@@ -137,16 +137,19 @@ class ChoiceMaker:
     def check_ids(self, ids: list[int], param: str) -> None:
         check_token_ids(ids, self.state.vocab_size, param)
 
+    def _check_text_chars(self, chars: int, param: str) -> None:
+        """400 for ``param``'s text of ``chars`` characters, more than the context can hold whatever it says."""
+        if chars > self.max_text_chars:
+            raise APIError(400, f"{param} has {chars} characters: more than this model's maximum context length "
+                                f"({self.state.max_model_len} tokens) can hold", param, "context_length_exceeded")
+
     async def encode(self, text: str, param: str = "prompt") -> list[int]:
         """On a worker thread (``encode_batch``: the tokenizers library lets go of the GIL there, not in
         ``encode``), after refusing a text too long to fit the context whatever it holds."""
         tokenizer = self.state.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
-        if len(text) > self.max_text_chars:
-            raise APIError(400, f"{param} has {len(text)} characters: more than this model's maximum context "
-                                f"length ({self.state.max_model_len} tokens) can hold", param,
-                           "context_length_exceeded")
+        self._check_text_chars(len(text), param)
         return (await asyncio.to_thread(tokenizer.encode_batch, [text]))[0]
 
     async def decode(self, ids: list[int]) -> str:
@@ -274,22 +277,25 @@ class ChoiceMaker:
         if self.state.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template FILE", "messages", "no_chat_template")
-        chars = len(json.dumps(messages)) + len(json.dumps(tools or []))
-        if chars > self.max_text_chars:
-            raise APIError(400, f"messages have {chars} characters: more than this model's maximum context length "
-                                f"({self.state.max_model_len} tokens) can hold", "messages", "context_length_exceeded")
+        tool_chars = [len(json.dumps(t)) for t in tools or ()]
+        for i, n in enumerate(tool_chars):  # the one tool too long to fit is named, not the messages
+            self._check_text_chars(n, f"tools[{i}]")
+        self._check_text_chars(sum(tool_chars), "tools")
+        self._check_text_chars(len(json.dumps(messages)) + sum(tool_chars), "messages")
         text = await self.state.template.render_async(template_messages(messages), add_generation_prompt, tools)
         return await self.encode(text, "messages")
 
     async def tool_grammar(self, tools: ToolChoice) -> tuple[str, str, str]:
         """The grammar that forces a call (tool_choice required or named), each tool's schema compiled first so
         that one xgrammar cannot compile is a 400 naming the tool."""
+        positions = {t["function"]["name"]: i for i, t in enumerate(tools.tools)}
         for name, schema in tools.schemas():
+            where = f"tools[{positions[name]}]"
             try:
-                await self.grammar_check.check("json_schema", schema, "tools")
+                await self.grammar_check.check("json_schema", schema, where)
             except APIError as e:
-                raise APIError(400, f"tools: the parameters of {name!r} cannot constrain the output: "
-                                    f"{e.message.removeprefix('tools: ')}", "tools") from None
+                raise APIError(400, f"{where}: the parameters of {name!r} cannot constrain the output: "
+                                    f"{e.message.removeprefix(f'{where}: ')}", where) from None
         kind, source = tools.grammar()
         await self.grammar_check.check(kind, source, "tool_choice")
         return kind, source, "tool_choice"
@@ -297,7 +303,8 @@ class ChoiceMaker:
     async def chat_choices(self, body: ChatCompletionRequest) -> list[Choice]:
         body.refuse_unsupported()
         self.check_model(body.model)
-        tools = tool_choice(body.tools, body.tool_choice, self.state.tool_call_parser)
+        tools = tool_choice(body.tools, body.tool_choice, self.state.tool_call_parser,
+                            parallel=body.parallel_tool_calls is not False)
         grammar = await self.grammar(body)
         if tools is not None and tools.grammar() is not None:
             if grammar is not None:

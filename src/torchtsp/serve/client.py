@@ -20,7 +20,8 @@ FAILURE_REPORT_S = 3.0  # how long a lost connection to rank 0 waits for the poo
 
 
 class RequestStream:
-    """Events of one engine request: ("admitted",), ("prompt_logprobs", entries) (echo), ("token", id, logprobs)
+    """Events of one engine request: ("cached", tokens) (its prompt's tokens the prefix cache held, when it is first
+    scheduled), ("admitted",), ("prompt_logprobs", entries) (echo), ("token", id, logprobs)
     (logprobs: None or (logprob, [(id, logprob)] top first)), ("finished", reason), ("error", message)."""
 
     def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop):
@@ -119,6 +120,9 @@ class EngineClient:
         self.last_step_at = time.monotonic()
         self.figures = {k: body[k] for k in ("running", "waiting", "kv_usage")}
         with self._lock:
+            for rid, tokens in body.get("cached_tokens", ()):
+                if (s := self._streams.get(rid)) is not None:
+                    s.push(("cached", tokens))
             for rid in body["admitted"]:
                 self._waiting.discard(rid)
                 if (s := self._streams.get(rid)) is not None:

@@ -50,14 +50,18 @@ def json_bytes(answer: dict) -> bytes:
     return "".join(_json_pieces(answer)).encode()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage; ``cached_tokens``: the prompt's tokens found in the prefix cache (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _prompt_tokens(choices: list) -> int:
-    """The prompts' tokens, each prompt once however many choices it has (n)."""
-    return sum(len(c.prompt) for c in choices if c.sample == 0)
+def _prompt_tokens(choices: list, cached: list[int]) -> tuple[int, int]:
+    """The prompts' tokens and of them those the prefix cache held (``cached``: per choice), each prompt once
+    however many choices it has (n): its first choice's."""
+    firsts = [i for i, c in enumerate(choices) if c.sample == 0]
+    return sum(len(choices[i].prompt) for i in firsts), sum(cached[i] for i in firsts)
 
 
 def _request_id(chat: bool) -> str:

@@ -217,6 +217,7 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call in the answer (null: the default, true)
     functions: list | None = None
     add_generation_prompt: bool = True
 
@@ -250,10 +251,28 @@ class ChatCompletionRequest(_Sampled):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    f"messages.{i}.content")
                 content = "".join(part["text"] for part in content)
+            for j, call in enumerate(m.tool_calls or ()):
+                _check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
             extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
                      if v}
             out.append({"role": m.role, "content": content or "", **extra})
         return out
+
+
+def _check_tool_call(call: dict, where: str) -> None:
+    """An assistant's past call, as OpenAI's API takes it: ``{"function": {"name": str, "arguments": str}}``
+    (arguments JSON text). Arguments given as an object are taken too, as vLLM and transformers' chat templates
+    take them; anything else is a 400 naming the field."""
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise APIError(400, f"{where}.function must be an object {{\"name\": ..., \"arguments\": ...}}, got "
+                            f"{_short_value(fn)}", f"{where}.function")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise APIError(400, f"{where}.function.name must be a non-empty string, got {_short_value(fn.get('name'))}",
+                       f"{where}.function.name")
+    if not isinstance(fn.get("arguments"), str | dict):
+        raise APIError(400, f"{where}.function.arguments must be a string (the arguments as JSON text), got "
+                            f"{_short_value(fn.get('arguments'))}", f"{where}.function.arguments")
 
 
 class TokenizeRequest(BaseModel):

@@ -30,6 +30,7 @@ class Event:
     finish: str | None
     tokens: int  # completion tokens so far
     logprobs: list = field(default_factory=list)  # (id, logprob or None, top or None) of the tokens it covers
+    cached_tokens: int | None = None  # the prompt's tokens the prefix cache held (on the event that says so)
 
 
 # Engine outcomes that fail the request rather than end it.
@@ -110,6 +111,8 @@ class CompletionService(ChoiceMaker):
                     if delta or pending:
                         await out.put(Event(index, delta, None, tokens, pending))
                         pending = []
+                elif kind == "cached":
+                    await out.put(Event(index, "", None, tokens, cached_tokens=value[0]))
                 elif kind == "prompt_logprobs":
                     if c.logprobs is not None:  # echo with logprobs: the prompt's text comes with them
                         entries = [(t, None, None) if e is None else (t, *e) for t, e in zip(c.prompt, value[0])]
@@ -182,13 +185,18 @@ class CompletionService(ChoiceMaker):
         created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
         texts = [_leading_echo(c) for c in choices]
         finish, counts, entries = [None] * len(choices), [0] * len(choices), [[] for _ in choices]
+        cached = [0] * len(choices)
         async for e in self.events(choices, streams, disconnected):
             texts[e.index] += e.delta
             counts[e.index] = e.tokens
+            if e.cached_tokens is not None:
+                cached[e.index] = e.cached_tokens
             finish[e.index] = e.finish or finish[e.index]
             entries[e.index] += e.logprobs
         if any(f is None for f in finish):
             return None
+
+        tokens, hits = _prompt_tokens(choices, cached)
 
         def shape() -> dict:  # on a worker thread: 2 prompts x n 128 x logprobs 20 took seconds on the event loop
             shown = [LogprobFormat(self.token_text, chat, c.tokens_as_ids).shape(es) if c.logprobs is not None
@@ -197,7 +205,7 @@ class CompletionService(ChoiceMaker):
                     else {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
                     for i, (c, t, f, lp) in enumerate(zip(choices, texts, finish, shown))]
             return {"id": _request_id(chat), "object": kind, "created": created, "model": self.state.model_name,
-                    "choices": made, "usage": _usage(_prompt_tokens(choices), sum(counts))}
+                    "choices": made, "usage": _usage(tokens, sum(counts), hits)}
 
         return await asyncio.to_thread(shape) if any(c.logprobs is not None for c in choices) else shape()
 
@@ -208,12 +216,12 @@ class CompletionService(ChoiceMaker):
         tokens it has generated, as vLLM's continuous_usage_stats); otherwise ``usage`` is null until the last
         chunk (include_usage)."""
         chunks = _Chunks(_request_id(chat), self.state.model_name, chat, include_usage)
-        counts = [0] * len(choices)
+        counts, cached = [0] * len(choices), [0] * len(choices)
         formats = [LogprobFormat(self.token_text, chat, c.tokens_as_ids) if c.logprobs is not None else None
                    for c in choices]
 
         def usage(i: int) -> dict | None:
-            return _usage(len(choices[i].prompt), counts[i]) if continuous_usage else None
+            return _usage(len(choices[i].prompt), counts[i], cached[i]) if continuous_usage else None
 
         try:
             for i, c in enumerate(choices):
@@ -224,6 +232,8 @@ class CompletionService(ChoiceMaker):
             tools = [ToolOutput(c.tools) if chat and c.tools is not None else None for c in choices]
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
+                if e.cached_tokens is not None:
+                    cached[e.index] = e.cached_tokens
                 shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
                 if tools[e.index] is not None:  # content until a call may begin; the calls when the output ends
                     for chunk in chunks.tool_choice(e.index, tools[e.index], e.delta, e.finish, shown,
@@ -232,7 +242,8 @@ class CompletionService(ChoiceMaker):
                 elif e.delta or e.finish or e.logprobs:
                     yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown, usage=usage(e.index))
             if include_usage:
-                yield chunks.usage(_usage(_prompt_tokens(choices), sum(counts)))
+                tokens, hits = _prompt_tokens(choices, cached)
+                yield chunks.usage(_usage(tokens, sum(counts), hits))
         except APIError as e:  # mid-stream: an error event, then the end of the stream
             yield _sse(e.body())
         except Exception as e:  # noqa: BLE001 - a bug mid-stream: an error event all the same

@@ -131,6 +131,25 @@ class GrammarCheck:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+# xgrammar 0.2.9 writes a string with minLength / maxLength as characters of this class, which lets a raw control
+# character (U+0000-U+001F) through (JSON wants those escaped: such an output does not parse) and no escape at all
+# (no quote nor newline in the string). The grammar's text is rewritten with a character as JSON has it: any but
+# those, or an escape (one character, as maxLength counts it); xgrammar's rule for other strings is the same.
+LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+JSON_STRING_CHAR = "torchtsp_json_char"
+JSON_STRING_CHAR_RULE = (JSON_STRING_CHAR + r' ::= [^\0-\x1f\"\\] | "\\" ([\"\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] '
+                         r'[A-Fa-f0-9] [A-Fa-f0-9])')
+
+
+def json_schema_ebnf(source: str) -> str | None:
+    """The EBNF of a JSON schema's grammar where xgrammar's own would let a raw control character into a string;
+    None where it would not (the schema compiles as it is)."""
+    ebnf = str(_xgrammar().Grammar.from_json_schema(source, any_whitespace=False))
+    if LOOSE_STRING_CHAR not in ebnf:
+        return None
+    return ebnf.replace(LOOSE_STRING_CHAR, JSON_STRING_CHAR) + "\n" + JSON_STRING_CHAR_RULE + "\n"
+
+
 def tokenizer_info(tokenizer, vocab_size: int, eos: int | None):
     """xgrammar's view of the served tokenizer, over the model's ``vocab_size`` ids (ids past the tokenizer's
     vocabulary are never allowed). A tokenizers-library tokenizer (HFTokenizer) or the byte tokenizer."""
@@ -175,7 +194,9 @@ class Grammars:
         if kind == "json_object":
             compiled = self.compiler.compile_builtin_json_grammar()
         elif kind == "json_schema":
-            compiled = self.compiler.compile_json_schema(source, any_whitespace=False)
+            ebnf = json_schema_ebnf(source)
+            compiled = (self.compiler.compile_json_schema(source, any_whitespace=False) if ebnf is None
+                        else self.compiler.compile_grammar(ebnf))
         elif kind == "regex":
             compiled = self.compiler.compile_regex(source)
         else:

@@ -59,7 +59,9 @@ def _call(obj, arguments_key: str = "arguments") -> ToolCall | None:
 def _json_values(text: str, separators: str = "") -> list | None:
     """The JSON values ``text`` is made of, one after another (whitespace and ``separators`` between them); None
     when anything else is in it."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    # Not strict: a raw control character in a string (JSON wants it escaped) is read as itself, and the call's
+    # arguments are written back as valid JSON; a call that a grammar let through always parses.
+    decoder, values, at = json.JSONDecoder(strict=False), [], 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] in separators):
             at += 1
@@ -171,25 +173,35 @@ class ToolChoice:
     tools: tuple  # the request's tools, as given ({"type": "function", "function": {...}})
     name: str | None = None  # the named function
     parser: str | None = None  # auto: the server's --tool-call-parser
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
 
     @property
     def functions(self) -> dict[str, dict]:
         return {t["function"]["name"]: t["function"] for t in self.tools}
 
+    def _arguments_schemas(self) -> dict[str, dict]:
+        """Each tool the grammar covers (required, named), by name: its arguments' JSON schema."""
+        names = [self.name] if self.mode == "named" else list(self.functions) if self.mode == "required" else []
+        return {n: arguments_schema(self.functions[n]) for n in names}
+
     def schemas(self) -> list[tuple[str, str]]:
         """(tool name, its arguments' JSON schema as text) of each tool the grammar covers (required, named)."""
-        names = [self.name] if self.mode == "named" else list(self.functions) if self.mode == "required" else []
-        return [(n, json.dumps(self.functions[n].get("parameters") or {"type": "object"})) for n in names]
+        return [(n, json.dumps(schema)) for n, schema in self._arguments_schemas().items()]
 
     def grammar(self) -> tuple[str, str] | None:
-        """(kind, source) of the structured output that forces a call (required, named), else None."""
+        """(kind, source) of the structured output that forces one call (required, named), else None. Required:
+        each tool's schema sits in the root's ``$defs`` under the tool's name, its local ``$ref``s rewritten to
+        point there (they would not resolve nested in ``anyOf``); a tool's own ``$defs`` come along inside it."""
+        schemas = self._arguments_schemas()
         if self.mode == "named":
-            return "json_schema", self.schemas()[0][1]
+            return "json_schema", json.dumps(schemas[self.name])
         if self.mode == "required":
-            return "json_schema", json.dumps({"anyOf": [
-                {"type": "object", "properties": {"name": {"const": n}, "arguments": json.loads(schema)},
-                 "required": ["name", "arguments"], "additionalProperties": False}
-                for n, schema in self.schemas()]})
+            return "json_schema", json.dumps({
+                "anyOf": [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                           "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/{n}"}}}
+                          for n in schemas],
+                "$defs": {n: _with_refs(schema, lambda ref, n=n: f"#/$defs/{n}{ref[1:]}")
+                          for n, schema in schemas.items()}})
         return None
 
     def calls(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -202,7 +214,8 @@ class ToolChoice:
                 call = _call({"name": self.name, "arguments": values[0]} if self.mode == "named" else values[0])
             return ("", [call]) if call else (text, [])
         if self.mode == "auto":
-            return PARSERS[self.parser](text)
+            content, calls = PARSERS[self.parser](text)
+            return content, calls if self.parallel else calls[:1]  # vLLM's way too: the first call is kept
         return text, []
 
     def held_from(self, text: str) -> int:
@@ -235,31 +248,70 @@ class ToolOutput:
         return self.text[self.sent:], [], reason
 
 
+def arguments_schema(function: dict) -> dict:
+    """A function's arguments' JSON schema: its ``parameters``, always of type object (OpenAI's arguments are an
+    object; a schema with no root "type" would let any JSON value through, which is no call)."""
+    params = function.get("parameters") or {}
+    return params if "type" in params else {**params, "type": "object"}
+
+
+def _with_refs(node, rewrite: Callable[[str], str]):
+    """A JSON schema (or a part of one) with every ``$ref`` string replaced by ``rewrite(ref)``."""
+    if isinstance(node, dict):
+        return {k: rewrite(v) if k == "$ref" and isinstance(v, str) else _with_refs(v, rewrite)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_with_refs(v, rewrite) for v in node]
+    return node
+
+
+def _check_refs(params: dict, where: str) -> None:
+    """400 for a ``$ref`` that is not a pointer within the tool's parameters (``#`` or ``#/...``): xgrammar
+    resolves nothing else, and would let any value through where it stands."""
+    def check(ref: str) -> str:
+        if ref != "#" and not ref.startswith("#/"):
+            raise APIError(400, f"{where}: parameters: $ref {ref[:100]!r} is not a local reference; only '#' or "
+                                f"'#/...' (a JSON pointer within the parameters, e.g. '#/$defs/Name') resolve",
+                           where)
+        return ref
+
+    try:
+        _with_refs(params, check)
+    except RecursionError:
+        raise APIError(400, f"{where}: parameters nest too deeply", where) from None
+
+
 def _checked_tools(tools) -> tuple:
     if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
         raise APIError(400, f"tools must be a list of 1 to {MAX_TOOLS} tools", "tools")
     seen = set()
     for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                           "tools")
+            raise APIError(400, f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                           where)
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise APIError(400, f"tools[{i}].function.name must be 1 to 64 letters, digits, '_', '.' or '-'", "tools")
+            raise APIError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'", where)
         if name in seen:
-            raise APIError(400, f"tools[{i}]: the function name {name!r} is given twice", "tools")
+            raise APIError(400, f"{where}: the function name {name!r} is given twice", where)
         seen.add(name)
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise APIError(400, f"tools[{i}] ({name}): parameters must be a JSON schema object", "tools")
+            raise APIError(400, f"{where} ({name}): parameters must be a JSON schema object", where)
+        if params and params.get("type", "object") != "object":
+            raise APIError(400, f"{where} ({name}): parameters must be a JSON schema of type object (the arguments "
+                                f"are an object), got type {str(params['type'])[:40]}", where)
+        _check_refs(params or {}, where)
         if not isinstance(fn.get("description", ""), str):
-            raise APIError(400, f"tools[{i}] ({name}): description must be a string", "tools")
+            raise APIError(400, f"{where} ({name}): description must be a string", where)
     return tuple(tools)
 
 
-def tool_choice(tools, choice, parser: str | None) -> ToolChoice | None:
-    """The request's checked tools and tool_choice (None: no tools); a 400 naming the field otherwise."""
+def tool_choice(tools, choice, parser: str | None, parallel: bool = True) -> ToolChoice | None:
+    """The request's checked tools and tool_choice (None: no tools); a 400 naming the field otherwise.
+    ``parallel``: the request's parallel_tool_calls (false: one call at most)."""
     if not tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", "tool_choice")
@@ -273,14 +325,14 @@ def tool_choice(tools, choice, parser: str | None) -> ToolChoice | None:
         if name not in names:
             raise APIError(400, f"tool_choice names no function among the tools ({', '.join(sorted(names))}); give "
                                 f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
-        return ToolChoice("named", checked, name=name)
+        return ToolChoice("named", checked, name=name, parallel=parallel)
     if choice not in TOOL_CHOICES:
         raise APIError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function", "tool_choice")
     if choice == "auto" and parser is None:
         raise APIError(400, "tool_choice auto parses the model's tool calls, but this server was started without "
                             "--tool-call-parser (hermes, llama3_json, mistral); restart it with one, or use "
                             "tool_choice required or a named function", "tool_choice")
-    return ToolChoice(choice, checked, parser=parser if choice == "auto" else None)
+    return ToolChoice(choice, checked, parser=parser if choice == "auto" else None, parallel=parallel)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -296,7 +348,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _call_for_template(call: dict) -> dict:
-    fn = dict(call.get("function") or {})
+    fn = dict(call["function"])  # its shape checked with the request (protocol.py)
     if isinstance(fn.get("arguments"), str):
         try:
             fn["arguments"] = json.loads(fn["arguments"])

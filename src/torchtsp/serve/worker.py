@@ -63,6 +63,9 @@ class StepPlanner:
         self.stopping = False
         self.draining = False  # shutting down: running requests go on, nothing waiting is admitted
         self.dropped: list[tuple[int, str]] = []  # (request id, reason): ended without the ranks' word
+        # (request id, its prompt's tokens the prefix cache held) of the requests this step schedules first: a
+        # request's usage reports it (a preempted one scheduled again counts its first admission's).
+        self.cached_tokens: list[tuple[int, int]] = []
         self._pending = None  # the paged plan of the step in flight
         self.forget: set[int] = set()  # requests rank 0 ended that the ranks still hold (a failed step's)
         # Requests whose grammars the ranks compile (admitted to them at once, scheduled once compiled everywhere):
@@ -136,6 +139,7 @@ class StepPlanner:
     def plan(self, step: int):
         from .plan import StepPlan
 
+        self.cached_tokens = []
         if self.stopping:
             return StepPlan(step, cancel=self._cancel([*self.paged.seqs, *self.compiling]), stop=True)
         if self.draining:  # the requests no rank has seen yet fail now
@@ -146,6 +150,8 @@ class StepPlanner:
         plan = self.paged.schedule()
         plan.step, self._pending = step, plan
         scheduled = [*(r for r, _, _ in plan.prefill), *plan.decode]
+        # A request first scheduled starts as a prefill past its cached prefix; it is still among the admissions.
+        self.cached_tokens = [(r, start) for r, start, _ in plan.prefill if r in self.admissions]
         early = [r for r in self.compiling if r not in self.known]  # the ranks start compiling their grammars
         plan.admit = [self.admissions[r] for r in [*early, *scheduled] if r not in self.known]
         for rid in scheduled:
@@ -349,6 +355,7 @@ def _step_loop(control, runner, scheduler, conn) -> dict:
             finished = result.finished + scheduler.dropped
             scheduler.dropped = []
             conn.send(("step", {"tokens": result.tokens, "finished": finished, "admitted": result.admitted,
+                                "cached_tokens": scheduler.cached_tokens,
                                 "logprobs": result.logprobs, "prompt_logprobs": result.prompt_logprobs,
                                 **scheduler.figures(), "step_s": time.perf_counter() - t0}))
         steps += bool(plan.prefill or plan.decode or plan.admit or result.finished)
