@@ -58,7 +58,7 @@ class Traced:
     categories: dict[str, int]
     comm_bytes: int
     comm_bytes_by_op: dict[str, dict[str, int]]
-    comm_path: str  # "collectives" (NCCL's, what plan counts) or "point_to_point" (gloo's, pruned K/V)
+    comm_path: str  # "collectives" (NCCL's, what plan counts) or "point_to_point" (gloo's: K/V pruned by causality)
     seq_rank: int | None  # this rank's place on the sequence axis where its bytes depend on it (else None)
     largest_allocation_bytes: int
     wall_s: float
@@ -143,6 +143,7 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
             with Traffic(model.comms()) as traffic, largest:
                 _, peak, parts = measure_peak_by_kind(step, model, *optimizer.tracked)
             traffic_args = model.traffic_args()
+            point_to_point = any(c.point_to_point for c in model.comms().values())
     except ValueError:
         raise
     except Exception as e:
@@ -151,7 +152,7 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         comm.destroy_process_group()
     return Traced(rank=rank, peak_bytes=peak, categories=parts, comm_bytes=traffic.recv,
                   comm_bytes_by_op=traffic.by_op,
-                  comm_path="point_to_point" if traffic_args.get("point_to_point") else "collectives",
+                  comm_path="point_to_point" if point_to_point else "collectives",
                   seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
                   wall_s=time.perf_counter() - start)
 

@@ -1,0 +1,50 @@
+"""torchtsp.trace: one rank's training step traced under FakeTensorMode and a fake process group, against a real
+4-rank gloo run of the same layout (its measured per-rank live-tensor peak and its counted bytes: torchtsp bench's
+cell on a worker pool), and the plan's --trace rows."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchtsp import get_preset
+from torchtsp.bench.measure import CellSpec, cells_on_rank
+
+S, WORLD = 1024, 4
+DEGREES = {"tsp": {"tsp": 4}, "tp": {"tp": 4}, "sp": {"sp": 4}, "tp_sp": {"tp": 2, "sp": 2}}
+RANKS = (0, WORLD - 1)  # zigzag: the first and last chunks' ranks differ most on gloo's pruned K/V exchange
+
+TRACE = """
+import json, sys
+from torchtsp import get_preset
+from torchtsp.layout import Layout
+from torchtsp.trace import trace_step
+scheme, degrees, ranks, S = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+layout = Layout.of_degrees(scheme, **degrees)
+print(json.dumps([trace_step(get_preset("tiny"), layout, 1, S, rank=r, stands_for="gloo").to_dict() for r in ranks]))
+"""
+
+
+def traced(scheme: str) -> dict[int, dict]:
+    """The traced step of RANKS, in a process of its own (a fake default group needs a process without a group)."""
+    out = subprocess.run([sys.executable, "-c", TRACE, scheme, json.dumps(DEGREES[scheme]), json.dumps(RANKS), str(S)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {t["rank"]: t for t in json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scheme", list(DEGREES))
+def test_traced_step_matches_a_real_gloo_run(pools, scheme):
+    spec = CellSpec(scheme, DEGREES[scheme], get_preset("tiny"), batch=1, seq_len=S, warmup=1, steps=1)
+    real = pools(WORLD).run(cells_on_rank, [spec], timeout_s=240)[0][0]
+    assert real["error"] is None, real
+    for rank, t in traced(scheme).items():
+        assert t["comm_path"] == "point_to_point"  # the path a gloo rank runs: like with like
+        peak, counted = real["peak_bytes_per_rank"][rank], real["step_bytes_per_rank"][rank]
+        # The trace's step adds the trainer's gradient clipping (a norm's all-reduce of a few scalars).
+        assert t["comm_bytes"] == pytest.approx(counted, rel=0.02), (scheme, rank, t["comm_bytes_by_op"])
+        assert t["peak_bytes"] == pytest.approx(peak, rel=0.10), (scheme, rank, t["categories"])
+        assert sum(t["categories"].values()) == t["peak_bytes"]
+        assert 0 < t["largest_allocation_bytes"] <= t["peak_bytes"]
