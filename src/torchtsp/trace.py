@@ -111,9 +111,8 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
     layout.check_batch(batch, seq_len)
     start = time.perf_counter()
-    phase = "process group"
-    comm.init_fake_process_group(rank, layout.world, stands_for)
-    try:
+    comm.init_fake_process_group(rank, layout.world, stands_for)  # refuses a process with a group: before the try,
+    try:  # whose cleanup destroys the group it made
         phase = "mesh"
         mesh = init_mesh(layout, device_type="cpu")  # the table of ranks is host data, real
         # The host batch is real, as the trainer's is before it moves to the device: its checks read it.
