@@ -36,7 +36,8 @@ PEAK_PARTS = {"Parameter": "params", "Buffer": "params", "Gradient": "grads", "O
 def measure_peak_by_kind(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[object, int, dict[str, int]]:
     """``measure_peak``, with the live bytes at the peak by part: params, grads, optimizer, activations (tensors made
     in forward, saved or not) and transient (made in backward or the optimizer step), as MemTracker tells them
-    apart (float32 masters of bfloat16 weights are parameters of the optimizer: "params" here)."""
+    apart (float32 masters of bfloat16 weights are the optimizer's tensors: "optimizer", as the analytic model
+    counts them)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
