@@ -24,6 +24,20 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
     Tensors that already exist count only if they belong to ``track`` (parameters, gradients,
     optimizer state); everything allocated inside ``fn`` counts while it is alive.
     """
+    result, peak, _ = measure_peak_by_kind(fn, *track)
+    return result, peak
+
+
+# MemTracker's kinds of tensor -> the analytic model's parts of a peak (analysis.memory_model.MemoryBreakdown).
+PEAK_PARTS = {"Parameter": "params", "Buffer": "params", "Gradient": "grads", "Optstate": "optimizer",
+              "Activation": "activations", "Temp": "transient", "Other": "transient"}
+
+
+def measure_peak_by_kind(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[object, int, dict[str, int]]:
+    """``measure_peak``, with the live bytes at the peak by part: params, grads, optimizer, activations (tensors made
+    in forward, saved or not) and transient (made in backward or the optimizer step), as MemTracker tells them
+    apart (float32 masters of bfloat16 weights are the optimizer's tensors: "optimizer", as the analytic model
+    counts them)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -40,8 +54,13 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
         _measuring.remove(tracker)
     peaks = tracker.get_tracker_snapshot("peak")
     # Meta tensors (a model built on the meta device) have no storage: they are not memory.
-    return result, max((by_kind["Total"] for device, by_kind in peaks.items() if torch.device(device).type != "meta"),
-                       default=0)
+    real = [by_kind for device, by_kind in peaks.items() if torch.device(device).type != "meta"]
+    at_peak = max(real, key=lambda by_kind: by_kind["Total"], default={"Total": 0})
+    parts = dict.fromkeys(dict.fromkeys(PEAK_PARTS.values()), 0)
+    for kind, nbytes in at_peak.items():
+        if kind != "Total":
+            parts[PEAK_PARTS.get(getattr(kind, "value", kind), "transient")] += nbytes
+    return result, at_peak["Total"], parts
 
 
 def live_bytes(tensors) -> int:
@@ -54,5 +73,7 @@ def live_bytes(tensors) -> int:
         if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameters, their gradients): this rank's piece
             t = t.to_local()
         storage = t.untyped_storage()
-        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+        # Keyed by the storage itself (_cdata: its address in memory): a fake tensor's storage (torchtsp.trace) has
+        # no data, every data_ptr() 0.
+        storages[(t.device, storage._cdata)] = storage.nbytes()
     return sum(storages.values())

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .host import on_host
 from .layers import (
     CAUSAL,
     IGNORE_INDEX,
@@ -210,7 +211,8 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
         super().__init__()
         self.cfg = cfg
-        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        with on_host():  # a draw of the real CPU generator, also when a trace (torchtsp.trace) fakes every tensor
+            self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         with torch.device("meta"):  # shapes only; values come from reset_parameters
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))

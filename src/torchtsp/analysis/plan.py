@@ -40,6 +40,7 @@ class Row:
     error: str | None = None
     fits: bool = False
     state_zero0: int | None = None  # weights + gradients + optimizer state without the distributed optimizer
+    traced: dict | None = None  # plan --trace: the real code's step traced at this layout (torchtsp.trace)
 
     @property
     def label(self) -> str:
@@ -53,8 +54,9 @@ class Row:
             out["kv_layout"] = self.memory.kv_layout
         if self.error:
             return {**out, "error": self.error, "fits": False}
+        traced = {"traced": self.traced} if self.traced is not None else {}
         return {**out, "fits": self.fits, "memory_bytes": self.memory.to_dict(), "comm_bytes": self.comm.to_dict(),
-                "model_state_bytes_zero0": self.state_zero0}
+                "model_state_bytes_zero0": self.state_zero0, **traced}
 
 
 def layouts(gpus: int) -> list[Layout]:
@@ -178,6 +180,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distributed optimizer over dp, as torchtsp train --zero (3: FSDP2) (default: 2; the "
                              "table shows the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
+    parser.add_argument("--trace", action="store_true",
+                        help="train mode: also run each layout's real training step at full size, one rank at a time, "
+                             "under fake tensors and a fake process group (no memory, no arithmetic; imports torch; "
+                             "minutes per layout at paper scale), its peak and bytes beside the model's")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")
     pipe.add_argument("--pp", type=int, help="pipeline stages: predict per-stage memory, the bubble and the traffic of "
@@ -204,6 +210,8 @@ def _check_args(args) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_gpus(args.gpus)
     check_gpu_mem(args.gpu_mem)
+    if getattr(args, "trace", False) and (args.mode != "train" or getattr(args, "sweep", False)):
+        raise ValueError("--trace traces one training step per layout: --mode train, without --sweep")
     return cfg
 
 
@@ -258,12 +266,20 @@ def _layer_forward(c, cfg) -> list[str]:
     return [gb(c.layer_types[k]["forward"], 2) if k in c.layer_types else "-" for k in kinds]
 
 
-def _table_row(r: Row, train: bool, zero: int, cfg) -> list[str]:
+def _table_row(r: Row, train: bool, zero: int, cfg, traced: bool = False) -> list[str]:
     m, c = r.memory, r.comm
     first, second = (m.params + m.grads + m.optimizer, m.activations) if train else (m.params, m.kv_cache)
     plain = [gb(r.state_zero0)] if zero else []
-    return [r.label, gb(first), *plain, gb(second), gb(m.total), "yes" if r.fits else "no", gb(c.total, 2),
+    beside = [_traced_cell(r.traced)] if traced else []
+    return [r.label, gb(first), *plain, gb(second), gb(m.total), *beside, "yes" if r.fits else "no", gb(c.total, 2),
             *_layer_forward(c, cfg), m.phase]
+
+
+def _traced_cell(traced: dict | None) -> str:
+    """The traced peak in GB, flagged "!" where it or its bytes differ from the model's by more than TRACE_FLAG."""
+    if not traced or "peak_bytes" not in traced:
+        return "-" if not traced or "skipped" in traced else "failed"
+    return gb(traced["peak_bytes"]) + ("!" if traced["flagged"] else "")
 
 
 def _print_table(cfg, args, rows, rec) -> None:
@@ -275,7 +291,9 @@ def _print_table(cfg, args, rows, rec) -> None:
     cols = ("w+g+opt GB", "activations GB") if train else ("weights GB", "KV cache GB")
     beside = ["(zero 0) GB"] if zero else []  # the model state without the distributed optimizer
     per_layer = [f"fwd GB/{LAYER_KINDS[k]} layer" for k in _layer_kinds(cfg)] or ["fwd GB/layer"]
-    headers = ["layout", cols[0], *beside, cols[1], "peak GB", "fits", "comm GB/step", *per_layer, "peak during"]
+    traced = bool(getattr(args, "trace", False))
+    headers = ["layout", cols[0], *beside, cols[1], "peak GB", *(["traced GB"] if traced else []), "fits",
+               "comm GB/step", *per_layer, "peak during"]
     cells, notes = [], []
     for r in ranked(rows):
         if r.error:  # every column keeps its place; the reason goes below the table
@@ -283,10 +301,12 @@ def _print_table(cfg, args, rows, rec) -> None:
             cells.append([r.layout.label, *["-"] * (len(headers) - 4 - len(per_layer)), "n/a", "-",
                           *["-"] * len(per_layer), f"see ({len(notes)})"])
         else:
-            cells.append(_table_row(r, train, zero, cfg))
+            cells.append(_table_row(r, train, zero, cfg, traced))
     print("\n".join(render(headers, cells, left=(0, headers.index("fits"), len(headers) - 1))))
     for note in notes:
         print(note)
+    if traced:
+        print(_trace_notes(rows))
     print(f"(per GPU; GB = 1e9 bytes; fits: the peak within --gpu-mem {args.gpu_mem:g} GB; layouts that fit come "
           f"first, by traffic, the others by peak; comm: bytes received per step; fwd/layer: one layer's forward"
           + ("; local: a sliding-window layer, global: a full-attention layer" if len(per_layer) > 1 else "")
@@ -301,6 +321,62 @@ def _print_table(cfg, args, rows, rec) -> None:
     print(f"TSP's forward traffic per layer is at most TP's when B·S >= {count(float(bs))} tokens "
           f"(P/(4h - 2h/g)); here B·S = {count(tokens)} ({'TSP moves less' if tokens >= bs else 'TP moves less'}).")
     print("assumptions: " + "; ".join(_assumptions(args)) + f" ({e} bytes per element).")
+
+
+TRACE_FLAG = 0.10  # plan --trace flags a row whose traced peak or bytes differ from the model's by more than this
+
+
+def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
+    """``--trace``: each row's training step run by the real code, one rank at a time, under fake tensors and a fake
+    process group (``torchtsp.trace``, which imports torch: only here), its figures into ``Row.traced`` beside the
+    model's. A trace that fails in the real code keeps its layout, rank, phase and first line; the others go on."""
+    import sys
+
+    from ..layout import Layout
+    from ..trace import TraceError, trace_layout
+
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    for r in rows:
+        if r.error:
+            continue
+        level = _zero(args) if r.layout.sizes["dp"] > 1 and get_scheme(r.layout.scheme).zero else 0
+        if level:
+            r.traced = {"skipped": f"--zero {level} (the distributed optimizer) is not traced yet"}
+            continue
+        options = dict(r.layout.option_values)
+        if args.recompute != "none" and "recompute" in r.layout.spec.options:
+            options["recompute"] = args.recompute
+        layout = Layout.resolve(r.layout.scheme, r.layout.world, **r.layout.sizes, **options)
+        log(f"plan --trace: {r.label} ...")
+        try:
+            traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype)
+        except (TraceError, ValueError) as e:
+            r.traced = {"error": str(e)}
+            log(f"plan --trace: {r.label} failed: {e}")
+            continue
+        peak, comm = traced["peak_bytes"] / r.memory.total, traced["comm_bytes"] / max(r.comm.total, 1)
+        traced.update(peak_vs_model=round(peak, 4), comm_vs_model=round(comm, 4),
+                      flagged=abs(peak - 1) > TRACE_FLAG or abs(comm - 1) > TRACE_FLAG)
+        r.traced = traced
+        log(f"plan --trace: {r.label}: {gb(traced['peak_bytes'], 2)} GB ({peak:.3f}x the model's), "
+            f"{gb(traced['comm_bytes'], 3)} GB received ({comm:.3f}x), {traced['wall_s']:.0f} s")
+
+
+def _trace_notes(rows: list[Row]) -> str:
+    """Below a --trace table: what the column is, the flagged rows, the failed traces."""
+    lines = ["traced GB: the real code's step at full size, one rank at a time under fake tensors and a fake process "
+             "group (torchtsp.trace; NCCL's collectives; zigzag layouts the larger of the first and last sequence "
+             f"rank); '!': the traced peak or bytes differ from the model's by more than {TRACE_FLAG:.0%}"]
+    for r in rows:
+        t = r.traced or {}
+        if t.get("flagged"):
+            lines.append(f"  ! {r.label}: traced peak {t['peak_vs_model']:.3f}x the model's, bytes "
+                         f"{t['comm_vs_model']:.3f}x")
+        elif "error" in t:
+            lines.append(f"  trace failed: {t['error']}")
+        elif "skipped" in t:
+            lines.append(f"  not traced: {r.label}: {t['skipped']}")
+    return "\n".join(lines)
 
 
 SERVE_BLOCK_TOKENS = 16  # serve's default --block-size on one rank
@@ -360,6 +436,9 @@ def _print_sweep(cfg, args, sweep) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed ``add_plan_arguments`` arguments; returns the exit status."""
+    if getattr(args, "trace", False) and any(getattr(args, name, None) is not None
+                                             for name in ("hardware", "pp", "nodes")):
+        raise ValueError("--trace traces the layout table's rows: not with --hardware, --pp or --nodes yet")
     if getattr(args, "hardware", None) is not None:
         from .hardware import run_hardware_plan
 
@@ -388,6 +467,8 @@ def run_plan(args: argparse.Namespace) -> int:
     rows = evaluate(cfg, args.gpus, args.batch_size, args.seq_len, mode=args.mode, gpu_mem_gb=args.gpu_mem,
                     dtype_bytes=dtype_bytes, recompute=args.recompute, zero=_zero(args),
                     kv_layout=getattr(args, "kv_layout", "auto"))
+    if getattr(args, "trace", False):
+        trace_rows(cfg, args, rows)
     rec = recommend(rows, args.gpu_mem)
     best = next((r for r in ranked(rows) if not r.error), None) if args.mode == "train" else None
     policies = _row_policies(cfg, args, best) if best else None

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
+from ..host import on_host
 from ..layers import IGNORE_INDEX, Documents, LossTerms, RouterStats, as_documents, load_balancing_loss
 from ..model import reference_shapes
 from ..schemes import SCHEMES
@@ -312,6 +313,10 @@ class ParallelTransformer(nn.Module):
 
     def check_values(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Refuse token ids and targets outside the vocabulary (reads the values: call it on the host batch)."""
+        with on_host():  # the host batch is real in a fake-tensor trace too (torchtsp.trace): its values are read
+            self._check_values(tokens, labels)
+
+    def _check_values(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), "
                              f"got [{tokens.min().item()}, {tokens.max().item()}]")

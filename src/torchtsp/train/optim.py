@@ -215,13 +215,18 @@ class ReplicatedAdamW(AdamWSteps):
 
     def clip(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
+        return self.clip_on_device(max_norm).item()
+
+    def clip_on_device(self, max_norm: float) -> torch.Tensor:
+        """``clip``, the norm left a tensor where it was computed: no host read (a fake-tensor trace has no value
+        to read, and a caller that needs no number need not wait for one)."""
         pieces = ((piece, dims) for name, p in self.named
                   for _, piece, dims in self.model.reference_parts(name, p.grad))
         squares = local_squares(pieces, {axis: comm.size for axis, comm in self.comms.items()})
         # Each pipeline stage's squares cover its own parameters: they are summed over the stages.
         norm = global_grad_norm(squares, comms_reduce(self.comms), over=("pp",) if "pp" in self.comms else ())
         clip_grads_((p.grad for _, p in self.named), norm, max_norm)
-        return norm.item()
+        return norm
 
     def step(self, lr: float | None = None) -> None:
         """AdamW at learning rate ``lr`` (if given), then the gradients are dropped and bf16 weights refreshed."""

@@ -413,9 +413,13 @@ class ZeroOptimizer:
 
     def clip(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
+        return self.clip_on_device(max_norm).item()
+
+    def clip_on_device(self, max_norm: float) -> torch.Tensor:
+        """``clip``, the norm left a tensor where it was computed (no host read: see ``ReplicatedAdamW``'s)."""
         norm = self.grad_norm()
         clip_grads_((slot.master.grad for slot in self.slots), norm, max_norm)
-        return norm.item()
+        return norm
 
     clip_ = clip
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .accounting import CommStats, Transfer
-from .groups import DEFAULT_TIMEOUT_S, block_group, sibling_group, world_size
+from .groups import DEFAULT_TIMEOUT_S, block_group, moves_point_to_point, sibling_group, world_size
 
 
 def _cut(t: torch.Tensor, prefix: tuple[int, int] | None) -> torch.Tensor:
@@ -72,7 +72,7 @@ class AxisComm:
         self.rank = dist.get_rank(group) if group is not None else 0
         # Collectives as point-to-point transfers (see ``_exchange``): on gloo unless ``point_to_point`` says.
         if point_to_point is None:
-            point_to_point = group is not None and dist.get_backend(group) == "gloo"
+            point_to_point = group is not None and moves_point_to_point(group)
         self._point_to_point = self.size > 1 and point_to_point
         self._active: list[CommStats] = [] if _active is None else _active
         # Weight traffic: a sibling over a second process group of the same ranks (sharing this axis's

@@ -10,6 +10,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ...host import on_host
 from ...runenv import launched_by_torchrun
 from ...timeouts import COLLECTIVE_TIMEOUT_S
 
@@ -36,8 +37,42 @@ def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def init_fake_process_group(rank: int, world: int, stands_for: str = "nccl") -> None:
+    """The default group as rank ``rank`` of a job of ``world`` ranks, all in this one process (``torchtsp.trace``).
+
+    torch's fake backend moves nothing: under ``FakeTensorMode`` every collective and point-to-point transfer
+    returns tensors of the right shape, so one process runs one rank's real code at any world size. ``stands_for``
+    is the backend it plays: "gloo" makes the model's axes move K/V and collectives point to point as on gloo
+    (``AxisComm.point_to_point``), "nccl" as collectives. Refuses if a process group exists already.
+    """
+    if is_initialized():
+        raise RuntimeError("a fake process group needs a process without one; this one has a "
+                           f"{dist.get_backend()} group of {world_size()} ranks")
+    if stands_for not in ("nccl", "gloo"):
+        raise ValueError(f"a fake process group stands for nccl or gloo, got {stands_for!r}")
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (fake kernels of the c10d ops)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    _FAKE_STANDS_FOR["default"] = stands_for
+
+
+# The backend the fake process group plays (``init_fake_process_group``); empty when there is none.
+_FAKE_STANDS_FOR: dict[str, str] = {}
+
+
+def moves_point_to_point(group) -> bool:
+    """Whether ``group``'s backend runs our collectives as point-to-point transfers: gloo, or a fake group
+    standing for it."""
+    backend = dist.get_backend(group)
+    if backend == "fake":
+        return _FAKE_STANDS_FOR.get("default") == "gloo"
+    return backend == "gloo"
+
+
 def destroy_process_group() -> None:
     _SIBLING_GROUPS.clear()  # they die with the default group
+    _FAKE_STANDS_FOR.clear()
     if is_initialized():
         dist.destroy_process_group()
 
@@ -112,8 +147,9 @@ def make_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str,
 def block_group(mesh: DeviceMesh, name: str, block: int, purpose: str, timeout_s: float = DEFAULT_TIMEOUT_S):
     """A process group over this rank's block of ``block`` consecutive ranks of mesh axis ``name`` (created
     once per purpose; collective over the default group like ``sibling_group``)."""
-    ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
-    slices = tuple(tuple(row) for row in ranks.reshape(-1, block).tolist())
+    with on_host():  # the mesh's rank table is host data, real in a fake-tensor trace too (torchtsp.trace)
+        ranks = mesh.mesh.movedim(mesh.mesh_dim_names.index(name), -1)
+        slices = tuple(tuple(row) for row in ranks.reshape(-1, block).tolist())
     key = (slices, purpose)
     if key not in _SIBLING_GROUPS:
         timeout = datetime.timedelta(seconds=timeout_s)
