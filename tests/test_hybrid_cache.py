@@ -480,4 +480,4 @@ def test_the_capacity_benchmark_holds_at_least_3x_the_sequences_of_a_full_only_c
     budget = 12 * 2**20  # 512 B per token and layer: 6 MiB per full-only sequence
     full = bench.measure(ModelConfig(**base), budget, 16, 2048, 512)
     hybrid = bench.measure(ModelConfig(**base, layer_types=types, sliding_window=64), budget, 16, 2048, 512)
-    assert full["sequences"] == 2 and hybrid["sequences"] >= 3 * full["sequences"], (full, hybrid)
+    assert full["sequences"][2048] == 2 and hybrid["sequences"][2048] >= 3 * full["sequences"][2048], (full, hybrid)
