@@ -4,12 +4,11 @@ capacity goal: >= 3x at max length; the shared pool's: >= 3x at half, >= 2.5x at
 
 The model is a toy of ``--layers`` layers, all sliding (window ``--window``) but ``--global-layers`` full ones (by
 default 5 local layers of W = 64 and 1 global), against the same model with every layer full. Each pool is sized
-as ``torchtsp serve`` sizes it on a rank (``worker.pool_sizing``: a sliding group's null block and one prefill
-chunk set aside, the rest split between groups by one max-length decoding sequence's need; the real ``KVPool`` is
-built and its bytes checked against the budget), then rank 0's real ``KVBlockManager`` is filled: sequence after
-sequence, each computed from position 0 to max_model_len - 1 in prefill chunks of ``--chunk`` tokens (freeing its
-sliding blocks as the scheduler does before each chunk), until the next one no longer reaches its last position.
-Prints both counts and their ratio (torch on the CPU; seconds).
+as ``torchtsp serve`` sizes it on a rank (``worker.pool_sizing``: as many pages as the budget holds, shared by every
+block group; the real ``KVPool`` is built and its bytes checked against the budget), then rank 0's real
+``KVBlockManager`` is filled: sequence after sequence, each computed from position 0 to its last in prefill chunks of
+``--chunk`` tokens (freeing its sliding blocks as the scheduler does before each chunk), until the next one no longer
+reaches its last position. Prints both counts and their ratio per length (torch on the CPU; seconds).
 
     PYTHONPATH=src python benchmarks/hybrid_cache_capacity.py --kv-cache-mb 64 --max-model-len 2048
 """
@@ -24,13 +23,13 @@ import torch
 import torchtsp
 from torchtsp.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from torchtsp.infer import make_engine
-from torchtsp.serve.blocks import GroupSpec, KVBlockManager
+from torchtsp.serve.blocks import KVBlockManager
 from torchtsp.serve.worker import pool_sizing
 
 
 def sequences_held(manager: KVBlockManager, seq_len: int, chunk: int) -> int:
     """Sequences of ``seq_len`` positions computed one after another, all kept, until one does not fit."""
-    chunk = min(chunk, manager.max_chunk_tokens or chunk)
+    chunk = min(chunk, manager.max_chunk_tokens(seq_len) or chunk)
     held = 0
     while True:
         seq, first = held, min(chunk, seq_len)
@@ -55,18 +54,17 @@ def measure(cfg: ModelConfig, budget: int, block_size: int, max_model_len: int, 
     """The pool ``torchtsp serve`` sizes for ``max_model_len`` in ``budget`` bytes, and how many sequences of each of
     ``lengths`` (default ``max_model_len``) positions it holds at once (a fresh pool per length)."""
     engine = make_engine(torchtsp.Transformer(cfg).eval())
-    sizing = pool_sizing(cfg, engine, block_size, budget, max_model_len, chunk)
+    sizing = pool_sizing(cfg, engine, block_size, budget)
     sizing.check()
-    pool = engine.kv_pool(sizing.blocks, block_size, grouped=True)
+    pool = engine.kv_pool(sizing.pages, block_size, grouped=True)
     assert pool.nbytes <= budget, (pool.nbytes, budget)
     held = {}
     for n in lengths or (max_model_len,):
-        manager = KVBlockManager([GroupSpec(b, w) for b, w in zip(sizing.blocks, sizing.windows)],
-                                 pool.block_tokens, enable_prefix_caching=False)
+        manager = KVBlockManager(sizing.pages, pool.block_tokens, enable_prefix_caching=False,
+                                 windows=sizing.windows)
         held[n] = sequences_held(manager, n, chunk)
-    return {"groups": [{"window": w, "blocks": n, "bytes_per_block": b}
-                       for n, w, b in zip(sizing.blocks, sizing.windows, sizing.bytes_per_block)],
-            "pool_bytes": pool.nbytes, "sequences": held}
+    return {"pages": sizing.pages, "bytes_per_page": sizing.bytes_per_page, "group_size": sizing.group_size,
+            "windows": list(sizing.windows), "pool_bytes": pool.nbytes, "sequences": held}
 
 
 def main() -> None:
@@ -97,9 +95,9 @@ def main() -> None:
           f"{args.kv_cache_mb:g}, --max-model-len {args.max_model_len}, --block-size {args.block_size}, "
           f"chunks of {args.chunk}")
     for name, got in (("full-only cache", full), ("hybrid cache", hybrid)):
-        groups = ", ".join(f"{g['blocks']} blocks {'full' if g['window'] is None else 'W=' + str(g['window'])}"
-                           for g in got["groups"])
-        print(f"  {name}: {groups}; {got['pool_bytes'] / 2**20:.2f} MiB")
+        groups = ", ".join("full" if w is None else f"W={w}" for w in got["windows"])
+        print(f"  {name}: {got['pages']} pages of {got['group_size']} layers shared by {len(got['windows'])} "
+              f"groups ({groups}); {got['pool_bytes'] / 2**20:.2f} MiB")
     for n in lengths:
         print(f"  sequences of {n:5d} tokens: full-only {full['sequences'][n]:4d}, hybrid {hybrid['sequences'][n]:4d}"
               f"  ratio {ratios[n]:.2f}x")

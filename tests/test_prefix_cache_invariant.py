@@ -105,22 +105,21 @@ class Core:
 
 
 def check_cached_blocks(core: Core, model) -> int:
-    """Every cached block holds what a fresh prefill of its chain writes, in each block group (a hybrid model has one
-    per attention type, serve/blocks.py: a group's blocks hold its own layers); returns how many were checked."""
+    """Every cached block holds what a fresh prefill of its chain writes, in each block group (a hybrid model's groups
+    share one pool of pages, serve/blocks.py: a page holds its group's layers, cached under (group, address));
+    returns how many were checked."""
     chains, checked, pool = core.chains(), 0, core.runner.pool
-    for g, group in enumerate(core.blocks.groups):
-        layers = [i for i, lg in enumerate(pool.layer_group) if lg == g]
-        for digest, block in dict(group.pool.cached).items():
-            chain = chains[digest]
-            fresh = Core(model)
-            fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
-            fresh.run(0)
-            want, theirs = fresh.blocks.groups[g].pool.cached[digest], fresh.runner.pool
-            for layer in layers:
-                for got_kv, want_kv in ((pool.k, theirs.k), (pool.v, theirs.v)):
-                    torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
-                                               atol=K_V_ATOL, rtol=0)
-            checked += 1
+    for (g, digest), block in dict(core.blocks.pool.cached).items():
+        chain = chains[digest]
+        fresh = Core(model)
+        fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
+        fresh.run(0)
+        want, theirs = fresh.blocks.pool.cached[g, digest], fresh.runner.pool
+        for layer in [i for i, lg in enumerate(pool.layer_group) if lg == g]:
+            for got_kv, want_kv in ((pool.k, theirs.k), (pool.v, theirs.v)):
+                torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
+                                           atol=K_V_ATOL, rtol=0)
+        checked += 1
     return checked
 
 
