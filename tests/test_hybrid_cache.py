@@ -325,7 +325,7 @@ def serve_hybrid(model, requests, waves=1, limit=400, **options):
     sliding = [g for g in blocks.groups if g.window is not None][0]
     half = len(requests) // waves
     pending = [requests[:half], requests[half:]] if waves == 2 else [requests]
-    tokens, ended, least_free, freed_while_running = {}, {}, blocks.pool.total, 0
+    tokens, ended, least_free, freed_while_running, most_running = {}, {}, blocks.pool.total, 0, 0
     for _ in range(limit):
         if not scheduler.has_work() and not scheduler.admissions:
             if not pending:
@@ -335,6 +335,7 @@ def serve_hybrid(model, requests, waves=1, limit=400, **options):
         scheduler.receive(0)
         plan = scheduler.plan(0)
         least_free = min(least_free, blocks.pool.num_free)
+        most_running = max(most_running, len(scheduler.paged.running))
         for tables in plan.tables.values():
             freed_while_running += sum(b == NULL_BLOCK for b in tables[blocks.groups.index(sliding)])
         result = runner.step(plan)
@@ -346,8 +347,8 @@ def serve_hybrid(model, requests, waves=1, limit=400, **options):
     else:
         raise AssertionError(f"the requests did not end in {limit} steps: {ended}")
     assert all(ended[a.request_id] == "length" for a in requests)
-    return dict(tokens=tokens, least_free=least_free, null_entries=freed_while_running, runner=runner,
-                scheduler=scheduler)
+    return dict(tokens=tokens, least_free=least_free, null_entries=freed_while_running, most_running=most_running,
+                runner=runner, scheduler=scheduler)
 
 
 def null_blocks_untouched(runner):
@@ -394,6 +395,26 @@ def test_mistral_every_layer_sliding_serves_sequences_longer_than_its_pool(mistr
     got = serve_hybrid(model, [Admission(0, prompt, n)], num_blocks=7, prefill_chunk=3, max_model_len=64)
     assert got["tokens"][0] == hf_greedy(hf, prompt, n)
     assert [g.window for g in got["scheduler"].paged.blocks.groups] == [WINDOW]
+
+
+def test_several_sliding_groups_share_the_pool_and_many_sequences_equal_transformers():
+    """7 layers, 5 sliding and 2 global: groups of 2 layers (1 full, 3 sliding, the last padded), every page 2 layers'
+    block. Six requests at once in 80 pages: the full group's blocks and the three sliding groups' windows come and
+    go in one pool, with preemptions; each request's greedy tokens equal transformers' for it alone."""
+    S, F = "sliding_attention", "full_attention"
+    hf = make_hf("gemma3", WINDOW, num_hidden_layers=7, layer_types=[S, S, F, S, S, F, S])
+    model = ours_from_hf(hf)
+    requests = [Admission(i, [(13 * i + 7 * j + 1) % 101 for j in range(8 + 2 * i)], 10 + i % 3) for i in range(6)]
+    got = serve_hybrid(model, requests, num_blocks=80, prefill_chunk=4, max_model_len=64, max_num_seqs=6, budget=24)
+    blocks, pool = got["scheduler"].paged.blocks, got["runner"].pool
+    assert [g.window for g in blocks.groups] == [None, WINDOW, WINDOW, WINDOW] and len(pool.k_slots) == 2
+    assert pool.layer_group == (1, 1, 0, 2, 2, 0, 3) and pool.groups.layer_slot == (0, 1, 0, 0, 1, 1, 0)
+    for a in requests:
+        assert got["tokens"][a.request_id] == hf_greedy(hf, a.prompt, a.max_tokens), a.request_id
+    # All six ran at once (6 x 4 groups x 2 blocks of their first chunk of 4: 48 of 79 pages), then the pool ran
+    # short as they grew (the longest, 18 + 11 - 1 = 28 positions, alone holds 14 full blocks and 3 x 3 sliding).
+    assert got["most_running"] == 6 and got["scheduler"].paged.num_preemptions > 0 and got["null_entries"] > 0
+    null_blocks_untouched(got["runner"])
 
 
 def test_every_cached_block_of_each_group_equals_a_fresh_prefill(gemma):
