@@ -120,6 +120,15 @@ def test_admission_counts_the_pages_of_every_group_together():
     assert m.allocate(1, [7, 7, 7, 7], 4) == 0 and m.pool.num_free == 0
 
 
+def test_the_capacity_is_the_longest_sequence_the_pool_holds_alone():
+    # 22 pages, blocks of 4, W = 6 (a decoding sequence's window touches at most 3 blocks): b full blocks and
+    # min(b, 3) sliding ones fit while b + 3 <= 22, so 19 blocks, 76 tokens; with two sliding groups 16 (64).
+    m = hybrid(22, window=6)
+    assert m.capacity_tokens == 76 and m.fits_ever(76) and not m.fits_ever(77)
+    assert hybrid(22, window=6, sliding_groups=2).capacity_tokens == 64
+    assert m.fits_ever(8) and m.pages_alone(8) == 2 + 2  # shorter than the window: its own blocks in each group
+
+
 def test_a_chunk_never_outgrows_the_pool_alone():
     # 14 pages, blocks of 4, W = 6: a chunk of n at c needs the sliding blocks of positions c - 5 .. c + n - 1
     # (n + 5 positions, at most (n + 5 - 2) // 4 + 1 blocks) beside every full block. A 40-token sequence's 10 full
