@@ -27,11 +27,9 @@ from test_blocks import drive  # noqa: E402
 from test_blocks import reference as stand_in_reference  # noqa: E402
 from torchtsp.serve.blocks import (  # noqa: E402
     NULL_BLOCK,
-    GroupSpec,
     KVBlockManager,
     block_hash,
     first_needed_block,
-    split_budget,
     window_blocks,
 )
 from torchtsp.serve.paged_scheduler import PagedScheduler, scheduled  # noqa: E402
@@ -54,58 +52,132 @@ def test_first_needed_block_is_the_block_of_the_oldest_key_a_query_still_sees():
     assert window_blocks(64, 16) == 5  # 64 positions: 4 blocks when aligned, 5 when not
 
 
-def hybrid(full: int, sliding: int, window: int, bt: int = 4, caching: bool = True) -> KVBlockManager:
-    return KVBlockManager([GroupSpec(full), GroupSpec(sliding + 1, window)], bt, caching)  # + its null block
+def hybrid(pages: int, window: int, bt: int = 4, caching: bool = True, sliding_groups: int = 1) -> KVBlockManager:
+    """A full group and ``sliding_groups`` sliding ones sharing ``pages`` pages, the null page among them."""
+    return KVBlockManager(pages + 1, bt, caching, windows=[None] + [window] * sliding_groups)
 
 
 def test_sliding_blocks_are_freed_exactly_when_they_leave_the_window():
-    m = hybrid(16, 8, window=6)
-    full, sliding = m.groups
-    assert sliding.pool.total == 8 and NULL_BLOCK not in sliding.pool.free_queue  # the null block is set aside
-    assert m.allocate(0, list(range(9)), 9) == 0  # positions 0..8: 3 blocks in each group
-    assert full.pool.num_free == 13 and sliding.pool.num_free == 5
-    # Computed 0..8, the next query at 9 sees 4..9: block 0 (0..3) leaves, its entry becomes the null block.
+    m = hybrid(24, window=6)
+    assert m.pool.total == 24 and NULL_BLOCK not in m.pool.free_queue  # the null page is set aside
+    assert m.allocate(0, list(range(9)), 9) == 0  # positions 0..8: 3 blocks in each group, 6 pages
+    assert m.pool.num_free == 18
+    # Computed 0..8, the next query at 9 sees 4..9: block 0 (0..3) leaves, its entry becomes the null page.
     assert m.free_out_of_window(0, 9) == 1
-    assert m.groups[1].tables[0][0] == NULL_BLOCK and sliding.pool.num_free == 6 and full.pool.num_free == 13
+    assert m.groups[1].tables[0][0] == NULL_BLOCK and m.pool.num_free == 19
     assert m.free_out_of_window(0, 12) == 0  # keys 7..12: block 1 (4..7) is still seen by position 12
     assert m.free_out_of_window(0, 13) == 1  # keys 8..13
-    assert m.tables[0] == full.tables[0] and NULL_BLOCK not in m.tables[0][1:]  # the full group keeps all
+    assert m.pool.num_free == 20 and NULL_BLOCK not in m.tables[0]  # the full group keeps all
     m.free(0)
-    assert full.pool.num_free == 16 and sliding.pool.num_free == 8  # the null entries are not released
+    assert m.pool.num_free == 24  # the null entries are not released
 
 
-def test_a_chunk_never_outgrows_the_sliding_pool_alone():
-    # 4 sliding blocks of 4, W = 6: a chunk of n at c needs positions c - 5 .. c + n - 1, n + 5 positions, which
-    # touch at most (n + 5 - 2) // 4 + 1 blocks: n = 8 fits 4 blocks wherever it starts (at c = 7: 2..14, blocks
-    # 0..3), n = 9 does not (at c = 8: 3..16, blocks 0..4).
-    m = hybrid(16, 4, window=6)
-    assert m.max_chunk_tokens == 8
+def computed(m: KVBlockManager, seq: int, n: int) -> None:
+    """Compute positions 0 .. n - 1 of ``seq`` a token a step, its out-of-window blocks freed before each step (as
+    the scheduler does), and then before its next query at n."""
+    assert m.allocate(seq, [seq] * n, 1, use_cache=False) == 0
+    for pos in range(1, n):
+        m.free_out_of_window(seq, pos)
+        assert m.append_slots(seq, 1), (seq, pos)
+    m.free_out_of_window(seq, n)
+
+
+def test_the_groups_take_what_they_need_from_one_pool_both_ways():
+    # Blocks of 4, W = 6. A sequence at its next query q holds every full block before q and, in a sliding group,
+    # the blocks of keys q - 5 .. q - 1 (2 at q = 40: 35..39, blocks 8 and 9; 2 at 24: blocks 4 and 5); on its way
+    # it held at most 3 (at q = 36: 31..36, blocks 7..9), so 22 pages suffice for both.
+    full_heavy = hybrid(22, window=6)
+    computed(full_heavy, 0, 40)
+    computed(full_heavy, 1, 24)
+    # 10 + 6 full blocks and 2 + 2 sliding: the full group holds 16 of the 20 pages in use.
+    assert [sum(len(g.live(t)) for t in g.tables.values()) for g in full_heavy.groups] == [16, 4]
+    assert full_heavy.pool.num_free == 2 and full_heavy.usage == 20 / 22
+    # Three sliding groups and short sequences: 12 positions are 3 full blocks and, at the next query 12 (keys
+    # 7..11), 2 blocks in each sliding group: the sliding groups hold 12 of the 18 pages two sequences take.
+    short = hybrid(22, window=6, sliding_groups=3)
+    computed(short, 0, 12)
+    computed(short, 1, 12)
+    assert [sum(len(g.live(t)) for t in g.tables.values()) for g in short.groups] == [6, 4, 4, 4]
+    assert short.pool.num_free == 4
+
+
+def test_pages_a_sliding_group_gives_back_go_to_the_full_group():
+    m = hybrid(8, window=6)
+    assert m.allocate(0, list(range(16)), 16) == 0  # 4 blocks in each group: all 8 pages
+    assert not m.append_slots(0, 1)  # position 16 starts a fifth block in both groups: 2 pages, none free
+    assert m.free_out_of_window(0, 16) == 2  # keys 11..16: blocks 0 and 1 (0..7) leave the sliding group
+    given_back = set(m.pool.free_queue)
+    assert m.append_slots(0, 1)
+    assert {m.tables[0][4], m.groups[1].tables[0][4]} == given_back and m.pool.num_free == 0
+
+
+def test_admission_counts_the_pages_of_every_group_together():
+    m = hybrid(10, window=6, sliding_groups=2)
+    assert m.allocate(0, list(range(12)), 12) == 0  # 3 blocks in each of 3 groups: 9 of 10 pages
+    # A 4-token prompt needs a block in each group: 3 pages, 1 free; refused, nothing taken.
+    assert m.allocate(1, [7, 7, 7, 7], 4) is None and m.pool.num_free == 1 and 1 not in m.slots
+    assert m.free_out_of_window(0, 12) == 2  # keys 7..12: each sliding group's block 0 goes back
+    assert m.allocate(1, [7, 7, 7, 7], 4) == 0 and m.pool.num_free == 0
+
+
+def test_the_capacity_is_the_longest_sequence_the_pool_holds_alone():
+    # 22 pages, blocks of 4, W = 6 (a decoding sequence's window touches at most 3 blocks): b full blocks and
+    # min(b, 3) sliding ones fit while b + 3 <= 22, so 19 blocks, 76 tokens; with two sliding groups 16 (64).
+    m = hybrid(22, window=6)
+    assert m.capacity_tokens == 76 and m.fits_ever(76) and not m.fits_ever(77)
+    assert hybrid(22, window=6, sliding_groups=2).capacity_tokens == 64
+    assert m.fits_ever(8) and m.pages_alone(8) == 2 + 2  # shorter than the window: its own blocks in each group
+
+
+def test_a_chunk_never_outgrows_the_pool_alone():
+    # 14 pages, blocks of 4, W = 6: a chunk of n at c needs the sliding blocks of positions c - 5 .. c + n - 1
+    # (n + 5 positions, at most (n + 5 - 2) // 4 + 1 blocks) beside every full block. A 40-token sequence's 10 full
+    # blocks leave 4: n = 8 fits wherever it starts (at c = 7: 2..14, blocks 0..3), n = 9 does not (at c = 8:
+    # 3..16, blocks 0..4). At 41 tokens (11 full blocks) 3 are left: n = 4 (5..12 at c = 10... at most 3 blocks),
+    # not 5 (at c = 8: 3..12, blocks 0..3).
+    m = hybrid(14, window=6)
+    assert m.max_chunk_tokens(40) == 8 and m.max_chunk_tokens(41) == 4
+    assert m.max_chunk_tokens(5) == 5  # 2 full blocks: the chunk of the whole sequence fits
     sched = PagedScheduler(m, max_num_batched_tokens=64)
     sched.add_request(0, list(range(40)), 2)
     plan = sched.schedule()
-    assert plan.prefill == [(0, 0, 8)]  # capped by the sliding group, not the budget of 64
+    assert plan.prefill == [(0, 0, 8)]  # capped by the pool, not the budget of 64
 
 
-def test_budget_split_by_one_max_length_sequence():
-    # Full blocks cost 1 layer, sliding blocks 5 layers (bytes 100 and 500 per block); max_model_len 2048 with
-    # blocks of 16: a decoding sequence needs 128 full blocks (12,800 B) and 5 sliding ones (2,500 B) of W = 64.
-    # A prefill chunk of 256 tokens needs the blocks of 256 + 63 = 319 positions, at most 21 (starting at a
-    # block's last slot: 1 + ceil(318 / 16)): the sliding group sets aside its null block and the 16 beyond a
-    # decoding sequence's 5 (17 blocks, 8,500 B); the remaining 144,500 B are shared 12,800 : 2,500, which buys
-    # 1208 full blocks and 47 (+ 17) sliding ones: 9 sequences at once.
-    assert split_budget(153_000, [100, 500], [None, 64], 2048, 16, chunk_tokens=256) == [1208, 47 + 17]
-    # Without sliding layers the whole budget is one group, as before.
-    assert split_budget(10_000, [100], [None], 2048, 16) == [100]
+def test_layers_split_into_groups_of_equal_layer_count():
+    from torchtsp.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+    from torchtsp.kv_layouts import KVGroups
+
+    S, F = SLIDING_ATTENTION, FULL_ATTENTION
+    base = dict(dim=64, n_heads=4, n_kv_heads=4, sliding_window=8)
+    # 5 local : 1 global: groups of 1 layer, the full one first, then one per local layer.
+    groups = KVGroups.of(ModelConfig(**base, n_layers=6, layer_types=(S,) * 5 + (F,)))
+    assert groups.group_size == 1 and groups.windows == (None,) + (8,) * 5
+    assert groups.layer_group == (1, 2, 3, 4, 5, 0) and groups.layer_slot == (0,) * 6
+    # 3 global, 5 local: groups of 3; the local layers fill one and pad a second (2 layers of 3).
+    types = (S, F, S, F, S, F, S, S)
+    groups = KVGroups.of(ModelConfig(**base, n_layers=8, layer_types=types))
+    assert groups.group_size == 3 and groups.windows == (None, 8, 8)
+    assert groups.layer_group == (1, 0, 1, 0, 1, 0, 2, 2) and groups.layer_slot == (0, 0, 1, 1, 2, 2, 0, 1)
+    assert [groups.layers(g) for g in range(3)] == [3, 3, 2]
+    # No sliding layer: one group of every layer, a tensor each (the pool of before).
+    groups = KVGroups.of(ModelConfig(**{**base, "sliding_window": None}, n_layers=4))
+    assert groups.windows == (None,) and groups.group_size == 4 and groups.layer_slot == (0, 1, 2, 3)
 
 
 def test_a_prefix_hit_needs_the_full_blocks_and_the_window_before_the_hit_point():
     W, bt = 6, 4
-    m = hybrid(16, 8, window=W)
+    m = hybrid(16, window=W)
     prompt = list(range(100, 117))  # 4 full blocks and a token
     assert m.allocate(0, prompt, len(prompt)) == 0
     m.cache_blocks(0, prompt, len(prompt))
     m.free_out_of_window(0, 17)  # keys 12..17: blocks 0, 1, 2 (0..11) leave the sliding group (stay cached)
     m.free(0)
+    chain = []
+    for i in range(4):
+        chain.append(block_hash(chain[-1] if chain else None, prompt[i * bt:(i + 1) * bt]))
+    # One pool, two copies of each block: each group's under its own key, in distinct pages.
+    assert all(m.pool.cached[0, d] != m.pool.cached[1, d] for d in chain) and len(m.pool.cached) == 8
     # Everything is still cached in both groups: a hit of 4 blocks (16 tokens); the window before position 16
     # is 11..15, blocks 2 and 3, so the sliding table is [null, null, b2, b3].
     assert m.allocate(1, prompt, 1) == 16
@@ -114,17 +186,12 @@ def test_a_prefix_hit_needs_the_full_blocks_and_the_window_before_the_hit_point(
     # Evict the sliding group's copy of block 2 (positions 8..11): a hit of 4 needs it (11 is in the window
     # before 16); a hit of 3 (12 tokens) needs 7..11, blocks 1 and 2: gone too; a hit of 2 (8 tokens) needs
     # 3..7, blocks 0 and 1: both cached. So the hit shortens to 2 blocks.
-    chain = []
-    for i in range(4):
-        chain.append(block_hash(chain[-1] if chain else None, prompt[i * bt:(i + 1) * bt]))
-    sliding = m.groups[1].pool
-    victim = sliding.cached[chain[2]]
-    del sliding.cached[chain[2]]
-    sliding.hash[victim] = None
+    victim = m.pool.cached.pop((1, chain[2]))
+    m.pool.hash[victim] = None
     assert len(m.cached_prefix(prompt)) == 2
     assert m.allocate(2, prompt, 9) == 8
     # The full group alone would have hit 4: all its blocks are cached.
-    assert all(m.groups[0].pool.lookup(d) is not None for d in chain)
+    assert all(m.pool.lookup((0, d)) is not None for d in chain)
 
 
 # ---------------------------------------------------------------- the scheduler over a simulated hybrid model
@@ -154,7 +221,7 @@ class HybridEngine:
     never written: reading one fails)."""
 
     def __init__(self, sched):
-        self.sched, self.store, self.sliding_free = sched, {}, []
+        self.sched, self.store, self.free_pages = sched, {}, []
 
     def step(self, plan):
         bt = self.sched.blocks.block_tokens
@@ -171,7 +238,7 @@ class HybridEngine:
                 window = [self.read(sliding, p) for p in range(max(0, end - W_SIM), end)]
                 assert window == context[-W_SIM:]
                 sampled[seq_id] = windowed_model(context)
-        self.sliding_free.append(self.sched.blocks.groups[1].pool.num_free)
+        self.free_pages.append(self.sched.blocks.pool.num_free)
         self.sched.update(plan, sampled, {}, written=scheduled(plan))
 
     def read(self, sliding_table, p):
@@ -194,22 +261,21 @@ def run_hybrid(sched, requests, steps=2000):
 
 
 def test_windowed_sequences_generate_exactly_while_their_old_blocks_are_freed():
-    # 3 requests of 30-40 tokens; sliding pool of 3 + 3 blocks + some slack: they could never all keep every block.
+    # 3 requests of 35-45 tokens in 48 pages: each holds at most 12 full blocks and, in the sliding group, the
+    # blocks of a chunk of 8 and the window before it (13 positions: at most 4): 3 x 16 = 48 always fit, though
+    # keeping every sliding block (3 x 24) would not.
     requests = {i: ([(7 * i + j) % 50 for j in range(20 + 5 * i)], 15) for i in range(3)}
-    sched = PagedScheduler(hybrid(64, 12, window=W_SIM), max_num_batched_tokens=8, max_num_seqs=3)
+    sched = PagedScheduler(hybrid(48, window=W_SIM), max_num_batched_tokens=8, max_num_seqs=3)
     out, engine = run_hybrid(sched, requests)
     for rid, (prompt, n) in requests.items():
         assert out[rid] == windowed_reference(prompt, n), rid
-    # Each sequence holds at most window_blocks(6, 4) = 3 sliding blocks while decoding: 12 blocks always left
-    # room, though the 3 sequences reach 35-45 tokens (9-12 blocks each, 30+ in the full group).
-    assert sched.num_preemptions == 0 and min(engine.sliding_free) >= 0
-    assert sched.blocks.groups[1].pool.num_free == 12 and sched.blocks.pool.num_free == 64
+    assert sched.num_preemptions == 0 and min(engine.free_pages) >= 0 and sched.blocks.pool.num_free == 48
 
 
 def test_windowed_sequences_preempt_recompute_and_hit_the_prefix_exactly():
     shared = [(3 * j + 1) % 50 for j in range(16)]
     requests = {0: (shared + [1, 2, 3], 20), 1: (shared + [9], 20), 2: (shared + [4, 4], 18), 3: ([5] * 11, 25)}
-    sched = PagedScheduler(hybrid(22, 9, window=W_SIM), max_num_batched_tokens=6, max_num_seqs=4)
+    sched = PagedScheduler(hybrid(30, window=W_SIM), max_num_batched_tokens=6, max_num_seqs=4)
     out, _ = run_hybrid(sched, requests)
     for rid, (prompt, n) in requests.items():
         assert out[rid] == windowed_reference(prompt, n), rid
@@ -219,7 +285,8 @@ def test_windowed_sequences_preempt_recompute_and_hit_the_prefix_exactly():
 def test_stand_in_model_without_windows_still_schedules_as_before():
     # One full group: the manager is the cache of before (no null block, nothing freed).
     m = KVBlockManager(16, 4)
-    assert len(m.groups) == 1 and m.groups[0].window is None and m.max_chunk_tokens is None
+    assert len(m.groups) == 1 and m.groups[0].window is None and m.max_chunk_tokens(11) is None
+    assert m.pool.total == 16 and 0 in m.pool.free_queue and m.capacity_tokens == 64
     sched = PagedScheduler(m, max_num_batched_tokens=8)
     sched.add_request(0, [1, 2, 3, 4, 5], 6)
     out, _ = drive(sched)
@@ -260,14 +327,14 @@ def mistral():
 
 def serve_hybrid(model, requests, waves=1, limit=400, **options):
     """Drive the serving core (test_serve_batch.serving) over ``requests`` (Admissions; with ``waves`` 2, the
-    second half is submitted once the first has ended); returns tokens, the least free sliding blocks seen, and
-    the runner and scheduler."""
+    second half is submitted once the first has ended); returns tokens, the fewest free pages seen (once each step
+    is planned, its blocks taken), and the runner and scheduler."""
     runner, scheduler, http = serving(model, block_size=BS, **options)
     blocks = scheduler.paged.blocks
     sliding = [g for g in blocks.groups if g.window is not None][0]
     half = len(requests) // waves
     pending = [requests[:half], requests[half:]] if waves == 2 else [requests]
-    tokens, ended, least_free, freed_while_running = {}, {}, sliding.pool.total, 0
+    tokens, ended, least_free, freed_while_running, most_running = {}, {}, blocks.pool.total, 0, 0
     for _ in range(limit):
         if not scheduler.has_work() and not scheduler.admissions:
             if not pending:
@@ -276,11 +343,12 @@ def serve_hybrid(model, requests, waves=1, limit=400, **options):
                 http.send(("submit", a))
         scheduler.receive(0)
         plan = scheduler.plan(0)
+        least_free = min(least_free, blocks.pool.num_free)
+        most_running = max(most_running, len(scheduler.paged.running))
         for tables in plan.tables.values():
             freed_while_running += sum(b == NULL_BLOCK for b in tables[blocks.groups.index(sliding)])
         result = runner.step(plan)
         scheduler.after(result)
-        least_free = min(least_free, sliding.pool.num_free)
         for rid, t in result.tokens:
             tokens.setdefault(rid, []).append(t)
         ended.update(result.finished + scheduler.dropped)
@@ -288,8 +356,8 @@ def serve_hybrid(model, requests, waves=1, limit=400, **options):
     else:
         raise AssertionError(f"the requests did not end in {limit} steps: {ended}")
     assert all(ended[a.request_id] == "length" for a in requests)
-    return dict(tokens=tokens, least_free=least_free, null_entries=freed_while_running, runner=runner,
-                scheduler=scheduler)
+    return dict(tokens=tokens, least_free=least_free, null_entries=freed_while_running, most_running=most_running,
+                runner=runner, scheduler=scheduler)
 
 
 def null_blocks_untouched(runner):
@@ -307,9 +375,10 @@ def test_gemma3_paged_decode_past_the_window_equals_transformers_and_frees_slidi
     assert got["tokens"][0] == hf_greedy(hf, PROMPT, n)
     blocks = got["scheduler"].paged.blocks
     assert [g.window for g in blocks.groups] == [None, WINDOW]
-    # 14 + 12 - 1 = 25 positions: 13 blocks of 2 in the full group; the sliding group held at most
-    # window_blocks(5, 2) = 3 while decoding (4 while a chunk of 4 was prefilled: positions c - 4 .. c + 3).
-    assert got["least_free"] >= 32 - 5 and got["null_entries"] > 0
+    # 31 pages and the null one. 14 + 12 - 1 = 25 positions: 13 blocks of 2 in the full group at the last step;
+    # the sliding group then holds window_blocks(5, 2) = 3 (positions 20..24), so 16 pages are the most in use
+    # (while a chunk of 4 was prefilled, c - 4 .. c + 3 at c <= 12: at most 7 full blocks and 4 sliding ones).
+    assert got["least_free"] == 31 - 16 and got["null_entries"] > 0
     null_blocks_untouched(got["runner"])
 
 
@@ -318,8 +387,9 @@ def test_gemma3_paged_preempts_recomputes_and_hits_the_prefix_exactly(gemma):
     shared = PROMPT[:12]  # 6 full blocks
     requests = [Admission(0, shared + [1, 2, 3], 10), Admission(1, shared + [7], 9), Admission(2, [4, 9] * 5, 11),
                 Admission(3, shared + [1, 2, 3, 60], 6)]
-    # 10 blocks per group: the three first requests (up to 24 positions, 12 full blocks each) cannot run together.
-    got = serve_hybrid(model, requests, waves=2, num_blocks=[14, 8], prefill_chunk=4, max_model_len=64,
+    # 20 pages: the three first requests (up to 24 positions, 12 full blocks and 3 sliding ones each) cannot run
+    # together.
+    got = serve_hybrid(model, requests, waves=2, num_blocks=21, prefill_chunk=4, max_model_len=64,
                        max_num_seqs=3)
     for a in requests:
         assert got["tokens"][a.request_id] == hf_greedy(hf, a.prompt, a.max_tokens), a.request_id
@@ -334,6 +404,26 @@ def test_mistral_every_layer_sliding_serves_sequences_longer_than_its_pool(mistr
     got = serve_hybrid(model, [Admission(0, prompt, n)], num_blocks=7, prefill_chunk=3, max_model_len=64)
     assert got["tokens"][0] == hf_greedy(hf, prompt, n)
     assert [g.window for g in got["scheduler"].paged.blocks.groups] == [WINDOW]
+
+
+def test_several_sliding_groups_share_the_pool_and_many_sequences_equal_transformers():
+    """7 layers, 5 sliding and 2 global: groups of 2 layers (1 full, 3 sliding, the last padded), every page 2 layers'
+    block. Six requests at once in 80 pages: the full group's blocks and the three sliding groups' windows come and
+    go in one pool, with preemptions; each request's greedy tokens equal transformers' for it alone."""
+    S, F = "sliding_attention", "full_attention"
+    hf = make_hf("gemma3", WINDOW, num_hidden_layers=7, layer_types=[S, S, F, S, S, F, S])
+    model = ours_from_hf(hf)
+    requests = [Admission(i, [(13 * i + 7 * j + 1) % 101 for j in range(8 + 2 * i)], 10 + i % 3) for i in range(6)]
+    got = serve_hybrid(model, requests, num_blocks=80, prefill_chunk=4, max_model_len=64, max_num_seqs=6, budget=24)
+    blocks, pool = got["scheduler"].paged.blocks, got["runner"].pool
+    assert [g.window for g in blocks.groups] == [None, WINDOW, WINDOW, WINDOW] and len(pool.k_slots) == 2
+    assert pool.layer_group == (1, 1, 0, 2, 2, 0, 3) and pool.groups.layer_slot == (0, 1, 0, 0, 1, 1, 0)
+    for a in requests:
+        assert got["tokens"][a.request_id] == hf_greedy(hf, a.prompt, a.max_tokens), a.request_id
+    # All six ran at once (6 x 4 groups x 2 blocks of their first chunk of 4: 48 of 79 pages), then the pool ran
+    # short as they grew (the longest, 18 + 11 - 1 = 28 positions, alone holds 14 full blocks and 3 x 3 sliding).
+    assert got["most_running"] == 6 and got["scheduler"].paged.num_preemptions > 0 and got["null_entries"] > 0
+    null_blocks_untouched(got["runner"])
 
 
 def test_every_cached_block_of_each_group_equals_a_fresh_prefill(gemma):
@@ -353,17 +443,15 @@ def test_every_cached_block_of_each_group_equals_a_fresh_prefill(gemma):
             parent = block_hash(parent, tokens[i * BS:(i + 1) * BS])
             chains[parent] = tokens[:(i + 1) * BS]
     checked = 0
-    for g, group in enumerate(blocks.groups):
-        for digest, block in dict(group.pool.cached).items():
-            chain = chains[digest]
-            fresh = serve_hybrid(model, [Admission(0, chain + [1], 1)], num_blocks=40, prefill_chunk=4,
-                                 max_model_len=64)
-            want = fresh["scheduler"].paged.blocks.groups[g].pool.cached[digest]
-            for layer in [i for i, lg in enumerate(runner.pool.layer_group) if lg == g]:
-                for mine, theirs in ((runner.pool.k, fresh["runner"].pool.k), (runner.pool.v, fresh["runner"].pool.v)):
-                    torch.testing.assert_close(mine[layer][block, :, :BS], theirs[layer][want, :, :BS],
-                                               atol=K_V_ATOL, rtol=0)
-            checked += 1
+    for (g, digest), block in dict(blocks.pool.cached).items():
+        chain = chains[digest]
+        fresh = serve_hybrid(model, [Admission(0, chain + [1], 1)], num_blocks=40, prefill_chunk=4, max_model_len=64)
+        want = fresh["scheduler"].paged.blocks.pool.cached[g, digest]
+        for layer in [i for i, lg in enumerate(runner.pool.layer_group) if lg == g]:
+            for mine, theirs in ((runner.pool.k, fresh["runner"].pool.k), (runner.pool.v, fresh["runner"].pool.v)):
+                torch.testing.assert_close(mine[layer][block, :, :BS], theirs[layer][want, :, :BS],
+                                           atol=K_V_ATOL, rtol=0)
+        checked += 1
     assert checked >= 2 * 6  # both groups cache the prompts' full blocks
 
 
@@ -393,8 +481,9 @@ def _hybrid_on_ranks(scheme: str, layout: str, cfg, state, token_ranks: int) -> 
     model = torchtsp.Transformer(cfg)
     model.load_state_dict(state)
     model = torchtsp.parallelize(model.eval(), torchtsp.init_mesh(**{scheme: 2}), scheme)
-    # Full blocks for 28 tokens: the first wave's three requests (up to 24 positions each) preempt each other.
-    got = serve_hybrid(model, ENGINE_REQUESTS, waves=2, num_blocks=[28 // (BS * token_ranks), 6], prefill_chunk=4,
+    # Pages for 28 tokens of the full group and 5 more: the first wave's three requests (up to 24 positions each)
+    # preempt each other.
+    got = serve_hybrid(model, ENGINE_REQUESTS, waves=2, num_blocks=28 // (BS * token_ranks) + 6, prefill_chunk=4,
                        max_model_len=64, kv_layout=layout, max_num_seqs=3)
     paged = got["scheduler"].paged
     null_blocks_untouched(got["runner"])
@@ -439,33 +528,43 @@ def test_the_memory_model_counts_a_sliding_layers_paged_cache_as_its_window():
     assert paged_kv_bytes(cfg, 40, 4, 4, 16) == 6 * 3 * 16 * slot  # shorter than the window: every block
 
 
-def test_the_worker_sizes_each_group_within_the_budget_and_refuses_one_without_room_for_a_window(gemma):
+def test_the_worker_sizes_one_pool_of_pages_within_the_budget_and_refuses_one_without_room_for_a_window(gemma):
     from torchtsp.infer import make_engine
     from torchtsp.serve.worker import pool_sizing
 
     _, model = gemma
     engine, cfg = make_engine(model), model.cfg
     slot = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # K and V of every KV head, float32, one layer
-    sizing = pool_sizing(cfg, engine, BS, 100_000, 64, chunk_tokens=8)
-    # 4 layers, every second one global (Gemma 3's pattern 2), blocks of 2 tokens: either group's block is 2 layers.
-    assert sizing.windows == (None, WINDOW) and sizing.bytes_per_block == (2 * BS * slot, 2 * BS * slot)
-    assert list(sizing.blocks) == split_budget(100_000, sizing.bytes_per_block, sizing.windows, 64, BS, 8)
+    sizing = pool_sizing(cfg, engine, BS, 100_000)
+    # 4 layers, every second one global (Gemma 3's pattern 2), blocks of 2 tokens: groups of 2 layers, a page is
+    # 2 layers' block; every page the budget buys, none set aside for a group.
+    assert sizing.windows == (None, WINDOW) and sizing.group_size == 2 and sizing.bytes_per_page == 2 * BS * slot
+    assert sizing.pages == 100_000 // (2 * BS * slot)
     sizing.check()
-    pool = engine.kv_pool(sizing.blocks, BS, grouped=True)
+    pool = engine.kv_pool(sizing.pages, BS, grouped=True)
     full_layer, sliding_layer = pool.layer_group.index(0), pool.layer_group.index(1)
-    assert pool.nbytes <= 100_000 and pool.k[full_layer].shape[0] == sizing.blocks[0] + 1  # + the spare block
-    assert pool.k[sliding_layer].shape[0] == sizing.blocks[1] + 1 < sizing.blocks[0]
-    # A window of 5 in blocks of 2 touches up to 4 blocks: 2 sliding blocks (null + 1) cannot decode.
-    tight = pool_sizing(cfg, engine, BS, 8 * 2 * BS * slot, 64, chunk_tokens=1)
+    # Two K tensors (one per place in a group), each [pages + the spare one, ...]; a full and a sliding layer of the
+    # same place share one.
+    assert len(pool.k_slots) == 2 and pool.k[full_layer].shape[0] == sizing.pages + 1
+    assert pool.k[full_layer] is pool.k[sliding_layer] and pool.nbytes == sizing.pages * sizing.bytes_per_page
+    # A window of 5 in blocks of 2 touches up to 3 blocks: with the null page and a full block, 5 pages at least.
+    tight = pool_sizing(cfg, engine, BS, 4 * 2 * BS * slot)
+    assert tight.pages == 4 and tight.least_pages == 5
     with pytest.raises(ValueError, match="raise --kv-cache-mb"):
         tight.check()
 
 
-def test_the_capacity_benchmark_holds_at_least_3x_the_sequences_of_a_full_only_cache():
+def test_the_capacity_benchmark_holds_3x_the_sequences_of_a_full_only_cache_at_half_length():
     """benchmarks/hybrid_cache_capacity.py's measure (the worker's sizing, the real pool and block manager), on a
-    narrow 6-layer toy (5 local layers of W = 64, 1 global), max_model_len 2048, the same 12 MiB: a sequence
-    holds 6 x 2048 layer-tokens in the full-only cache, 2048 + 5 x 80 in the hybrid one (5x less; the budget also
-    pays the sliding group's null block and one prefill chunk)."""
+    narrow 6-layer toy (5 local layers of W = 64, 1 global), pools sized for max_model_len 2048 in the same 12 MiB,
+    sequences of 512, 1024 and 2048 tokens computed in chunks of 512 (blocks of 16).
+
+    Full-only: 256 pages of 6 layers; a sequence of n tokens takes n / 16: 8, 4 and 2 sequences. Hybrid: 1536 pages
+    of 1 layer (the null one among them); a computed sequence holds n / 16 full blocks and 4 blocks in each of 5
+    sliding groups (its last 63 positions, aligned), 52, 84 and 148 pages; the last one needs, during its last
+    chunk, n / 16 full blocks and the 36 blocks of that chunk and the window before it (fewer if the sequence has
+    fewer) in each sliding group: 192, 244 and 308. So k sequences fit while (k - 1) x held + last <= 1535: 26, 16
+    and 9 (3.25x, 4x, 4.5x). A split of the budget fixed for max-length sequences held 12, 11 and 8."""
     import importlib.util
     from pathlib import Path
 
@@ -477,7 +576,10 @@ def test_the_capacity_benchmark_holds_at_least_3x_the_sequences_of_a_full_only_c
     spec.loader.exec_module(bench)
     base = dict(dim=64, n_layers=6, n_heads=4, n_kv_heads=4, ffn_dim=128, vocab_size=64, max_seq_len=2048)
     types = (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)
-    budget = 12 * 2**20  # 512 B per token and layer: 6 MiB per full-only sequence
-    full = bench.measure(ModelConfig(**base), budget, 16, 2048, 512)
-    hybrid = bench.measure(ModelConfig(**base, layer_types=types, sliding_window=64), budget, 16, 2048, 512)
-    assert full["sequences"] == 2 and hybrid["sequences"] >= 3 * full["sequences"], (full, hybrid)
+    budget = 12 * 2**20  # 512 B per token and layer
+    lengths = (512, 1024, 2048)
+    full = bench.measure(ModelConfig(**base), budget, 16, 2048, 512, lengths)
+    hybrid = bench.measure(ModelConfig(**base, layer_types=types, sliding_window=64), budget, 16, 2048, 512, lengths)
+    assert (full["pages"], hybrid["pages"]) == (256, 1536)
+    assert full["sequences"] == {512: 8, 1024: 4, 2048: 2}
+    assert hybrid["sequences"] == {512: 26, 1024: 16, 2048: 9}

@@ -38,11 +38,14 @@ class Core:
     """One rank's serving core, stepped by hand; records every request's tokens and how it ended."""
 
     def __init__(self, model, num_blocks=64, max_num_seqs=4, budget=8, prefix_caching=True):
+        """``num_blocks``: blocks per block group; the groups share a pool of that many pages each."""
         from torchtsp.data.tokenizers import ByteTokenizer
+        from torchtsp.kv_layouts import KVGroups
         from torchtsp.serve.structured import Grammars
 
+        pages = num_blocks * len(KVGroups.of(model.cfg).windows)
         self.runner, self.scheduler, self.http = serving(
-            model, num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs, budget=budget,
+            model, num_blocks=pages, block_size=BLOCK, max_num_seqs=max_num_seqs, budget=budget,
             prefill_chunk=BLOCK, max_model_len=48, prefix_caching=prefix_caching,
             grammars=Grammars(ByteTokenizer(), model.cfg.vocab_size, None))
         self.prompts, self.tokens, self.ended = {}, {}, {}
@@ -105,22 +108,21 @@ class Core:
 
 
 def check_cached_blocks(core: Core, model) -> int:
-    """Every cached block holds what a fresh prefill of its chain writes, in each block group (a hybrid model has one
-    per attention type, serve/blocks.py: a group's blocks hold its own layers); returns how many were checked."""
+    """Every cached block holds what a fresh prefill of its chain writes, in each block group (a hybrid model's groups
+    share one pool of pages, serve/blocks.py: a page holds its group's layers, cached under (group, address));
+    returns how many were checked."""
     chains, checked, pool = core.chains(), 0, core.runner.pool
-    for g, group in enumerate(core.blocks.groups):
-        layers = [i for i, lg in enumerate(pool.layer_group) if lg == g]
-        for digest, block in dict(group.pool.cached).items():
-            chain = chains[digest]
-            fresh = Core(model)
-            fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
-            fresh.run(0)
-            want, theirs = fresh.blocks.groups[g].pool.cached[digest], fresh.runner.pool
-            for layer in layers:
-                for got_kv, want_kv in ((pool.k, theirs.k), (pool.v, theirs.v)):
-                    torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
-                                               atol=K_V_ATOL, rtol=0)
-            checked += 1
+    for (g, digest), block in dict(core.blocks.pool.cached).items():
+        chain = chains[digest]
+        fresh = Core(model)
+        fresh.submit(0, chain + [1], 1)  # one more token: every block of the chain is full and written
+        fresh.run(0)
+        want, theirs = fresh.blocks.pool.cached[g, digest], fresh.runner.pool
+        for layer in [i for i, lg in enumerate(pool.layer_group) if lg == g]:
+            for got_kv, want_kv in ((pool.k, theirs.k), (pool.v, theirs.v)):
+                torch.testing.assert_close(got_kv[layer][block, :, :BLOCK], want_kv[layer][want, :, :BLOCK],
+                                           atol=K_V_ATOL, rtol=0)
+        checked += 1
     return checked
 
 
@@ -195,7 +197,8 @@ def _failed_step(core: Core) -> None:
     assert 1 not in core.runner.seqs
 
 
-# (scenario, core options): pools of 8 blocks (32 tokens) make two sequences of 24 tokens preempt one another.
+# (scenario, core options): 8 blocks per group (32 tokens; the hybrid model's pool 16 pages, one of them null, and a
+# sequence of 24 tokens holds 6 full blocks and 2 sliding ones) make two sequences of 24 tokens preempt one another.
 SCENARIOS = {
     "refused by the ranks": (_refused, {}),
     "cancelled while queued": (_cancelled_while_queued, {"max_num_seqs": 1}),

@@ -94,6 +94,9 @@ def test_counters_never_go_down_when_a_cumulative_figure_repeats_or_drops():
     ({**READY, "num_blocks": 100, "block_tokens": 32, "kv_capacity_tokens": 3200,
       "kv_cache_bytes_per_rank": 3 << 19},
      "torchtsp: KV cache 3200 tokens (100 blocks of 32 tokens (16 per rank), 1.5 MiB per rank, layout sequence)"),
+    ({**READY, "kv_groups": [{"window": None}] + [{"window": 64}] * 5},
+     "torchtsp: KV cache 16384 tokens (1024 blocks of 16 tokens shared by 6 block groups, sliding window 64: a "
+     "sequence's longest alone, 64.0 MiB per rank, layout sequence)"),
 ])
 def test_the_start_up_line_says_what_the_cache_holds(info, line):
     from torchtsp.serve.server import ready_line

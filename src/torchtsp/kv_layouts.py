@@ -165,20 +165,45 @@ class KVPlacement:
 
 @dataclass(frozen=True)
 class KVGroups:
-    """A paged cache's block groups (serve/blocks.py): one per attention type of the model, the full layers' first.
-    ``layer_group[i]``: layer i's group; ``windows[g]``: group g's sliding window (None: full attention). Each group
-    is another block table over the same ``KVPlacement``; its pool stores its own layers only."""
+    """A paged cache's block groups (serve/blocks.py), all of the same layer count ``group_size`` so that a block of
+    any group takes the same bytes: one *page* of the rank's one shared pool. The layers of each attention type, in
+    order, fill groups of ``group_size`` (the fewest layers any type has; a type with more fills several, its last
+    padded: that group's pages keep the padding's bytes unused), the full layers' groups first. ``layer_group[i]``:
+    layer i's group; ``layer_slot[i]``: its place within the group (which of the pool's ``group_size`` K/V tensors it
+    uses); ``windows[g]``: group g's sliding window (None: full attention). Each group is another block table over
+    the same ``KVPlacement``. A model of one attention type is one group of every layer."""
 
     layer_group: tuple[int, ...]
     windows: tuple[int | None, ...]
+    layer_slot: tuple[int, ...] = ()
+    group_size: int = 0
+
+    def __post_init__(self):
+        if not self.layer_slot:  # one group per attention type, as written (a plain pool: one group of all layers)
+            seen: dict[int, int] = {}
+            slots = []
+            for g in self.layer_group:
+                slots.append(seen.get(g, 0))
+                seen[g] = slots[-1] + 1
+            object.__setattr__(self, "layer_slot", tuple(slots))
+        if not self.group_size:
+            object.__setattr__(self, "group_size", max(self.layer_slot, default=-1) + 1)
 
     @classmethod
     def of(cls, cfg) -> KVGroups:
         """The groups of a model config (``cfg.window(i)``: layer i's window, None for a full layer)."""
         windows = [cfg.window(i) for i in range(cfg.n_layers)]
-        order = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full attention first
-        return cls(tuple(order.index(w) for w in windows), tuple(order))
+        types = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full attention first
+        size = min(windows.count(w) for w in types)
+        layer_group, layer_slot, group_windows = [0] * len(windows), [0] * len(windows), []
+        for w in types:
+            layers = [i for i, lw in enumerate(windows) if lw == w]
+            for start in range(0, len(layers), size):
+                for slot, i in enumerate(layers[start:start + size]):
+                    layer_group[i], layer_slot[i] = len(group_windows), slot
+                group_windows.append(w)
+        return cls(tuple(layer_group), tuple(group_windows), tuple(layer_slot), size)
 
     def layers(self, group: int) -> int:
-        """How many layers group ``group`` stores."""
+        """How many layers group ``group`` stores (``group_size``, or fewer in a type's padded last group)."""
         return self.layer_group.count(group)

@@ -102,15 +102,16 @@ def predict_infer(spec: Scheme, cfg: ModelConfig, batch: int, prompt_len: int, d
 def paged_kv_bytes(cfg: ModelConfig, n_tokens: int, e: int, heads_per_rank: int, block_size: int,
                    token_ranks: int = 1) -> int:
     """Bytes one decoding sequence of ``n_tokens`` holds on a rank in the paged serving cache (serve/blocks.py): in
-    each block group (one per attention type, ``kv_layouts.KVGroups``) its blocks (``blocks.sequence_blocks``: a
-    full layer every token's, a sliding layer only the blocks of its window) times the group's layers, K and V of
-    ``heads_per_rank`` heads of ``block_size`` slots per block (``token_ranks`` ranks share a block's tokens)."""
+    each block group (``kv_layouts.KVGroups``: groups of equal layer count sharing one pool of pages) its blocks
+    (``blocks.sequence_blocks``: a full layer every token's, a sliding layer only the blocks of its window), each a
+    page of ``group_size`` layers (a padded group's unused layer included), K and V of ``heads_per_rank`` heads of
+    ``block_size`` slots per block (``token_ranks`` ranks share a block's tokens)."""
     from ..kv_layouts import KVGroups
-    from ..serve.blocks import sequence_blocks
+    from ..serve.blocks import bytes_per_block, sequence_blocks
 
     groups, block_tokens = KVGroups.of(cfg), block_size * token_ranks
-    return sum(groups.layers(g) * sequence_blocks(w, n_tokens, block_tokens) * 2 * e * heads_per_rank * block_size
-               * cfg.head_dim for g, w in enumerate(groups.windows))
+    page = bytes_per_block(groups.group_size, heads_per_rank, cfg.head_dim, e, block_size)
+    return page * sum(sequence_blocks(w, n_tokens, block_tokens) for w in groups.windows)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ which the rule gives without storing them; slots past a sequence's length are ma
 ``generate`` gives each sequence one block of its whole length; the server (``torchtsp.serve``) deals blocks
 from rank 0's block manager and sends the tables with every step.
 
-**Block groups.** A server's pool of a hybrid model (sliding-window and full layers) has one group of blocks per
-attention type (``kv_layouts.KVGroups``): each layer's storage holds its group's blocks only, and a sequence has a
-table per group, [G, B, n], over the same placement. Slots are per group ([G, B, T]); a layer writes and reads
-through its group's. A sliding group's table points entries that left the window at its null block (never
-written: zeros), at positions the window masks; a masked key's weight is exactly 0, so those zeros add nothing.
+**Block groups.** A server's pool of a hybrid model (sliding-window and full layers) is one pool of pages shared
+by its block groups (``kv_layouts.KVGroups``: groups of equal layer count, so that every group's block is one page):
+a sequence has a table per group, [G, B, n], over the same placement, and a page belongs to one group at a time.
+Slots are per group ([G, B, T]); a layer writes and reads through its group's, in its slot's tensor. A sliding
+group's table points entries that left the window at the null page (never written: zeros), at positions the
+window masks; a masked key's weight is exactly 0, so those zeros add nothing.
 """
 
 from __future__ import annotations
@@ -85,33 +86,36 @@ class CacheStep:
 
 
 class KVPool:
-    """One rank's K/V storage: per layer [num_blocks (+ 1: a spare block), heads, block_size (+ 1: a spare slot),
-    d]. Head-major inside a block, so a sequence that is one block (``generate``) is read as [heads, tokens, d]
-    matrices with no copy, as the attention kernel's batched products want them.
+    """One rank's K/V storage: ``num_blocks`` blocks (+ 1: a spare block) of [heads, block_size (+ 1: a spare slot),
+    d] per layer. Head-major inside a block, so a sequence that is one block (``generate``) is read as [heads,
+    tokens, d] matrices with no copy, as the attention kernel's batched products want them.
 
-    ``groups`` (a server's pool of a hybrid model): layer i stores ``num_blocks[groups.layer_group[i]]`` blocks, its
-    group's; without it every layer is in one group of ``num_blocks``."""
+    ``groups`` (a server's pool of a hybrid model, ``kv_layouts.KVGroups``): the blocks are *pages* shared by every
+    group, each of ``groups.group_size`` layers' K and V; the storage is ``group_size`` K and V tensors of
+    [num_blocks (+ 1), heads, stride, d], and layer i reads and writes tensor ``groups.layer_slot[i]`` at the pages
+    of its group's table (rank 0's one block pool hands each page to one group at a time, so the groups never
+    collide). ``k[i]`` and ``v[i]`` are layer i's tensors (shared with the other layers of its slot). Without
+    ``groups`` every layer is in one group: a tensor per layer, as in ``generate``."""
 
-    def __init__(self, n_layers: int, num_blocks, heads: int, head_dim: int, dtype, device,
+    def __init__(self, n_layers: int, num_blocks: int, heads: int, head_dim: int, dtype, device,
                  placement: KVPlacement, member: int = 0, spare_slots: bool = False, groups: KVGroups | None = None):
         block_size = placement.block_size
         groups = groups or KVGroups((0,) * n_layers, (None,))
-        counts = (num_blocks,) if isinstance(num_blocks, int) else tuple(num_blocks)
-        if len(counts) != len(groups.windows) or min(counts) < 1 or block_size < 1:
-            raise ValueError(f"a KV pool needs at least one block of at least one slot in each of its "
-                             f"{len(groups.windows)} groups, got {counts} blocks of {block_size}: raise the cache "
-                             f"budget")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs at least one block of at least one slot, got {num_blocks} blocks of "
+                             f"{block_size}: raise the cache budget")
         # Slots per stored block: block_size, and with ``spare_slots`` one more that no position maps to.
         self.stride = block_size + int(spare_slots)
         self.groups, self.layer_group = groups, groups.layer_group
-        shapes = [(counts[g] + int(not spare_slots), heads, self.stride, head_dim) for g in self.layer_group]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-        self.num_blocks, self.block_size, self.device = counts, block_size, device
+        shape = (num_blocks + int(not spare_slots), heads, self.stride, head_dim)
+        self.k_slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(groups.group_size)]
+        self.v_slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(groups.group_size)]
+        self.k = [self.k_slots[s] for s in groups.layer_slot]
+        self.v = [self.v_slots[s] for s in groups.layer_slot]
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
         self.placement, self.member = placement, member  # the rule, and which of the R ranks sharing tokens this is
-        # Each group's spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra
-        # block.
-        self.spare = [block_size if spare_slots else n * self.stride for n in counts]
+        # The spare place as a slot number (block · stride + offset): block 0's extra slot, or the extra block.
+        self.spare = block_size if spare_slots else num_blocks * self.stride
 
     @property
     def block_tokens(self) -> int:
@@ -121,8 +125,8 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of K and V the blocks hold for tokens (every layer; the spare place not counted)."""
-        return sum(t[0, :, 0].numel() * t.element_size() * self.num_blocks[g] * self.block_size
-                   for ts in (self.k, self.v) for t, g in zip(ts, self.layer_group))
+        return sum(t[0, :, 0].numel() * t.element_size() * self.num_blocks * self.block_size
+                   for t in (*self.k_slots, *self.v_slots))
 
     def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
         """The view of the sequences with block tables ``tables`` ([G, B, n], one per group; [B, n] with one group)
@@ -140,8 +144,8 @@ class KVCache:
     def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
         self.pool = pool
         tables = tables if tables.dim() == 3 else tables.unsqueeze(0)  # [G, B, n]
-        if tables.shape[0] != len(pool.num_blocks):
-            raise ValueError(f"{tables.shape[0]} block tables per sequence for a pool of {len(pool.num_blocks)} "
+        if tables.shape[0] != len(pool.groups.windows):
+            raise ValueError(f"{tables.shape[0]} block tables per sequence for a pool of {len(pool.groups.windows)} "
                              f"groups; rank 0's block manager and the ranks disagree")
         self.tables, self.lengths = tables.to(pool.device), lengths.to(pool.device)
         self.host_lengths = lengths.clone()
@@ -182,8 +186,8 @@ class KVCache:
         kept = valid & (rule.keeper(pos) == pool.member)
         pos = torch.where(kept, pos, 0)
         index, offset = rule.block_index(pos), rule.offset(pos)
-        return torch.stack([torch.where(kept, table.gather(1, index) * pool.stride + offset, spare)
-                            for table, spare in zip(self.tables, pool.spare)])
+        return torch.stack([torch.where(kept, table.gather(1, index) * pool.stride + offset, pool.spare)
+                            for table in self.tables])
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)):
         """Store k, v [B, h, T, d] of the given heads at ``slots`` ([G, B, T]: the layer's group's are used)."""

@@ -125,11 +125,10 @@ class Engine:
         """KV heads this rank caches for each token it keeps (``kv_layouts.kv_heads_per_rank``)."""
         return kv_heads_per_rank(self.kv_layout, self.cfg.n_kv_heads, self.comm.size)
 
-    def kv_pool(self, num_blocks, block_size: int, spare_slots: bool = False, grouped: bool = False) -> KVPool:
+    def kv_pool(self, num_blocks: int, block_size: int, spare_slots: bool = False, grouped: bool = False) -> KVPool:
         """This rank's KV storage: ``num_blocks`` blocks of ``block_size`` slots (cache.py; ``spare_slots``: the
         spare place is one more slot per block, for blocks that are whole sequences). ``grouped`` (a server's
-        paged pool): one block group per attention type of the model (``kv_layouts.KVGroups``), ``num_blocks``
-        then a count per group."""
+        paged pool): the model's block groups (``kv_layouts.KVGroups``) share the ``num_blocks`` pages."""
         cfg = self.cfg
         return KVPool(cfg.n_layers, num_blocks, self.kv_heads_per_rank, cfg.head_dim, self.dtype, self.device,
                       KVPlacement(self.kv_token_ranks, block_size), self.kv_member, spare_slots,

@@ -32,7 +32,6 @@ import torch
 
 from ..infer.logprobs import vocab_logprobs
 from ..infer.sampling import TokenSelector
-from ..kv_layouts import KVGroups
 from .penalties import penalize_slice, sampling_scores
 from .plan import Admission, StepPlan
 
@@ -82,7 +81,8 @@ class StepResult:
 
 
 class BatchRunner:
-    """The engine, its KV pool of ``num_blocks`` blocks of ``block_size`` slots, and the sequences' state."""
+    """The engine, its KV pool of ``num_blocks`` blocks (pages, shared by the model's block groups) of ``block_size``
+    slots, and the sequences' state."""
 
     def __init__(self, engine, num_blocks: int, block_size: int, schedule: str = "auto",
                  eos_token_id: int | None = None, grammars=None):
@@ -92,11 +92,8 @@ class BatchRunner:
         # take seconds); rank 0 schedules the request once it has compiled on every rank.
         self.compiling: dict[int, concurrent.futures.Future] = {}
         self.token_multiple = engine.token_multiple
-        # One block group per attention type of the model (kv_layouts.KVGroups); ``num_blocks``: a count per group,
-        # or one count for every group.
-        groups = KVGroups.of(self.cfg)
-        counts = (num_blocks,) * len(groups.windows) if isinstance(num_blocks, int) else tuple(num_blocks)
-        self.pool = engine.kv_pool(counts, block_size, grouped=True)
+        # The model's block groups (kv_layouts.KVGroups) share the pool's pages.
+        self.pool = engine.kv_pool(num_blocks, block_size, grouped=True)
         self.seqs: dict[int, Sequence] = {}
         self.device = engine.device
         self.greedy = TokenSelector(engine.vocab_comm, self.cfg.vocab_size, engine.vocab_start, 1, slice(0, 1),
@@ -136,7 +133,7 @@ class BatchRunner:
         """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
         step."""
         rows = [tables[s.request_id] for s in seqs]  # per sequence, its table in each block group
-        groups = len(self.pool.num_blocks)
+        groups = len(self.pool.groups.windows)
         short = [s.request_id for s, r, n in zip(seqs, rows, after)
                  if len(r) != groups or any(len(t) * self.block_tokens < n for t in r)]
         if short:  # a token would land in another sequence's block (tables are padded with block 0)

@@ -127,7 +127,7 @@ class PagedScheduler:
             # Its sliding groups' blocks that no query from here on sees go back first (the next query is at
             # num_computed), so the chunk's blocks can take their place.
             self.blocks.free_out_of_window(seq.seq_id, seq.num_computed)
-            n = self._chunk(len(seq.tokens) - seq.num_computed, budget)
+            n = self._chunk(seq, len(seq.tokens) - seq.num_computed, budget)
             while not self.blocks.append_slots(seq.seq_id, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -146,7 +146,7 @@ class PagedScheduler:
                 extend_chain(seq.chain, seq.tokens, self.blocks.block_tokens)
             hit = self.blocks.cached_prefix(seq.tokens, seq.chain) if seq.use_prefix_cache else []
             cached = len(hit) * self.blocks.block_tokens
-            n = self._chunk(len(seq.tokens) - cached, budget)
+            n = self._chunk(seq, len(seq.tokens) - cached, budget)
             if self.blocks.allocate(seq.seq_id, seq.tokens, n, seq.use_prefix_cache, seq.chain) is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it (no starvation)
             self.waiting.popleft()
@@ -155,10 +155,11 @@ class PagedScheduler:
             plan.prefill.append((seq.seq_id, cached, n))  # a (re)admitted sequence always starts as a prefill
             budget -= n
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens a sequence with ``remaining`` to compute runs this step (at most what a sliding group holds for
-        one sequence's step, alone: ``KVBlockManager.max_chunk_tokens``)."""
-        return min(remaining, budget, self.max_prefill_chunk or remaining, self.blocks.max_chunk_tokens or remaining)
+    def _chunk(self, seq: ScheduledSeq, remaining: int, budget: int) -> int:
+        """Tokens ``seq``, with ``remaining`` to compute, runs this step (at most what the pool holds for the step
+        of a sequence of its length, alone: ``KVBlockManager.max_chunk_tokens``)."""
+        cap = self.blocks.max_chunk_tokens(len(seq.tokens))
+        return min(remaining, budget, self.max_prefill_chunk or remaining, remaining if cap is None else cap)
 
     def _add(self, plan: StepPlan, seq: ScheduledSeq, n: int) -> None:
         if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:

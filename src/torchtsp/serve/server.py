@@ -222,12 +222,14 @@ def ready_line(info: dict) -> str:
     ``block_size`` on each of the ranks that share a sequence's tokens (the sequence and grouped layouts)."""
     size, tokens = info["block_size"], info["block_tokens"]
     shared = f" ({size} per rank)" if tokens != size else ""
-    # A hybrid model's sliding layers have a block group of their own (serve/blocks.py), which keeps each
-    # sequence's window only.
-    windows = "".join(f", sliding window {g['window']}: {g['num_blocks']} blocks of its own"
-                      for g in info.get("kv_groups", []) if g["window"] is not None)
+    # A hybrid model's block groups (serve/blocks.py) share the blocks; a sliding group keeps each sequence's window
+    # only, so the capacity is the longest sequence the pool holds alone.
+    groups = info.get("kv_groups", [])
+    windows = sorted({g["window"] for g in groups if g["window"] is not None})
+    shared_by = "" if not windows else (f" shared by {len(groups)} block groups, sliding window "
+                                        f"{', '.join(map(str, windows))}: a sequence's longest alone")
     return (f"torchtsp: KV cache {info['kv_capacity_tokens']} tokens ({info['num_blocks']} blocks of {tokens} "
-            f"tokens{shared}{windows}, {info['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB per rank, layout "
+            f"tokens{shared}{shared_by}, {info['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB per rank, layout "
             f"{info['kv_layout']})")
 
 

@@ -228,52 +228,54 @@ def kv_cache_budget_bytes(kv_cache_mb: float | None, device) -> int:
 
 @dataclass(frozen=True)
 class PoolSizing:
-    """How one rank's paged pool splits its budget: blocks per block group (kv_layouts.KVGroups; one group for a
-    model without sliding layers) and the bytes one block of each group takes (its own layers only)."""
+    """One rank's paged pool: ``pages`` pages shared by every block group (kv_layouts.KVGroups; one group for a model
+    without sliding layers), each ``bytes_per_page`` (K and V of ``block_size`` tokens of ``group_size`` layers)."""
 
-    blocks: tuple[int, ...]
-    bytes_per_block: tuple[int, ...]
-    windows: tuple[int | None, ...]
+    pages: int
+    bytes_per_page: int
+    windows: tuple[int | None, ...]  # each group's (None: full attention)
+    group_size: int
     block_size: int
     block_tokens: int  # tokens one block id covers (block_size x the ranks sharing a sequence's tokens)
     budget: int
 
-    def check(self) -> None:
-        """At least one block per full group; a sliding group its null block and a decoding sequence's window
-        (``blocks.window_blocks``), so that one token a step always fits."""
+    @property
+    def least_pages(self) -> int:
+        """The null page (with a sliding group), a block per full group and a decoding sequence's window per
+        sliding group (``blocks.window_blocks``), so that one token a step always fits."""
         from .blocks import window_blocks
 
-        least = [1 if w is None else 1 + window_blocks(w, self.block_tokens) for w in self.windows]
-        if any(n < m for n, m in zip(self.blocks, least)):
-            raise ValueError(f"--kv-cache-mb {self.budget / 2**20:.3g} holds {list(self.blocks)} blocks of "
-                             f"{self.block_size} tokens in the cache's groups (windows {list(self.windows)}, which "
-                             f"need at least {least}; "
-                             f"{list(self.bytes_per_block)} bytes per block per rank); raise --kv-cache-mb or lower "
-                             f"--block-size")
+        sliding = [w for w in self.windows if w is not None]
+        return (len(self.windows) - len(sliding) + bool(sliding)
+                + sum(window_blocks(w, self.block_tokens) for w in sliding))
+
+    def check(self) -> None:
+        if self.pages < self.least_pages:
+            raise ValueError(f"--kv-cache-mb {self.budget / 2**20:.3g} holds {self.pages} pages of {self.block_size} "
+                             f"tokens ({self.bytes_per_page} bytes per rank each) shared by the cache's "
+                             f"{len(self.windows)} block groups (windows {list(self.windows)}), which need at least "
+                             f"{self.least_pages}; raise --kv-cache-mb or lower --block-size")
 
 
-def pool_sizing(cfg, engine, block_size: int, budget: int, max_model_len: int,
-                chunk_tokens: int | None = None) -> PoolSizing:
-    """This rank's blocks per group from ``budget`` bytes (``blocks.split_budget``: a sliding group's null block and
-    one prefill chunk of ``chunk_tokens`` set aside, the rest in proportion to what one decoding sequence of
-    ``max_model_len`` tokens needs in each group)."""
+def pool_sizing(cfg, engine, block_size: int, budget: int) -> PoolSizing:
+    """This rank's pages from ``budget`` bytes: as many as fit, all shared by the groups (none set aside per group:
+    each takes pages as its sequences need them, serve/blocks.py)."""
     from ..kv_layouts import KVGroups
-    from .blocks import bytes_per_block, split_budget
+    from .blocks import bytes_per_block
 
     groups = KVGroups.of(cfg)
-    per_block = tuple(bytes_per_block(groups.layers(g), engine.kv_heads_per_rank, cfg.head_dim,
-                                      engine.dtype.itemsize, block_size) for g in range(len(groups.windows)))
-    block_tokens = block_size * engine.kv_token_ranks
-    blocks = split_budget(budget, per_block, groups.windows, max_model_len, block_tokens, chunk_tokens)
-    return PoolSizing(tuple(blocks), per_block, groups.windows, block_size, block_tokens, budget)
+    per_page = bytes_per_block(groups.group_size, engine.kv_heads_per_rank, cfg.head_dim, engine.dtype.itemsize,
+                               block_size)
+    return PoolSizing(budget // per_page, per_page, groups.windows, groups.group_size, block_size,
+                      block_size * engine.kv_token_ranks, budget)
 
 
 def block_manager(runner, enable_prefix_caching: bool = True):
-    """Rank 0's ``blocks.KVBlockManager`` over ``runner``'s pool: a group of the same blocks and window per group."""
-    from .blocks import GroupSpec, KVBlockManager
+    """Rank 0's ``blocks.KVBlockManager`` over ``runner``'s pool: its pages and its groups' windows."""
+    from .blocks import KVBlockManager
 
-    specs = [GroupSpec(n, w) for n, w in zip(runner.pool.num_blocks, runner.pool.groups.windows)]
-    return KVBlockManager(specs, runner.block_tokens, enable_prefix_caching)
+    return KVBlockManager(runner.pool.num_blocks, runner.block_tokens, enable_prefix_caching,
+                          runner.pool.groups.windows)
 
 
 def run_serve_rank(job: ServeJob) -> dict:
@@ -295,14 +297,12 @@ def run_serve_rank(job: ServeJob) -> dict:
     engine = make_engine(model, job.kv_layout)
     control = AxisComm(comm.cpu_world_group(load.timeout_s), "serve.control", load.timeout_s)
     budget = kv_cache_budget_bytes(job.kv_cache_mb, engine.device)
-    # The longest chunk one sequence computes in a step: the token budget, or the prefill chunk if smaller.
-    chunk = min(job.max_num_batched_tokens, job.prefill_chunk or job.max_num_batched_tokens)
-    sizing = pool_sizing(cfg, engine, job.block_size, budget, job.max_model_len, chunk)
-    # Every rank holds the same blocks: the least any rank can afford, group by group.
-    blocks = control.all_gather(torch.tensor(sizing.blocks), label="serve.ready").view(control.size, -1).amin(0)
-    sizing = dataclasses.replace(sizing, blocks=tuple(blocks.tolist()))
+    sizing = pool_sizing(cfg, engine, job.block_size, budget)
+    # Every rank holds the same pages: the least any rank can afford.
+    pages = control.all_gather(torch.tensor([sizing.pages]), label="serve.ready").amin()
+    sizing = dataclasses.replace(sizing, pages=int(pages))
     sizing.check()
-    runner = BatchRunner(engine, sizing.blocks, job.block_size, job.schedule, job.eos_token_id,
+    runner = BatchRunner(engine, sizing.pages, job.block_size, job.schedule, job.eos_token_id,
                          Grammars(tokenizer, cfg.vocab_size, job.eos_token_id))
     conn = scheduler = None
     if control.rank == 0:
@@ -313,7 +313,7 @@ def run_serve_rank(job: ServeJob) -> dict:
         conn.send(("ready", {"world": control.size, "engine": engine.scheme, "kv_layout": engine.kv_layout,
                              "num_blocks": manager.pool.total, "block_size": job.block_size,
                              "block_tokens": runner.block_tokens,
-                             "kv_groups": [{"window": g.window, "num_blocks": g.pool.total} for g in manager.groups],
+                             "kv_groups": [{"window": g.window} for g in manager.groups],
                              "kv_capacity_tokens": manager.capacity_tokens,
                              "kv_cache_bytes_per_rank": runner.pool.nbytes, "max_model_len": job.max_model_len}))
         scheduler = StepPlanner(runner, conn, manager, job.max_num_batched_tokens, job.max_num_seqs,
