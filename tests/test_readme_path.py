@@ -109,3 +109,14 @@ def test_the_plan_example_fits_and_shows_the_paper():
     fitting = [row["layout"] for row in plan["rows"] if row.get("fits")]
     assert "TSP8" in fitting, f"{line}\n    fits {fitting or 'nothing'}"
     assert plan["paper"], "the example should print the paper's comparison"
+
+
+def test_what_the_commands_write_is_ignored_by_git():
+    # A new user who runs the README's commands and then `git status` should see their own changes only.
+    written = {_demo_out()}
+    for _, name, args in _steps():
+        written.update(_reads_writes(name, args)[1])
+    probes = [f"{path}/x" for path in sorted(written)]  # a file inside each folder (or beside a dataset prefix)
+    out = subprocess.run(["git", "check-ignore", "--no-index", *probes], cwd=ROOT, capture_output=True, text=True)
+    ignored = set(out.stdout.split())
+    assert set(probes) <= ignored, f"not git-ignored: {sorted(set(probes) - ignored)}"
