@@ -275,7 +275,7 @@ def test_every_error_has_its_status_and_body_and_the_server_stays_up(server, cli
         assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=1).choices[0].finish_reason
     r = _post(server, "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "a"}],
                                                 "tools": [{"type": "function"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0]"
     with pytest.raises(openai.BadRequestError):  # unknown fields are ignored, refused ones are not
         client.completions.create(model="tiny-llama", prompt="the", max_tokens=2, extra_body={"best_of": 3})
     assert client.completions.create(model="tiny-llama", prompt="the", max_tokens=2,

@@ -29,12 +29,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Imported here so that `torchtsp --help` stays fast.
     from .distributed import comm
     from .distributed.launch import watch_parent
-    from .train.config import FIELDS, build_config, resumed_step
-    from .train.trainer import check_before_launch, format_summary, run_training
+    from .train.config import FIELDS, build_config
+    from .train.trainer import check_before_launch, finished_resume_step, format_summary, run_training
 
     cfg = build_config(args.config, **{k: v for k, v in vars(args).items() if k in FIELDS})
-    done = resumed_step(cfg)
-    if done is not None and done >= cfg.steps:  # no rank needs to start for a run that has finished
+    done = finished_resume_step(cfg)
+    if done is not None:  # no rank needs to start for a run that has finished
         if os.environ.get("RANK", "0") == "0":
             print(f"torchtsp: nothing left to do: {cfg.resume} is at step {done} of {cfg.steps} (give --steps N "
                   f"above {done} to train further)")

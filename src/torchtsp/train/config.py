@@ -268,15 +268,6 @@ def run_folder_of(resume: str) -> Path:
     return p.parent / os.readlink(p) if p.is_symlink() and not Path(os.readlink(p)).is_absolute() else p
 
 
-def resumed_step(cfg: TrainConfig) -> int | None:
-    """The step the checkpoint ``cfg.resume`` names was saved at (None without --resume)."""
-    if not cfg.resume:
-        return None
-    from .checkpoint import read_meta, resolve
-
-    return read_meta(resolve(cfg.resume)).get("step")
-
-
 def load_toml(path: str) -> dict:
     """Settings from a TOML file: top-level keys, or a [train] table; names as fields or as flags."""
     p = Path(path)

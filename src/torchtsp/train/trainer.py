@@ -129,6 +129,21 @@ def check_before_launch(cfg: TrainConfig, world: int | None) -> tuple[Layout, Tr
     return layout, TrainData(cfg, model_cfg.vocab_size, check=True)
 
 
+def finished_resume_step(cfg: TrainConfig) -> int | None:
+    """The step of the checkpoint ``--resume`` names when the run has nothing left to do (at or past ``--steps``),
+    after the checks a resume makes of the model that need no rank (a different model shape is still an error,
+    not "nothing to do"); None when there is training left, or without --resume."""
+    if not cfg.resume:
+        return None
+    ckpt = checkpoint.resolve(cfg.resume)
+    meta = checkpoint.read_meta(ckpt)
+    done = meta.get("step")
+    if done is None or done < cfg.steps:
+        return None
+    checkpoint.check_model_matches(meta, model_config_and_weights(cfg)[0], ckpt)
+    return done
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, data_checked: bool = False):
         """``data_checked``: the launcher has already run ``check_before_launch`` (ranks skip the scans)."""
