@@ -177,6 +177,32 @@ def _child() -> None:
         answers.send_bytes(json.dumps(answer).encode())
 
 
+class InlineChatTemplate:
+    """A chat template rendered in this process, as transformers' ``apply_chat_template`` renders it (``messages``,
+    ``tools``, ``documents`` = None, ``add_generation_prompt`` and the tokenizer's named special tokens), in the same
+    bounded sandbox as the served one but with no bound on time: for ``prepare-data``, whose user can stop it, and
+    which renders every conversation several times (a child process per render would cost more than the render).
+    A template that fails is a ValueError naming its message."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        check_syntax(source)
+        try:
+            self._template = _environment().from_string(source)
+        except Exception as e:  # noqa: BLE001 - jinja2 raises several kinds for a template it cannot compile
+            raise ValueError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
+        self.special_tokens = dict(special_tokens)
+        self.marks_generation = bool(GENERATION_TAG.search(source))  # as transformers tells
+
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False,
+               generation_spans: list | None = None) -> str:
+        context = {**self.special_tokens, "messages": messages, "tools": tools, "documents": None,
+                   "add_generation_prompt": add_generation_prompt}
+        status, text = render_bounded(self._template, context, MAX_RENDER_CHARS, generation_spans)
+        if status != "ok":
+            raise ValueError(" ".join(text.split())[:1000])
+        return text
+
+
 class _Renderer:
     """One child process and its two pipes."""
 
