@@ -41,9 +41,14 @@ TOOLS = ("{% if tools %}<|im_start|>system\nYou may call these tools:\n{% for t 
          "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
          "{% else %}<|im_start|>{{ m['role'] }}\n" + CONTENT + "<|im_end|>\n{% endif %}{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The marked text leaves out the end marker, which prefixes would take in: the markers, not prefixes, decide.
 GENERATION = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
-              "{% generation %}" + CONTENT + "<|im_end|>{% endgeneration %}\n{% else %}" + CONTENT +
+              "{% generation %}" + CONTENT + "{% endgeneration %}<|im_end|>\n{% else %}" + CONTENT +
               "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# No special tokens, and a generation prompt that ends in the space before the answer: the answer's first token
+# (' Yes', the space and the word) straddles the boundary and is a target, as transformers' rule has it.
+PLAIN = ("{% for m in messages %}{{ m['role'] }}: " + CONTENT + "\n{% endfor %}"
+         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
@@ -73,6 +78,7 @@ FOLDERS = {
     "llama3": (LLAMA3, LLAMA3_TOKENS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
     "tools": (TOOLS, CHATML_TOKENS, {"eos_token": "<|im_end|>"}),
     "generation": (GENERATION, CHATML_TOKENS, {"eos_token": "<|im_end|>"}),
+    "plain": (PLAIN, [], {}),
 }
 
 
@@ -111,20 +117,29 @@ def hf_ids(hf, record) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def prefix_mask(hf, record) -> list[int]:
-    """The assistant targets as the task states them, computed with transformers: assistant message k's text runs
-    from the end of messages[:k] rendered with the generation prompt to the end of messages[:k+1] rendered without
-    it; a token is a target when one of its characters lies there."""
+def prefix_spans(hf, record) -> tuple[str, list[tuple[int, int]]]:
+    """The whole rendering and the assistant's character spans in it, computed with transformers: assistant message
+    k's text runs from the end of messages[:k] rendered with the generation prompt to the end of messages[:k+1]
+    rendered without it."""
     messages, tools = record["messages"], record.get("tools")
     render = lambda ms, prompt: hf.apply_chat_template(ms, tools=tools, tokenize=False, add_generation_prompt=prompt)
     whole = render(messages, False)
     spans = [(len(render(messages[:k], True)), len(render(messages[:k + 1], False)))
              for k, m in enumerate(messages) if m["role"] == "assistant"]
-    offsets = hf(whole, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    return [int(any(s < span_end and e > span_start for span_start, span_end in spans)) for s, e in offsets]
+    return whole, spans
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "tools", "generation"])
+def offsets(hf, text: str) -> list[tuple[int, int]]:
+    return hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
+
+def prefix_mask(hf, record) -> list[int]:
+    """A token is a target when one of its characters lies in an assistant span."""
+    whole, spans = prefix_spans(hf, record)
+    return [int(any(s < span_end and e > span_start for span_start, span_end in spans)) for s, e in offsets(hf, whole)]
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
 def test_tokens_and_mask_equal_transformers(folders, tmp_path, name, capsys):
     out = tmp_path / "chat"
     prepare(folders[name], out)
@@ -141,6 +156,9 @@ def test_tokens_and_mask_equal_transformers(folders, tmp_path, name, capsys):
             expected = prefix_mask(hf, record)
         assert mask == list(expected)
         assert 0 < sum(mask) < len(mask)
+    if name == "plain":  # the case the rule is for: a token that starts in the prompt and ends in the answer
+        whole, spans = prefix_spans(hf, records[0])
+        assert any(s < start < e for s, e in offsets(hf, whole) for start, _ in spans)
     sidecar = json.loads(Path(str(out) + ".json").read_text())
     lengths = [len(ids) for ids, _ in got]
     assert sidecar["format"] == "chat" and sidecar["mask"] == "chat-mask"
