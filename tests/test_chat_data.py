@@ -282,3 +282,14 @@ def test_a_text_dataset_is_not_a_chat_dataset(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a chat dataset"):
         open_chat_dataset(tmp_path / "t")
     assert mask_prefix(tmp_path / "t") == str(tmp_path / "t") + "-mask"
+
+
+def test_without_jinja2_one_line_names_the_extra(folders, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "jinja2", None)  # import jinja2 now raises ImportError
+    assert "pip install 'torchtsp[serve]'" in _refused(folders["chatml"], tmp_path, capsys)
+
+
+def test_text_only_flags_are_refused_with_chat(folders, tmp_path, capsys):
+    prepare(folders["chatml"], tmp_path / "out" / "c", expect=2, extra=["--no-eos"])
+    assert "--no-eos is for --format text" in error_line(capsys)
+    assert not (tmp_path / "out").exists()

@@ -1,10 +1,11 @@
 """``torchtsp prepare-data``: tokenize raw text into a Megatron-LM indexed dataset plus a JSON sidecar.
 
-Documents (``torchtsp.data.documents``) are tokenized in worker processes, in chunks, and written in input
-order whatever the worker count: ``PREFIX.bin`` + ``PREFIX.idx`` (one sequence per document, uint16 when the
-vocabulary fits, else int32) and ``PREFIX.json`` (tokenizer fingerprint, vocabulary, EOS, counts). Both
-files are written under temporary names and renamed at the end: an interrupted run leaves no dataset that
-looks whole.
+``--format text``: documents (``torchtsp.data.documents``) are tokenized in worker processes, in chunks, and
+written in input order whatever the worker count: ``PREFIX.bin`` + ``PREFIX.idx`` (one sequence per document,
+uint16 when the vocabulary fits, else int32) and ``PREFIX.json`` (tokenizer fingerprint, vocabulary, EOS,
+counts). ``--format chat``: conversations rendered with the chat template, one sequence each, plus their loss
+mask (``torchtsp.data.chat``), in this process. Files are written under temporary names and renamed at the
+end: an interrupted or refused run leaves no dataset that looks whole.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     add("--text-key", default="text", help="the text field of .jsonl records / column of .parquet (default: text)")
     add("--no-eos", action="store_true", help="do not append the EOS id after every document")
     add("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1) - 1)),
-        help="tokenizer processes (default: CPUs - 1, at most 8)")
+        help="tokenizer processes for --format text (default: CPUs - 1, at most 8)")
     add("--overwrite", action="store_true", help="replace an existing dataset at PREFIX")
     add("--format", choices=("text", "chat"), default="text",
         help="text: documents (default); chat: conversations ({\"messages\": [...]} records) rendered with the "
@@ -203,6 +204,9 @@ def prepare_chat(inputs, tokenizer_spec: str, out: str, overwrite: bool = False,
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     if args.format == "chat":
+        if args.no_eos or args.text_key != "text":
+            raise ValueError(f"{'--no-eos' if args.no_eos else '--text-key'} is for --format text; --format chat "
+                             f"reads each record's \"messages\" and adds nothing beyond what the chat template writes")
         result = prepare_chat(args.inputs, args.tokenizer, args.out, overwrite=args.overwrite)
         skipped = result["skipped_no_assistant"]
         print(f"wrote {args.out}.bin/.idx/.json and {result['mask']}.bin/.idx: {result['conversations']:,} "
