@@ -348,16 +348,15 @@ def test_a_malformed_chat_template_is_one_line_at_startup(hf_folder, value, word
 
 
 def test_chat_template_jinja_is_read_before_tokenizer_config(hf_folder):
-    from torchtsp.data.tokenizers import HFTokenizer
-    from torchtsp.serve.server import _tokenizer_template
+    from torchtsp.data.tokenizers import HFTokenizer, read_chat_template
 
     config_path = hf_folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": [{"name": "default", "template": "old"}]}))
-    assert _tokenizer_template(HFTokenizer(hf_folder)) == "old"
+    assert read_chat_template(HFTokenizer(hf_folder)) == "old"
     (hf_folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     try:
-        assert _tokenizer_template(HFTokenizer(hf_folder)) == "{{ messages[0]['content'] }}!"
+        assert read_chat_template(HFTokenizer(hf_folder)) == "{{ messages[0]['content'] }}!"
     finally:
         (hf_folder / "chat_template.jinja").unlink()
 

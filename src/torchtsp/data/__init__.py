@@ -1,7 +1,8 @@
 """Training data: tokenizers, datasets (Megatron .bin/.idx, .npy, text), packing, order and blends, prepare.
 
 Submodules: ``tokenizers``, ``documents`` (raw text files), ``indexed`` (Megatron's format), ``sources``
-(what ``--data`` names), ``samples`` (packing, epochs, blends), ``prepare`` (``torchtsp prepare-data``).
+(what ``--data`` names), ``samples`` (packing, epochs, blends), ``chat`` (conversations and their loss mask),
+``prepare`` (``torchtsp prepare-data``).
 Only ``samples`` imports torch, so tokenizer worker processes start quickly.
 """
 

@@ -50,7 +50,7 @@ def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> ValueError:
                       f"({e.reason}); convert the file to UTF-8 or remove it")
 
 
-def _encodable(text: str, where: str) -> str:
+def encodable(text: str, where: str) -> str:
     """``text`` unless it holds a lone surrogate (a JSON ``\\ud800`` escape), which no tokenizer can encode."""
     if not text.isascii():
         try:
@@ -61,7 +61,8 @@ def _encodable(text: str, where: str) -> str:
     return text
 
 
-def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, object]]:
+    """(1-based line number, parsed JSON value) of every non-blank line of a JSON-lines file."""
     with open(path, "rb") as f:  # bytes, so a bad byte is named by line and offset rather than by the codec
         offset = 0
         for number, raw in enumerate(f, 1):
@@ -80,15 +81,23 @@ def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
                 cause = e.args[0][:80] if isinstance(e, ValueError) else "nested too deeply"
                 raise ValueError(f"{path}:{number}: not a JSON object ({cause}; the line starts at byte offset "
                                  f"{start})") from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                what = "has no" if not isinstance(record, dict) or text_key not in record else "has a non-string"
-                raise ValueError(f"{path}:{number}: the record {what} {text_key!r} field; choose the field with "
-                                 f"--text-key")
-            yield _encodable(text, f"{path}:{number}")
+            yield number, record
 
 
-def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
+    for number, record in jsonl_records(path):
+        text = record.get(text_key) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            what = "has no" if not isinstance(record, dict) or text_key not in record else "has a non-string"
+            raise ValueError(f"{path}:{number}: the record {what} {text_key!r} field; choose the field with "
+                             f"--text-key")
+        yield encodable(text, f"{path}:{number}")
+
+
+def parquet_rows(path: Path, columns: list[str], remedy: str, optional: tuple[str, ...] = ()) \
+        -> Iterator[tuple[int, dict]]:
+    """(0-based row, {column: value}) of every row of a parquet file, for ``columns`` (each must exist: ``remedy``
+    ends the error when one does not) and those of ``optional`` it has."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -97,11 +106,13 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
         source = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid for a damaged file
         raise ValueError(f"{path} is not a readable parquet file ({str(e)[:120]})") from None
-    if text_key not in source.schema_arrow.names:
-        raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(source.schema_arrow.names)}); "
-                         f"choose it with --text-key")
+    names = source.schema_arrow.names
+    for column in columns:
+        if column not in names:
+            raise ValueError(f"{path}: no column {column!r} (columns: {', '.join(names)}); {remedy}")
+    read = [*columns, *(c for c in optional if c in names)]
     row = 0
-    batches = source.iter_batches(columns=[text_key], batch_size=1024)
+    batches = source.iter_batches(columns=read, batch_size=1024)
     while True:
         try:
             batch = next(batches, None)
@@ -110,14 +121,20 @@ def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
                 from None
         if batch is None:
             return
-        texts = _column_values(batch.column(0), f"{path}: row", row)
-        for i, text in enumerate(texts, row):
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{path}: row {i} of column {text_key!r} holds {type(text).__name__}, not text; "
-                                 f"choose a text column with --text-key")
-            if text is not None:
-                yield _encodable(text, f"{path}: row {i}")
-        row += len(texts)
+        values = {name: _column_values(batch.column(i), f"{path}: row", row) for i, name in enumerate(read)}
+        for i in range(batch.num_rows):
+            yield row + i, {name: column[i] for name, column in values.items()}
+        row += batch.num_rows
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
+    for i, record in parquet_rows(path, [text_key], "choose it with --text-key"):
+        text = record[text_key]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{path}: row {i} of column {text_key!r} holds {type(text).__name__}, not text; "
+                             f"choose a text column with --text-key")
+        if text is not None:
+            yield encodable(text, f"{path}: row {i}")
 
 
 def _column_values(column, where: str, first_row: int) -> list:

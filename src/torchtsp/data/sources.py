@@ -78,6 +78,9 @@ _SIDECAR_FIELDS = {
     "text_key": _STRING, "inputs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                                     "a list of strings"),
     "tokenizer": (lambda v: isinstance(v, dict), "an object"),
+    # --format chat: the mask's prefix (a name beside the sidecar) and the conversation counts
+    "mask": _STRING, "conversations": _COUNT, "assistant_tokens": _COUNT, "longest_conversation": _COUNT,
+    "skipped_no_assistant": _COUNT,
 }
 _SIDECAR_TOKENIZER_FIELDS = {
     "fingerprint": _STRING, "vocab_size": _COUNT, "eos_id": _ID_OR_NULL, "bos_id": _ID_OR_NULL,

@@ -16,6 +16,10 @@ from ..paths import hub_blobs
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Where transformers 5's save_pretrained writes the chat template (rather than into tokenizer_config.json).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# The named special tokens transformers passes to a chat template (SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 BYTE_FINGERPRINT = "byte"  # the byte tokenizer has no file: its name stands for its fingerprint
 
 
@@ -146,8 +150,14 @@ class HFTokenizer:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         # Every file a copy of this tokenizer would take is checked now, so a crafted folder is refused when it
         # is named (before any rank starts), not when a run or convert copies it.
-        config = _read_config(tokenizer_files(folder).get(TOKENIZER_CONFIG_FILE))
-        self.chat_template = config.get("chat_template")
+        files = tokenizer_files(folder)
+        self.config_path = files.get(TOKENIZER_CONFIG_FILE, folder / TOKENIZER_CONFIG_FILE)
+        self.template_path = files.get(CHAT_TEMPLATE_FILE)
+        config = _read_config(files.get(TOKENIZER_CONFIG_FILE))
+        self.chat_template = config.get("chat_template")  # as the file holds it: read_chat_template resolves it
+        # The named special tokens as text, which transformers hands every chat template (its special_tokens_map).
+        self.special_tokens = {key: text for key in SPECIAL_TOKEN_KEYS
+                               if (text := _token_text(config.get(key))) is not None}
         self.bos_id = self._token_id(config.get("bos_token"))
         self.pad_id = self._token_id(config.get("pad_token"))
         named_eos = self._token_id(config.get("eos_token"))
@@ -168,11 +178,41 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each one's (start, end) character span in it."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)))
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def read_chat_template(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's own chat template, as transformers picks it: its folder's chat_template.jinja, else
+    tokenizer_config.json's ``chat_template`` (a string, or a list of {"name", "template"} of which the one named
+    "default"); None when it has none. A malformed one is a one-line error naming the file."""
+    path = getattr(tokenizer, "template_path", None)
+    if path is not None:
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); fix the file") from None
+    source = getattr(tokenizer, "chat_template", None)
+    where = getattr(tokenizer, "config_path", TOKENIZER_CONFIG_FILE)
+    if isinstance(source, list):
+        for i, entry in enumerate(source):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ValueError(f"{where}: chat_template is a list whose item {i} is not an object with string "
+                                 f"'name' and 'template' ({type(entry).__name__}); fix the file")
+        source = next((t["template"] for t in source if t["name"] == "default"), None)
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"{where}: chat_template must be a string or a list of named templates, not "
+                         f"{type(source).__name__}; fix the file")
+    return source
 
 
 def load_tokenizer(spec: str | Path, eos_id: int | None = None) -> Tokenizer:
@@ -203,8 +243,7 @@ def hf_folder_tokenizer(folder: str | Path) -> HFTokenizer | None:
     return HFTokenizer(folder, eos_id=model_eos_id(folder))
 
 
-# chat_template.jinja: where transformers 5's save_pretrained writes the chat template (not tokenizer_config.json).
-TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 RUN_TOKENIZER_DIR = "tokenizer"  # a training run keeps a copy of its model's tokenizer here
 
 

@@ -69,10 +69,8 @@ def _check_flags(args, cfg) -> int:
     return limit
 
 
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves it, next to tokenizer_config.json
-
-
 def _chat_template(args, tokenizer):
+    from ..data.tokenizers import read_chat_template
     from .template import ChatTemplate
 
     if args.chat_template is not None:
@@ -81,34 +79,15 @@ def _chat_template(args, tokenizer):
             raise FileNotFoundError(f"--chat-template {path}: no such file")
         source = path.read_text()
     else:
-        source = _tokenizer_template(tokenizer)
+        try:
+            source = read_chat_template(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"{e} or give --chat-template FILE") from None
     if not source:
         return None
     tok = getattr(tokenizer, "tokenizer", None)
     name = lambda i: tok.id_to_token(i) if tok is not None and i is not None else None
     return ChatTemplate(source, name(getattr(tokenizer, "bos_id", None)), name(getattr(tokenizer, "eos_id", None)))
-
-
-def _tokenizer_template(tokenizer) -> str | None:
-    """The tokenizer's own chat template: its folder's chat_template.jinja, else tokenizer_config.json's
-    ``chat_template`` (a string, or a list of {"name", "template"} of which the one named "default")."""
-    folder = getattr(tokenizer, "folder", None)
-    if folder is not None and (Path(folder) / CHAT_TEMPLATE_FILE).is_file():
-        return (Path(folder) / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    source = getattr(tokenizer, "chat_template", None)
-    where = f"{Path(folder) / 'tokenizer_config.json' if folder is not None else 'tokenizer_config.json'}"
-    if isinstance(source, list):
-        for i, entry in enumerate(source):
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):
-                raise ValueError(f"{where}: chat_template is a list whose item {i} is not an object with string "
-                                 f"'name' and 'template' ({type(entry).__name__}); fix the file or give "
-                                 f"--chat-template FILE")
-        source = next((t["template"] for t in source if t["name"] == "default"), None)
-    if source is not None and not isinstance(source, str):
-        raise ValueError(f"{where}: chat_template must be a string or a list of named templates, not "
-                         f"{type(source).__name__}; fix the file or give --chat-template FILE")
-    return source
 
 
 def _model_name(args, source: str, location: str) -> str:

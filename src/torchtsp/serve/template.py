@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -33,6 +35,36 @@ START_TIMEOUT_S = 60.0  # a child's start (imports jinja2) on a loaded machine
 
 
 MAX_POWER_EXPONENT = 4096  # 9**9**9 would hold the CPU without a single bytecode boundary
+# (text rendered so far, spans found) while a render tracks its {% generation %} blocks; None otherwise.
+_GENERATION_TRACKING: ContextVar = ContextVar("generation_tracking", default=None)
+# How transformers tells that a template marks the assistant's text (return_assistant_tokens_mask).
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+
+
+def _generation_markers():
+    """``{% generation %}...{% endgeneration %}``, as transformers' AssistantTracker: the block renders its body
+    unchanged and, while a render tracks it, records the character span the body takes in the output."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationMarkers(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_mark", []), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            tracking = _GENERATION_TRACKING.get()
+            if tracking is not None:  # the output so far is what the render loop has collected
+                parts, spans = tracking
+                start = sum(map(len, parts))
+                spans.append((start, start + len(text)))
+            return text
+
+    return GenerationMarkers
 
 
 def _environment():
@@ -64,7 +96,9 @@ def _environment():
         # no HTML escaping; jinja2's own filter sorts keys, which reorders every tool's schema in the prompt.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+    # loopcontrols ({% break %}, {% continue %}) and the generation markers: the extensions transformers enables.
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[_generation_markers(), "jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = tojson
     return env
@@ -81,11 +115,13 @@ def check_syntax(source: str) -> None:
         raise ValueError(f"the chat template does not parse: {' '.join(str(e).split())}") from None
 
 
-def render_bounded(template, context: dict, max_chars: int) -> tuple[str, str]:
-    """("ok", text) or ("error", why) -- in the child; stops as soon as the output passes ``max_chars``."""
+def render_bounded(template, context: dict, max_chars: int, generation_spans: list | None = None) -> tuple[str, str]:
+    """("ok", text) or ("error", why) -- in the child; stops as soon as the output passes ``max_chars``. Given a
+    list, ``generation_spans`` receives the (start, end) character span of each ``{% generation %}`` block."""
     from jinja2 import TemplateError
 
     parts, size = [], 0
+    tracking = _GENERATION_TRACKING.set(None if generation_spans is None else (parts, generation_spans))
     try:
         for part in template.generate(**context):
             size += len(part)
@@ -98,6 +134,8 @@ def render_bounded(template, context: dict, max_chars: int) -> tuple[str, str]:
         return "error", "the chat template ran out of memory on these messages"
     except Exception as e:  # noqa: BLE001 - a template's TypeError etc.: the request's fault, one line
         return "error", f"the chat template failed on these messages: {type(e).__name__}: {e}"
+    finally:
+        _GENERATION_TRACKING.reset(tracking)
     return "ok", "".join(parts)
 
 
@@ -137,6 +175,32 @@ def _child() -> None:
         context.update(bos_token=setup["bos_token"], eos_token=setup["eos_token"])
         answer = ("error", failed) if failed else render_bounded(template, context, setup["max_chars"])
         answers.send_bytes(json.dumps(answer).encode())
+
+
+class InlineChatTemplate:
+    """A chat template rendered in this process, as transformers' ``apply_chat_template`` renders it (``messages``,
+    ``tools``, ``documents`` = None, ``add_generation_prompt`` and the tokenizer's named special tokens), in the same
+    bounded sandbox as the served one but with no bound on time: for ``prepare-data``, whose user can stop it, and
+    which renders every conversation several times (a child process per render would cost more than the render).
+    A template that fails is a ValueError naming its message."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        check_syntax(source)
+        try:
+            self._template = _environment().from_string(source)
+        except Exception as e:  # noqa: BLE001 - jinja2 raises several kinds for a template it cannot compile
+            raise ValueError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
+        self.special_tokens = dict(special_tokens)
+        self.marks_generation = bool(GENERATION_TAG.search(source))  # as transformers tells
+
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False,
+               generation_spans: list | None = None) -> str:
+        context = {**self.special_tokens, "messages": messages, "tools": tools, "documents": None,
+                   "add_generation_prompt": add_generation_prompt}
+        status, text = render_bounded(self._template, context, MAX_RENDER_CHARS, generation_spans)
+        if status != "ok":
+            raise ValueError(" ".join(text.split())[:1000])
+        return text
 
 
 class _Renderer:
