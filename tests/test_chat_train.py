@@ -418,3 +418,81 @@ def test_planted_rank_averaging_bugs_fail_the_comparison(pools, uneven, scheme):
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the family tests below read only the folders they write
+
+
+# --------------------------------------------------------------------------- fine-tuning every family
+
+
+def word_tokenizer(folder: Path, words: int = 90) -> None:
+    """A word-level tokenizer of ``words`` ids (within every tiny family's 101), END_OF_TURN-like ``<|im_end|>`` its
+    EOS, with a ChatML chat template in chat_template.jinja (where transformers 5 saves it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<|im_end|>": 1, **{f"w{i}": i for i in range(2, words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>",
+                                                              "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def family_conversations(n: int = 8, words: int = 90, seed: int = 3):
+    """``n`` conversations of 11-16 tokens: any two share a row of 32 and no three fit (n / 2 rows an epoch), turns
+    ending with id 1 (<|im_end|>), uneven assistant shares."""
+    rng = np.random.default_rng(seed)
+    conversations = []
+    for i in range(n):
+        length = int(rng.integers(11, 17))
+        tokens = rng.integers(2, words, length).tolist()
+        mask = [0] * length
+        if i % 2:
+            mask[-1] = 1  # a one-token reply
+        else:
+            mask[length // 2:] = [1] * (length - length // 2)  # a long reply
+        tokens[length // 2 - 1] = 1
+        conversations.append((tokens, mask))
+    return conversations
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen2_moe", "mixtral"])
+def test_init_from_hf_of_every_family_fine_tunes_and_converts_back_with_its_chat_template(tmp_path, family):
+    pytest.importorskip("transformers")
+    import transformers
+
+    import test_hf_export
+    from torchtsp.data.tokenizers import hf_folder_tokenizer
+    from torchtsp.serve.server import _tokenizer_template
+
+    hf = test_hf_export.MAKERS[family]().eval()
+    if hasattr(hf.config, "router_aux_loss_coef"):
+        # The load-balancing loss is over a forward's tokens (padding included), not a sum over conversations: the
+        # comparison with each conversation alone is of the NLL (the aux loss has its own tests in test_moe.py).
+        hf.config.router_aux_loss_coef = 0.0
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    word_tokenizer(folder)
+    conversations = family_conversations()
+    prefix = write_chat_dataset(tmp_path / "chat", conversations)
+    out = tmp_path / "run"
+    setting = {"data": prefix, "init_from_hf": str(folder), "seq_len": 32, "batch_size": 4, "steps": 1,
+               "sample_tokens": 0, "out": str(out), "lr": 1e-3}
+    train_in_process(*flags(setting))
+    with torch.no_grad():
+        total, count = reference_nll(lambda x: hf(input_ids=x).logits, conversations)
+    expected, got = total.item() / count, losses(out)[0]
+    assert abs(got - expected) <= REL_TOL * expected, (family, got, expected)
+    # Back to Hugging Face with the run's tokenizer and its chat template: what serve --hf and transformers read.
+    result = cli_in_process("convert", out, tmp_path / "export")
+    assert result.returncode == 0, result.stderr
+    export = tmp_path / "export"
+    assert (export / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
+    assert _tokenizer_template(hf_folder_tokenizer(export)) == (folder / "chat_template.jinja").read_text()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert type(loaded) is type(hf)
+    text = transformers.AutoTokenizer.from_pretrained(export).apply_chat_template(
+        [{"role": "user", "content": "w5 w6"}], tokenize=False, add_generation_prompt=True)
+    assert text == "user w5 w6 <|im_end|> assistant "
