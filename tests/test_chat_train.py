@@ -34,7 +34,7 @@ S = 64  # --seq-len of the exactness runs
 END_OF_TURN = 256  # the byte tokenizer's EOS, ending every turn as a chat template's <|im_end|> does
 # float32 throughout. The same NLL terms are summed in other orders (per row, micro-batch and rank instead of per
 # conversation) and attention runs over other block layouts (documents packed two to a row, zigzag chunks): the
-# worst round-off relative to a loss of ~6 is ~1e-7 to 1e-6 (measured: 1.6e-8 to 8e-8). Every averaging bug planted
+# worst round-off relative to a loss of ~6 is ~1e-7 to 1e-6 (measured: 0 to 8e-8). Every averaging bug planted
 # below moves the loss by 0.1% or more on these conversations (a per-micro-batch or per-rank mean: 0.12-0.5%, a count
 # that forgets a rank: 80-130%), and is asserted to miss it by ten times the tolerance.
 REL_TOL = 1e-5
