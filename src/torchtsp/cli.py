@@ -50,8 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         # A mesh the scheme cannot use, a model or batch it cannot split, a bad dataset: refused here, before any
         # rank starts, by the resolution each rank makes again (ranks skip the data scans).
         layout, data = check_before_launch(cfg, cfg.nproc)
-        if data.notice:
-            print(f"torchtsp: {data.notice}", file=sys.stderr)
+        for notice in data.notices:
+            print(f"torchtsp: {notice}", file=sys.stderr)
         summary = run_training(cfg, True) if layout.world == 1 else _launch(cfg, layout.world)
         show = True
     if summary["status"] == "aborted":  # another rank reported why
@@ -100,7 +100,8 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add = train.add_argument
     add("--config", metavar="TOML", help="settings file (flags override it)")
     add("--preset", choices=list(PRESETS), help="model shape (default: tiny)")
-    add("--init-from-hf", metavar="DIR", help="start from a Hugging Face Llama checkpoint")
+    add("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint: Llama, Mistral, Qwen2/2.5, "
+        "Qwen3, Gemma 3 (text), Qwen2-MoE or Mixtral")
     add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
     for axis in AXES:  # the registry's mesh axes
         add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")
@@ -160,7 +161,11 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
         "--zero, all dp rows together (default: 32)")
     add("--document-mask", action=argparse.BooleanOptionalAction,
         help="packed samples: attend within documents only, positions restart at each (a document ends after "
-             "its EOS, whose target is ignored); default off")
+             "its EOS, whose target is ignored; a chat dataset's documents are its conversations); default: on "
+             "for chat datasets, off otherwise")
+    add("--max-conversation-tokens", type=length, metavar="N", help="chat datasets: skip conversations longer "
+        "than N tokens, and say how many (default: none skipped; those longer than --seq-len are split into "
+        "row-sized pieces)")
     add("--seed", type=int, help="seed for init and data order (default: 0)")
     add("--sample-tokens", type=length, help="tokens the trained model writes after the prompt \"def \" when "
         "training ends, sampled at temperature 0.8 among the 40 likeliest (seeded by --seed) (default: 64; 0: none)")

@@ -13,7 +13,8 @@ the assistant text (transformers' rule for ``return_assistant_tokens_mask``).
 The dataset: ``PREFIX.bin/.idx`` hold the tokens, one sequence per conversation (nothing appended beyond what
 the template writes); ``PREFIX-mask.bin/.idx`` hold a uint8 sequence of the same length per conversation, 1
 where the token is a target (it is predicted from the tokens before it). ``open_chat_dataset`` reads both.
-jinja2 is imported only to render, so the trainer reads a dataset without it.
+jinja2 is imported only to render, so the trainer reads a dataset without it. Conversation boundaries come from
+the records, never from EOS ids: a chat template ends every turn with its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import numpy as np
 
 from .documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, encodable, input_files, jsonl_records, parquet_rows
 from .indexed import IndexedDataset
+from .sources import SIDECAR_SUFFIX, read_sidecar
 from .tokenizers import Tokenizer, read_chat_template
 
+CHAT_FORMAT = "chat"  # the sidecar's "format" of a chat dataset
 MASK_SUFFIX = "-mask"
 MASK_DTYPE = np.dtype(np.uint8)
 ROLES = ("system", "user", "assistant", "tool")
@@ -41,20 +44,35 @@ def mask_prefix(prefix: str | Path) -> str:
     return str(prefix) + MASK_SUFFIX
 
 
+def is_chat_sidecar(sidecar: dict | None) -> bool:
+    return bool(sidecar) and sidecar.get("format") == CHAT_FORMAT
+
+
 def open_chat_dataset(prefix: str | Path) -> tuple[IndexedDataset, IndexedDataset]:
-    """(tokens, mask) of the chat dataset ``prefix``: mask sequence i is uint8, as long as token sequence i, and
-    1 where that token is an assistant target. A mask that does not fit the tokens is a one-line error."""
+    """(tokens, mask) of the chat dataset ``prefix``, checked against each other: mask sequence i is uint8, as
+    long as token sequence i, and 1 where that token is an assistant target. The mask is the one the sidecar
+    names (relative to its folder), else ``PREFIX-mask``. A mask that does not fit the tokens is a one-line error."""
+    prefix = str(prefix)
+    sidecar = read_sidecar(prefix)
+    if sidecar is not None and sidecar.get("mask") is not None:
+        mask_at = str(Path(prefix + SIDECAR_SUFFIX).parent / sidecar["mask"])
+    else:
+        mask_at = mask_prefix(prefix)
     tokens = IndexedDataset(prefix)
-    mask_at = mask_prefix(prefix)
     if not Path(mask_at + ".idx").is_file():
         raise FileNotFoundError(f"{mask_at}.idx does not exist: {prefix} is not a chat dataset (prepare it with "
                                 f"torchtsp prepare-data --format chat)")
     mask = IndexedDataset(mask_at)
     if mask.dtype != MASK_DTYPE:
         raise ValueError(f"{mask.idx_path} holds {mask.dtype}, not a uint8 loss mask; prepare the dataset again")
-    if mask.n_sequences != tokens.n_sequences or not np.array_equal(mask.lengths, tokens.lengths):
-        raise ValueError(f"{mask.idx_path} does not fit {tokens.idx_path} (its sequences differ in number or "
-                         f"length); prepare the dataset again")
+    if mask.n_sequences != tokens.n_sequences:
+        raise ValueError(f"{mask.idx_path} holds {mask.n_sequences} conversations but {tokens.idx_path} holds "
+                         f"{tokens.n_sequences}; the mask belongs to another dataset: prepare it again")
+    differ = np.flatnonzero(np.asarray(mask.lengths) != np.asarray(tokens.lengths))
+    if len(differ):
+        i = int(differ[0])
+        raise ValueError(f"{mask.idx_path}: conversation {i} has {int(mask.lengths[i])} mask values but "
+                         f"{int(tokens.lengths[i])} tokens; the mask belongs to another dataset: prepare it again")
     return tokens, mask
 
 

@@ -39,15 +39,23 @@ class PackedSamples:
     def __len__(self) -> int:
         return self.n_samples
 
+    def order(self, seed: int, stream: int, shuffle: bool) -> EpochOrder:
+        return EpochOrder(self.n_samples, seed, stream, shuffle)
+
     def sample(self, i: int) -> np.ndarray:
         start = i * self.seq_len
         ids = np.asarray(self.source.tokens[start:start + self.seq_len + 1])
-        if self.vocab_size is not None and ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
-            bad = int(ids.max()) if ids.max() >= self.vocab_size else int(ids.min())
-            raise ValueError(f"{self.source.name} holds token id {bad} (at token {start + int(np.argmax(ids == bad))})"
-                             f", outside the model's vocabulary of {self.vocab_size}; it was tokenized for another "
-                             f"model, or its sidecar's max_id is wrong")
+        check_ids(ids, self.vocab_size, self.source.name, start)
         return ids
+
+
+def check_ids(ids: np.ndarray, vocab_size: int | None, name: str, start: int) -> None:
+    """Refuse ids read from dataset ``name`` (from its token ``start`` on) outside [0, vocab_size)."""
+    if vocab_size is not None and ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+        raise ValueError(f"{name} holds token id {bad} (at token {start + int(np.argmax(ids == bad))}), outside the "
+                         f"model's vocabulary of {vocab_size}; it was tokenized for another model, or its sidecar's "
+                         f"max_id is wrong")
 
 
 class EpochOrder:
@@ -68,6 +76,10 @@ class EpochOrder:
             self._order, self._epoch = rng.permutation(np.arange(self.n, dtype=dtype)), epoch
         return epoch, int(self._order[k])
 
+    def epochs(self, visits: int) -> float:
+        """Epochs completed, fractionally, after ``visits`` samples."""
+        return visits / self.n
+
 
 class BatchStream:
     """Global batches of ``batch_size`` samples drawn from one dataset or a weighted blend.
@@ -80,7 +92,7 @@ class BatchStream:
         total = sum(w for w, _ in datasets)
         self.weights = np.array([w / total for w, _ in datasets])
         self.datasets = [d for _, d in datasets]
-        self.orders = [EpochOrder(len(d), seed, i, shuffle) for i, d in enumerate(self.datasets)]
+        self.orders = [d.order(seed, i, shuffle) for i, d in enumerate(self.datasets)]
         self.batch_size = batch_size
         self.drawn = [0] * len(self.datasets)
 
@@ -91,7 +103,7 @@ class BatchStream:
     @property
     def epoch(self) -> float:
         """Epochs completed, fractionally, of the dataset furthest along relative to its size."""
-        return max(drawn / len(d) for drawn, d in zip(self.drawn, self.datasets))
+        return max(order.epochs(drawn) for drawn, order in zip(self.drawn, self.orders))
 
     def _pick(self) -> int:
         if len(self.datasets) == 1:
@@ -109,10 +121,14 @@ class BatchStream:
             picked.append((d, epoch, index))
         return picked
 
+    def next_samples(self) -> list:
+        """The next ``batch_size`` samples, each as its dataset gives it (the same on every rank that holds this
+        position)."""
+        return [self.datasets[d].sample(i) for d, _, i in self.next_rows(self.batch_size)]
+
     def next_batch(self) -> torch.Tensor:
-        """The next [batch_size, seq_len + 1] int64 batch (the same on every rank that holds this position)."""
-        rows = self.next_rows(self.batch_size)
-        return torch.from_numpy(np.stack([self.datasets[d].sample(i) for d, _, i in rows]).astype(np.int64))
+        """The next [batch_size, seq_len + 1] int64 batch of token-stream samples."""
+        return torch.from_numpy(np.stack(self.next_samples()).astype(np.int64))
 
     def position(self) -> dict:
         return {"drawn": list(self.drawn), "datasets": [d.source.name for d in self.datasets],
@@ -148,6 +164,9 @@ def source_fingerprint(source) -> str:
         stat = Path(path).stat()
         digest.update(f"{Path(path).resolve()}|{stat.st_size}|{source.tokens.offset}".encode())
         digest.update(json.dumps(source.sidecar, sort_keys=True, default=str).encode())
+        mask = getattr(source, "mask", None)
+        if mask is not None:  # a chat dataset's assistant-target mask decides its targets
+            digest.update(f"|{Path(mask.path).resolve()}|{Path(mask.path).stat().st_size}".encode())
     else:
         digest.update(np.ascontiguousarray(source.tokens).tobytes())
     return f"{source.kind}:{digest.hexdigest()[:16]}"

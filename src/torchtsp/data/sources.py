@@ -35,9 +35,13 @@ class TokenSource:
 
     name: str
     tokens: TokenFile | np.ndarray
-    kind: str  # "megatron", "npy", "text" or "builtin"
+    kind: str  # "megatron", "chat", "npy", "text" or "builtin"
     sidecar: dict | None = None
     _max_id: int | None = None
+    # A chat dataset (data/chat.py) only: each conversation's token count (the records' boundaries) and the
+    # assistant-target mask, one uint8 per token of ``tokens``.
+    conversation_lengths: np.ndarray | None = None
+    mask: TokenFile | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -191,6 +195,12 @@ def open_source(path: str, tokenizer: Tokenizer, text_key: str = "text", flag: s
                              f"again")
         sidecar = read_sidecar(prefix)
         _check_sidecar_describes(sidecar, dataset)
+        from .chat import is_chat_sidecar, open_chat_dataset  # chat.py reads sidecars with this module
+
+        if is_chat_sidecar(sidecar):
+            dataset, mask = open_chat_dataset(prefix)
+            return TokenSource(path, dataset.tokens(), "chat", sidecar, conversation_lengths=dataset.lengths,
+                               mask=mask.tokens())
         return TokenSource(path, dataset.tokens(), "megatron", sidecar)
     if p.suffix == ".npy":
         if not p.is_file():
@@ -227,7 +237,9 @@ def parse_blend(spec: str, flag: str = "--data") -> list[tuple[float, str]]:
 
 def check_source(source: TokenSource, vocab_size: int, tokenizer: Tokenizer, seq_len: int, flag: str) -> None:
     """Refuse a dataset the model cannot train on: ids outside its vocabulary, another tokenizer, too short."""
-    if len(source) < seq_len + 1:
+    if source.kind == "chat" and not len(source):  # conversations are padded to rows: any length trains
+        raise ValueError(f"{flag} {source.name} holds no conversation tokens; prepare it again")
+    if source.kind != "chat" and len(source) < seq_len + 1:
         what = "is empty" if not len(source) else f"has {len(source)} tokens"
         raise ValueError(f"{flag} {source.name} {what}; a sample needs seq_len + 1 = {seq_len + 1} tokens")
     recorded = ((source.sidecar or {}).get("tokenizer") or {}).get("fingerprint")

@@ -31,7 +31,7 @@ ZERO_DEFAULT = 2
 @dataclass
 class TrainConfig:
     preset: str = "tiny"
-    init_from_hf: str | None = None  # HF Llama checkpoint directory to start from (overrides preset)
+    init_from_hf: str | None = None  # HF checkpoint directory (any family torchtsp.hf reads) to start from
     scheme: str = "tsp"
     # Mesh degrees; None: not given. The scheme's own axis takes the ranks the others leave
     # (torchtsp.schemes.Scheme.degrees); axes the scheme does not use must stay 1.
@@ -61,7 +61,11 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every N steps (0: only at the end, when eval_data is given)
     eval_batches: int | None = None  # batches per evaluation (default: the whole eval set, capped)
     grad_accum: int = 1  # micro-batches per optimizer step; the global batch is split into them
-    document_mask: bool = False  # attend within documents of packed samples (a document ends after its EOS)
+    # Attend within documents of packed samples (a document ends after its EOS; a chat dataset's are its
+    # conversations). None: on for chat datasets, off for token streams.
+    document_mask: bool | None = None
+    # Chat datasets: conversations longer than this are skipped (None: those longer than seq_len are split).
+    max_conversation_tokens: int | None = None
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars under out/tensorboard
     profile_steps: str | None = None  # "A:B": a torch.profiler trace of steps A..B per rank under out/profile
     out: str | None = None  # default: the --resume run folder, else a new runs/<UTC time>-<scheme> (new_run_folder)
@@ -98,7 +102,7 @@ class TrainConfig:
                      "batch_size": 1, "seq_len": 1, "steps": 1, "vocab_size": 1,
                     "warmup_steps": 0, "skip_nonfinite": 0, "checkpoint_every": 0, "keep_last": 1,
                     "sample_tokens": 0, "mem_every": 0, "seed": 0, "eval_every": 0, "eval_batches": 1,
-                    "grad_accum": 1}
+                    "grad_accum": 1, "max_conversation_tokens": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if value is not None and value < low:

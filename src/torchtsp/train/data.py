@@ -7,8 +7,10 @@ checked against it and the model's vocabulary before any rank starts (``TrainDat
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ..data.chat_rows import ChatRow, PackedConversations
 from ..data.samples import BatchStream, PackedSamples, inputs_and_labels
 from ..data.sources import TokenSource, builtin_corpus, check_source, open_source, parse_blend
 from ..data.tokenizers import ByteTokenizer, Tokenizer, hf_folder_tokenizer, load_tokenizer, model_eos_id
@@ -82,40 +84,87 @@ def packed_inputs(batch: torch.Tensor, eos_id: int | None):
     return tokens, labels.masked_fill(ends, IGNORE_INDEX), ends.cumsum(dim=1) - ends.long()
 
 
+def chat_inputs(rows: list[ChatRow], document_mask: bool):
+    """(tokens, labels, document ids or None) of packed conversation rows (``data/chat_rows.py``)."""
+    tokens, labels, ids = (torch.from_numpy(np.stack([getattr(r, f) for r in rows]))
+                           for f in ("tokens", "labels", "documents"))
+    return tokens, labels, ids if document_mask else None
+
+
+def is_chat(datasets: list[tuple[float, TokenSource]], spec: str, flag: str) -> bool:
+    """Whether ``datasets`` (one --data or --eval-data) are conversations; a blend mixing them with token
+    streams is refused (their rows are cut by different rules)."""
+    kinds = {source.kind == "chat" for _, source in datasets}
+    if len(kinds) > 1:
+        raise ValueError(f"{flag} {spec!r} blends chat datasets with token streams; blend chat datasets only with "
+                         f"chat datasets (prepare-data --format chat)")
+    return kinds == {True}
+
+
 class TrainData:
-    """The tokenizer, the training batch stream and the evaluation set of a run (``cfg``: a TrainConfig)."""
+    """The tokenizer, the training batch stream and the evaluation set of a run (``cfg``: a TrainConfig).
+
+    A chat dataset (``data/chat.py``) is read as whole conversations packed into rows, its targets the assistant
+    tokens, with a document mask unless ``--no-document-mask``; any other dataset is one token stream cut into
+    samples (``data/samples.py``), documents ending at the EOS under ``--document-mask``."""
 
     def __init__(self, cfg, vocab_size: int, check: bool = True):
-        self.tokenizer, self.notice = model_tokenizer(cfg.tokenizer, cfg.init_from_hf)
+        self.tokenizer, notice = model_tokenizer(cfg.tokenizer, cfg.init_from_hf)
+        self.notices = [notice] if notice else []
         check_tokenizer_fits(cfg, self.tokenizer, vocab_size)
-        self.mask_eos = None  # the EOS id that ends documents under a document mask
-        if cfg.document_mask:
+        self.batch_size, self.seq_len = cfg.batch_size, cfg.seq_len
+        self.max_conversation_tokens = cfg.max_conversation_tokens
+        train = open_datasets(cfg.data, self.tokenizer, "--data")
+        self.chat = is_chat(train, cfg.data, "--data")
+        evaluation, self.eval_chat = None, False
+        if cfg.eval_data is not None:  # an empty one is refused, not taken for "no evaluation"
+            evaluation = open_datasets(cfg.eval_data, self.tokenizer, "--eval-data")
+            self.eval_chat = is_chat(evaluation, cfg.eval_data, "--eval-data")
+        if cfg.max_conversation_tokens is not None and not self.chat:
+            raise ValueError(f"--max-conversation-tokens applies to chat datasets (prepare-data --format chat); "
+                             f"--data {cfg.data or '(the built-in corpus)'} is a token stream")
+        # Chat data attends within each conversation by default: each is trained as if it were alone.
+        self.document_mask = self.chat if cfg.document_mask is None else cfg.document_mask
+        self.mask_eos = None  # the EOS id that ends documents of a token stream under a document mask
+        token_stream = not self.chat or (evaluation is not None and not self.eval_chat)
+        if self.document_mask and token_stream:
             self.mask_eos = self.tokenizer.eos_id
             if self.mask_eos is None:
                 raise ValueError("--document-mask needs the tokenizer's EOS id, and this tokenizer names none: "
                                  "give --tokenizer DIR with an eos_token, or train without --document-mask")
-        self.batch_size, self.seq_len = cfg.batch_size, cfg.seq_len
-        self.train = self._stream(cfg.data, "--data", vocab_size, check, cfg.seed, shuffle=True)
+        self.train = self._stream(train, "--data", vocab_size, check, cfg.seed, shuffle=True)
         self.eval, self.eval_batches = None, 0
-        if cfg.eval_data is not None:  # an empty one is refused, not taken for "no evaluation"
-            self.eval = self._stream(cfg.eval_data, "--eval-data", vocab_size, check, cfg.seed, shuffle=False)
+        if evaluation is not None:
+            self.eval = self._stream(evaluation, "--eval-data", vocab_size, check, cfg.seed, shuffle=False)
             available = self.eval.n_samples // cfg.batch_size
             if available < 1:
-                raise ValueError(f"--eval-data {cfg.eval_data} holds {self.eval.n_samples} samples of "
-                                 f"{cfg.seq_len + 1} tokens, fewer than one batch of {cfg.batch_size}")
+                what = f"rows of {cfg.seq_len} tokens" if self.eval_chat else f"samples of {cfg.seq_len + 1} tokens"
+                raise ValueError(f"--eval-data {cfg.eval_data} holds {self.eval.n_samples} {what}, fewer than one "
+                                 f"batch of {cfg.batch_size}")
             self.eval_batches = min(cfg.eval_batches or EVAL_BATCH_CAP, available)
 
-    def _stream(self, spec, flag, vocab_size, check, seed, shuffle) -> BatchStream:
-        datasets = open_datasets(spec, self.tokenizer, flag)
+    def _stream(self, datasets, flag, vocab_size, check, seed, shuffle) -> BatchStream:
         if check:
             for _, source in datasets:
                 check_source(source, vocab_size, self.tokenizer, self.seq_len, flag)
-        return BatchStream([(w, PackedSamples(s, self.seq_len, vocab_size)) for w, s in datasets], self.batch_size,
-                           seed, shuffle=shuffle)
+        rows = []
+        for weight, source in datasets:
+            if source.kind == "chat":
+                packed = PackedConversations(source, self.seq_len, vocab_size, self.max_conversation_tokens)
+                self.notices += packed.notices(self.max_conversation_tokens)
+            else:
+                packed = PackedSamples(source, self.seq_len, vocab_size)
+            rows.append((weight, packed))
+        return BatchStream(rows, self.batch_size, seed, shuffle=shuffle)
+
+    def _inputs(self, stream: BatchStream, chat: bool):
+        if chat:
+            return chat_inputs(stream.next_samples(), self.document_mask)
+        return packed_inputs(stream.next_batch(), self.mask_eos)
 
     def next_train_batch(self, device) -> tuple:
         """The next training batch: (tokens, labels) on ``device`` and the document ids (host) or None."""
-        tokens, labels, ids = packed_inputs(self.train.next_batch(), self.mask_eos)
+        tokens, labels, ids = self._inputs(self.train, self.chat)
         return tokens.to(device), labels.to(device), ids
 
     def eval_stream(self, device):
@@ -124,5 +173,5 @@ class TrainData:
         stream = BatchStream([(w, d) for w, d in zip(self.eval.weights, self.eval.datasets)], self.batch_size,
                              shuffle=False)
         for _ in range(self.eval_batches):
-            tokens, labels, ids = packed_inputs(stream.next_batch(), self.mask_eos)
+            tokens, labels, ids = self._inputs(stream, self.eval_chat)
             yield tokens.to(device), labels.to(device), ids

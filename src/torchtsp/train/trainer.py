@@ -154,6 +154,9 @@ class Trainer:
         self.layout = resolve_train_layout(cfg, self.model_cfg, comm.world_size())
         self.degrees = self.layout.sizes
         self.data = TrainData(cfg, self.model_cfg.vocab_size, check=not data_checked)  # before any communication
+        if not data_checked and os.environ.get("RANK", "0") == "0":  # under torchrun no launcher said them
+            for notice in self.data.notices:
+                print(f"torchtsp: {notice}", file=sys.stderr)
         self.mesh = init_mesh(self.layout, timeout_s=cfg.timeout_s)  # creates the process group
         self.rank = comm.global_rank()
         self.device = mesh_device(self.mesh)  # the model and every batch live there
