@@ -464,8 +464,7 @@ def test_init_from_hf_of_every_family_fine_tunes_and_converts_back_with_its_chat
     import transformers
 
     import test_hf_export
-    from torchtsp.data.tokenizers import hf_folder_tokenizer
-    from torchtsp.serve.server import _tokenizer_template
+    from torchtsp.data.tokenizers import hf_folder_tokenizer, read_chat_template
 
     hf = test_hf_export.MAKERS[family]().eval()
     if hasattr(hf.config, "router_aux_loss_coef"):
@@ -490,7 +489,7 @@ def test_init_from_hf_of_every_family_fine_tunes_and_converts_back_with_its_chat
     assert result.returncode == 0, result.stderr
     export = tmp_path / "export"
     assert (export / "chat_template.jinja").read_text() == (folder / "chat_template.jinja").read_text()
-    assert _tokenizer_template(hf_folder_tokenizer(export)) == (folder / "chat_template.jinja").read_text()
+    assert read_chat_template(hf_folder_tokenizer(export)) == (folder / "chat_template.jinja").read_text()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
     assert type(loaded) is type(hf)
     text = transformers.AutoTokenizer.from_pretrained(export).apply_chat_template(

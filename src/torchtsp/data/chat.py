@@ -27,7 +27,6 @@ import numpy as np
 
 from .documents import JSONL_SUFFIXES, PARQUET_SUFFIXES, encodable, input_files, jsonl_records, parquet_rows
 from .indexed import IndexedDataset
-from .sources import SIDECAR_SUFFIX, read_sidecar
 from .tokenizers import Tokenizer, read_chat_template
 
 CHAT_FORMAT = "chat"  # the sidecar's "format" of a chat dataset
@@ -48,16 +47,13 @@ def is_chat_sidecar(sidecar: dict | None) -> bool:
     return bool(sidecar) and sidecar.get("format") == CHAT_FORMAT
 
 
-def open_chat_dataset(prefix: str | Path) -> tuple[IndexedDataset, IndexedDataset]:
+def open_chat_dataset(prefix: str | Path, mask_at: str | None = None) -> tuple[IndexedDataset, IndexedDataset]:
     """(tokens, mask) of the chat dataset ``prefix``, checked against each other: mask sequence i is uint8, as
-    long as token sequence i, and 1 where that token is an assistant target. The mask is the one the sidecar
-    names (relative to its folder), else ``PREFIX-mask``. A mask that does not fit the tokens is a one-line error."""
+    long as token sequence i, and 1 where that token is an assistant target. ``mask_at``: the mask's prefix (the
+    one the sidecar names, data/sources.py), default ``PREFIX-mask``. A mask that does not fit the tokens is a
+    one-line error."""
     prefix = str(prefix)
-    sidecar = read_sidecar(prefix)
-    if sidecar is not None and sidecar.get("mask") is not None:
-        mask_at = str(Path(prefix + SIDECAR_SUFFIX).parent / sidecar["mask"])
-    else:
-        mask_at = mask_prefix(prefix)
+    mask_at = mask_prefix(prefix) if mask_at is None else mask_at
     tokens = IndexedDataset(prefix)
     if not Path(mask_at + ".idx").is_file():
         raise FileNotFoundError(f"{mask_at}.idx does not exist: {prefix} is not a chat dataset (prepare it with "

@@ -195,10 +195,11 @@ def open_source(path: str, tokenizer: Tokenizer, text_key: str = "text", flag: s
                              f"again")
         sidecar = read_sidecar(prefix)
         _check_sidecar_describes(sidecar, dataset)
-        from .chat import is_chat_sidecar, open_chat_dataset  # chat.py reads sidecars with this module
+        from .chat import is_chat_sidecar, open_chat_dataset  # chat.py's writer side imports this module
 
         if is_chat_sidecar(sidecar):
-            dataset, mask = open_chat_dataset(prefix)
+            mask_at = sidecar.get("mask")  # a name beside the sidecar
+            dataset, mask = open_chat_dataset(prefix, None if mask_at is None else str(Path(prefix).parent / mask_at))
             return TokenSource(path, dataset.tokens(), "chat", sidecar, conversation_lengths=dataset.lengths,
                                mask=mask.tokens())
         return TokenSource(path, dataset.tokens(), "megatron", sidecar)
