@@ -80,3 +80,57 @@ def test_plan_trace_failure_is_one_line_per_layout():
     assert "Traceback" not in out.stdout + out.stderr
     assert "trace failed: TSP4 rank 0, first step: DataDependentOutputException" in out.stdout, out.stdout
     assert "traced GB" in out.stdout.splitlines()[1]  # the table's header, beside the model's peak
+
+
+def test_measured_peak_counts_float32_masters_and_foreach_sqrt():
+    """A mixed-precision AdamW step on real tensors, measured as bench, train and the trace measure it: one bfloat16
+    weight of N elements, its float32 master, both moments, the bfloat16 gradient and its float32 copy, and
+    foreach AdamW's sqrt(v): 2 + 2 + 4 + 4 + 8 + 4 = 24 bytes an element at the peak (hand-counted). MemTracker
+    alone leaves out the masters (the optimizer's parameters, not its state): 20."""
+    import torch
+
+    from torchtsp.memory import measure_peak_by_kind
+    from torchtsp.train.optim import MasterWeights, build_adamw
+
+    n = 1 << 20
+    model = torch.nn.Linear(n, 1, bias=False)
+    master = MasterWeights([model.weight])
+    optimizer = build_adamw([(["w"], master.masters[0])], 1e-3, 0.1, foreach=True)
+
+    def step():
+        model.weight.grad = torch.ones_like(model.weight)
+        master.grads_to_masters()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        master.masters_to_params()
+
+    step()  # the moments exist from here on
+    _, peak, parts = measure_peak_by_kind(step, model, optimizer)
+    assert peak == pytest.approx(24 * n, abs=64), parts
+    assert parts["optimizer"] >= (4 + 8 + 4) * n  # masters, moments, sqrt(v): the optimizer's, as the model counts
+
+
+def traced_short() -> dict[str, int]:
+    """The tiny TSP4 step at S = 64 in bfloat16 traced standing for each backend (one process, run in turn)."""
+    script = ("import json; from torchtsp import get_preset; from torchtsp.layout import Layout; "
+              "from torchtsp.trace import trace_step; "
+              "print(json.dumps({b: trace_step(get_preset('tiny'), Layout.of_degrees('tsp', tsp=4), 1, 64, "
+              "dtype='bfloat16', stands_for=b).peak_bytes for b in ('nccl', 'gloo')}))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_traced_adamw_step_is_the_backends():
+    """At S = 64 the optimizer step holds the peak (bfloat16 weights, float32 masters). Standing for NCCL the trace
+    takes AdamW's multi-tensor step, as a CUDA rank does (sqrt(v) of every parameter at once), standing for gloo
+    the per-tensor loop: each peak is the analytic model's for that step (which differ by 6%)."""
+    from torchtsp.analysis.memory_model import predict_memory
+
+    cfg = get_preset("tiny")
+    model = {foreach: predict_memory("tsp", cfg, 1, 64, tsp=4, dtype_bytes=2, foreach=foreach) for foreach in (0, 1)}
+    assert model[1].phase == "optimizer step" and model[1].total > 1.06 * model[0].total
+    traced = traced_short()
+    assert traced["nccl"] == pytest.approx(model[1].total, rel=0.02)
+    assert traced["gloo"] == pytest.approx(model[0].total, rel=0.03)

@@ -13,7 +13,9 @@ NCCL buffers, fragmentation: ``docs/analysis.md`` says what the analytic model l
 
 The bytes follow the backend the fake group plays (``stands_for``): "nccl" runs every transfer as the collective
 ``torchtsp plan`` counts; "gloo" runs what a CPU rank runs, K/V exchanges point to point and pruned to what
-causality reads (``AxisComm.point_to_point``), so its bytes depend on the rank, as a real gloo run's do.
+causality reads (``AxisComm.point_to_point``), so its bytes depend on the rank, as a real gloo run's do. AdamW
+follows it too: "nccl" takes torch's multi-tensor step, the CUDA default (sqrt(v) of every parameter at once),
+"gloo" the per-tensor loop a CPU rank takes.
 """
 
 from __future__ import annotations
@@ -99,10 +101,12 @@ def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
 
 
 def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, rank: int = 0, dtype: str = "float32",
-               stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0) -> Traced:
+               stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0,
+               foreach: bool | None = None) -> Traced:
     """Rank ``rank``'s training step of ``layout`` (global batch [batch, seq_len], ``dtype`` weights; the layout's
-    recompute option as given to it), traced; see the module docstring. Raises ``TraceError`` when the real code
-    fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
+    recompute option as given to it), traced; see the module docstring. ``foreach``: AdamW's multi-tensor step or
+    not (``build_adamw``); None: as on ``stands_for``'s device (multi-tensor for "nccl"). Raises ``TraceError``
+    when the real code fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if layout.pp > 1:
@@ -124,7 +128,10 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
             phase = "parallelize"
             model = parallelize_layout(whole, mesh, layout)
-            optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, master_weights=dtype == "bfloat16")
+            # AdamW's step as on the backend's device: a CUDA rank's multi-tensor step (sqrt(v) of every parameter
+            # at once), a CPU rank's per-tensor loop (torch's default for each; the fake tensors sit on the CPU).
+            optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, master_weights=dtype == "bfloat16",
+                                        foreach=stands_for == "nccl" if foreach is None else foreach)
             model.sum_gradients_with(optimizer.grad_sum)
 
             def step() -> None:  # the trainer's train_step, its host reads of the loss and the norm left out

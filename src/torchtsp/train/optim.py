@@ -23,17 +23,20 @@ def is_norm_weight(reference_name: str) -> bool:
     return reference_name.endswith("norm.weight")
 
 
-def build_adamw(named_params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def build_adamw(named_params, lr: float, weight_decay: float, foreach: bool | None = None) -> torch.optim.AdamW:
     """AdamW over the given (name, parameter) pairs; norm weights get no weight decay.
 
     ``named_params`` yields (reference names of the parameter, parameter): a sharded parameter may
-    hold pieces of several reference parameters; it is a norm only if all of them are.
+    hold pieces of several reference parameters; it is a norm only if all of them are. ``foreach``: torch's
+    multi-tensor step (True), its per-tensor loop (False), or torch's choice for the parameters' device (None:
+    multi-tensor on CUDA, the loop on CPU). The multi-tensor step holds sqrt(v) of every parameter at once, so
+    a trace standing for a CUDA rank on CPU tensors asks for it (``torchtsp.trace``).
     """
     decay, no_decay = [], []
     for names, p in named_params:
         (no_decay if all(is_norm_weight(n) for n in names) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), foreach=foreach)
 
 
 def norm_weight(shard_dims: dict, sizes: dict[str, int]) -> float:
@@ -191,19 +194,21 @@ class AdamWSteps:
 class ReplicatedAdamW(AdamWSteps):
     """AdamW on whole local tensors (``--zero 0``): every data-parallel replica updates its own copy alike, its
     gradients summed by the model's own all-reduce. ``master_weights``: bfloat16 parameters with float32
-    masters (``MasterWeights``). One interface with ``train/zero.py``'s ``ZeroOptimizer``: ``wait_for_weights``,
-    ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` / ``load_state_dict``, ``bytes``."""
+    masters (``MasterWeights``); ``foreach``: ``build_adamw``'s. One interface with ``train/zero.py``'s
+    ``ZeroOptimizer``: ``wait_for_weights``, ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` /
+    ``load_state_dict``, ``bytes``."""
 
     grad_sum = None  # the model keeps its own gradient sum over replicas
 
-    def __init__(self, model, lr: float, weight_decay: float, *, master_weights: bool = False):
+    def __init__(self, model, lr: float, weight_decay: float, *, master_weights: bool = False,
+                 foreach: bool | None = None):
         self.model, self.comms = model, model.comms()
         params = dict(model.named_parameters())
         self.master = MasterWeights(list(params.values())) if master_weights else None
         trained = self.master.masters if self.master else list(params.values())
         self.named = list(zip(params, trained))
         refs = {name: [ref for ref, *_ in model.reference_parts(name, p)] for name, p in params.items()}
-        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay)
+        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay, foreach)
 
     def wait_for_weights(self) -> None:
         """Every weight is whole and current after ``step``: nothing to wait for."""
