@@ -8,7 +8,8 @@ run measures: the live-tensor peak of the second step, the optimizer state prese
 as ``torchtsp bench`` and ``train`` measure it), and the bytes this rank receives, counted by our comm layer
 (``comm.Traffic``). A paper-scale step then costs the host's time to walk the code, not the GPUs' memory.
 
-What it is not: values (a traced loss has none), time on a device, or memory outside live tensors (CUDA context,
+What it is not: values (a traced loss has none; a mixture of experts' routing is assumed balanced, ``ROUTING``),
+time on a device, or memory outside live tensors (CUDA context,
 NCCL buffers, fragmentation: ``docs/analysis.md`` says what the analytic model leaves out, the same here).
 
 The bytes follow the backend the fake group plays (``stands_for``): "nccl" runs every transfer as the collective
@@ -38,7 +39,10 @@ from .train.accumulate import forward_backward
 from .train.optim import ReplicatedAdamW
 
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-4, 0.1, 1.0  # the trainer's defaults' kind; a trace has no values to train
-DTYPES = ("float32", "bfloat16")  # bfloat16: float32 masters of bfloat16 weights, as torchtsp train keeps them
+DTYPES = ("float32", "bfloat16")
+# A fake tensor has no values, so a mixture of experts' routing, which is data, cannot be read: the split sizes the
+# host needs are those of every expert taking its equal share of the (token, slot) pairs (``host.counts_on_host``).
+ROUTING = "balanced (assumed)"  # bfloat16: float32 masters of bfloat16 weights, as torchtsp train keeps them
 
 
 class TraceError(RuntimeError):
@@ -64,9 +68,11 @@ class Traced:
     seq_rank: int | None  # this rank's place on the sequence axis where its bytes depend on it (else None)
     largest_allocation_bytes: int
     wall_s: float
+    routing: str | None = None  # a mixture of experts': what the trace assumed of its data-dependent routing
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
+        routing = {"routing": self.routing} if self.routing else {}
+        return {**routing, "rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
                 "comm_bytes": self.comm_bytes, "comm_bytes_by_op": self.comm_bytes_by_op, "comm_path": self.comm_path,
                 "seq_rank": self.seq_rank, "largest_allocation_bytes": self.largest_allocation_bytes,
                 "wall_s": round(self.wall_s, 2)}
@@ -160,7 +166,7 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
                   comm_bytes_by_op=traffic.by_op,
                   comm_path="point_to_point" if point_to_point else "collectives",
                   seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
-                  wall_s=time.perf_counter() - start)
+                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
 
 
 def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, **options) -> dict:
