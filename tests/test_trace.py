@@ -22,15 +22,17 @@ from torchtsp.layout import Layout
 from torchtsp.trace import trace_step
 scheme, degrees, ranks, S = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 layout = Layout.of_degrees(scheme, **degrees)
-cfg = get_preset(sys.argv[5])
-print(json.dumps([trace_step(cfg, layout, 1, S, rank=r, stands_for="gloo").to_dict() for r in ranks]))
+cfg, zero, batch = get_preset(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+print(json.dumps([trace_step(cfg, layout, batch, S, rank=r, stands_for="gloo", zero=zero).to_dict() for r in ranks]))
 """
 
 
-def traced(scheme: str, preset: str = "tiny") -> dict[int, dict]:
-    """The traced step of RANKS, in a process of its own (a fake default group needs a process without a group)."""
-    out = subprocess.run([sys.executable, "-c", TRACE, scheme, json.dumps(DEGREES[scheme]), json.dumps(RANKS), str(S),
-                          preset],
+def traced(scheme: str, preset: str = "tiny", degrees: dict | None = None, zero: int = 0, batch: int = 1,
+           ranks=RANKS) -> dict[int, dict]:
+    """The traced step of ``ranks``, in a process of its own (a fake default group needs a process without one)."""
+    degrees = degrees or DEGREES[scheme]
+    out = subprocess.run([sys.executable, "-c", TRACE, scheme, json.dumps(degrees), json.dumps(ranks), str(S), preset,
+                          str(zero), str(batch)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return {t["rank"]: t for t in json.loads(out.stdout.strip().splitlines()[-1])}
@@ -55,6 +57,29 @@ def test_traced_step_matches_a_real_gloo_run(pools, scheme, preset):
         assert t["peak_bytes"] == pytest.approx(peak, rel=0.10), (scheme, rank, t["categories"])
         assert sum(t["categories"].values()) == t["peak_bytes"]
         assert 0 < t["largest_allocation_bytes"] <= t["peak_bytes"]
+
+
+@pytest.mark.multirank
+def test_traced_zero1_step_matches_a_real_gloo_run(pools):
+    """dp = 2 x tsp = 2 under --zero 1 (train/zero.py: the reduce-scatter of gradients into float32 buffers kept
+    from step to step, AdamW on the owned half, the all-gather of weights): the trace of ranks 0 and 3 (dp 0 / tsp 0
+    and dp 1 / tsp 1) against the real run's measured peak and counted bytes. The bytes are those of --zero 0's
+    all-reduce but for padding rows, and the peak is in backward, so the traced AdamW state at the peak is held to
+    the arithmetic too: two float32 moments of the owned half of this rank's parameters (--zero 0: all of them)."""
+    from torchtsp.analysis.memory_model import param_elements
+
+    owned = sum(param_elements("tsp", get_preset("tiny"), tsp=2).values()) / 2
+    degrees = {"dp": 2, "tsp": 2}
+    spec = CellSpec("tsp", degrees, get_preset("tiny"), batch=2, seq_len=S, warmup=1, steps=1, zero=1)
+    real = pools(WORLD).run(cells_on_rank, [spec], timeout_s=240)[0][0]
+    assert real["error"] is None, real
+    for rank, t in traced("tsp", degrees=degrees, zero=1, batch=2, ranks=(0, 3)).items():
+        peak, counted = real["peak_bytes_per_rank"][rank], real["step_bytes_per_rank"][rank]
+        print(f"\nDP2xTSP2 --zero 1 rank {rank}: traced / measured peak {t['peak_bytes']} / {peak}, traced / counted "
+              f"bytes {t['comm_bytes']} / {counted}")
+        assert t["comm_bytes"] == pytest.approx(counted, rel=0.02), (rank, t["comm_bytes_by_op"])
+        assert t["peak_bytes"] == pytest.approx(peak, rel=0.10), (rank, t["categories"])
+        assert t["categories"]["optimizer"] == pytest.approx(2 * 4 * owned, rel=0.01), t["categories"]
 
 
 def plan(*argv) -> subprocess.CompletedProcess:

@@ -37,6 +37,7 @@ from .model import Transformer
 from .parallel.pipeline import parallelize_layout
 from .train.accumulate import forward_backward
 from .train.optim import ReplicatedAdamW
+from .train.zero import ZeroOptimizer
 
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-4, 0.1, 1.0  # the trainer's defaults' kind; a trace has no values to train
 DTYPES = ("float32", "bfloat16")
@@ -108,15 +109,19 @@ def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
 
 def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, rank: int = 0, dtype: str = "float32",
                stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0,
-               foreach: bool | None = None) -> Traced:
+               foreach: bool | None = None, zero: int = 0) -> Traced:
     """Rank ``rank``'s training step of ``layout`` (global batch [batch, seq_len], ``dtype`` weights; the layout's
     recompute option as given to it), traced; see the module docstring. ``foreach``: AdamW's multi-tensor step or
-    not (``build_adamw``); None: as on ``stands_for``'s device (multi-tensor for "nccl"). Raises ``TraceError``
+    not (``build_adamw``); None: as on ``stands_for``'s device (multi-tensor for "nccl"). ``zero``: 1 or 2, the
+    distributed optimizer over dp (``train/zero.py``'s ``ZeroOptimizer``, as ``torchtsp train --zero``; nothing
+    where dp is 1); 3 (FSDP2) is not traced. Raises ``TraceError``
     when the real code fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if layout.pp > 1:
         raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"tracing --zero {zero} is not supported (0, 1 or 2)")
     if not 0 <= rank < layout.world:
         raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
     layout.check_batch(batch, seq_len)
@@ -136,8 +141,12 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
             model = parallelize_layout(whole, mesh, layout)
             # AdamW's step as on the backend's device: a CUDA rank's multi-tensor step (sqrt(v) of every parameter
             # at once), a CPU rank's per-tensor loop (torch's default for each; the fake tensors sit on the CPU).
-            optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, master_weights=dtype == "bfloat16",
-                                        foreach=stands_for == "nccl" if foreach is None else foreach)
+            foreach = stands_for == "nccl" if foreach is None else foreach
+            adamw = dict(master_weights=dtype == "bfloat16", foreach=foreach)
+            if zero and layout.sizes["dp"] > 1:
+                optimizer = ZeroOptimizer(model, zero, LR, WEIGHT_DECAY, **adamw)
+            else:
+                optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, **adamw)
             model.sum_gradients_with(optimizer.grad_sum)
 
             def step() -> None:  # the trainer's train_step, its host reads of the loss and the norm left out

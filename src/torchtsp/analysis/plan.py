@@ -340,8 +340,8 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
         if r.error:
             continue
         level = _zero(args) if r.layout.sizes["dp"] > 1 and get_scheme(r.layout.scheme).zero else 0
-        if level:
-            r.traced = {"skipped": f"--zero {level} (the distributed optimizer) is not traced yet"}
+        if level == 3:
+            r.traced = {"skipped": "--zero 3 (FSDP2) is not traced yet"}
             continue
         options = dict(r.layout.option_values)
         if args.recompute != "none" and "recompute" in r.layout.spec.options:
@@ -349,7 +349,7 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
         layout = Layout.resolve(r.layout.scheme, r.layout.world, **r.layout.sizes, **options)
         log(f"plan --trace: {r.label} ...")
         try:
-            traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype)
+            traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, zero=level)
         except (TraceError, ValueError) as e:
             r.traced = {"error": str(e)}
             log(f"plan --trace: {r.label} failed: {e}")

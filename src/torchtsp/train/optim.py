@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..distributed.comm import AxisComm
+from ..host import on_host
 from ..memory import live_bytes
 
 
@@ -100,26 +101,29 @@ def owned_norm_terms(model, name: str, shape, lo: int, hi: int, sizes: dict[str,
     per-element weights or None), relative to ``lo``; the weight 1 for an element counted as it is, chunks/size
     for a slice several ranks hold, 0 for padding no reference tensor has (``norm_weight``). Packed shards lay
     their pieces out one after another, so a few runs of [start, end) cover them; a layout with more runs keeps
-    per-element weights (on ``device``)."""
-    weight, group = torch.zeros(shape), torch.full(shape, -1, dtype=torch.int16)
-    keys: list[tuple] = []
-    # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
-    for (_, w, dims), (_, g, _) in zip(model.reference_parts(name, weight), model.reference_parts(name, group)):
-        key = norm_key(dims)
-        if key not in keys:
-            keys.append(key)
-        w.fill_(norm_weight(dims, sizes))
-        g.fill_(keys.index(key))
-    owned_w, owned_g = weight.view(-1)[lo:hi], group.view(-1)[lo:hi]
-    if owned_w.numel() == 0:
-        return []
-    edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
-    bounds = [0, *edges.tolist(), owned_w.numel()]
-    if len(bounds) <= MAX_NORM_RUNS:
-        return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
-                if owned_g[a] >= 0 and owned_w[a] != 0]
-    return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
-            for i, key in enumerate(keys)]
+    per-element weights (on ``device``). The layout is host bookkeeping from shapes and the mesh, computed on host
+    tensors (``host.on_host``), so a fake-tensor trace (``torchtsp.trace``) reads it as a real run does."""
+    with on_host():
+        weight, group = torch.zeros(shape), torch.full(shape, -1, dtype=torch.int16)
+        keys: list[tuple] = []
+        # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
+        for (_, w, dims), (_, g, _) in zip(model.reference_parts(name, weight), model.reference_parts(name, group)):
+            key = norm_key(dims)
+            if key not in keys:
+                keys.append(key)
+            w.fill_(norm_weight(dims, sizes))
+            g.fill_(keys.index(key))
+        owned_w, owned_g = weight.view(-1)[lo:hi], group.view(-1)[lo:hi]
+        if owned_w.numel() == 0:
+            return []
+        edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
+        bounds = [0, *edges.tolist(), owned_w.numel()]
+        if len(bounds) <= MAX_NORM_RUNS:
+            return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
+                    if owned_g[a] >= 0 and owned_w[a] != 0]
+        per_element = [torch.where(owned_g == i, owned_w, 0.0) for i in range(len(keys))]
+    # On the step's device: the per-element weights are read in every step's norm (fake tensors in a trace).
+    return [(key, 0, owned_w.numel(), 1.0, w.to(device)) for key, w in zip(keys, per_element)]
 
 
 def owned_squares(chunks, device) -> dict[tuple[str, ...], torch.Tensor]:
