@@ -82,6 +82,43 @@ def test_traced_zero1_step_matches_a_real_gloo_run(pools):
         assert t["categories"]["optimizer"] == pytest.approx(2 * 4 * owned, rel=0.01), t["categories"]
 
 
+INFER_TRACE = """
+import json, sys
+from torchtsp import get_preset
+from torchtsp.layout import Layout
+from torchtsp.trace import trace_generate
+scheme, degrees, ranks, S = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+layout = Layout.of_degrees(scheme, **degrees)
+print(json.dumps([trace_generate(get_preset("tiny"), layout, 1, S, rank=r, stands_for="gloo").to_dict()
+                  for r in ranks]))
+"""
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("scheme", ["tsp", "tp", "sp"])
+def test_traced_generate_matches_a_real_gloo_run(pools, scheme):
+    """Inference: a prefill of S tokens that fills the KV cache, then one decode step, as torchtsp bench --mode
+    infer measures it on 4 gloo ranks (its per-rank live-tensor peak over generate), against the trace of the same
+    ranks: peaks within 10%. TSP decodes on its default KV layout (heads), SP on its sequence-split cache."""
+    from dataclasses import asdict
+
+    from torchtsp.bench.infer import InferCell, infer_on_rank
+
+    cell = InferCell(scheme, WORLD, asdict(get_preset("tiny")), S, new_tokens=2)
+    real = pools(WORLD).run(infer_on_rank, cell, timeout_s=240)
+    out = subprocess.run([sys.executable, "-c", INFER_TRACE, scheme, json.dumps(DEGREES[scheme]), json.dumps(RANKS),
+                          str(S)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for t in json.loads(out.stdout.strip().splitlines()[-1]):
+        measured = real[t["rank"]]
+        assert "error" not in measured, measured
+        print(f"\n{scheme} generate rank {t['rank']}: traced / measured peak {t['peak_bytes']} / "
+              f"{measured['peak_bytes']}, KV {t['kv_cache_bytes']} / {measured['kv_bytes']}")
+        assert t["kv_cache_bytes"] == measured["kv_bytes"]
+        assert t["peak_bytes"] == pytest.approx(measured["peak_bytes"], rel=0.10), t["categories"]
+        assert sum(t["categories"].values()) == t["peak_bytes"]
+
+
 def plan(*argv) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torchtsp", "plan", "--gpus", str(WORLD), "--seq-len", str(S),
                            "--dtype", "fp32", "--trace", *argv], capture_output=True, text=True, timeout=300)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,10 +70,12 @@ class Traced:
     largest_allocation_bytes: int
     wall_s: float
     routing: str | None = None  # a mixture of experts': what the trace assumed of its data-dependent routing
+    kv_cache_bytes: int | None = None  # inference (``trace_generate``): this rank's KV cache, part of the peak
 
     def to_dict(self) -> dict:
         routing = {"routing": self.routing} if self.routing else {}
-        return {**routing, "rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
+        kv = {"kv_cache_bytes": self.kv_cache_bytes} if self.kv_cache_bytes is not None else {}
+        return {**routing, **kv, "rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
                 "comm_bytes": self.comm_bytes, "comm_bytes_by_op": self.comm_bytes_by_op, "comm_path": self.comm_path,
                 "seq_rank": self.seq_rank, "largest_allocation_bytes": self.largest_allocation_bytes,
                 "wall_s": round(self.wall_s, 2)}
@@ -173,6 +175,56 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         comm.destroy_process_group()
     return Traced(rank=rank, peak_bytes=peak, categories=parts, comm_bytes=traffic.recv,
                   comm_bytes_by_op=traffic.by_op,
+                  comm_path="point_to_point" if point_to_point else "collectives",
+                  seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
+                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
+
+
+def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int, *, new_tokens: int = 2,
+                   rank: int = 0, dtype: str = "float32", stands_for: str = "nccl", kv_layout: str = "auto",
+                   seed: int = 0) -> Traced:
+    """Rank ``rank``'s ``generate`` of ``layout`` traced, as ``torchtsp bench --mode infer`` measures it: ``batch``
+    prompts of ``prompt_len`` tokens, a prefill that fills the KV cache, then ``new_tokens`` - 1 decode steps (2: one)
+    on ``kv_layout``, greedy; ``dtype`` weights (as ``torchtsp generate --dtype`` casts them). The live-tensor peak
+    over the call with the model's weights present, and the bytes received. Raises as ``trace_step``."""
+    from .infer import generate
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if layout.pp > 1:
+        raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    if not 0 <= rank < layout.world:
+        raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
+    cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, prompt_len + new_tokens))  # as bench --mode infer sizes it
+    start = time.perf_counter()
+    comm.init_fake_process_group(rank, layout.world, stands_for)
+    try:
+        phase = "mesh"
+        mesh = init_mesh(layout, device_type="cpu")
+        g = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(cfg.vocab_size, (batch, prompt_len), generator=g).tolist()  # host lists
+        torch.manual_seed(seed)
+        whole = Transformer(cfg, device="meta")
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+            phase = "parallelize"
+            model = parallelize_layout(whole, mesh, layout).eval()
+            if dtype != "float32":
+                model = model.to(getattr(torch, dtype))
+            phase = "generate"
+            largest = _LargestAllocation()
+            with Traffic(model.comms()) as traffic, largest:
+                result, peak, parts = measure_peak_by_kind(
+                    lambda: generate(model, prompts, new_tokens, kv_layout=kv_layout), model)
+            traffic_args = model.traffic_args()
+            point_to_point = any(c.point_to_point for c in model.comms().values())
+    except ValueError:
+        raise
+    except Exception as e:
+        raise TraceError(layout.label, rank, phase, e) from e
+    finally:
+        comm.destroy_process_group()
+    return Traced(rank=rank, peak_bytes=peak, categories=parts, kv_cache_bytes=result.kv_cache_bytes,
+                  comm_bytes=traffic.recv, comm_bytes_by_op=traffic.by_op,
                   comm_path="point_to_point" if point_to_point else "collectives",
                   seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
                   wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
