@@ -210,3 +210,21 @@ def test_traced_adamw_step_is_the_backends():
     traced = traced_short()
     assert traced["nccl"] == pytest.approx(model[1].total, rel=0.02)
     assert traced["gloo"] == pytest.approx(model[0].total, rel=0.03)
+
+
+def test_plan_trace_infer_rows():
+    """--mode infer: each row generate runs is traced (a prefill then one decode step, bfloat16 weights cast as
+    torchtsp generate casts them), its peak and bytes within 10% of the inference model's; the layouts generate
+    refuses (TP with Megatron-SP, tp_sp) are not traced, with generate's reason."""
+    out = subprocess.run([sys.executable, "-m", "torchtsp", "plan", "--gpus", str(WORLD), "--seq-len", str(S),
+                          "--dtype", "bf16", "--mode", "infer", "--trace", "--preset", "tiny", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads(out.stdout)["rows"] if "error" not in r}
+    traced = {label: r["traced"] for label, r in rows.items() if "peak_bytes" in r["traced"]}
+    assert {rows[label]["scheme"] for label in traced} == {"tsp", "tp", "sp"}
+    for label, t in traced.items():
+        assert t["peak_bytes"] == pytest.approx(rows[label]["memory_bytes"]["total"], rel=0.10), (label, t)
+        assert t["comm_bytes"] == pytest.approx(rows[label]["comm_bytes"]["total"], rel=0.10), (label, t)
+        assert 0 < t["kv_cache_bytes"] < t["peak_bytes"] and not t["flagged"]
+    assert "sequence parallelism" in rows["TP4+seqpar"]["traced"]["skipped"]

@@ -96,6 +96,18 @@ class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, as ``torchtsp generate --dtype`` casts the parallel model, done in place: ``Module.to``
+    swaps fake parameters for new ones, which fails where a scheme's modules hold them elsewhere too."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
 def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
     """The ranks whose step differs where a layout's sequence is split in zigzag chunks: the first and the last of
     the sequence axis (rank 0 pairs chunks 0 and 2D-1, rank D-1 chunks D-1 and D; on point-to-point backends their
@@ -208,8 +220,7 @@ def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int
         with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
             phase = "parallelize"
             model = parallelize_layout(whole, mesh, layout).eval()
-            if dtype != "float32":
-                model = model.to(getattr(torch, dtype))
+            _cast_floating(model, getattr(torch, dtype))
             phase = "generate"
             largest = _LargestAllocation()
             with Traffic(model.comms()) as traffic, largest:
@@ -230,11 +241,12 @@ def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int
                   wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
 
 
-def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, **options) -> dict:
-    """``trace_step`` of every rank whose step may differ (``zigzag_ranks``); the one with the larger peak is the
-    layout's figure. Returns {"rank": the larger's rank, its ``Traced.to_dict()``, "ranks": every traced rank's
-    peak and bytes}."""
-    traced = [trace_step(cfg, layout, batch, seq_len, rank=r, **options) for r in zigzag_ranks(layout)]
+def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, mode: str = "train", **options) -> dict:
+    """``trace_step`` (``mode="infer"``: ``trace_generate``) of every rank whose step may differ (``zigzag_ranks``);
+    the one with the larger peak is the layout's figure. Returns {"rank": the larger's rank, its
+    ``Traced.to_dict()``, "ranks": every traced rank's peak and bytes}."""
+    trace = trace_generate if mode == "infer" else trace_step
+    traced = [trace(cfg, layout, batch, seq_len, rank=r, **options) for r in zigzag_ranks(layout)]
     worst = max(traced, key=lambda t: (t.peak_bytes, t.comm_bytes))
     return {**worst.to_dict(), "ranks": [{"rank": t.rank, "peak_bytes": t.peak_bytes, "comm_bytes": t.comm_bytes}
                                          for t in traced]}

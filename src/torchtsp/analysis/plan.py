@@ -181,9 +181,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "table shows the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
     parser.add_argument("--trace", action="store_true",
-                        help="train mode: also run each layout's real training step at full size, one rank at a time, "
-                             "under fake tensors and a fake process group (no memory, no arithmetic; imports torch; "
-                             "minutes per layout at paper scale), its peak and bytes beside the model's")
+                        help="also run each layout's real training step (infer mode: its generate, a prefill then one "
+                             "decode step) at full size, one rank at a time, under fake tensors and a fake process "
+                             "group (no memory, no arithmetic; imports torch; minutes per layout at paper scale), its "
+                             "peak and bytes beside the model's")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")
     pipe.add_argument("--pp", type=int, help="pipeline stages: predict per-stage memory, the bubble and the traffic of "
@@ -210,8 +211,8 @@ def _check_args(args) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_gpus(args.gpus)
     check_gpu_mem(args.gpu_mem)
-    if getattr(args, "trace", False) and (args.mode != "train" or getattr(args, "sweep", False)):
-        raise ValueError("--trace traces one training step per layout: --mode train, without --sweep")
+    if getattr(args, "trace", False) and getattr(args, "sweep", False):
+        raise ValueError("--trace traces the layout table's rows: not with --sweep")
     return cfg
 
 
@@ -349,10 +350,19 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
         layout = Layout.resolve(r.layout.scheme, r.layout.world, **r.layout.sizes, **options)
         log(f"plan --trace: {r.label} ...")
         try:
-            traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, zero=level)
-        except (TraceError, ValueError) as e:
+            if args.mode == "infer":
+                kv = {"kv_layout": args.kv_layout} if has_kv_layouts(r.layout.scheme) else {}
+                traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, mode="infer",
+                                      **kv)
+            else:
+                traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, zero=level)
+        except TraceError as e:
             r.traced = {"error": str(e)}
             log(f"plan --trace: {r.label} failed: {e}")
+            continue
+        except ValueError as e:  # the real code refuses the layout (generate runs no TP+seqpar): not a failed trace
+            r.traced = {"skipped": str(e)}
+            log(f"plan --trace: {r.label} not traced: {e}")
             continue
         peak, comm = traced["peak_bytes"] / r.memory.total, traced["comm_bytes"] / max(r.comm.total, 1)
         traced.update(peak_vs_model=round(peak, 4), comm_vs_model=round(comm, 4),
@@ -364,9 +374,10 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
 
 def _trace_notes(rows: list[Row]) -> str:
     """Below a --trace table: what the column is, the flagged rows, the failed traces."""
-    lines = ["traced GB: the real code's step at full size, one rank at a time under fake tensors and a fake process "
-             "group (torchtsp.trace; NCCL's collectives; zigzag layouts the larger of the first and last sequence "
-             f"rank); '!': the traced peak or bytes differ from the model's by more than {TRACE_FLAG:.0%}"]
+    lines = ["traced GB: the real code's step (infer: generate, a prefill then one decode step) at full size, one rank "
+             "at a time under fake tensors and a fake process group (torchtsp.trace; NCCL's collectives; zigzag "
+             "layouts the larger of the first and last sequence rank); '!': the traced peak or bytes differ from the "
+             f"model's by more than {TRACE_FLAG:.0%}"]
     for r in rows:
         t = r.traced or {}
         if t.get("flagged"):
