@@ -228,3 +228,15 @@ def test_plan_trace_infer_rows():
         assert t["comm_bytes"] == pytest.approx(rows[label]["comm_bytes"]["total"], rel=0.10), (label, t)
         assert 0 < t["kv_cache_bytes"] < t["peak_bytes"] and not t["flagged"]
     assert "sequence parallelism" in rows["TP4+seqpar"]["traced"]["skipped"]
+
+
+def test_plan_trace_on_cuda_without_a_gpu_is_one_line():
+    """--device cuda where no CUDA GPU is present: one line, exit status 2, no traceback, nothing traced."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    out = plan("--preset", "tiny", "--device", "cuda")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == ["torchtsp: error: --device cuda: no CUDA GPU on this machine; --trace "
+                                               "runs on the CPU by default (fake tensors, any size)"]

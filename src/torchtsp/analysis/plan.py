@@ -180,6 +180,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distributed optimizer over dp, as torchtsp train --zero (3: FSDP2) (default: 2; the "
                              "table shows the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="--trace on this device: cpu (default: fake tensors, any size) or cuda (one GPU's real "
+                             "tensors for the traced rank; needs a CUDA GPU here, and is not implemented yet)")
     parser.add_argument("--trace", action="store_true",
                         help="also run each layout's real training step (infer mode: its generate, a prefill then one "
                              "decode step) at full size, one rank at a time, under fake tensors and a fake process "
@@ -445,11 +448,26 @@ def _print_sweep(cfg, args, sweep) -> None:
     print("assumptions: " + "; ".join(_assumptions(args)) + ".")
 
 
+def _check_trace_device(args) -> None:
+    """``--device cuda``: only with --trace (which imports torch anyway), and only where a CUDA GPU is present."""
+    if not getattr(args, "trace", False):
+        raise ValueError(f"--device {args.device} applies to --trace (the model's arithmetic runs on no device)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA GPU on this machine; --trace runs on the CPU by default "
+                         "(fake tensors, any size)")
+    raise ValueError(f"--device {args.device}: tracing with one GPU's real tensors is not implemented yet; --trace "
+                     "runs on the CPU by default (fake tensors, any size)")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed ``add_plan_arguments`` arguments; returns the exit status."""
     if getattr(args, "trace", False) and any(getattr(args, name, None) is not None
                                              for name in ("hardware", "pp", "nodes")):
         raise ValueError("--trace traces the layout table's rows: not with --hardware, --pp or --nodes yet")
+    if getattr(args, "device", "cpu") != "cpu":
+        _check_trace_device(args)
     if getattr(args, "hardware", None) is not None:
         from .hardware import run_hardware_plan
 
