@@ -8,6 +8,9 @@ run measures: the live-tensor peak of the second step, the optimizer state prese
 as ``torchtsp bench`` and ``train`` measure it), and the bytes this rank receives, counted by our comm layer
 (``comm.Traffic``). A paper-scale step then costs the host's time to walk the code, not the GPUs' memory.
 
+``trace_generate`` does the same for inference: a rank's ``generate`` (a prefill that fills the KV cache, then
+decode steps), measured over the call as ``torchtsp bench --mode infer`` measures it.
+
 What it is not: values (a traced loss has none; a mixture of experts' routing is assumed balanced, ``ROUTING``),
 time on a device, or memory outside live tensors (CUDA context,
 NCCL buffers, fragmentation: ``docs/analysis.md`` says what the analytic model leaves out, the same here).
