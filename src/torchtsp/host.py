@@ -17,3 +17,23 @@ def on_host() -> contextlib.AbstractContextManager:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def traced(tensor) -> bool:
+    """Whether ``tensor`` is a fake-tensor trace's (``torchtsp.trace``): it has a shape, but no values to read."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """``total`` split as evenly as whole numbers allow over ``parts`` (the first ``total % parts`` one more)."""
+    share, extra = divmod(total, parts)
+    return [share + (i < extra) for i in range(parts)]
+
+
+def counts_on_host(counts, assumed) -> list[int]:
+    """A tensor of counts the host must know (a mixture of experts' split sizes) as a list of ints: its values; in a
+    fake-tensor trace, which has none, ``assumed()`` (routing is data, so a trace assumes it: the balanced
+    assignment, said in the trace's result)."""
+    return assumed() if traced(counts) else counts.tolist()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from . import kernels
 from .compiled import compilable
 from .config import FULL_ATTENTION, SLIDING_ATTENTION
+from .host import balanced, counts_on_host
 from .masks import (  # noqa: F401  (re-exported: the layer core's one mask)
     CAUSAL,
     FULL,
@@ -390,6 +391,12 @@ class Routing:
     counts: torch.Tensor
 
 
+def routing_counts(routing: Routing) -> list[int]:
+    """The (token, slot) pairs per expert, read on the host (the split sizes of the expert GEMMs). A fake-tensor
+    trace has no routing to read: it assumes the balanced one, each expert its equal share of the pairs."""
+    return counts_on_host(routing.counts, lambda: balanced(routing.order.numel(), routing.counts.shape[0]))
+
+
 def sort_by_expert(experts: torch.Tensor, n_experts: int):
     """For top-k ids [N, k]: (order of the N·k (token, slot) pairs grouped by expert, stable; each pair's token;
     number of pairs per expert [E], int64, on the ids' device)."""
@@ -410,13 +417,14 @@ def local_experts(w_gate, w_up, w_down, first: int = 0):
     or every expert's FFN slice): it computes only those experts' rows and combines them per token."""
 
     def run(h2: torch.Tensor, routing: Routing) -> torch.Tensor:
-        n, counts = w_gate.shape[0], routing.counts
-        order, token = routing.order, routing.token
-        if first or n != counts.shape[0]:
-            bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)])[[first, first + n]].tolist()
-            rows = slice(*bounds)
-            order, token, counts = order[rows], token[rows], counts[first:first + n]
-        out = expert_mlps(h2[token], counts.tolist(), w_gate, w_up, w_down)
+        n, order, token = w_gate.shape[0], routing.order, routing.token
+        counts = routing_counts(routing)
+        if first or n != len(counts):
+            start = sum(counts[:first])
+            counts = counts[first:first + n]
+            rows = slice(start, start + sum(counts))
+            order, token = order[rows], token[rows]
+        out = expert_mlps(h2[token], counts, w_gate, w_up, w_down)
         return combine(h2.shape[0], out, order, token, routing.weights)
 
     return run

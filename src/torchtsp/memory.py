@@ -29,8 +29,25 @@ def measure_peak(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[o
 
 
 # MemTracker's kinds of tensor -> the analytic model's parts of a peak (analysis.memory_model.MemoryBreakdown).
+# "Other" is what MemTracker was handed as bare tensors: here only optimizers' own parameters (``_optimizer_owned``).
 PEAK_PARTS = {"Parameter": "params", "Buffer": "params", "Gradient": "grads", "Optstate": "optimizer",
-              "Activation": "activations", "Temp": "transient", "Other": "transient"}
+              "Activation": "activations", "Temp": "transient", "Other": "optimizer"}
+
+
+def _optimizer_owned(track) -> list[torch.Tensor]:
+    """The tensors the optimizers in ``track`` update that no module in ``track`` holds: float32 masters of
+    bfloat16 weights (``train/optim.py``'s MasterWeights, ZeRO's owned chunks). MemTracker counts an optimizer's
+    state but not its parameters, so without them a mixed-precision step's peak would leave the masters out."""
+    def storage(t: torch.Tensor) -> int:  # as live_bytes keys it; a DTensor (FSDP2's) by its local piece
+        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()._cdata
+
+    held = {storage(p) for m in track if isinstance(m, torch.nn.Module) for p in m.parameters()}
+    owned = {}
+    for opt in (o for o in track if isinstance(o, torch.optim.Optimizer)):
+        for p in (p for group in opt.param_groups for p in group["params"] if p.device.type != "meta"):
+            if storage(p) not in held:
+                owned.setdefault(storage(p), p)
+    return list(owned.values())
 
 
 def measure_peak_by_kind(fn, *track: torch.nn.Module | torch.optim.Optimizer) -> tuple[object, int, dict[str, int]]:
@@ -42,7 +59,7 @@ def measure_peak_by_kind(fn, *track: torch.nn.Module | torch.optim.Optimizer) ->
 
     tracker = MemTracker()
     if track:
-        tracker.track_external(*track)
+        tracker.track_external(*track, *_optimizer_owned(track))
     _measuring.append(tracker)
     try:
         with tracker, warnings.catch_warnings():

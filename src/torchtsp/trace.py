@@ -8,19 +8,25 @@ run measures: the live-tensor peak of the second step, the optimizer state prese
 as ``torchtsp bench`` and ``train`` measure it), and the bytes this rank receives, counted by our comm layer
 (``comm.Traffic``). A paper-scale step then costs the host's time to walk the code, not the GPUs' memory.
 
-What it is not: values (a traced loss has none), time on a device, or memory outside live tensors (CUDA context,
+``trace_generate`` does the same for inference: a rank's ``generate`` (a prefill that fills the KV cache, then
+decode steps), measured over the call as ``torchtsp bench --mode infer`` measures it.
+
+What it is not: values (a traced loss has none; a mixture of experts' routing is assumed balanced, ``ROUTING``),
+time on a device, or memory outside live tensors (CUDA context,
 NCCL buffers, fragmentation: ``docs/analysis.md`` says what the analytic model leaves out, the same here).
 
 The bytes follow the backend the fake group plays (``stands_for``): "nccl" runs every transfer as the collective
 ``torchtsp plan`` counts; "gloo" runs what a CPU rank runs, K/V exchanges point to point and pruned to what
-causality reads (``AxisComm.point_to_point``), so its bytes depend on the rank, as a real gloo run's do.
+causality reads (``AxisComm.point_to_point``), so its bytes depend on the rank, as a real gloo run's do. AdamW
+follows it too: "nccl" takes torch's multi-tensor step, the CUDA default (sqrt(v) of every parameter at once),
+"gloo" the per-tensor loop a CPU rank takes.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,9 +40,13 @@ from .model import Transformer
 from .parallel.pipeline import parallelize_layout
 from .train.accumulate import forward_backward
 from .train.optim import ReplicatedAdamW
+from .train.zero import ZeroOptimizer
 
 LR, WEIGHT_DECAY, GRAD_CLIP = 1e-4, 0.1, 1.0  # the trainer's defaults' kind; a trace has no values to train
-DTYPES = ("float32", "bfloat16")  # bfloat16: float32 masters of bfloat16 weights, as torchtsp train keeps them
+DTYPES = ("float32", "bfloat16")
+# A fake tensor has no values, so a mixture of experts' routing, which is data, cannot be read: the split sizes the
+# host needs are those of every expert taking its equal share of the (token, slot) pairs (``host.counts_on_host``).
+ROUTING = "balanced (assumed)"  # bfloat16: float32 masters of bfloat16 weights, as torchtsp train keeps them
 
 
 class TraceError(RuntimeError):
@@ -62,9 +72,13 @@ class Traced:
     seq_rank: int | None  # this rank's place on the sequence axis where its bytes depend on it (else None)
     largest_allocation_bytes: int
     wall_s: float
+    routing: str | None = None  # a mixture of experts': what the trace assumed of its data-dependent routing
+    kv_cache_bytes: int | None = None  # inference (``trace_generate``): this rank's KV cache, part of the peak
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
+        routing = {"routing": self.routing} if self.routing else {}
+        kv = {"kv_cache_bytes": self.kv_cache_bytes} if self.kv_cache_bytes is not None else {}
+        return {**routing, **kv, "rank": self.rank, "peak_bytes": self.peak_bytes, "categories": dict(self.categories),
                 "comm_bytes": self.comm_bytes, "comm_bytes_by_op": self.comm_bytes_by_op, "comm_path": self.comm_path,
                 "seq_rank": self.seq_rank, "largest_allocation_bytes": self.largest_allocation_bytes,
                 "wall_s": round(self.wall_s, 2)}
@@ -85,6 +99,18 @@ class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, as ``torchtsp generate --dtype`` casts the parallel model, done in place: ``Module.to``
+    swaps fake parameters for new ones, which fails where a scheme's modules hold them elsewhere too."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                module._buffers[name] = b.to(dtype)
+
+
 def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
     """The ranks whose step differs where a layout's sequence is split in zigzag chunks: the first and the last of
     the sequence axis (rank 0 pairs chunks 0 and 2D-1, rank D-1 chunks D-1 and D; on point-to-point backends their
@@ -99,14 +125,20 @@ def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
 
 
 def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, rank: int = 0, dtype: str = "float32",
-               stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0) -> Traced:
+               stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0,
+               foreach: bool | None = None, zero: int = 0) -> Traced:
     """Rank ``rank``'s training step of ``layout`` (global batch [batch, seq_len], ``dtype`` weights; the layout's
-    recompute option as given to it), traced; see the module docstring. Raises ``TraceError`` when the real code
-    fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
+    recompute option as given to it), traced; see the module docstring. ``foreach``: AdamW's multi-tensor step or
+    not (``build_adamw``); None: as on ``stands_for``'s device (multi-tensor for "nccl"). ``zero``: 1 or 2, the
+    distributed optimizer over dp (``train/zero.py``'s ``ZeroOptimizer``, as ``torchtsp train --zero``; nothing
+    where dp is 1); 3 (FSDP2) is not traced. Raises ``TraceError``
+    when the real code fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if layout.pp > 1:
         raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"tracing --zero {zero} is not supported (0, 1 or 2)")
     if not 0 <= rank < layout.world:
         raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
     layout.check_batch(batch, seq_len)
@@ -124,7 +156,14 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
             phase = "parallelize"
             model = parallelize_layout(whole, mesh, layout)
-            optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, master_weights=dtype == "bfloat16")
+            # AdamW's step as on the backend's device: a CUDA rank's multi-tensor step (sqrt(v) of every parameter
+            # at once), a CPU rank's per-tensor loop (torch's default for each; the fake tensors sit on the CPU).
+            foreach = stands_for == "nccl" if foreach is None else foreach
+            adamw = dict(master_weights=dtype == "bfloat16", foreach=foreach)
+            if zero and layout.sizes["dp"] > 1:
+                optimizer = ZeroOptimizer(model, zero, LR, WEIGHT_DECAY, **adamw)
+            else:
+                optimizer = ReplicatedAdamW(model, LR, WEIGHT_DECAY, **adamw)
             model.sum_gradients_with(optimizer.grad_sum)
 
             def step() -> None:  # the trainer's train_step, its host reads of the loss and the norm left out
@@ -153,14 +192,64 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
                   comm_bytes_by_op=traffic.by_op,
                   comm_path="point_to_point" if point_to_point else "collectives",
                   seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
-                  wall_s=time.perf_counter() - start)
+                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
 
 
-def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, **options) -> dict:
-    """``trace_step`` of every rank whose step may differ (``zigzag_ranks``); the one with the larger peak is the
-    layout's figure. Returns {"rank": the larger's rank, its ``Traced.to_dict()``, "ranks": every traced rank's
-    peak and bytes}."""
-    traced = [trace_step(cfg, layout, batch, seq_len, rank=r, **options) for r in zigzag_ranks(layout)]
+def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int, *, new_tokens: int = 2,
+                   rank: int = 0, dtype: str = "float32", stands_for: str = "nccl", kv_layout: str = "auto",
+                   seed: int = 0) -> Traced:
+    """Rank ``rank``'s ``generate`` of ``layout`` traced, as ``torchtsp bench --mode infer`` measures it: ``batch``
+    prompts of ``prompt_len`` tokens, a prefill that fills the KV cache, then ``new_tokens`` - 1 decode steps (2: one)
+    on ``kv_layout``, greedy; ``dtype`` weights (as ``torchtsp generate --dtype`` casts them). The live-tensor peak
+    over the call with the model's weights present, and the bytes received. Raises as ``trace_step``."""
+    from .infer import generate
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if layout.pp > 1:
+        raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    if not 0 <= rank < layout.world:
+        raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
+    cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, prompt_len + new_tokens))  # as bench --mode infer sizes it
+    start = time.perf_counter()
+    comm.init_fake_process_group(rank, layout.world, stands_for)
+    try:
+        phase = "mesh"
+        mesh = init_mesh(layout, device_type="cpu")
+        g = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(cfg.vocab_size, (batch, prompt_len), generator=g).tolist()  # host lists
+        torch.manual_seed(seed)
+        whole = Transformer(cfg, device="meta")
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+            phase = "parallelize"
+            model = parallelize_layout(whole, mesh, layout).eval()
+            _cast_floating(model, getattr(torch, dtype))
+            phase = "generate"
+            largest = _LargestAllocation()
+            with Traffic(model.comms()) as traffic, largest:
+                result, peak, parts = measure_peak_by_kind(
+                    lambda: generate(model, prompts, new_tokens, kv_layout=kv_layout), model)
+            traffic_args = model.traffic_args()
+            point_to_point = any(c.point_to_point for c in model.comms().values())
+    except ValueError:
+        raise
+    except Exception as e:
+        raise TraceError(layout.label, rank, phase, e) from e
+    finally:
+        comm.destroy_process_group()
+    return Traced(rank=rank, peak_bytes=peak, categories=parts, kv_cache_bytes=result.kv_cache_bytes,
+                  comm_bytes=traffic.recv, comm_bytes_by_op=traffic.by_op,
+                  comm_path="point_to_point" if point_to_point else "collectives",
+                  seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
+                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
+
+
+def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, mode: str = "train", **options) -> dict:
+    """``trace_step`` (``mode="infer"``: ``trace_generate``) of every rank whose step may differ (``zigzag_ranks``);
+    the one with the larger peak is the layout's figure. Returns {"rank": the larger's rank, its
+    ``Traced.to_dict()``, "ranks": every traced rank's peak and bytes}."""
+    trace = trace_generate if mode == "infer" else trace_step
+    traced = [trace(cfg, layout, batch, seq_len, rank=r, **options) for r in zigzag_ranks(layout)]
     worst = max(traced, key=lambda t: (t.peak_bytes, t.comm_bytes))
     return {**worst.to_dict(), "ranks": [{"rank": t.rank, "peak_bytes": t.peak_bytes, "comm_bytes": t.comm_bytes}
                                          for t in traced]}

@@ -180,10 +180,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distributed optimizer over dp, as torchtsp train --zero (3: FSDP2) (default: 2; the "
                              "table shows the model state without it beside)")
     parser.add_argument("--sweep", action="store_true", help="a table across sequence lengths 4K..256K")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="--trace on this device: cpu (default: fake tensors, any size) or cuda (one GPU's real "
+                             "tensors for the traced rank; needs a CUDA GPU here, and is not implemented yet)")
     parser.add_argument("--trace", action="store_true",
-                        help="train mode: also run each layout's real training step at full size, one rank at a time, "
-                             "under fake tensors and a fake process group (no memory, no arithmetic; imports torch; "
-                             "minutes per layout at paper scale), its peak and bytes beside the model's")
+                        help="also run each layout's real training step (infer mode: its generate, a prefill then one "
+                             "decode step) at full size, one rank at a time, under fake tensors and a fake process "
+                             "group (no memory, no arithmetic; imports torch; minutes per layout at paper scale), its "
+                             "peak and bytes beside the model's")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     pipe = parser.add_argument_group("pipeline stages around TSP (a [pp, dp, tsp] mesh) and multi-node placement")
     pipe.add_argument("--pp", type=int, help="pipeline stages: predict per-stage memory, the bubble and the traffic of "
@@ -210,8 +214,8 @@ def _check_args(args) -> ModelConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     check_gpus(args.gpus)
     check_gpu_mem(args.gpu_mem)
-    if getattr(args, "trace", False) and (args.mode != "train" or getattr(args, "sweep", False)):
-        raise ValueError("--trace traces one training step per layout: --mode train, without --sweep")
+    if getattr(args, "trace", False) and getattr(args, "sweep", False):
+        raise ValueError("--trace traces the layout table's rows: not with --sweep")
     return cfg
 
 
@@ -340,8 +344,8 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
         if r.error:
             continue
         level = _zero(args) if r.layout.sizes["dp"] > 1 and get_scheme(r.layout.scheme).zero else 0
-        if level:
-            r.traced = {"skipped": f"--zero {level} (the distributed optimizer) is not traced yet"}
+        if level == 3:
+            r.traced = {"skipped": "--zero 3 (FSDP2) is not traced yet"}
             continue
         options = dict(r.layout.option_values)
         if args.recompute != "none" and "recompute" in r.layout.spec.options:
@@ -349,10 +353,19 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
         layout = Layout.resolve(r.layout.scheme, r.layout.world, **r.layout.sizes, **options)
         log(f"plan --trace: {r.label} ...")
         try:
-            traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype)
-        except (TraceError, ValueError) as e:
+            if args.mode == "infer":
+                kv = {"kv_layout": args.kv_layout} if has_kv_layouts(r.layout.scheme) else {}
+                traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, mode="infer",
+                                      **kv)
+            else:
+                traced = trace_layout(cfg, layout, args.batch_size, args.seq_len, dtype=args.dtype, zero=level)
+        except TraceError as e:
             r.traced = {"error": str(e)}
             log(f"plan --trace: {r.label} failed: {e}")
+            continue
+        except ValueError as e:  # the real code refuses the layout (generate runs no TP+seqpar): not a failed trace
+            r.traced = {"skipped": str(e)}
+            log(f"plan --trace: {r.label} not traced: {e}")
             continue
         peak, comm = traced["peak_bytes"] / r.memory.total, traced["comm_bytes"] / max(r.comm.total, 1)
         traced.update(peak_vs_model=round(peak, 4), comm_vs_model=round(comm, 4),
@@ -364,9 +377,10 @@ def trace_rows(cfg: ModelConfig, args, rows: list[Row], log=None) -> None:
 
 def _trace_notes(rows: list[Row]) -> str:
     """Below a --trace table: what the column is, the flagged rows, the failed traces."""
-    lines = ["traced GB: the real code's step at full size, one rank at a time under fake tensors and a fake process "
-             "group (torchtsp.trace; NCCL's collectives; zigzag layouts the larger of the first and last sequence "
-             f"rank); '!': the traced peak or bytes differ from the model's by more than {TRACE_FLAG:.0%}"]
+    lines = ["traced GB: the real code's step (infer: generate, a prefill then one decode step) at full size, one rank "
+             "at a time under fake tensors and a fake process group (torchtsp.trace; NCCL's collectives; zigzag "
+             "layouts the larger of the first and last sequence rank); '!': the traced peak or bytes differ from the "
+             f"model's by more than {TRACE_FLAG:.0%}"]
     for r in rows:
         t = r.traced or {}
         if t.get("flagged"):
@@ -434,11 +448,26 @@ def _print_sweep(cfg, args, sweep) -> None:
     print("assumptions: " + "; ".join(_assumptions(args)) + ".")
 
 
+def _check_trace_device(args) -> None:
+    """``--device cuda``: only with --trace (which imports torch anyway), and only where a CUDA GPU is present."""
+    if not getattr(args, "trace", False):
+        raise ValueError(f"--device {args.device} applies to --trace (the model's arithmetic runs on no device)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA GPU on this machine; --trace runs on the CPU by default "
+                         "(fake tensors, any size)")
+    raise ValueError(f"--device {args.device}: tracing with one GPU's real tensors is not implemented yet; --trace "
+                     "runs on the CPU by default (fake tensors, any size)")
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed ``add_plan_arguments`` arguments; returns the exit status."""
     if getattr(args, "trace", False) and any(getattr(args, name, None) is not None
                                              for name in ("hardware", "pp", "nodes")):
         raise ValueError("--trace traces the layout table's rows: not with --hardware, --pp or --nodes yet")
+    if getattr(args, "device", "cpu") != "cpu":
+        _check_trace_device(args)
     if getattr(args, "hardware", None) is not None:
         from .hardware import run_hardware_plan
 

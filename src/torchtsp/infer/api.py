@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..host import on_host, traced
 from ..kv_layouts import resolve_kv_layout
 from ..schemes import INFERENCE_SCHEDULES, SCHEMES, inference_schemes, resolve
 from .engine import Engine
@@ -125,7 +126,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     rows = engine.batch_rows(B)
     local = [prompts[i] if i < B else prompts[0] for i in range(rows.start, rows.stop)]  # DP pads its last share
     device = engine.device
-    host_lengths = torch.tensor([len(p) for p in local])
+    with on_host():  # the driver's knowledge of the lengths: host values, real in a fake-tensor trace too
+        host_lengths = torch.tensor([len(p) for p in local])
     lengths = host_lengths.to(device)
     longest = max(len(p) for p in local)
     chunk = _round_up(min(prefill_chunk or longest, longest), engine.token_multiple)
@@ -159,7 +161,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             if t + 1 == max_new_tokens or (stops and bool(done.all())):
                 break
             t0 = time.perf_counter()
-            engine.cache.expect(host_lengths + t + 1)
+            with on_host():
+                engine.cache.expect(host_lengths + t + 1)
             logits = engine.decode(ids, lengths + t)
             ids = select(logits)
             _sync(device)
@@ -167,7 +170,8 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     if getattr(engine, "rows_comm", None) is not None:  # each replica decoded its own rows (Scheme.rows_over_dp)
         new, seen_logits = _gather_rows(engine.rows_comm, new, seen_logits, B, max_new_tokens)
     result_tokens = []
-    for prompt, row in zip(prompts, new.tolist()):
+    # A fake-tensor trace (torchtsp.trace) chose no tokens it could read: its result holds the prompts alone.
+    for prompt, row in zip(prompts, [[]] * len(prompts) if traced(new) else new.tolist()):
         result_tokens.append(prompt + [i for i in row if i >= 0])
     return GenerationResult(
         tokens=result_tokens, prompt_lengths=[len(p) for p in prompts], prefill_s=prefill_s,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement
 from ..layers import attend, layer_rope, positions_mask
 
@@ -131,7 +132,8 @@ class KVPool:
     def rows(self, tables: torch.Tensor, lengths: torch.Tensor) -> KVCache:
         """The view of the sequences with block tables ``tables`` ([G, B, n], one per group; [B, n] with one group)
         that hold ``lengths`` [B] tokens so far (host tensors: the driver knows them)."""
-        return KVCache(self, tables.cpu(), lengths.cpu())
+        with on_host():  # host values, real in a fake-tensor trace too
+            return KVCache(self, tables.cpu(), lengths.cpu())
 
 
 class KVCache:
@@ -148,14 +150,15 @@ class KVCache:
             raise ValueError(f"{tables.shape[0]} block tables per sequence for a pool of {len(pool.groups.windows)} "
                              f"groups; rank 0's block manager and the ranks disagree")
         self.tables, self.lengths = tables.to(pool.device), lengths.to(pool.device)
-        self.host_lengths = lengths.clone()
+        with on_host():  # the tables and lengths are the driver's host values, real in a fake-tensor trace too
+            self.host_lengths = lengths.clone()
+            # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
+            self.one_block_each = tables.shape[0] == 1 and tables.shape[2] == 1 and bool(
+                (tables[0, :, 0] == torch.arange(tables.shape[1])).all())
         self.before, self.host_before = self.lengths, self.host_lengths  # before this step's tokens (``reserve``)
         self._next: torch.Tensor | None = None  # host lengths after the next step (``expect``)
         self._index = {}  # (before?, member) -> (key positions [B, S], valid [B, S])
         self.capacity = tables.shape[2] * pool.block_tokens  # tokens each sequence's table covers
-        # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
-        self.one_block_each = tables.shape[0] == 1 and tables.shape[2] == 1 and bool(
-            (tables[0, :, 0] == torch.arange(tables.shape[1])).all())
 
     def expect(self, lengths) -> None:
         """The sequences' lengths after the next step's tokens (host values; ``reserve`` then reads none back)."""
@@ -171,8 +174,13 @@ class KVCache:
         this rank does not keep, and padding, go to the spare slot. Grows the lengths to cover the valid ones."""
         new = torch.where(valid, pos + 1, 0).amax(dim=1) if pos.shape[1] else torch.zeros_like(self.lengths)
         grown = torch.maximum(self.lengths, new)
-        host = grown.cpu() if self._next is None else torch.maximum(self.host_lengths, self._next)
-        longest = int(host.max()) if len(host) else 0
+        if self._next is None:
+            host = grown.cpu()
+        else:
+            with on_host():
+                host = torch.maximum(self.host_lengths, self._next)
+        with on_host():
+            longest = int(host.max()) if len(host) else 0
         if longest > self.capacity:
             raise ValueError(f"KV cache full: a sequence reaches {longest} tokens, its blocks hold {self.capacity}")
         self.before, self.host_before, self._index, self._next = self.lengths, self.host_lengths, {}, None
@@ -203,7 +211,8 @@ class KVCache:
         key = (before, member)
         if key not in self._index:
             pool, lengths = self.pool, self.before if before else self.lengths
-            longest = int((self.host_before if before else self.host_lengths).max()) if len(lengths) else 0
+            with on_host():
+                longest = int((self.host_before if before else self.host_lengths).max()) if len(lengths) else 0
             S = pool.placement.local_slot(longest - 1) + 1 if longest else 0
             positions = pool.placement.position(torch.arange(S, device=pool.device),
                                                 pool.member if member is None else member)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..distributed import zigzag
 from ..distributed.comm import AxisComm
+from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement, kv_heads_per_rank, kv_token_ranks
 from ..layers import block_forward, norm, scale_embeddings
 from ..parallel.shards import vocab_slice_index
@@ -155,7 +156,9 @@ class Engine:
         (the last chosen token is never fed back, so it takes no slot)."""
         tokens = prompt_len + max_new_tokens - 1
         pool = self.kv_pool(batch, max(1, -(-tokens // self.kv_token_ranks)), spare_slots=True)
-        self.cache = pool.rows(torch.arange(batch).unsqueeze(1), torch.zeros(batch, dtype=torch.long))
+        with on_host():  # block tables and lengths are host data (real in a fake-tensor trace too)
+            tables, lengths = torch.arange(batch).unsqueeze(1), torch.zeros(batch, dtype=torch.long)
+        self.cache = pool.rows(tables, lengths)
 
     def attach_cache(self, cache) -> None:
         """Run the next steps on ``cache`` (a server's sequences, ``KVPool.rows``; they may differ in length)."""
@@ -187,7 +190,8 @@ class Engine:
         last = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
         for c0 in range(0, S, chunk):
             if host_lengths is not None:
-                self.cache.expect(host_lengths.clamp(max=c0 + chunk))
+                with on_host():
+                    self.cache.expect(host_lengths.clamp(max=c0 + chunk))
             pos = torch.arange(c0, c0 + chunk, device=self.device).expand(B, chunk)
             last += self.prefill_chunk(tokens[:, c0:c0 + chunk], pos, pos < lengths.unsqueeze(1), lengths)
         return self.head(self.finish_last(last))

@@ -14,7 +14,8 @@ TSP folds expert parallelism onto its own axis. Rank p of the ``tsp`` axis (size
 
 A shared expert (Qwen2-MoE) is a dense gated MLP like any other: its packed shards travel the TSP weight ring
 (``TSPFeedForward`` with its own layout). Routing is dropless (no capacity factor), so the split sizes are data:
-step 2 reads them on the host, the one host-device synchronisation of a sparse layer.
+step 2 reads them on the host, the one host-device synchronisation of a sparse layer (a fake-tensor trace,
+which has no values, takes them from a balanced routing: ``host.counts_on_host``).
 
 The other schemes: ``tp`` cuts every expert (and the shared expert) along its FFN dimension, so each rank runs
 every expert's slice on every token and one all-reduce sums the partial outputs; ``sp`` and ``dp`` keep whole
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.comm import AxisComm
+from ..host import counts_on_host
 from ..layers import (
     RouterStats,
     Routing,
@@ -37,6 +39,7 @@ from ..layers import (
     gated_shared_expert,
     local_experts,
     moe_layer,
+    routing_counts,
     swiglu,
 )
 from .base import SumOverAxis, replicated_grad
@@ -75,15 +78,21 @@ def expert_parallel(w_gate, w_up, w_down, comm: AxisComm, n_experts: int):
     def run(h2: torch.Tensor, routing: Routing) -> torch.Tensor:
         D, per = comm.size, n_experts // comm.size
         received = exchange_counts(comm, routing.counts)  # [D, per]
-        send_splits = routing.counts.view(D, per).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
+        counts = routing_counts(routing)
+        mine = slice(comm.rank * per, (comm.rank + 1) * per)
+        # [D·per] read on the host; a fake-tensor trace assumes every rank routes its (equally many) tokens as
+        # balanced as this one does, so each sends this rank's experts what this rank keeps for them.
+        from_each = counts_on_host(received.flatten(), lambda: counts[mine] * D)
+        send_splits = [sum(counts[s * per:(s + 1) * per]) for s in range(D)]
+        recv_splits = [sum(from_each[s * per:(s + 1) * per]) for s in range(D)]
         x = AllToAll.apply(h2[routing.token], comm, recv_splits, send_splits, "moe.dispatch")
         # Received rows come grouped by source rank, then by expert: regroup them by expert for the expert GEMMs.
         # output_size: the length is already on the host (recv_splits), so this needs no device read.
         local_expert = torch.repeat_interleave(torch.arange(per, device=h2.device).repeat(D), received.flatten(),
                                                output_size=sum(recv_splits))
         by_expert = torch.argsort(local_expert, stable=True)
-        out = expert_mlps(x[by_expert], received.sum(dim=0).tolist(), w_gate, w_up, w_down)
+        per_expert = [sum(from_each[s * per + e] for s in range(D)) for e in range(per)]
+        out = expert_mlps(x[by_expert], per_expert, w_gate, w_up, w_down)
         out = out[torch.argsort(by_expert)]  # back to (source rank, expert) order
         back = AllToAll.apply(out, comm, send_splits, recv_splits, "moe.combine")
         return combine(h2.shape[0], back, routing.order, routing.token, routing.weights)

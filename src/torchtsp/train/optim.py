@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..distributed.comm import AxisComm
+from ..host import on_host
 from ..memory import live_bytes
 
 
@@ -23,17 +24,20 @@ def is_norm_weight(reference_name: str) -> bool:
     return reference_name.endswith("norm.weight")
 
 
-def build_adamw(named_params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def build_adamw(named_params, lr: float, weight_decay: float, foreach: bool | None = None) -> torch.optim.AdamW:
     """AdamW over the given (name, parameter) pairs; norm weights get no weight decay.
 
     ``named_params`` yields (reference names of the parameter, parameter): a sharded parameter may
-    hold pieces of several reference parameters; it is a norm only if all of them are.
+    hold pieces of several reference parameters; it is a norm only if all of them are. ``foreach``: torch's
+    multi-tensor step (True), its per-tensor loop (False), or torch's choice for the parameters' device (None:
+    multi-tensor on CUDA, the loop on CPU). The multi-tensor step holds sqrt(v) of every parameter at once, so
+    a trace standing for a CUDA rank on CPU tensors asks for it (``torchtsp.trace``).
     """
     decay, no_decay = [], []
     for names, p in named_params:
         (no_decay if all(is_norm_weight(n) for n in names) else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), foreach=foreach)
 
 
 def norm_weight(shard_dims: dict, sizes: dict[str, int]) -> float:
@@ -97,26 +101,29 @@ def owned_norm_terms(model, name: str, shape, lo: int, hi: int, sizes: dict[str,
     per-element weights or None), relative to ``lo``; the weight 1 for an element counted as it is, chunks/size
     for a slice several ranks hold, 0 for padding no reference tensor has (``norm_weight``). Packed shards lay
     their pieces out one after another, so a few runs of [start, end) cover them; a layout with more runs keeps
-    per-element weights (on ``device``)."""
-    weight, group = torch.zeros(shape), torch.full(shape, -1, dtype=torch.int16)
-    keys: list[tuple] = []
-    # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
-    for (_, w, dims), (_, g, _) in zip(model.reference_parts(name, weight), model.reference_parts(name, group)):
-        key = norm_key(dims)
-        if key not in keys:
-            keys.append(key)
-        w.fill_(norm_weight(dims, sizes))
-        g.fill_(keys.index(key))
-    owned_w, owned_g = weight.view(-1)[lo:hi], group.view(-1)[lo:hi]
-    if owned_w.numel() == 0:
-        return []
-    edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
-    bounds = [0, *edges.tolist(), owned_w.numel()]
-    if len(bounds) <= MAX_NORM_RUNS:
-        return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
-                if owned_g[a] >= 0 and owned_w[a] != 0]
-    return [(key, 0, owned_w.numel(), 1.0, torch.where(owned_g == i, owned_w, 0.0).to(device))
-            for i, key in enumerate(keys)]
+    per-element weights (on ``device``). The layout is host bookkeeping from shapes and the mesh, computed on host
+    tensors (``host.on_host``), so a fake-tensor trace (``torchtsp.trace``) reads it as a real run does."""
+    with on_host():
+        weight, group = torch.zeros(shape), torch.full(shape, -1, dtype=torch.int16)
+        keys: list[tuple] = []
+        # The same pieces, in the same order, of two tensors shaped like the parameter: weights, and key ids.
+        for (_, w, dims), (_, g, _) in zip(model.reference_parts(name, weight), model.reference_parts(name, group)):
+            key = norm_key(dims)
+            if key not in keys:
+                keys.append(key)
+            w.fill_(norm_weight(dims, sizes))
+            g.fill_(keys.index(key))
+        owned_w, owned_g = weight.view(-1)[lo:hi], group.view(-1)[lo:hi]
+        if owned_w.numel() == 0:
+            return []
+        edges = ((owned_w[1:] != owned_w[:-1]) | (owned_g[1:] != owned_g[:-1])).nonzero().view(-1) + 1
+        bounds = [0, *edges.tolist(), owned_w.numel()]
+        if len(bounds) <= MAX_NORM_RUNS:
+            return [(keys[int(owned_g[a])], a, b, float(owned_w[a]), None) for a, b in zip(bounds, bounds[1:])
+                    if owned_g[a] >= 0 and owned_w[a] != 0]
+        per_element = [torch.where(owned_g == i, owned_w, 0.0) for i in range(len(keys))]
+    # On the step's device: the per-element weights are read in every step's norm (fake tensors in a trace).
+    return [(key, 0, owned_w.numel(), 1.0, w.to(device)) for key, w in zip(keys, per_element)]
 
 
 def owned_squares(chunks, device) -> dict[tuple[str, ...], torch.Tensor]:
@@ -191,19 +198,21 @@ class AdamWSteps:
 class ReplicatedAdamW(AdamWSteps):
     """AdamW on whole local tensors (``--zero 0``): every data-parallel replica updates its own copy alike, its
     gradients summed by the model's own all-reduce. ``master_weights``: bfloat16 parameters with float32
-    masters (``MasterWeights``). One interface with ``train/zero.py``'s ``ZeroOptimizer``: ``wait_for_weights``,
-    ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` / ``load_state_dict``, ``bytes``."""
+    masters (``MasterWeights``); ``foreach``: ``build_adamw``'s. One interface with ``train/zero.py``'s
+    ``ZeroOptimizer``: ``wait_for_weights``, ``reduce``, ``clip``, ``step``, ``discard``, ``state_dict`` /
+    ``load_state_dict``, ``bytes``."""
 
     grad_sum = None  # the model keeps its own gradient sum over replicas
 
-    def __init__(self, model, lr: float, weight_decay: float, *, master_weights: bool = False):
+    def __init__(self, model, lr: float, weight_decay: float, *, master_weights: bool = False,
+                 foreach: bool | None = None):
         self.model, self.comms = model, model.comms()
         params = dict(model.named_parameters())
         self.master = MasterWeights(list(params.values())) if master_weights else None
         trained = self.master.masters if self.master else list(params.values())
         self.named = list(zip(params, trained))
         refs = {name: [ref for ref, *_ in model.reference_parts(name, p)] for name, p in params.items()}
-        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay)
+        self.optimizer = build_adamw(((refs[n], p) for n, p in self.named), lr, weight_decay, foreach)
 
     def wait_for_weights(self) -> None:
         """Every weight is whole and current after ``step``: nothing to wait for."""

@@ -144,7 +144,7 @@ class ZeroOptimizer:
     """AdamW over the owned dp chunks of ``model``'s parameters, with gradients reduce-scattered and weights
     all-gathered over ``model.comms()["dp"]``. ``level``: 1 or 2 (above). ``master_weights``: keep float32
     masters of the owned chunks and the parameters in bfloat16 (mixed precision); else the parameters are
-    float32 and AdamW updates their owned chunks in place.
+    float32 and AdamW updates their owned chunks in place. ``foreach``: ``build_adamw``'s, for each bucket's AdamW.
 
     The model sums its gradients with this optimizer's reduce-scatter once it is given it,
     ``model.sum_gradients_with(opt.grad_sum)``: in backward through gradient hooks, or, for a pipeline, as each
@@ -153,7 +153,7 @@ class ZeroOptimizer:
     the AdamW optimizers over the chunks (one per bucket)."""
 
     def __init__(self, model, level: int, lr: float, weight_decay: float, *, master_weights: bool = False,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, poison: bool = False):
+                 bucket_mb: float = DEFAULT_BUCKET_MB, poison: bool = False, foreach: bool | None = None):
         if level not in (1, 2):
             raise ValueError(f"ZeroOptimizer level must be 1 or 2, got {level!r}")
         self.model, self.level, self.comms = model, level, model.comms()
@@ -162,6 +162,7 @@ class ZeroOptimizer:
         self.overlap = False  # reducing in backward: the model called ``in_backward`` (its gradient-sum strategy)
         self._after_passes = False  # the model reduces whole passes (``over_pass``): ``reduce`` has nothing left
         self.poison = poison  # tests: non-owned weights are NaN until their gather lands
+        self.foreach = foreach  # AdamW's multi-tensor step within each bucket or not (``build_adamw``)
         self.measuring = False  # record the live gradient bytes at each bucket's issue (``grad_peak``)
         self.grad_peak = 0
         self.measured_grad_bytes = 0  # ``step``'s record while ``measuring``
@@ -222,7 +223,7 @@ class ZeroOptimizer:
         lr = old[0].param_groups[0]["lr"] if old else self._lr  # a learning rate already set is kept
         self.buckets = self._make_buckets(order, self._bucket_bytes)
         self.optimizers = [build_adamw(((self._refs[s.name], s.master) for s in b.slots), lr,
-                                       self._weight_decay) for b in self.buckets]
+                                       self._weight_decay, self.foreach) for b in self.buckets]
         for slot in self.slots:
             if slot.master in states:
                 self._state(slot).update(states[slot.master])
