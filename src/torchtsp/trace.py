@@ -124,6 +124,27 @@ def zigzag_ranks(layout: Layout) -> tuple[int, ...]:
     return (0, last)
 
 
+def _check_request(layout: Layout, rank: int, dtype: str) -> None:
+    """What every trace refuses before it starts (a ValueError, one line)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if layout.pp > 1:
+        raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    if not 0 <= rank < layout.world:
+        raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
+
+
+def _traced(cfg: ModelConfig, model, rank: int, peak: int, parts: dict[str, int], traffic: Traffic,
+            largest: _LargestAllocation, start: float, **extra) -> Traced:
+    """The record of one traced rank, from what its measured call left: the peak by part, the bytes received (and
+    over which path), the largest allocation."""
+    point_to_point = any(c.point_to_point for c in model.comms().values())
+    return Traced(rank=rank, peak_bytes=peak, categories=parts, comm_bytes=traffic.recv,
+                  comm_bytes_by_op=traffic.by_op, comm_path="point_to_point" if point_to_point else "collectives",
+                  seq_rank=model.traffic_args().get("seq_rank"), largest_allocation_bytes=largest.largest,
+                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None, **extra)
+
+
 def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, rank: int = 0, dtype: str = "float32",
                stands_for: str = "nccl", grad_clip: float = GRAD_CLIP, seed: int = 0,
                foreach: bool | None = None, zero: int = 0) -> Traced:
@@ -133,14 +154,9 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
     distributed optimizer over dp (``train/zero.py``'s ``ZeroOptimizer``, as ``torchtsp train --zero``; nothing
     where dp is 1); 3 (FSDP2) is not traced. Raises ``TraceError``
     when the real code fails, ValueError when the layout refuses the batch. Needs a process without a process group."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if layout.pp > 1:
-        raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
+    _check_request(layout, rank, dtype)
     if zero not in (0, 1, 2):
         raise ValueError(f"tracing --zero {zero} is not supported (0, 1 or 2)")
-    if not 0 <= rank < layout.world:
-        raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
     layout.check_batch(batch, seq_len)
     start = time.perf_counter()
     comm.init_fake_process_group(rank, layout.world, stands_for)  # refuses a process with a group: before the try,
@@ -180,19 +196,13 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
             largest = _LargestAllocation()
             with Traffic(model.comms()) as traffic, largest:
                 _, peak, parts = measure_peak_by_kind(step, model, *optimizer.tracked)
-            traffic_args = model.traffic_args()
-            point_to_point = any(c.point_to_point for c in model.comms().values())
+            return _traced(cfg, model, rank, peak, parts, traffic, largest, start)
     except ValueError:
         raise
     except Exception as e:
         raise TraceError(layout.label, rank, phase, e) from e
     finally:
         comm.destroy_process_group()
-    return Traced(rank=rank, peak_bytes=peak, categories=parts, comm_bytes=traffic.recv,
-                  comm_bytes_by_op=traffic.by_op,
-                  comm_path="point_to_point" if point_to_point else "collectives",
-                  seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
-                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
 
 
 def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int, *, new_tokens: int = 2,
@@ -204,12 +214,7 @@ def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int
     over the call with the model's weights present, and the bytes received. Raises as ``trace_step``."""
     from .infer import generate
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if layout.pp > 1:
-        raise ValueError("tracing pipeline stages (pp > 1) is not supported yet")
-    if not 0 <= rank < layout.world:
-        raise ValueError(f"rank {rank} is outside the world of {layout.world} ranks")
+    _check_request(layout, rank, dtype)
     cfg = replace(cfg, max_seq_len=max(cfg.max_seq_len, prompt_len + new_tokens))  # as bench --mode infer sizes it
     start = time.perf_counter()
     comm.init_fake_process_group(rank, layout.world, stands_for)
@@ -229,19 +234,14 @@ def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int
             with Traffic(model.comms()) as traffic, largest:
                 result, peak, parts = measure_peak_by_kind(
                     lambda: generate(model, prompts, new_tokens, kv_layout=kv_layout), model)
-            traffic_args = model.traffic_args()
-            point_to_point = any(c.point_to_point for c in model.comms().values())
+            return _traced(cfg, model, rank, peak, parts, traffic, largest, start,
+                           kv_cache_bytes=result.kv_cache_bytes)
     except ValueError:
         raise
     except Exception as e:
         raise TraceError(layout.label, rank, phase, e) from e
     finally:
         comm.destroy_process_group()
-    return Traced(rank=rank, peak_bytes=peak, categories=parts, kv_cache_bytes=result.kv_cache_bytes,
-                  comm_bytes=traffic.recv, comm_bytes_by_op=traffic.by_op,
-                  comm_path="point_to_point" if point_to_point else "collectives",
-                  seq_rank=traffic_args.get("seq_rank"), largest_allocation_bytes=largest.largest,
-                  wall_s=time.perf_counter() - start, routing=ROUTING if cfg.moe else None)
 
 
 def trace_layout(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, mode: str = "train", **options) -> dict:
