@@ -10,6 +10,7 @@ reads on the real tensors they belong to; outside a trace it changes nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 
 def on_host() -> contextlib.AbstractContextManager:
@@ -19,11 +20,26 @@ def on_host() -> contextlib.AbstractContextManager:
     return unset_fake_temporarily()
 
 
+# Set by ``tracing()`` alone: a fake tensor met elsewhere (a test's fake CUDA world) is read as it always was.
+_TRACING = contextvars.ContextVar("torchtsp_tracing", default=False)
+
+
+@contextlib.contextmanager
+def tracing():
+    """The block of a ``torchtsp.trace`` run: host reads of fake tensors take the values the trace assumes."""
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
 def traced(tensor) -> bool:
-    """Whether ``tensor`` is a fake-tensor trace's (``torchtsp.trace``): it has a shape, but no values to read."""
+    """Whether ``tensor`` is a fake-tensor trace's (``torchtsp.trace``, inside ``tracing()``): it has a shape, but no
+    values to read."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(tensor, FakeTensor)
+    return _TRACING.get() and isinstance(tensor, FakeTensor)
 
 
 def balanced(total: int, parts: int) -> list[int]:

@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .distributed import comm
 from .distributed.comm import Traffic
 from .distributed.mesh import init_mesh
+from .host import tracing
 from .layout import Layout
 from .memory import measure_peak_by_kind
 from .model import Transformer
@@ -169,7 +170,7 @@ def trace_step(cfg: ModelConfig, layout: Layout, batch: int, seq_len: int, *, ra
         labels = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
         torch.manual_seed(seed)
         whole = Transformer(cfg, device="meta")  # shapes only, as every rank builds it before taking its shards
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), tracing():
             phase = "parallelize"
             model = parallelize_layout(whole, mesh, layout)
             # AdamW's step as on the backend's device: a CUDA rank's multi-tensor step (sqrt(v) of every parameter
@@ -225,7 +226,7 @@ def trace_generate(cfg: ModelConfig, layout: Layout, batch: int, prompt_len: int
         prompts = torch.randint(cfg.vocab_size, (batch, prompt_len), generator=g).tolist()  # host lists
         torch.manual_seed(seed)
         whole = Transformer(cfg, device="meta")
-        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True), tracing():
             phase = "parallelize"
             model = parallelize_layout(whole, mesh, layout).eval()
             _cast_floating(model, getattr(torch, dtype))

@@ -133,7 +133,8 @@ class KVPool:
         """The view of the sequences with block tables ``tables`` ([G, B, n], one per group; [B, n] with one group)
         that hold ``lengths`` [B] tokens so far (host tensors: the driver knows them)."""
         with on_host():  # host values, real in a fake-tensor trace too
-            return KVCache(self, tables.cpu(), lengths.cpu())
+            tables, lengths = tables.cpu(), lengths.cpu()
+        return KVCache(self, tables, lengths)
 
 
 class KVCache:
