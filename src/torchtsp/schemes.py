@@ -380,7 +380,7 @@ INFERENCE_SCHEDULES = ("auto", "weights", "activations")
 
 def infer_schedule(scheme: str, tokens_in_flight: int, crossover_tokens: int, schedule: str = "auto") -> str:
     """The schedule an inference phase runs with ``tokens_in_flight`` tokens per step: for a scheme with two
-    (TSP), weights move when the tokens reach ``crossover_tokens`` (``analysis.tsp_tp_crossover_tokens``: the
+    (TSP), weights move when the tokens reach ``crossover_tokens`` (``sizes.tsp_tp_crossover_tokens``: the
     paper's B·S at which moving the weights costs no more traffic than moving activations), else activations
     move, unless ``schedule`` names one; the others have one schedule, named after the scheme. The one rule of
     ``generate`` and of the memory model."""

@@ -17,12 +17,6 @@ from ..recompute import FULL, recompute_policy
 from ..schemes import get_scheme
 
 
-def layer_weight_elements(cfg: ModelConfig) -> int:
-    """P = (2 + 2/g + 3F/h)·h²: wq, wo (h x n_q·d), wk, wv (h x n_kv·d), and three h x F MLP matrices."""
-    h, d = cfg.dim, cfg.head_dim
-    return 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
-
-
 def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
     """(gather, scatter): how many halves (chunks) of one rank's local K/V a rank receives in a K/V all-gather
     and in the dK/dV reduce-scatter that mirrors it, over a sequence axis of ``world`` ranks.
@@ -171,19 +165,7 @@ def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_l
                            KVExchange(seq_rank, point_to_point, window)).layer_forward
 
 
-# ---------------------------------------------------------------- crossover and whole-step traffic
-
-
-def tsp_tp_crossover_tokens(cfg: ModelConfig):
-    """B·S at which TSP's forward traffic per layer equals TP's (same degree D = T), as an exact Fraction.
-
-    TSP ≤ TP ⇔ P + 2·B·S·h/g ≤ 4·B·S·h ⇔ B·S ≥ P / (4h - 2h/g). With P = (2 + 2/g + 3F/h)·h² this is
-    B·S ≥ h·(2 + 2/g + 3F/h) / (4 - 2/g): 8h for the paper's model (g = 1, F = 4h).
-    """
-    from fractions import Fraction
-
-    kv_width = cfg.n_kv_heads * cfg.head_dim  # h/g
-    return Fraction(layer_weight_elements(cfg), 4 * cfg.dim - 2 * kv_width)
+# ---------------------------------------------------------------- whole-step traffic
 
 
 def _all_reduce(nbytes: int, world: int) -> int:
