@@ -19,6 +19,11 @@ KEY_BLOCK = 1024
 # Two keep the network busy while backward fills the next bucket; each more holds one more bucket of gradient.
 ZERO_IN_FLIGHT = 2
 
+# infer.engine.sum_over_ranks (and TSP's row sums): on a point-to-point backend, partial sums up to this many bytes
+# per rank (a decode step's hidden states: B x h) are all-gathered, one exchange, and summed locally; larger ones,
+# and collective backends, all-reduce. The comm model counts the same choice.
+SUM_BY_GATHER_MAX_BYTES = 64 * 1024
+
 
 def layer_weight_elements(cfg: ModelConfig) -> int:
     """P = (2 + 2/g + 3F/h)·h²: wq, wo (h x n_q·d), wk, wv (h x n_kv·d), and three h x F MLP matrices."""

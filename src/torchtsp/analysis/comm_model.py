@@ -15,6 +15,7 @@ from ..kv_layouts import resolve_kv_layout
 from ..layout import Layout
 from ..recompute import FULL, recompute_policy
 from ..schemes import get_scheme
+from ..sizes import SUM_BY_GATHER_MAX_BYTES
 
 
 def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
@@ -493,9 +494,6 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step
 
 
-# ``infer.engine.sum_over_ranks``: on a point-to-point backend, partial sums up to this many bytes per rank are
-# all-gathered (one exchange) and summed locally; larger ones, and collective backends, all-reduce.
-SUM_BY_GATHER_MAX_BYTES = 64 * 1024
 FP32_BYTES = 4  # the (O, LSE) partials travel in float32
 
 

@@ -22,11 +22,8 @@ from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement, kv_heads_per_rank, kv_token_ranks
 from ..layers import block_forward, norm, scale_embeddings
 from ..parallel.shards import vocab_slice_index
+from ..sizes import SUM_BY_GATHER_MAX_BYTES
 from .cache import KVPool
-
-# sum_over_ranks: partial sums up to this many bytes per rank are gathered and summed locally on a point-to-point
-# backend (a decode step's hidden states: B x h).
-SUM_BY_GATHER_MAX_BYTES = 64 * 1024
 
 
 def sum_over_ranks(comm: AxisComm, partial: torch.Tensor, label: str, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,10 +61,9 @@ from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule, resolve
-from ..sizes import tsp_tp_crossover_tokens
+from ..sizes import SUM_BY_GATHER_MAX_BYTES, tsp_tp_crossover_tokens
 from .cache import CacheStep, KVCache, SequenceShardedPrefill, merge_packed, merge_partials
 from .engine import (
-    SUM_BY_GATHER_MAX_BYTES,
     Engine,
     gather_positions,
     masked_lookup,
