@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from torchtsp.serve.blocks import BlockPool, KVBlockManager, bytes_per_block
+from torchtsp.kv_layouts import bytes_per_block
+from torchtsp.serve.blocks import BlockPool, KVBlockManager
 from torchtsp.serve.paged_scheduler import PagedScheduler, RequestTooLong, scheduled
 
 # ---------------------------------------------------------------- a block's bytes, by hand

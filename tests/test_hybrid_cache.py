@@ -25,13 +25,8 @@ import torch  # noqa: E402
 
 from test_blocks import drive  # noqa: E402
 from test_blocks import reference as stand_in_reference  # noqa: E402
-from torchtsp.serve.blocks import (  # noqa: E402
-    NULL_BLOCK,
-    KVBlockManager,
-    block_hash,
-    first_needed_block,
-    window_blocks,
-)
+from torchtsp.kv_layouts import first_needed_block, window_blocks  # noqa: E402
+from torchtsp.serve.blocks import NULL_BLOCK, KVBlockManager, block_hash  # noqa: E402
 from torchtsp.serve.paged_scheduler import PagedScheduler, scheduled  # noqa: E402
 from torchtsp.serve.plan import Admission  # noqa: E402
 

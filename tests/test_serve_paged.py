@@ -261,7 +261,7 @@ CAPACITY_REQUESTS = [Admission(i, [(17 * i + 3 * j + 1) % 101 for j in range(8)]
 def _capacity_on_ranks(scheme: str, budget_bytes: int) -> dict:
     """The pool the worker sizes (worker.run_serve_rank) for ``budget_bytes`` per rank, and the requests through
     it."""
-    from torchtsp.serve.blocks import bytes_per_block
+    from torchtsp.kv_layouts import bytes_per_block
 
     reference = _kv1_model()
     model = torchtsp.parallelize(copy.deepcopy(reference), torchtsp.init_mesh(**{scheme: 2}), scheme).eval()

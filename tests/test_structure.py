@@ -84,6 +84,35 @@ def test_source_files_stay_readable(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES, f"{path} has more than {MAX_LINES} lines: split it"
 
 
+# The floors of the house (issue #58): a package imports only from the floors below it. What two floors share lives
+# below both (at the package root: kv_layouts.py, sizes.py, schemes.py). An edge is one module importing another,
+# at its top or inside a function; what that module imports in turn is its own floor's business (docs/design.md,
+# "Layout of the code": the root holds both the ground floor and the entry points such as cli.py and trace.py).
+FLOORS = {
+    "analysis": ("serve", "train", "bench"),
+    "infer": ("analysis", "serve", "train", "bench"),
+    "parallel": ("infer", "serve", "train", "analysis", "bench"),
+    "serve": ("train", "bench", "analysis"),
+}
+
+
+def floor_violations(graph: dict[str, set[str]], floors: dict[str, tuple[str, ...]]) -> list[str]:
+    def under(name, package):
+        return name == f"torchtsp.{package}" or name.startswith(f"torchtsp.{package}.")
+
+    return sorted(f"{name} -> {dep}" for name, deps in graph.items() for floor, above in floors.items()
+                  if under(name, floor) for dep in deps if any(under(dep, a) for a in above))
+
+
+def test_packages_import_only_from_the_floors_below():
+    assert floor_violations(import_graph(), FLOORS) == []
+
+
+def test_floor_violations_finds_an_edge_upward():
+    graph = {"torchtsp.infer.tsp": {"torchtsp.analysis", "torchtsp.sizes"}, "torchtsp.analysis.plan": set()}
+    assert floor_violations(graph, FLOORS) == ["torchtsp.infer.tsp -> torchtsp.analysis"]
+
+
 def test_inference_does_not_import_training():
     # Training uses inference (the end-of-run sample); inference reads no training module (tokenizers live in data/,
     # the generate command's checkpoint loading in generate_job.py).

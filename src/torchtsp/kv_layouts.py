@@ -16,11 +16,14 @@ that one. The single-device reference holds the whole cache, which every layout 
 **Where a token's K/V lives** is written here once, for the cache (infer/cache.py), the engines and the memory
 model (analysis/infer_memory.py) alike: which KV heads rank j caches (``kv_heads_of_rank``), over how many ranks
 a sequence's tokens are split (``kv_token_ranks``) and, for a position p, which of those ranks keeps it and in
-which block and slot (``KVPlacement``). Only ``//`` and ``%``: the same code runs on ints and on tensors.
+which block and slot (``KVPlacement``). Only ``//`` and ``%``: the same code runs on ints and on tensors. So is
+the paged cache's page arithmetic (a block's bytes, the blocks a sequence or a sliding window holds), which serve/
+and the memory model both read.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 KV_LAYOUTS = ("auto", "heads", "grouped", "sequence")
@@ -207,3 +210,40 @@ class KVGroups:
     def layers(self, group: int) -> int:
         """How many layers group ``group`` stores (``group_size``, or fewer in a type's padded last group)."""
         return self.layer_group.count(group)
+
+
+# ---------------------------------------------------------------- pages of the paged cache
+# The arithmetic of serve's paged cache (serve/blocks.py keeps the pool and the tables) that the memory model
+# (analysis/infer_memory.py, plan) predicts from too: here, below both.
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block on each rank: serve's --block-size default, and what plan assumes
+
+
+def bytes_per_block(n_layers: int, heads_per_rank: int, head_dim: int, dtype_bytes: int, block_size: int) -> int:
+    """Bytes one block takes on one rank: K and V of ``block_size`` tokens, every layer."""
+    return 2 * n_layers * heads_per_rank * head_dim * dtype_bytes * block_size
+
+
+def first_needed_block(next_pos: int, window: int, block_tokens: int) -> int:
+    """Index of the first block of a sequence that a query at ``next_pos`` or later can still see under a sliding
+    window ``window`` (masks.py: a query at q sees keys q - window < k <= q, so the oldest visible key is
+    next_pos - window + 1); every block before it is out of the window for good."""
+    return max(0, next_pos - window + 1) // block_tokens
+
+
+def max_blocks_spanned(n_positions: int, block_tokens: int) -> int:
+    """The most blocks ``n_positions`` consecutive positions can touch (they may start anywhere in a block)."""
+    return 0 if n_positions <= 0 else (n_positions + block_tokens - 2) // block_tokens + 1
+
+
+def window_blocks(window: int, block_tokens: int) -> int:
+    """The blocks one decoding sequence of a sliding group holds at most: its window of ``window`` positions, the
+    query's own (the one being written) included, starting anywhere in a block."""
+    return max_blocks_spanned(window, block_tokens)
+
+
+def sequence_blocks(window: int | None, n_tokens: int, block_tokens: int) -> int:
+    """Blocks a decoding sequence of ``n_tokens`` holds in a group: every one in a full group (``window`` None),
+    at most its window's in a sliding one."""
+    blocks = math.ceil(n_tokens / block_tokens)
+    return blocks if window is None else min(blocks, window_blocks(window, block_tokens))

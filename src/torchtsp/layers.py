@@ -221,11 +221,6 @@ def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: boo
     return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
 
 
-def expand_kv_heads(kv: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[B, H_kv, S, d] -> [B, H_kv * g, S, d]: each KV head serves g consecutive query heads."""
-    return kv if group_size == 1 else kv.repeat_interleave(group_size, dim=1)
-
-
 # ---------------------------------------------------------------- gated MLP
 
 

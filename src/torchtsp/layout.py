@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from .recompute import recompute_policy
-from .schemes import AXES, PIPELINE_AXIS, Scheme, check_pipeline, get_scheme
+from .schemes import AXES, PIPELINE_AXIS, Scheme, check_microbatch_split, check_pipeline, get_scheme
 
 OPTIONS = ("recompute", "sequence_parallel")
 
@@ -159,7 +159,5 @@ class Layout:
     def check_batch(self, batch: int, seq_len: int) -> None:
         """Refuse a global batch [batch, seq_len] this layout cannot split (host-side shapes only)."""
         self.spec.check_batch(batch, seq_len, self.sizes, self.sequence_parallel)
-        rows = self.sizes["dp"] * self.microbatches
-        if self.pp > 1 and batch % rows:
-            raise ValueError(f"batch size {batch} does not divide into {self.microbatches} microbatches on each of "
-                             f"{self.sizes['dp']} data-parallel replicas; choose a batch divisible by {rows}")
+        if self.pp > 1:
+            check_microbatch_split(batch, self.sizes["dp"], self.microbatches)

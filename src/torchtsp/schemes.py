@@ -359,11 +359,17 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
     if getattr(cfg, "tie_embeddings", False):
         raise ValueError("a model with tied embeddings cannot be split into pipeline stages yet (the embedding "
                          "lives in the first stage, the head in the last); drop --pp or untie them")
-    rows = degrees.get("dp", 1) * microbatches
-    if batch is not None and batch % rows:
-        raise ValueError(f"batch size {batch} does not divide into {microbatches} microbatches on each of "
-                         f"{degrees.get('dp', 1)} data-parallel replicas; choose a batch divisible by {rows}")
+    if batch is not None:
+        check_microbatch_split(batch, degrees.get("dp", 1), microbatches)
     return microbatches
+
+
+def check_microbatch_split(batch: int, dp: int, microbatches: int) -> None:
+    """Refuse a batch that does not divide into ``microbatches`` microbatches on each of ``dp`` replicas."""
+    rows = dp * microbatches
+    if batch % rows:
+        raise ValueError(f"batch size {batch} does not divide into {microbatches} microbatches on each of "
+                         f"{dp} data-parallel replicas; choose a batch divisible by {rows}")
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -380,7 +386,7 @@ INFERENCE_SCHEDULES = ("auto", "weights", "activations")
 
 def infer_schedule(scheme: str, tokens_in_flight: int, crossover_tokens: int, schedule: str = "auto") -> str:
     """The schedule an inference phase runs with ``tokens_in_flight`` tokens per step: for a scheme with two
-    (TSP), weights move when the tokens reach ``crossover_tokens`` (``analysis.tsp_tp_crossover_tokens``: the
+    (TSP), weights move when the tokens reach ``crossover_tokens`` (``sizes.tsp_tp_crossover_tokens``: the
     paper's B·S at which moving the weights costs no more traffic than moving activations), else activations
     move, unless ``schedule`` names one; the others have one schedule, named after the scheme. The one rule of
     ``generate`` and of the memory model."""

@@ -15,12 +15,7 @@ from ..kv_layouts import resolve_kv_layout
 from ..layout import Layout
 from ..recompute import FULL, recompute_policy
 from ..schemes import get_scheme
-
-
-def layer_weight_elements(cfg: ModelConfig) -> int:
-    """P = (2 + 2/g + 3F/h)·h²: wq, wo (h x n_q·d), wk, wv (h x n_kv·d), and three h x F MLP matrices."""
-    h, d = cfg.dim, cfg.head_dim
-    return 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + 3 * h * cfg.ffn_dim
+from ..sizes import SUM_BY_GATHER_MAX_BYTES
 
 
 def kv_exchange_halves(world: int, seq_rank: int | None = None) -> tuple[int, int]:
@@ -171,19 +166,7 @@ def layer_forward_recv_elements(scheme: str, cfg: ModelConfig, batch: int, seq_l
                            KVExchange(seq_rank, point_to_point, window)).layer_forward
 
 
-# ---------------------------------------------------------------- crossover and whole-step traffic
-
-
-def tsp_tp_crossover_tokens(cfg: ModelConfig):
-    """B·S at which TSP's forward traffic per layer equals TP's (same degree D = T), as an exact Fraction.
-
-    TSP ≤ TP ⇔ P + 2·B·S·h/g ≤ 4·B·S·h ⇔ B·S ≥ P / (4h - 2h/g). With P = (2 + 2/g + 3F/h)·h² this is
-    B·S ≥ h·(2 + 2/g + 3F/h) / (4 - 2/g): 8h for the paper's model (g = 1, F = 4h).
-    """
-    from fractions import Fraction
-
-    kv_width = cfg.n_kv_heads * cfg.head_dim  # h/g
-    return Fraction(layer_weight_elements(cfg), 4 * cfg.dim - 2 * kv_width)
+# ---------------------------------------------------------------- whole-step traffic
 
 
 def _all_reduce(nbytes: int, world: int) -> int:
@@ -511,9 +494,6 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step
 
 
-# ``infer.engine.sum_over_ranks``: on a point-to-point backend, partial sums up to this many bytes per rank are
-# all-gathered (one exchange) and summed locally; larger ones, and collective backends, all-reduce.
-SUM_BY_GATHER_MAX_BYTES = 64 * 1024
 FP32_BYTES = 4  # the (O, LSE) partials travel in float32
 
 

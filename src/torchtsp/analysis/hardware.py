@@ -32,7 +32,8 @@ from ..argtypes import DTYPE_BYTES
 from ..config import ModelConfig, get_preset
 from ..recompute import FULL, recompute_policy
 from ..schemes import AXES, SCHEMES, get_scheme
-from .comm_model import layer_weight_elements, predict_comm
+from ..sizes import layer_weight_elements
+from .comm_model import predict_comm
 from .memory_model import predict_memory
 from .table import count, gb, render
 from .validation import axis_splits

@@ -32,7 +32,7 @@ def _attend_bytes(batch: int, heads: int, tokens: int, keys: int, d: int) -> int
 def infer_schedule(scheme: str, cfg: ModelConfig, tokens_in_flight: int, schedule: str = "auto") -> str:
     """The schedule an inference phase of ``scheme`` runs with ``tokens_in_flight`` tokens per step
     (``schemes.infer_schedule``, the rule ``generate`` applies)."""
-    from .comm_model import tsp_tp_crossover_tokens
+    from ..sizes import tsp_tp_crossover_tokens
 
     return schemes.infer_schedule(scheme, tokens_in_flight, tsp_tp_crossover_tokens(cfg), schedule)
 
@@ -103,11 +103,10 @@ def paged_kv_bytes(cfg: ModelConfig, n_tokens: int, e: int, heads_per_rank: int,
                    token_ranks: int = 1) -> int:
     """Bytes one decoding sequence of ``n_tokens`` holds on a rank in the paged serving cache (serve/blocks.py): in
     each block group (``kv_layouts.KVGroups``: groups of equal layer count sharing one pool of pages) its blocks
-    (``blocks.sequence_blocks``: a full layer every token's, a sliding layer only the blocks of its window), each a
+    (``kv_layouts.sequence_blocks``: a full layer every token's, a sliding layer only the blocks of its window), each a
     page of ``group_size`` layers (a padded group's unused layer included), K and V of ``heads_per_rank`` heads of
     ``block_size`` slots per block (``token_ranks`` ranks share a block's tokens)."""
-    from ..kv_layouts import KVGroups
-    from ..serve.blocks import bytes_per_block, sequence_blocks
+    from ..kv_layouts import KVGroups, bytes_per_block, sequence_blocks
 
     groups, block_tokens = KVGroups.of(cfg), block_size * token_ranks
     page = bytes_per_block(groups.group_size, heads_per_rank, cfg.head_dim, e, block_size)

@@ -17,7 +17,8 @@ from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
 from ..layout import Layout
 from ..recompute import POLICIES
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
-from .comm_model import predict_comm, tsp_tp_crossover_tokens
+from ..sizes import tsp_tp_crossover_tokens
+from .comm_model import predict_comm
 from .hardware import add_hardware_arguments
 from .memory_model import predict_memory
 from .policies import PAPER_FIGURES, POLICY_WORDS, by_policy, paper_figure, policy_label, print_policies
@@ -393,21 +394,18 @@ def _trace_notes(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-SERVE_BLOCK_TOKENS = 16  # serve's default --block-size on one rank
-
-
 def _kv_per_layer_type(cfg: ModelConfig, batch: int, seq_len: int, e: int) -> str:
     """A hybrid model's KV cache per layer type, whole model (every rank's share together): the KV cache column
     is generate's, which keeps every position of every layer; the paged server (serve/blocks.py) keeps a sliding
     layer's window only (its blocks, ``sequence_blocks``)."""
-    from ..serve.blocks import sequence_blocks
+    from ..kv_layouts import DEFAULT_BLOCK_SIZE, sequence_blocks  # serve's default block, one rank
 
     per_token = 2 * e * cfg.n_kv_heads * cfg.head_dim * batch
     full = per_token * seq_len
-    window = per_token * SERVE_BLOCK_TOKENS * sequence_blocks(cfg.sliding_window, seq_len, SERVE_BLOCK_TOKENS)
+    window = per_token * DEFAULT_BLOCK_SIZE * sequence_blocks(cfg.sliding_window, seq_len, DEFAULT_BLOCK_SIZE)
     return (f"KV cache of one layer, all ranks together: a global layer {gb(full, 3)} GB; a local layer "
             f"{gb(full, 3)} GB under generate, {gb(window, 3)} GB in serve's paged cache (its window of "
-            f"{cfg.sliding_window} tokens, in blocks of {SERVE_BLOCK_TOKENS})")
+            f"{cfg.sliding_window} tokens, in blocks of {DEFAULT_BLOCK_SIZE})")
 
 
 def _print_paper(paper: list[dict]) -> None:

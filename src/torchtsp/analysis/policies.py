@@ -4,6 +4,7 @@ measured figure beside where it measured the layout. Pure arithmetic, no torch."
 from __future__ import annotations
 
 from ..recompute import FULL, NONE, POLICIES, SELECTIVE
+from ..schemes import get_scheme
 
 GB = 1e9
 
@@ -40,7 +41,8 @@ def paper_figure(preset: str, scheme: str, degrees: dict, seq_len: int, rows_per
     """The paper's measured GB for this layout, where it measured it (paper-7b, one sequence per replica)."""
     if preset != "paper-7b" or rows_per_replica != 1 or degrees.get("sequence_parallel"):
         return None
-    degrees = {a: n for a, n in degrees.items() if a in ("tsp", "tp", "sp") and n > 1}  # the model axes used
+    axes = get_scheme(scheme).axes  # the model axes it parallelises over: dp and the options are not the layout's
+    degrees = {a: n for a, n in degrees.items() if a in axes and n > 1}
     return next((gb for _, s, d, S, gb in PAPER_FIGURES if (s, d, S) == (scheme, degrees, seq_len)), None)
 
 

@@ -21,12 +21,9 @@ from ..distributed.comm import AxisComm
 from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement, kv_heads_per_rank, kv_token_ranks
 from ..layers import block_forward, norm, scale_embeddings
-from ..parallel.shards import vocab_slice_index
+from ..parallel.shards import mask_vocab_padding_, vocab_slice_index
+from ..sizes import SUM_BY_GATHER_MAX_BYTES
 from .cache import KVPool
-
-# sum_over_ranks: partial sums up to this many bytes per rank are gathered and summed locally on a point-to-point
-# backend (a decode step's hidden states: B x h).
-SUM_BY_GATHER_MAX_BYTES = 64 * 1024
 
 
 def sum_over_ranks(comm: AxisComm, partial: torch.Tensor, label: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,11 +44,7 @@ def sum_over_ranks(comm: AxisComm, partial: torch.Tensor, label: str, out: torch
 
 def vocab_logits(z: torch.Tensor, head_slice: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
     """float32 logits [B, rows] of hidden states z [B, h] against a vocabulary slice; padding rows -inf."""
-    logits = F.linear(z, head_slice).float()
-    real = vocab_size - vocab_start
-    if real < head_slice.shape[0]:
-        logits[:, max(real, 0):] = float("-inf")
-    return logits
+    return mask_vocab_padding_(F.linear(z, head_slice).float(), vocab_size - vocab_start)
 
 
 def summed_lookup(comm: AxisComm, ids: torch.Tensor, rows: torch.Tensor, cfg, label: str = "infer.tp.embedding",

@@ -61,9 +61,9 @@ from ..parallel.tsp.model import TSPLayerShards, TSPShardView
 from ..parallel.tsp.moe import tsp_inference_weights, tsp_moe_local_tokens
 from ..parallel.tsp.rings import ring_mlp
 from ..schemes import infer_schedule, resolve
+from ..sizes import SUM_BY_GATHER_MAX_BYTES, tsp_tp_crossover_tokens
 from .cache import CacheStep, KVCache, SequenceShardedPrefill, merge_packed, merge_partials
 from .engine import (
-    SUM_BY_GATHER_MAX_BYTES,
     Engine,
     gather_positions,
     masked_lookup,
@@ -310,8 +310,6 @@ class TSPEngine(Engine):
         return 2 * self.comm.size
 
     def choose_schedule(self, schedule, batch, prefill_tokens):
-        from ..analysis import tsp_tp_crossover_tokens
-
         crossover = tsp_tp_crossover_tokens(self.cfg)
         pick = lambda tokens: infer_schedule(self.scheme, tokens, crossover, schedule)
         decode = pick(batch)

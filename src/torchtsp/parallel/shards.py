@@ -95,6 +95,15 @@ def real_vocab_rows(local: torch.Tensor, vocab_size: int, rank: int) -> torch.Te
     return local[: max(0, min(rows, vocab_size - rank * rows))]
 
 
+def mask_vocab_padding_(logits: torch.Tensor, real_rows: int) -> torch.Tensor:
+    """``logits`` [..., rows] against a vocabulary slice whose first ``real_rows`` rows are real ids (fewer, or
+    none, in the last slices of a padded vocabulary): the padding columns set to -inf in place, so no softmax,
+    sample or log-probability ever sees them. Returns ``logits``."""
+    if real_rows < logits.shape[-1]:
+        logits[..., max(real_rows, 0):] = float("-inf")
+    return logits
+
+
 def vocab_slice_index(ids: torch.Tensor, rows: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(row of each id inside vocabulary shard ``shard`` of ``rows`` rows, clamped into range; whether it is there).
 

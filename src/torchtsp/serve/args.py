@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..argtypes import length
-from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
+from ..kv_layouts import DEFAULT_BLOCK_SIZE, KV_LAYOUT_HELP, KV_LAYOUTS
 from ..schemes import AXES, SCHEMES
 from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
 
@@ -41,7 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
         "chunks plus one per decoding sequence (default: 2048)")
     add("--kv-cache-mb", type=float, metavar="MIB", help="KV cache per rank, in MiB (default: 256 on CPU; on GPU "
         "90%% of the device memory free after the weights)")
-    add("--block-size", type=int, default=16, help="tokens per KV cache block on each rank (default: 16)")
+    add("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV cache block on each rank (default: {DEFAULT_BLOCK_SIZE})")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse the cached "
         "blocks of a prompt's longest cached prefix (default: on)")
     add("--max-queue", type=int, default=256, help="requests waiting for the batch before 429 (default: 256); a "

@@ -1,6 +1,7 @@
-"""Rank 0's bookkeeping of the paged KV cache: the bytes of a block, the block pool with its LRU free queue,
-per-sequence block tables and prefix caching (docs/design.md, "Serving: the paged cache"). Plain Python: the
-ranks only ever see block ids, sent with each step's plan.
+"""Rank 0's bookkeeping of the paged KV cache: the block pool with its LRU free queue,
+per-sequence block tables and prefix caching (docs/design.md, "Serving: the paged cache"); the page arithmetic
+(a block's bytes, the blocks a window spans) is kv_layouts.py's. Plain Python: the ranks only ever see block ids,
+sent with each step's plan.
 
 A block id names a *virtual* block of ``block_tokens`` consecutive tokens of one sequence (the engine's
 ``KVPool.block_tokens``, infer/cache.py, which also decides which rank stores which of them): under the
@@ -26,38 +27,10 @@ import hashlib
 import math
 from collections.abc import Hashable, Sequence
 
-
-def bytes_per_block(n_layers: int, heads_per_rank: int, head_dim: int, dtype_bytes: int, block_size: int) -> int:
-    """Bytes one block takes on one rank: K and V of ``block_size`` tokens, every layer."""
-    return 2 * n_layers * heads_per_rank * head_dim * dtype_bytes * block_size
-
+# The page arithmetic lives below serve/, where the memory model reads it too.
+from ..kv_layouts import first_needed_block, max_blocks_spanned
 
 NULL_BLOCK = 0  # a sliding group's stand-in for a block that left the window: never handed out, never written
-
-
-def first_needed_block(next_pos: int, window: int, block_tokens: int) -> int:
-    """Index of the first block of a sequence that a query at ``next_pos`` or later can still see under a sliding
-    window ``window`` (masks.py: a query at q sees keys q - window < k <= q, so the oldest visible key is
-    next_pos - window + 1); every block before it is out of the window for good."""
-    return max(0, next_pos - window + 1) // block_tokens
-
-
-def max_blocks_spanned(n_positions: int, block_tokens: int) -> int:
-    """The most blocks ``n_positions`` consecutive positions can touch (they may start anywhere in a block)."""
-    return 0 if n_positions <= 0 else (n_positions + block_tokens - 2) // block_tokens + 1
-
-
-def window_blocks(window: int, block_tokens: int) -> int:
-    """The blocks one decoding sequence of a sliding group holds at most: its window of ``window`` positions, the
-    query's own (the one being written) included, starting anywhere in a block."""
-    return max_blocks_spanned(window, block_tokens)
-
-
-def sequence_blocks(window: int | None, n_tokens: int, block_tokens: int) -> int:
-    """Blocks a decoding sequence of ``n_tokens`` holds in a group: every one in a full group (``window`` None),
-    at most its window's in a sliding one."""
-    blocks = math.ceil(n_tokens / block_tokens)
-    return blocks if window is None else min(blocks, window_blocks(window, block_tokens))
 
 
 def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:

@@ -16,6 +16,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..kv_layouts import DEFAULT_BLOCK_SIZE
+
 IDLE_S = 0.05  # an idle engine still steps (an empty plan) this often: a heartbeat for /health
 # A grammar compiles on the ranks' own threads while steps go on; one that has not compiled everywhere by then fails
 # its request ("grammar_timeout"). Twice the HTTP side's check, which compiled it already within its deadline.
@@ -34,7 +36,7 @@ class ServeJob:
     max_num_seqs: int = 16
     max_model_len: int = 2048
     kv_cache_mb: float | None = None  # MiB per rank (None: CPU_KV_CACHE_MB, or GPU_KV_CACHE_SHARE of free memory)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     prefill_chunk: int | None = None  # tokens of one prompt per step at most (None: only the budget)
@@ -242,8 +244,8 @@ class PoolSizing:
     @property
     def least_pages(self) -> int:
         """The null page (with a sliding group), a block per full group and a decoding sequence's window per
-        sliding group (``blocks.window_blocks``), so that one token a step always fits."""
-        from .blocks import window_blocks
+        sliding group (``kv_layouts.window_blocks``), so that one token a step always fits."""
+        from ..kv_layouts import window_blocks
 
         sliding = [w for w in self.windows if w is not None]
         return (len(self.windows) - len(sliding) + bool(sliding)
@@ -260,8 +262,7 @@ class PoolSizing:
 def pool_sizing(cfg, engine, block_size: int, budget: int) -> PoolSizing:
     """This rank's pages from ``budget`` bytes: as many as fit, all shared by the groups (none set aside per group:
     each takes pages as its sequences need them, serve/blocks.py)."""
-    from ..kv_layouts import KVGroups
-    from .blocks import bytes_per_block
+    from ..kv_layouts import KVGroups, bytes_per_block
 
     groups = KVGroups.of(cfg)
     per_page = bytes_per_block(groups.group_size, engine.kv_heads_per_rank, cfg.head_dim, engine.dtype.itemsize,

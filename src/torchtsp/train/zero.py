@@ -406,19 +406,16 @@ class ZeroOptimizer:
         self._master_grads()
         return owned_squares(((slot.master.grad, slot.norm_terms) for slot in self.slots), self.slots[0].param.device)
 
-    def grad_norm(self) -> torch.Tensor:
-        """The L2 norm of the whole model's gradient, each element once (see the module docstring): the owned
-        chunks partition every shard, so the squares are summed over dp too (and over pipeline stages)."""
-        over = ("dp", "pp") if "pp" in self.comms else ("dp",)
-        return global_grad_norm(self.local_squares(), comms_reduce(self.comms), over)
-
     def clip(self, max_norm: float) -> float:
         """Scale the gradients to a global norm of at most ``max_norm`` (0: no clipping); returns the norm."""
         return self.clip_on_device(max_norm).item()
 
     def clip_on_device(self, max_norm: float) -> torch.Tensor:
-        """``clip``, the norm left a tensor where it was computed (no host read: see ``ReplicatedAdamW``'s)."""
-        norm = self.grad_norm()
+        """``clip``, the norm left a tensor where it was computed (no host read: see ``ReplicatedAdamW``'s). The norm
+        is optim.global_grad_norm's, each element once (see the module docstring): the owned chunks partition every
+        shard, so the squares are summed over dp too (and over pipeline stages)."""
+        over = ("dp", "pp") if "pp" in self.comms else ("dp",)
+        norm = global_grad_norm(self.local_squares(), comms_reduce(self.comms), over)
         clip_grads_((slot.master.grad for slot in self.slots), norm, max_norm)
         return norm
 

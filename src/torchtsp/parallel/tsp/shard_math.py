@@ -10,7 +10,7 @@ from ... import compiled
 from ...compiled import compilable
 from ...distributed.comm import AxisComm
 from ...layers import apply_rope, head_norm, scale_queries
-from ..shards import PackedLayout, Part
+from ..shards import PackedLayout, Part, mask_vocab_padding_
 
 
 class AttentionShard(NamedTuple):
@@ -135,8 +135,4 @@ class TSPShardMath:
 
     def vocab_logits(self, z, w, s):
         """float32 logits [N, V/D] of local tokens against vocabulary shard s; padding rows -> -inf."""
-        logits = (z @ w.t()).float()
-        first_pad = self.cfg.vocab_size - s * w.shape[0]
-        if first_pad < w.shape[0]:
-            logits[:, max(first_pad, 0):] = float("-inf")
-        return logits
+        return mask_vocab_padding_((z @ w.t()).float(), self.cfg.vocab_size - s * w.shape[0])
