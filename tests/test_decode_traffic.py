@@ -21,12 +21,6 @@ def _cfg(n_kv: int) -> torchtsp.ModelConfig:
 # ---------------------------------------------------------------- the model against arithmetic
 
 
-def test_the_sum_threshold_is_the_engines():
-    from torchtsp.infer import engine
-
-    assert SUM_BY_GATHER_MAX_BYTES == engine.SUM_BY_GATHER_MAX_BYTES
-
-
 # (n_kv, D) -> what auto picks and what an explicit layout the model does not allow names (issue 35's rule).
 AUTO = {(4, 4): "heads", (8, 4): "heads", (4, 2): "heads", (2, 4): "grouped", (1, 2): "grouped", (1, 4): "grouped",
         (4, 1): "heads", (4, 8): "grouped", (6, 4): "sequence", (3, 2): "sequence"}
