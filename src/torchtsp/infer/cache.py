@@ -146,12 +146,15 @@ class KVCache:
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
         self.pool = pool
-        tables = tables if tables.dim() == 3 else tables.unsqueeze(0)  # [G, B, n]
+        if tables.dim() == 2:  # one group
+            with on_host():  # the tables and lengths are the driver's host values, real in a fake-tensor trace too
+                tables = tables.unsqueeze(0)  # [G, B, n]
         if tables.shape[0] != len(pool.groups.windows):
             raise ValueError(f"{tables.shape[0]} block tables per sequence for a pool of {len(pool.groups.windows)} "
                              f"groups; rank 0's block manager and the ranks disagree")
+        # Under the caller's mode: a trace's CPU pool keeps the host tensors, a (fake) GPU's gets copies.
         self.tables, self.lengths = tables.to(pool.device), lengths.to(pool.device)
-        with on_host():  # the tables and lengths are the driver's host values, real in a fake-tensor trace too
+        with on_host():
             self.host_lengths = lengths.clone()
             # Sequence b in block b alone (``Engine.start``): its slots are one stretch of the pool, read as a view.
             self.one_block_each = tables.shape[0] == 1 and tables.shape[2] == 1 and bool(
