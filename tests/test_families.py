@@ -37,14 +37,13 @@ from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, load_torchtsp_checkpoint  # noqa: E402
 from torchtsp.layers import (  # noqa: E402
     IGNORE_INDEX,
-    _llama3_inv_freq,
-    _rope_inv_freq,
     head_norm,
     rms_norm,
     rope_cos_sin,
     rope_tables,
 )
 from torchtsp.model import Transformer, reference_shapes  # noqa: E402
+from torchtsp.rope import default_inv_freq  # noqa: E402
 
 # Same justification as tests/test_hf.py: both sides compute in float32 in a different order (SDPA on
 # expanded K/V vs eager matmul + softmax, different blocking); the worst round-off seen relative to a
@@ -116,12 +115,14 @@ def test_family_matches_transformers_logits_loss_and_grads(family):
     hf = make_hf(family)
     cfg = config_from_hf(hf.config.to_dict())
     features = {
-        "llama3": dict(rope_scaling="llama3", rope_factor=8.0, tie_embeddings=True, qkv_bias=False, qk_norm=False),
+        "llama3": dict(rope_scaling="llama3", tie_embeddings=True, qkv_bias=False, qk_norm=False),
         "qwen2": dict(rope_scaling=None, rope_theta=1e6, qkv_bias=True, qk_norm=False, hf_model_type="qwen2"),
         "qwen3": dict(rope_scaling=None, rope_theta=1e6, qkv_bias=False, qk_norm=True, hf_model_type="qwen3"),
         "mistral": dict(rope_scaling=None, qkv_bias=False, qk_norm=False, family="mistral", hf_model_type="mistral"),
     }[family]
     assert {k: getattr(cfg, k) for k in features} == features
+    if family == "llama3":
+        assert cfg.rope_param("factor") == 8.0
     ours = ours_from_hf(hf)
     names = set(dict(ours.named_parameters()))
     assert ("layers.1.attention.wq.bias" in names) == cfg.qkv_bias
@@ -157,8 +158,7 @@ def test_family_matches_transformers_logits_loss_and_grads(family):
 def test_the_features_matter():
     """Dropping a feature changes the output far beyond REL_TOL, so the conformance test above can fail."""
     tokens, _ = make_batch(101)
-    for family, drop in [("llama3", dict(rope_scaling=None, rope_factor=None, rope_low_freq_factor=None,
-                                         rope_high_freq_factor=None, rope_original_max_position_embeddings=None)),
+    for family, drop in [("llama3", dict(rope_scaling=None, rope_params=())),
                          ("qwen2", dict(qkv_bias=False)), ("qwen3", dict(qk_norm=False))]:
         ours = ours_from_hf(make_hf(family))
         crippled = Transformer(ours.cfg.replace(**drop))
@@ -171,19 +171,22 @@ def test_llama3_rope_tables_equal_transformers_and_use_all_three_bands():
     hf = make_hf("llama3")
     cfg = config_from_hf(hf.config.to_dict())
     positions = torch.arange(cfg.max_seq_len)
-    cos, sin = rope_tables(positions, cfg)
+    rope = cfg.layer_specs[0].rope
+    cos, sin = rope_tables(positions, rope)
     hf_cos, hf_sin = hf.model.rotary_emb(torch.zeros(1, 1, dtype=torch.float32), positions[None])
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
 
-    plain = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, "cpu")
-    scaled = _llama3_inv_freq(plain, cfg)
-    kept, divided = scaled == plain, torch.isclose(scaled, plain / cfg.rope_factor, rtol=1e-6, atol=0)
+    plain = default_inv_freq(cfg.rope_theta, cfg.head_dim)
+    scaled, factor = rope.inv_freq_and_factor(cfg.max_seq_len)
+    assert factor == 1.0
+    kept, divided = scaled == plain, torch.isclose(scaled, plain / cfg.rope_param("factor"), rtol=1e-6, atol=0)
     between = ~kept & ~divided
     assert kept.any() and divided.any() and between.any(), (plain, scaled)
     # The unscaled primitive is still there for callers that want plain RoPE.
     assert not torch.equal(rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)[0], cos)
     assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(positions, 16, 1e4),
-                                                 rope_tables(positions, ModelConfig(dim=128, n_heads=8))))
+                                                 rope_tables(positions, ModelConfig(dim=128,
+                                                                                    n_heads=8).layer_specs[0].rope)))
 
 
 def test_head_norm_is_per_head_rms_norm():
@@ -314,15 +317,22 @@ def test_head_dim_other_than_dim_over_heads():
 
 
 def test_model_config_validation():
-    with pytest.raises(ValueError, match=r"ModelConfig\.rope_factor=8\.0 needs rope_scaling='llama3'"):
-        ModelConfig(rope_factor=8.0)
-    with pytest.raises(ValueError, match=r"ModelConfig\.rope_scaling='yarn'"):
-        ModelConfig(rope_scaling="yarn")
-    with pytest.raises(ValueError, match=r"ModelConfig\.rope_low_freq_factor must be positive"):
-        ModelConfig(rope_scaling="llama3", rope_factor=8.0)
-    with pytest.raises(ValueError, match=r"rope_high_freq_factor=1.0 must exceed rope_low_freq_factor=1.0"):
-        ModelConfig(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=1.0,
-                    rope_original_max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"ModelConfig\.rope_scaling=None: RoPE parameters \['factor'\] need a "
+                                         r"scaling type"):
+        ModelConfig(rope_params={"factor": 8.0})
+    with pytest.raises(ValueError, match=r"ModelConfig\.rope_scaling='nope': rope_type 'nope' is not implemented"):
+        ModelConfig(rope_scaling="nope")
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' needs low_freq_factor, high_freq_factor, "
+                                         r"original_max_position_embeddings"):
+        ModelConfig(rope_scaling="llama3", rope_params={"factor": 8.0})
+    with pytest.raises(ValueError, match=r"high_freq_factor=1.0 must exceed low_freq_factor=1.0"):
+        ModelConfig(rope_scaling="llama3", rope_params={"factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 1.0,
+                                                        "original_max_position_embeddings": 64})
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' takes factor, .*; not 'beta_fast'"):
+        ModelConfig(rope_scaling="llama3", rope_params={"factor": 8.0, "low_freq_factor": 1.0, "beta_fast": 32,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
     with pytest.raises(ValueError, match=r"ModelConfig\.family='gemma'"):
         ModelConfig(family="gemma")
     with pytest.raises(ValueError, match=r"family='mistral' needs qkv_bias=False"):

@@ -231,7 +231,6 @@ def test_config_from_hf_legacy_and_defaults():
         ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
         ({"head_dim": 31}, r"head_dim=31 must be positive and even"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling.*'yarn'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"rope_scaling.*'linear'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, r"rope_parameters.*'yarn'"),
         # llama3 scaling is supported, but only complete.
         (

@@ -388,7 +388,7 @@ def test_config_fields_and_refusals():
         ModelConfig(layer_types=("local", "full_attention"), sliding_window=8)
     with pytest.raises(ValueError, match=r"head_dim=7 must be positive and even"):
         ModelConfig(head_dim=7)
-    with pytest.raises(ValueError, match=r"rope_scaling='linear' takes a positive rope_factor"):
+    with pytest.raises(ValueError, match=r"rope_scaling='linear': rope_type 'linear' needs factor"):
         ModelConfig(rope_scaling="linear")
     hf = config_to_hf(get_preset("tiny-gemma3"))
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):

@@ -8,6 +8,8 @@ import torch
 import torchtsp
 from helpers import batch, run_against_reference
 from torchtsp.analysis import sp_layer_forward_recv_elements
+from torchtsp.layers import block_forward, rope_tables
+from torchtsp.parallel.base import LayerInputs
 
 CFG = dict(n_layers=2, max_seq_len=4096)
 CASES = {
@@ -39,12 +41,12 @@ def one_layer_traffic_on_rank(world, batch_size, seq_len):
         cfg = CASES[name]
         torch.manual_seed(0)
         model = torchtsp.parallelize(torchtsp.Transformer(cfg), torchtsp.init_mesh(sp=world), "sp")
-        weights = {n.removeprefix("layers.0."): p for n, p in model.module.named_parameters()
-                   if n.startswith("layers.0.")}
         x = torch.randn(batch_size, seq_len // world, cfg.dim, requires_grad=True)
-        cos, sin = model.rope(seq_len // world)[0]  # layer 0's tables (one pair per layer)
+        positions, length = model.attention_positions(x)
+        spec = cfg.layer_specs[0]
+        layer = LayerInputs(spec, *rope_tables(positions, spec.rope, length), spec.attention.mask(), None)
         with model.comm.counting() as fwd:
-            y = model.layer_forward(x, weights, cos, sin)
+            y = block_forward(x, model.placement(layer, model.forward_state()))
         y.sum().backward()  # its reduce-scatter of dK/dV must line up on every rank too
         out[name] = dict(recv=fwd.total_recv, recv_by_op=dict(fwd.bytes_recv),
                          expected=4 * sp_layer_forward_recv_elements(cfg, batch_size, seq_len, world,

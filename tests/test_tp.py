@@ -16,7 +16,8 @@ import torch
 import torchtsp
 from helpers import batch, compare_with_reference
 from torchtsp.analysis import layer_forward_recv_elements
-from torchtsp.layers import rope_cos_sin
+from torchtsp.layers import block_forward, rope_cos_sin
+from torchtsp.parallel.base import LayerInputs
 
 CFG = dict(n_layers=2, max_seq_len=64)
 CASES = {
@@ -116,7 +117,8 @@ def _layer_traffic(mesh, scheme, options, cfg, B, S):
     cos, sin = rope_cos_sin(torch.arange(S if scheme == "tp" else local), cfg.head_dim, cfg.rope_theta)
     with contextlib.ExitStack() as stack, torch.no_grad():
         stats = [stack.enter_context(c.counting()) for c in comms.values()]
-        y = model.block(model.layers[0], x, cos, sin)
+        spec = cfg.layer_specs[0]
+        y = block_forward(x, model.placement(LayerInputs(spec, cos, sin, spec.attention.mask(), None)))
     return dict(recv=sum(s.total_recv for s in stats), by_op=[dict(s.bytes_recv) for s in stats],
                 shape_ok=y.shape == x.shape,
                 expected=4 * layer_forward_recv_elements(scheme, cfg, B, S, tp=T, sp=sp,

@@ -5,19 +5,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, LayerSpec, layer_specs
+from .rope import check_params
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
-ROPE_SCALINGS = ("llama3", "linear")
-# Hugging Face's names of the attention a layer runs (``layer_types``): the whole causal context, or a window.
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-_LLAMA3_FIELDS = (
-    "rope_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position_embeddings",
-)
+# Checkpoints written before ``rope_params`` held llama3 / linear scaling in fields of their own.
+_LEGACY_ROPE_FIELDS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_position_embeddings": "original_max_position_embeddings",
+}
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,9 @@ class ModelConfig:
 
     The family features all default to off, which is plain Llama:
 
-    * ``rope_scaling="llama3"`` rescales the RoPE frequencies as Llama 3.1+ does, with the four
-      ``rope_*`` factors below (Hugging Face's ``factor``, ``low_freq_factor``, ``high_freq_factor``,
-      ``original_max_position_embeddings``); they must be None when ``rope_scaling`` is None.
+    * ``rope_scaling``: a RoPE scaling type of ``rope.ROPE_TYPES`` ("llama3": Llama 3.1+, "linear"), with its
+      parameters in ``rope_params`` by Hugging Face's names (e.g. ``(("factor", 8.0), ...)``; a dict is taken
+      too); both empty for plain RoPE.
     * ``qkv_bias``: q, k and v projections have a bias, o has none (Qwen2 / Qwen2.5).
     * ``qk_norm``: an RMSNorm over head_dim, one weight shared by all heads, applied to each q and k
       head after the projection and before RoPE, with ``norm_eps`` (Qwen3).
@@ -59,7 +60,7 @@ class ModelConfig:
       i - ``sliding_window`` < j <= i (transformers' convention: the window counts the query itself).
     * ``rope_local_theta``: the RoPE base of sliding layers, which then use plain RoPE (Gemma 3's
       rope_local_base_freq); None: sliding layers share the global layers' tables. ``rope_scaling="linear"``
-      divides the frequencies by ``rope_factor`` (Gemma 3's global layers on its larger sizes).
+      divides the frequencies by its "factor" (Gemma 3's global layers on its larger sizes).
 
     Gemma 3's variants of the one layer core (all off by default):
 
@@ -83,10 +84,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     rope_scaling: str | None = None
-    rope_factor: float | None = None
-    rope_low_freq_factor: float | None = None
-    rope_high_freq_factor: float | None = None
-    rope_original_max_position_embeddings: int | None = None
+    rope_params: tuple = ()
     qkv_bias: bool = False
     qk_norm: bool = False
     family: str | None = None
@@ -165,13 +163,19 @@ class ModelConfig:
         if scalar is not None and float(scalar) == self.head_dim:
             object.__setattr__(self, "query_pre_attn_scalar", None)  # the usual scale: one spelling
 
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Every layer's kind (``layer_kinds.LayerSpec``): what the mask, the exchange, the cache, the RoPE tables
+        and the analysis models dispatch on."""
+        return layer_specs(self)
+
     def layer_type(self, i: int) -> str:
-        """Layer i's attention: "full_attention" or "sliding_attention"."""
-        return self.layer_types[i] if self.layer_types else FULL_ATTENTION
+        """Layer i's attention as Hugging Face names it: "full_attention" or "sliding_attention"."""
+        return self.layer_specs[i].attention.name
 
     def window(self, i: int) -> int | None:
         """The window of layer i's attention (None: the whole causal context)."""
-        return self.sliding_window if self.layer_type(i) == SLIDING_ATTENTION else None
+        return self.layer_specs[i].attention.window
 
     @property
     def sliding(self) -> bool:
@@ -245,33 +249,15 @@ class ModelConfig:
         return self.n_experts > 0 and i not in self.dense_layers and (i + 1) % self.moe_layer_step == 0
 
     def _check_rope_scaling(self):
-        if self.rope_scaling == "linear":
-            others = [name for name in _LLAMA3_FIELDS[1:] if getattr(self, name) is not None]
-            if others or self.rope_factor is None or not self.rope_factor > 0:
-                raise ValueError(f"ModelConfig.rope_scaling='linear' takes a positive rope_factor only, got "
-                                 f"rope_factor={self.rope_factor!r}" + (f" and {others[0]}" if others else ""))
-            return
-        if self.rope_scaling is None:
-            for name in _LLAMA3_FIELDS:
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"ModelConfig.{name}={getattr(self, name)!r} needs rope_scaling='llama3'; "
-                        "set rope_scaling or leave the field None"
-                    )
-            return
-        if self.rope_scaling not in ROPE_SCALINGS:
-            raise ValueError(
-                f"ModelConfig.rope_scaling={self.rope_scaling!r} is not supported; use None, 'llama3' or 'linear'"
-            )
-        for name in _LLAMA3_FIELDS:
-            value = getattr(self, name)
-            if value is None or not value > 0:
-                raise ValueError(f"ModelConfig.{name} must be positive with rope_scaling='llama3', got {value!r}")
-        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise ValueError(
-                f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
-                f"rope_low_freq_factor={self.rope_low_freq_factor} (llama3 RoPE interpolates between them)"
-            )
+        params = self.rope_params.items() if isinstance(self.rope_params, dict) else self.rope_params
+        try:
+            object.__setattr__(self, "rope_params", check_params(self.rope_scaling, tuple(params)))
+        except ValueError as e:
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: {e}") from None
+
+    def rope_param(self, name: str):
+        """The value of RoPE scaling parameter ``name`` (Hugging Face's name: "factor", ...)."""
+        return dict(self.rope_params)[name]
 
     def _check_family(self):
         if self.family is None:
@@ -347,10 +333,17 @@ class ModelConfig:
         values = dataclasses.asdict(self)
         values["dense_layers"] = list(self.dense_layers)
         values["layer_types"] = list(self.layer_types)
+        values["rope_params"] = {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_params}
         return values
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
+        values = dict(values)
+        legacy = {new: values.pop(old) for old, new in _LEGACY_ROPE_FIELDS.items() if values.get(old) is not None}
+        for old in _LEGACY_ROPE_FIELDS:
+            values.pop(old, None)
+        if legacy:
+            values["rope_params"] = {**legacy, **dict(values.get("rope_params") or {})}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -359,12 +352,10 @@ class ModelConfig:
 
 
 # Llama 3.1 / 3.2's RoPE scaling, except the factor, which differs between sizes.
-_LLAMA3_ROPE = dict(
-    rope_scaling="llama3",
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0,
-    rope_original_max_position_embeddings=8192,
-)
+def _llama3_rope(factor: float) -> dict:
+    return dict(rope_scaling="llama3", rope_params=(("factor", factor), ("high_freq_factor", 4.0),
+                                                    ("low_freq_factor", 1.0),
+                                                    ("original_max_position_embeddings", 8192)))
 
 def layer_pattern(n_layers: int, every: int) -> tuple[str, ...]:
     """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
@@ -422,8 +413,7 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=131072,
         rope_theta=500000.0,
         tie_embeddings=True,
-        **_LLAMA3_ROPE,
-        rope_factor=32.0,
+        **_llama3_rope(32.0),
     ),
     # Llama 3.1 8B: llama3 RoPE scaling by 8.
     "llama3.1-8b": ModelConfig(
@@ -435,8 +425,7 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=128256,
         max_seq_len=131072,
         rope_theta=500000.0,
-        **_LLAMA3_ROPE,
-        rope_factor=8.0,
+        **_llama3_rope(8.0),
     ),
     # Qwen2.5 7B: q/k/v bias, 28 query and 4 KV heads (g=7), head_dim 128.
     "qwen2.5-7b": ModelConfig(
@@ -481,11 +470,12 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma3-4b": ModelConfig(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=10240,
                              vocab_size=262208, max_seq_len=131072,
                              layer_types=layer_pattern(34, 6), sliding_window=1024,
-                             rope_scaling="linear", rope_factor=8.0, **_GEMMA3),
+                             rope_scaling="linear", rope_params=(("factor", 8.0),), **_GEMMA3),
     "gemma3-27b": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
                               vocab_size=262208, max_seq_len=131072,
                               layer_types=layer_pattern(62, 6), sliding_window=1024,
-                              rope_scaling="linear", rope_factor=8.0, query_pre_attn_scalar=168, **_GEMMA3),
+                              rope_scaling="linear", rope_params=(("factor", 8.0),), query_pre_attn_scalar=168,
+                              **_GEMMA3),
     # Mixtral 8x7B: 8 experts of width 14336 in every layer, top-2, GQA g=4.
     "mixtral-8x7b": ModelConfig(
         dim=4096,

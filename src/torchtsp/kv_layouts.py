@@ -194,17 +194,18 @@ class KVGroups:
 
     @classmethod
     def of(cls, cfg) -> KVGroups:
-        """The groups of a model config (``cfg.window(i)``: layer i's window, None for a full layer)."""
-        windows = [cfg.window(i) for i in range(cfg.n_layers)]
-        types = sorted(set(windows), key=lambda w: (w is not None, w or 0))  # full attention first
-        size = min(windows.count(w) for w in types)
-        layer_group, layer_slot, group_windows = [0] * len(windows), [0] * len(windows), []
-        for w in types:
-            layers = [i for i, lw in enumerate(windows) if lw == w]
+        """The groups of a model config: layers grouped by what their cache holds (``LayerSpec.attention.cache``:
+        every token, or a window's), full attention first."""
+        kinds = [spec.attention.cache for spec in cfg.layer_specs]
+        order = sorted(set(kinds), key=lambda k: (k.window is not None, k.window or 0))
+        size = min(kinds.count(k) for k in order)
+        layer_group, layer_slot, group_windows = [0] * len(kinds), [0] * len(kinds), []
+        for kind in order:
+            layers = [i for i, k in enumerate(kinds) if k == kind]
             for start in range(0, len(layers), size):
                 for slot, i in enumerate(layers[start:start + size]):
                     layer_group[i], layer_slot[i] = len(group_windows), slot
-                group_windows.append(w)
+                group_windows.append(kind.window)
         return cls(tuple(layer_group), tuple(group_windows), tuple(layer_slot), size)
 
     def layers(self, group: int) -> int:

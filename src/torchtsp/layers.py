@@ -12,7 +12,6 @@ projection; ``attend`` takes head-major views ([B, H, S, d], any strides).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,7 +21,6 @@ import torch.nn.functional as F
 
 from . import kernels
 from .compiled import compilable
-from .config import FULL_ATTENTION, SLIDING_ATTENTION
 from .host import balanced, counts_on_host
 from .masks import (  # noqa: F401  (re-exported: the layer core's one mask)
     CAUSAL,
@@ -32,10 +30,12 @@ from .masks import (  # noqa: F401  (re-exported: the layer core's one mask)
     Mask,
     as_documents,
     positions_mask,
+    rope_length,
     rope_positions,
     sequence_mask,
     visible_blocks,
 )
+from .rope import RopeSpec, rope_tables  # noqa: F401  (re-exported: the layer core's RoPE tables)
 
 IGNORE_INDEX = -100
 
@@ -73,67 +73,20 @@ def head_norm(x: torch.Tensor, weight: torch.Tensor, cfg) -> torch.Tensor:
 # ---------------------------------------------------------------- RoPE
 
 
-def _rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, cfg) -> torch.Tensor:
-    """Llama 3.1's frequency rescaling, op for op as transformers' ``_compute_llama3_parameters``.
-
-    Wavelengths shorter than original_max/high_freq_factor are kept, longer than original_max/low_freq_factor
-    are stretched by ``factor``, and the band between is interpolated smoothly.
-    """
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    old_context_len = cfg.rope_original_max_position_embeddings
-    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = positions.float()[..., None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain (unscaled) RoPE cos/sin tables [..., head_dim] for (global) positions of any shape."""
-    return _cos_sin(positions, _rope_inv_freq(head_dim, theta, positions.device))
+    return rope_tables(positions, RopeSpec(theta, head_dim))
 
 
-def rope_tables(positions: torch.Tensor, cfg, layer_type: str = FULL_ATTENTION) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE cos/sin tables for (global) positions of any shape: [S] -> [S, d] (one sequence, or
-    every row at the same positions), [B, T] -> [B, T, d] (each row at its own positions: a KV cache), for the
-    layers of ``layer_type`` (sliding layers have plain RoPE of base ``rope_local_theta`` when it is set).
-
-    Every caller gets its tables here, so a RoPE variant of the config (``rope_scaling``) applies everywhere.
-    """
-    if layer_type == SLIDING_ATTENTION and cfg.rope_local_theta is not None:
-        return rope_cos_sin(positions, cfg.head_dim, cfg.rope_local_theta)
-    inv_freq = _rope_inv_freq(cfg.head_dim, cfg.rope_theta, positions.device)
-    if cfg.rope_scaling == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, cfg)
-    elif cfg.rope_scaling == "linear":  # transformers' 'linear': positions divided by the factor
-        inv_freq = inv_freq / cfg.rope_factor
-    elif cfg.rope_scaling is not None:  # ModelConfig refuses others; a new variant must be added here
-        raise ValueError(f"rope_scaling={cfg.rope_scaling!r} has no implementation in rope_tables")
-    return _cos_sin(positions, inv_freq)
-
-
-def layer_rope(positions: torch.Tensor, cfg) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's RoPE tables (``rope_tables`` of its type) for the given positions; layers of one type share
-    one pair of tensors, so a hybrid model computes two tables, not one per layer."""
+def layer_rope(positions: torch.Tensor, cfg, seq_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's RoPE tables (``rope.rope_tables`` of its spec's table) for the given positions, of a sequence
+    of ``seq_len`` tokens (what context-dependent RoPE types read); layers of one table share one pair of
+    tensors, so a hybrid model computes two tables, not one per layer."""
     tables = {}
-    for i in range(cfg.n_layers):
-        kind = cfg.layer_type(i)
-        if kind not in tables:
-            same = kind == SLIDING_ATTENTION and cfg.rope_local_theta is None and FULL_ATTENTION in tables
-            tables[kind] = tables[FULL_ATTENTION] if same else rope_tables(positions, cfg, kind)
-    return [tables[cfg.layer_type(i)] for i in range(cfg.n_layers)]
+    for spec in cfg.layer_specs:
+        if spec.rope not in tables:
+            tables[spec.rope] = rope_tables(positions, spec.rope, seq_len)
+    return [tables[spec.rope] for spec in cfg.layer_specs]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None):

@@ -50,6 +50,12 @@ class Documents:
         """Back from ``positions`` (a document starts where its position is 0)."""
         return cls.from_ids((positions == 0).cumsum(dim=1))
 
+    @property
+    def longest(self) -> int:
+        """The length of the longest document (host ints: what a context-dependent RoPE type reads, as
+        transformers reads max(position_ids) + 1 of packed rows)."""
+        return max((end - start for row in self.runs for start, end in row), default=0)
+
     def rows(self, start: int, stop: int) -> Documents:
         """The documents of batch rows [start, stop) (a data-parallel replica's or a micro-batch's rows)."""
         return Documents(self.runs[start:stop], self.positions[start:stop])
@@ -134,6 +140,13 @@ def as_documents(document_ids, shape: tuple[int, int]) -> Documents | None:
                              f"of shape {tuple(shape)}")
         return document_ids
     return Documents.from_ids(document_ids, shape)
+
+
+def rope_length(seq_len: int, documents: Documents | None) -> int:
+    """The sequence length a context-dependent RoPE type (dynamic NTK, LongRoPE) reads: the whole sequence's
+    (every rank of a sequence axis passes the global length, never its chunk), or in packed rows the longest
+    document's, where positions restart."""
+    return seq_len if documents is None else documents.longest
 
 
 def rope_positions(positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from .layers import (
     moe_layer,
     norm,
     qkv_heads,
+    rope_length,
     rope_positions,
     scale_embeddings,
 )
@@ -183,7 +184,7 @@ class Block(nn.Module):
         self.ffn_out_norm = RMSNorm(cfg.dim, cfg) if cfg.sandwich_norm else None
         self.moe = cfg.is_moe_layer(index)
         self.feed_forward = MoEFeedForward(cfg) if self.moe else FeedForward(cfg)
-        self.window = cfg.window(index)
+        self.kind = cfg.layer_specs[index].attention
 
     def forward(self, x, cos, sin, stats: RouterStats | None = None, mask: Mask = CAUSAL, selective: bool = False):
         """``stats``: where a sparse layer adds its router statistics (for the load-balancing loss). ``mask``: the
@@ -193,7 +194,7 @@ class Block(nn.Module):
         # (A dense MLP is called with its input alone unless selective: DTensor TP's input plan expects one.)
         mlp = ((lambda h: self.feed_forward(h, stats)) if self.moe else
                (lambda h: self.feed_forward(h, True)) if selective else self.feed_forward)
-        mask = mask.windowed(self.window)
+        mask = self.kind.restrict(mask)
         attention = lambda h, _cache: self.attention(h, cos, sin, mask)
         return block_forward(x, Placement(self.attention_norm, attention, self.ffn_norm, mlp, self.attention_out_norm,
                                           self.ffn_out_norm))
@@ -243,7 +244,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
         documents = as_documents(document_ids, tokens.shape)
         mask = CAUSAL if documents is None else documents.mask()
-        tables = layer_rope(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg)
+        tables = layer_rope(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg,
+                            rope_length(S, documents))
         x = scale_embeddings(self.tok_embeddings(tokens), self.cfg)
         policy = recompute_policy(recompute)
         for layer, (cos, sin) in zip(self.layers, tables):

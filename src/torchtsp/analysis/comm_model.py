@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .. import chunks
-from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from ..config import ModelConfig
 from ..kv_layouts import resolve_kv_layout
+from ..layer_kinds import attention_kinds
 from ..layout import Layout
 from ..recompute import FULL, recompute_policy
 from ..schemes import get_scheme
@@ -462,10 +463,8 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
     traffic = lambda window: _scheme_traffic(scheme, cfg, batch // dp, seq_len, degrees, dtype_bytes,
                                              sequence_parallel, KVExchange(seq_rank, point_to_point, window))
     t = traffic(None)
-    # Per layer type, the figures of one layer (a sliding layer differs in its K/V exchange only).
-    by_type = {FULL_ATTENTION: _layer_figures(t, recompute, mode)}
-    if cfg.sliding:
-        by_type[SLIDING_ATTENTION] = _layer_figures(traffic(cfg.sliding_window), recompute, mode)
+    # Per attention kind, the figures of one layer (a sliding layer differs in its K/V exchange only).
+    by_kind = {kind: _layer_figures(traffic(kind.window), recompute, mode) for kind in attention_kinds(cfg)}
     emb_fwd, emb_bwd, grad_sync = t.embed_head_forward, t.embed_head_backward, t.grad_sync
     if mode == "infer":  # a prefill: the forward of the layers, embedding and head, no loss
         emb_bwd = grad_sync = 0
@@ -479,7 +478,7 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
             grad_sync += sum((dp - 1) * _dp_chunk(shape, dp) * (4 + dtype_bytes) for shape in t.local_tensors)
         else:
             grad_sync += sum(_all_reduce(_numel(shape) * 4, dp) for shape in t.local_tensors)
-    layers = [by_type[cfg.layer_type(i)][cfg.is_moe_layer(i)] for i in range(cfg.n_layers)]
+    layers = [by_kind[spec.attention][spec.moe] for spec in cfg.layer_specs]
     fwd, bwd, routed_fwd, routed_bwd = (sum(column) for column in zip(*layers))
     L = cfg.n_layers
     # One layer's figures; with layers of several kinds (experts, windows) their mean, rounded down.
@@ -487,8 +486,8 @@ def predict_comm(scheme: str, cfg: ModelConfig, batch: int, seq_len: int, *, dp:
                          embed_head_backward=emb_bwd, grad_sync=grad_sync,
                          total=fwd + bwd + emb_fwd + emb_bwd + grad_sync,
                          routed=routed_fwd + routed_bwd, routed_forward=routed_fwd, forward=fwd + emb_fwd,
-                         layer_types={kind: {"forward": f[False][0], "backward": f[False][1]}
-                                      for kind, f in by_type.items()})
+                         layer_types={kind.name: {"forward": f[False][0], "backward": f[False][1]}
+                                      for kind, f in by_kind.items()})
 
 
 # ---------------------------------------------------------------- decode: cache layouts and traffic per step

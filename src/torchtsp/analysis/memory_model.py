@@ -229,8 +229,8 @@ def _reference_walk(spec: Scheme, cfg, s: _Shape, *, tp, sp, sequence_parallel, 
     _, mlp = _reference_saved(s, n_rep, zigzag, selective=selective)
     # Under SP and TP x SP a sliding layer's kernel keeps only its own and its window's K/V (the exchange of
     # distributed/window.py); DP and TP attend over whole sequences, masked.
-    kv_lens = [_window_kv_len(s, sp, cfg.window(i)) if zigzag and sp > 1 and cfg.window(i) else s.kv_len
-               for i in range(L)]
+    windows = [spec.attention.window for spec in cfg.layer_specs]
+    kv_lens = [_window_kv_len(s, sp, w) if zigzag and sp > 1 and w else s.kv_len for w in windows]
     atts = [_reference_saved(s, n_rep, zigzag, kv_len)[0] for kv_len in kv_lens]
     sparse = _sparse(cfg, s, tp, tsp=False) if cfg.moe else None
     mlps = [n_rep * (s.norm + e * h) + sparse.saved if cfg.is_moe_layer(i) else mlp for i in range(L)]

@@ -259,7 +259,7 @@ LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}  # plan
 
 def _layer_kinds(cfg) -> list[str]:
     """The layer types of a hybrid model (sliding first), or [] when every layer is alike."""
-    kinds = [k for k in LAYER_KINDS if k in set(cfg.layer_types or ())]
+    kinds = [k for k in LAYER_KINDS if k in {spec.attention.name for spec in cfg.layer_specs}]
     return kinds if len(kinds) > 1 else []
 
 

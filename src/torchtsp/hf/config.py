@@ -5,6 +5,8 @@ windows, Qwen2-MoE, Mixtral, Gemma 3 text); every other feature is refused with 
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..rope import check_params
+from ..rope import rope_type as rope_type_named
 
 # Hugging Face model_type -> the CausalLM class config_to_hf names, so AutoModelForCausalLM picks it.
 _ARCHITECTURES = {
@@ -16,12 +18,8 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
 }
-_LLAMA3_KEYS = {  # HF rope dict key -> ModelConfig field
-    "factor": "rope_factor",
-    "low_freq_factor": "rope_low_freq_factor",
-    "high_freq_factor": "rope_high_freq_factor",
-    "original_max_position_embeddings": "rope_original_max_position_embeddings",
-}
+# Keys of an HF rope dict that are not a scaling type's parameters.
+_ROPE_META_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
 def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
@@ -42,25 +40,11 @@ def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
         if not isinstance(params, dict):
             raise ValueError(f"unsupported {field}={params!r}: expected a dict or null")
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type == "llama3":
-            # As transformers 5: a top-level original_max_position_embeddings wins, then the rope dict's,
-            # then max_position_embeddings.
-            params = {"original_max_position_embeddings": max_position_embeddings, **params}
-            if hf.get("original_max_position_embeddings") is not None:
-                params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-            missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
-            if missing:
-                raise ValueError(f"unsupported {field}={params!r}: rope_type 'llama3' needs {', '.join(missing)}")
-            fields = {"rope_scaling": "llama3", **{ours: params[k] for k, ours in _LLAMA3_KEYS.items()}}
-            fields["rope_original_max_position_embeddings"] = int(fields["rope_original_max_position_embeddings"])
-            for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
-                fields[name] = float(fields[name])
-        elif rope_type not in (None, "default"):
-            raise ValueError(
-                f"unsupported {field} rope_type={rope_type!r} ({field}={params!r}): torchtsp implements plain "
-                "RoPE (rope_type 'default') and Llama 3's 'llama3' scaling; linear, dynamic, yarn and longrope "
-                "are not supported"
-            )
+        if rope_type not in (None, "default"):
+            try:
+                fields = _rope_scaling_fields(rope_type, params, hf, max_position_embeddings)
+            except ValueError as e:
+                raise ValueError(f"unsupported {field} rope_type={rope_type!r} ({field}={params!r}): {e}") from None
         theta = params.get("rope_theta", theta)
         partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     else:
@@ -68,6 +52,25 @@ def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
     if partial is not None and partial != 1:
         raise ValueError(f"unsupported partial_rotary_factor={partial!r}: torchtsp rotates the full head_dim")
     return {"rope_theta": 10000.0 if theta is None else float(theta), **fields}
+
+
+def _rope_scaling_fields(rope_type: str, params: dict, hf: dict, max_position_embeddings: int) -> dict:
+    """``rope_scaling`` and ``rope_params`` of a scaling type (``rope.ROPE_TYPES``; one line naming a type
+    torchtsp does not implement). As transformers 5: a top-level original_max_position_embeddings wins over the
+    rope dict's, which wins over max_position_embeddings, for the types that take one."""
+    kind = rope_type_named(rope_type)
+    given = {k: v for k, v in params.items() if k not in _ROPE_META_KEYS}
+    if "original_max_position_embeddings" in (*kind.required, *kind.defaults):
+        given.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if hf.get("original_max_position_embeddings") is not None:
+            given["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    return {"rope_scaling": rope_type, "rope_params": check_params(rope_type, tuple(given.items()))}
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict:
+    """The scaling of the global layers as transformers 5's rope dict (with rope_type and rope_theta)."""
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.rope_params}
+    return {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta, **params}
 
 
 def _window_fields(hf: dict, model_type: str, max_position_embeddings: int) -> dict:
@@ -136,7 +139,7 @@ def _gemma3_fields(hf: dict) -> dict:
     if kind not in ("default", "linear"):
         raise ValueError(f"unsupported full_attention rope_type={kind!r}: torchtsp's Gemma global layers use "
                          "'default' or 'linear' RoPE")
-    scaling = {"rope_scaling": "linear", "rope_factor": float(full["factor"])} if kind == "linear" else {}
+    scaling = {"rope_scaling": "linear", "rope_params": {"factor": full["factor"]}} if kind == "linear" else {}
     return dict(norm_offset=1.0, sandwich_norm=True, mlp_activation="gelu_tanh", embed_scale=True, qk_norm=True,
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                 rope_theta=float(full["rope_theta"]), rope_local_theta=float(local["rope_theta"]), **scaling)
@@ -239,12 +242,11 @@ def _check_expressible(cfg: ModelConfig, model_type: str) -> None:
     """Refuse a config whose family cannot say everything the model does (an export must not drop a feature)."""
     if cfg.qkv_bias and cfg.qk_norm:
         raise ValueError("qkv_bias and qk_norm together have no Hugging Face family (Qwen3's bias also covers o_proj)")
-    if model_type != "gemma3_text" and (cfg.rope_local_theta is not None or cfg.query_pre_attn_scalar is not None
-                                        or cfg.rope_scaling == "linear"):
-        raise ValueError(f"rope_local_theta, query_pre_attn_scalar and linear RoPE scaling have no {model_type} "
-                         "field: only gemma3_text exports them")
-    if model_type == "gemma3_text" and cfg.rope_scaling == "llama3":
-        raise ValueError("gemma3_text has no llama3 RoPE scaling: use rope_scaling 'linear' or None")
+    if model_type != "gemma3_text" and (cfg.rope_local_theta is not None or cfg.query_pre_attn_scalar is not None):
+        raise ValueError(f"rope_local_theta and query_pre_attn_scalar have no {model_type} field: only gemma3_text "
+                         "exports them")
+    if model_type == "gemma3_text" and cfg.rope_scaling not in (None, "linear"):
+        raise ValueError(f"gemma3_text has no {cfg.rope_scaling} RoPE scaling: use rope_scaling 'linear' or None")
     if not cfg.sliding:
         return
     if model_type == "llama":
@@ -274,9 +276,7 @@ def _window_to_hf(cfg: ModelConfig, model_type: str) -> dict:
 
 def _gemma3_to_hf(cfg: ModelConfig) -> dict:
     """Gemma 3's own fields, RoPE per layer type in both transformers 4's and 5's spellings."""
-    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling == "linear":
-        full = {"rope_type": "linear", "factor": cfg.rope_factor, "rope_theta": cfg.rope_theta}
+    full = _rope_to_hf(cfg)
     local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim
     scalar = int(scalar) if float(scalar).is_integer() else scalar  # transformers 5 checks it is an int
@@ -294,11 +294,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
     (``cfg.hf_model_type``: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or gemma3_text)."""
     model_type = cfg.hf_model_type
     _check_expressible(cfg, model_type)
-    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    rope_scaling_keys = ("rope_type", *_LLAMA3_KEYS)
-    if cfg.rope_scaling == "llama3":
-        rope_parameters = {"rope_type": "llama3", "rope_theta": cfg.rope_theta}
-        rope_parameters.update((k, getattr(cfg, ours)) for k, ours in _LLAMA3_KEYS.items())
+    rope_parameters = _rope_to_hf(cfg)
     hf = {
         "architectures": [_ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -315,7 +311,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         # transformers < 5 reads rope_theta/rope_scaling; >= 5 reads rope_parameters.
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if cfg.rope_scaling != "llama3" else {k: rope_parameters[k] for k in rope_scaling_keys},
+        "rope_scaling": None if cfg.rope_scaling is None else {k: v for k, v in rope_parameters.items()
+                                                               if k != "rope_theta"},
         "rope_parameters": rope_parameters,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,

@@ -35,6 +35,7 @@ import torch
 
 from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement
+from ..layer_kinds import AttentionKind
 from ..layers import attend, layer_rope, positions_mask
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
@@ -45,7 +46,7 @@ FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every 
 class CacheStep:
     """The ``cache`` argument an engine gives ``layers.block_forward``: its KV cache view, the layer, the slots this
     step's tokens are written to (``KVCache.reserve``), their positions [B, T] and the layer's RoPE tables and
-    window (``tables`` and ``windows``: every layer's, which ``at`` picks from)."""
+    attention kind (``tables`` and ``kinds``: every layer's, which ``at`` picks from)."""
 
     cache: KVCache
     slots: torch.Tensor
@@ -53,27 +54,27 @@ class CacheStep:
     cos: torch.Tensor
     sin: torch.Tensor
     layer: int = 0
-    window: int | None = None
+    kind: AttentionKind = AttentionKind()
     tables: tuple = ()
-    windows: tuple = ()
+    kinds: tuple = ()
 
     @classmethod
     def of(cls, cfg, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor) -> CacheStep:
         """The step of tokens at ``pos`` of a model ``cfg``, at layer 0."""
         tables = tuple(layer_rope(pos, cfg))
-        windows = tuple(cfg.window(i) for i in range(cfg.n_layers))
-        return cls(cache, slots, pos, *tables[0], 0, windows[0], tables, windows)
+        kinds = tuple(spec.attention for spec in cfg.layer_specs)
+        return cls(cache, slots, pos, *tables[0], 0, kinds[0], tables, kinds)
 
     def at(self, layer: int) -> CacheStep:
         if not self.tables:
             return replace(self, layer=layer)
         return replace(self, layer=layer, cos=self.tables[layer][0], sin=self.tables[layer][1],
-                       window=self.windows[layer])
+                       kind=self.kinds[layer])
 
     def masked(self, mask):
-        """``mask`` (the step's keys, the same in every layer) with this layer's window: a sliding layer's decode
+        """``mask`` (the step's keys, the same in every layer) as this layer's kind sees it: a sliding layer's decode
         never sees the keys that left its window (the cache keeps them for now)."""
-        return mask.windowed(self.window)
+        return self.kind.restrict(mask)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, heads: slice = slice(None)) -> None:
         """Store this step's k, v [B, h, T, d] (of ``heads``) in its slots of this layer."""

@@ -1,17 +1,36 @@
-"""What every parallel scheme shares: the public interface, the mesh-axis check and two tiny autograd bridges."""
+"""What every parallel scheme shares: the public interface, the one training layer loop, the mesh-axis check and
+two tiny autograd bridges."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import AxisComm
 from ..distributed.mesh import mesh_device, mesh_sizes
 from ..host import on_host
-from ..layers import IGNORE_INDEX, Documents, LossTerms, RouterStats, as_documents, load_balancing_loss
+from ..layer_kinds import LayerSpec
+from ..layers import (
+    IGNORE_INDEX,
+    Documents,
+    LossTerms,
+    Mask,
+    Placement,
+    RouterStats,
+    as_documents,
+    block_forward,
+    load_balancing_loss,
+    rope_length,
+    rope_positions,
+    rope_tables,
+)
 from ..model import reference_shapes
+from ..recompute import FULL, NONE
 from ..schemes import SCHEMES
 from ..weights import ModelWeights, SeededWeights, WeightSource
 from .params import layer_params
@@ -128,15 +147,33 @@ def reference_view(model, comm: AxisComm) -> ShardView:
                      model.norm.weight.detach())
 
 
+class LayerInputs(NamedTuple):
+    """What the layer loop hands a scheme's ``placement`` for one layer: its kind (``spec``), the RoPE tables of
+    its kind at this rank's positions, its mask (causal, the packed rows' documents, its window) and where a sparse
+    layer adds its router statistics."""
+
+    spec: LayerSpec
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: Mask
+    stats: RouterStats | None
+
+
 class ParallelTransformer(nn.Module):
     """The interface every scheme exposes (see ``torchtsp.parallelize``).
 
     Subclasses set ``scheme`` (a name in ``torchtsp.schemes.SCHEMES``, whose entry lists the mesh axes the
     scheme uses) and implement ``shard_batch``, ``loss_terms`` and ``_full``. They are built by
     ``parallelize``, which resolves and checks their ``Layout`` first.
+
+    A training scheme runs the one layer loop, ``hidden_states``, and supplies what differs: the global positions
+    its attention computes at (``attention_positions``), what one forward shares across layers
+    (``forward_state``), one layer's ``placement`` (its attention and MLP strategies and norms) and, under full
+    recompute, what must also run again (``recompute_context``); and its ``embed`` and head.
     """
 
     scheme = "?"
+    recompute = NONE  # the activation recompute policy (recompute.POLICIES) the layer loop applies
     # A mixture-of-experts model's last loss, for metrics only: (its load-balancing loss, assignments per expert
     # over every rank's tokens), both detached. The loss itself never reads it (``LossTerms`` carries the router).
     router_load: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -215,8 +252,46 @@ class ParallelTransformer(nn.Module):
 
     def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None,
                       documents: Documents | None = None) -> torch.Tensor:
-        """Embeddings -> the last layer's output (before the final norm)."""
+        """The one training layer loop: embeddings x (this rank's share) -> the last layer's output (before the
+        final norm). Per layer kind the RoPE tables of this rank's positions (within their documents), per layer
+        its mask, its ``placement`` run by ``layers.block_forward``, under the recompute policy (full: each
+        layer keeps its input only and backward runs its forward again, with the scheme's
+        ``recompute_context``; selective: the scheme's MLP recomputes its hidden state). Sparse layers add their
+        router statistics to ``stats``; ``documents``: the packed documents of these rows."""
+        positions, seq_len = self.attention_positions(x)
+        rope_at, length = rope_positions(positions, documents), rope_length(seq_len, documents)
+        tables = {}  # one pair of tables per RoPE spec: layers of one kind share them
+        state = self.forward_state(documents)
+        for spec in self.cfg.layer_specs:
+            if spec.rope not in tables:
+                tables[spec.rope] = rope_tables(rope_at, spec.rope, length)
+            inputs = LayerInputs(spec, *tables[spec.rope], spec.attention.mask(documents), stats)
+            x = self._run_layer(x, inputs, state)
+        return x
+
+    def _run_layer(self, x: torch.Tensor, inputs: LayerInputs, state) -> torch.Tensor:
+        layer = lambda h: block_forward(h, self.placement(inputs, state))
+        if self.recompute != FULL:
+            return layer(x)
+        return checkpoint(layer, x, use_reentrant=False, context_fn=lambda: self.recompute_context(state))
+
+    def attention_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(global positions [L] of the tokens this rank's attention computes queries and keys for, the whole
+        sequence's length), for this rank's activations x."""
         raise NotImplementedError
+
+    def forward_state(self, documents: Documents | None):
+        """What one forward's layers share (TSP: its cross-layer prefetch and the summed norm weights); None."""
+        return None
+
+    def placement(self, inputs: LayerInputs, state) -> Placement:
+        """Layer ``inputs.spec.index``'s strategies on this rank (``layers.Placement``)."""
+        raise NotImplementedError
+
+    def recompute_context(self, state):
+        """The (forward, recompute) contexts of ``torch.utils.checkpoint``'s ``context_fn`` under full recompute
+        (TSP: its prefetch knows a re-run from a first run)."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output -> (summed cross-entropy, number of targets) over the scheme's ranks."""

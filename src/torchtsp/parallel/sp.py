@@ -19,27 +19,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ..distributed import zigzag
 from ..distributed.attention import zigzag_causal_attention
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import (
-    CAUSAL,
-    IGNORE_INDEX,
-    Placement,
-    block_forward,
-    layer_rope,
-    norm,
-    project_qkv,
-    rope_positions,
-    scale_embeddings,
-    sequence_mask,
-    swiglu,
-)
+from ..layers import IGNORE_INDEX, Placement, norm, project_qkv, scale_embeddings, swiglu
 from ..model import Transformer
-from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
-from .base import ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
+from ..recompute import NONE, SELECTIVE, recompute_policy
+from .base import LayerInputs, ReplicatedTransformer, global_sum_and_count, sum_router_stats_over
 from .moe import moe_reference_layer
 
 # ``layers.project_qkv``'s names for the reference parameters of a block (those the model has).
@@ -62,28 +49,29 @@ class SPTransformer(ReplicatedTransformer):
         """This rank's zigzag shard [B, S/Σ] of a global [B, S] batch (ValueError unless 2Σ divides S)."""
         return zigzag.shard(tokens, self.comm.size, self.comm.rank, dim=1)
 
-    def rope(self, local_len: int, device=None, documents=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's cos/sin of this rank's local tokens at their global zigzag positions (within their
-        documents)."""
-        comm = self.comm
-        positions = zigzag.positions(local_len * comm.size, comm.size, comm.rank, device=device)
-        return layer_rope(rope_positions(positions, documents), self.cfg)
+    def attention_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's local tokens' global zigzag positions, and the whole sequence's length."""
+        comm, seq_len = self.comm, x.shape[1] * self.comm.size
+        return zigzag.positions(seq_len, comm.size, comm.rank, device=x.device), seq_len
 
-    def layer_forward(self, x: torch.Tensor, w: dict[str, torch.Tensor], cos, sin, stats=None,
-                      mask=CAUSAL) -> torch.Tensor:
-        """One decoder block on local tokens x [B, S/Σ, h]; ``w`` maps names inside the block
-        (``attention.wq.weight``, ``ffn_norm.weight``, ...) to full weights; ``mask``: the layer's
-        (``layers.sequence_mask``)."""
-        cfg = self.cfg
-        attention = lambda h, _cache: self._attention(h, w, cos, sin, mask)
-        if "feed_forward.router.weight" in w:  # a sparse layer: whole replicated experts on local tokens
+    def forward_state(self, documents=None) -> dict[str, torch.Tensor]:
+        """The replica's parameters by name (read through the module, so that its gradient hooks run)."""
+        return dict(self.module.named_parameters())
+
+    def placement(self, inputs: LayerInputs, params: dict[str, torch.Tensor]) -> Placement:
+        """One decoder block on local tokens [B, S/Σ, h] with the full weights: local q/k/v, the K/V exchange over
+        the axis, local ``wo``; the MLP (or whole replicated experts) on local tokens."""
+        cfg, prefix = self.cfg, f"layers.{inputs.spec.index}."
+        w = {n.removeprefix(prefix): t for n, t in params.items() if n.startswith(prefix)}
+        attention = lambda h, _cache: self._attention(h, w, inputs.cos, inputs.sin, inputs.mask)
+        if inputs.spec.moe:  # a sparse layer: whole replicated experts on local tokens
             ff = {n.removeprefix("feed_forward."): t for n, t in w.items() if n.startswith("feed_forward.")}
-            mlp = lambda h: moe_reference_layer(h, ff, cfg, stats)
+            mlp = lambda h: moe_reference_layer(h, ff, cfg, inputs.stats)
         else:
             mlp = lambda h: swiglu(h, w["feed_forward.w_gate.weight"], w["feed_forward.w_up.weight"],
                                    w["feed_forward.w_down.weight"], cfg.mlp_activation, self.recompute == SELECTIVE)
         norms = {n.removesuffix(".weight"): t for n, t in w.items() if n.endswith("norm.weight")}
-        return block_forward(x, Placement.normed(norms, attention, mlp, cfg))
+        return Placement.normed(norms, attention, mlp, cfg)
 
     def _attention(self, h, w, cos, sin, mask) -> torch.Tensor:
         """Local q/k/v with the full weights, the K/V all-gathered over the axis (zigzag), local ``wo``."""
@@ -99,20 +87,6 @@ class SPTransformer(ReplicatedTransformer):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Local tokens [B, S/Σ] -> their embeddings [B, S/Σ, h]."""
         return scale_embeddings(F.embedding(tokens, self.module.tok_embeddings.weight), self.cfg)
-
-    def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
-        """Every layer on local tokens x [B, S/Σ, h] (zigzag positions); sparse layers add their router statistics
-        to ``stats``; ``documents``: the packed documents of these rows (whole rows)."""
-        w = dict(self.module.named_parameters())
-        tables = self.rope(x.shape[1], device=x.device, documents=documents)
-        for i in range(self.cfg.n_layers):
-            prefix = f"layers.{i}."
-            layer = {n.removeprefix(prefix): t for n, t in w.items() if n.startswith(prefix)}
-            mask = sequence_mask(documents, self.cfg.window(i))
-            # Recompute keeps only each layer's input; backward re-runs its forward (and its K/V gather).
-            x = (checkpoint(self.layer_forward, x, layer, *tables[i], stats, mask, use_reentrant=False)
-                 if self.recompute == FULL else self.layer_forward(x, layer, *tables[i], stats, mask))
-        return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of local hidden states [B, S/Σ, h], summed over the axis."""

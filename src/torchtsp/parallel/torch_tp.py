@@ -54,7 +54,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S
-from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, layer_rope, rope_positions, scale_embeddings
+from ..layers import CAUSAL, IGNORE_INDEX, LossTerms, layer_rope, rope_length, rope_positions, scale_embeddings
 from ..model import Transformer
 from ..recompute import NONE, SELECTIVE, recompute_policy
 from ..weights import WeightSource
@@ -198,7 +198,7 @@ class TorchTPTransformer(ParallelTransformer):
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        tables = layer_rope(rope_positions(positions, documents), cfg)
+        tables = layer_rope(rope_positions(positions, documents), cfg, rope_length(tokens.shape[1], documents))
         mask = CAUSAL if documents is None else documents.mask()  # each block adds its own window
         x = scale_embeddings(m.tok_embeddings(tokens), cfg)  # [B, S, h], or [B, S/T, h] local shard with SP
         for layer, (cos, sin) in zip(m.layers, tables):

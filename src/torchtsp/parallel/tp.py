@@ -49,29 +49,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
 from ..layers import (
-    CAUSAL,
     IGNORE_INDEX,
     SANDWICH_NORMS,
     Placement,
     attend,
-    block_forward,
     gated,
     gated_down_backward,
-    layer_rope,
     norm,
     qkv_heads,
-    rope_positions,
     scale_embeddings,
-    sequence_mask,
 )
 from ..model import Transformer
-from ..recompute import FULL, NONE, SELECTIVE, recompute_policy
+from ..recompute import NONE, SELECTIVE, recompute_policy
 from ..weights import WeightSource
-from .base import ParallelTransformer, ReplicatedGrad, ShardView, replicated_grad, weight_source
+from .base import LayerInputs, ParallelTransformer, ReplicatedGrad, ShardView, replicated_grad, weight_source
 from .moe import tp_moe
 from .params import layer_params
 from .shards import real_vocab_rows, vocab_shard, vocab_slice_index
@@ -298,9 +292,11 @@ class TPTransformer(ParallelTransformer):
         """A replicated norm weight: with SP each rank normalises its own tokens, so gradients are summed."""
         return replicated_grad(w, self.tp) if self.sequence_parallel else w
 
-    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Global positions of the sequence the attention sees (the whole sequence, also with SP)."""
-        return torch.arange(tokens.shape[1], device=tokens.device)
+    def attention_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The whole sequence, also with SP (whose x holds a contiguous chunk of it): every rank's attention
+        computes every position."""
+        seq_len = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)
+        return torch.arange(seq_len, device=x.device), seq_len
 
     def _attend(self, q, k, v, mask):
         """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
@@ -319,20 +315,20 @@ class TPTransformer(ParallelTransformer):
         """The global batch, unchanged: every TP rank computes on every token."""
         return tokens
 
-    def block(self, layer: TPLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats=None,
-              mask=CAUSAL) -> torch.Tensor:
-        """One decoder block on this rank's activations x ([B, S, h]; [B, S/T, h] with SP); a sparse layer adds
-        its router statistics to ``stats``; ``mask``: the layer's (``layers.sequence_mask``)."""
+    def placement(self, inputs: LayerInputs, state=None) -> Placement:
+        """One decoder block on this rank's activations ([B, S, h]; [B, S/T, h] with SP): column- and row-parallel
+        attention and MLP (a sparse layer: every expert's FFN slice on every token, adding its router statistics)."""
         cfg, tp = self.cfg, self.tp
-        if hasattr(layer, "router"):  # a sparse layer: every expert's FFN slice on every token
-            mlp = lambda h: tp_moe(h, layer, self.cfg, tp, stats)
+        layer = self.layers[inputs.spec.index]
+        if inputs.spec.moe:
+            mlp = lambda h: tp_moe(h, layer, self.cfg, tp, inputs.stats)
         else:
             mlp = lambda h: self._mlp(layer, h)
-        attention = lambda h, _cache: self._attention(layer, h, cos, sin, mask)
+        attention = lambda h, _cache: self._attention(layer, h, inputs.cos, inputs.sin, inputs.mask)
         # The norm weights are wrapped when used, not before: the autograd nodes keep the order they had.
         normed = lambda name: lambda x: norm(x, self._norm_weight(getattr(layer, name)), cfg)
         outer = [normed(n) for n in SANDWICH_NORMS] if cfg.sandwich_norm else [None, None]
-        return block_forward(x, Placement(normed("attention_norm"), attention, normed("ffn_norm"), mlp, *outer))
+        return Placement(normed("attention_norm"), attention, normed("ffn_norm"), mlp, *outer)
 
     def _attention(self, layer: TPLayer, h, cos, sin, mask) -> torch.Tensor:
         """Column-parallel q/k/v of this rank's heads, attention, row-parallel ``wo`` summed over the axis."""
@@ -370,18 +366,6 @@ class TPTransformer(ParallelTransformer):
         """This rank's tokens [B, S] -> their embeddings [B, S, h] ([B, S/T, h] with SP)."""
         x = VocabParallelEmbedding.apply(tokens, self._weight(self.embedding_shard), self.tp, self.sequence_parallel)
         return scale_embeddings(x, self.cfg)
-
-    def hidden_states(self, x: torch.Tensor, stats=None, documents=None) -> torch.Tensor:
-        """Every layer of this model on this rank's activations x; sparse layers add their router statistics to
-        ``stats``; ``documents``: packed rows."""
-        tokens = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)  # this rank's tokens per row
-        tables = layer_rope(rope_positions(self._positions(x.new_empty(0, tokens)), documents), self.cfg)
-        for i, layer in enumerate(self.layers):
-            mask = sequence_mask(documents, self.cfg.window(i))
-            # Recompute keeps only each layer's input; backward re-runs its forward (and its collectives).
-            x = (checkpoint(self.block, layer, x, *tables[i], stats, mask, use_reentrant=False)
-                 if self.recompute == FULL else self.block(layer, x, *tables[i], stats, mask))
-        return x
 
     def head_nll_sum_and_count(self, x: torch.Tensor, labels: torch.Tensor):
         """Final norm, LM head and cross-entropy of this rank's hidden states against its labels."""

@@ -59,9 +59,10 @@ class TPSPTransformer(TPTransformer):
     def _norm_weight(self, w):
         return replicated_grad(w, self.sp)
 
-    def _positions(self, tokens):
-        sp = self.sp
-        return zigzag.positions(tokens.shape[1] * sp.size, sp.size, sp.rank, device=tokens.device)
+    def attention_positions(self, x):
+        """This sp rank's zigzag positions (the same on every tp rank of the group)."""
+        sp, seq_len = self.sp, x.shape[1] * self.sp.size
+        return zigzag.positions(seq_len, sp.size, sp.rank, device=x.device), seq_len
 
     def _attend(self, q, k, v, mask):
         # k, v [B, H_kv/T, S/Σ, d] are head-major views of token-major projections: gathered token-major.

@@ -1,35 +1,22 @@
-"""The TSP model: each rank's shards as parameters, and the layer loop with its cross-layer prefetch."""
+"""The TSP model: each rank's shards as parameters, and its placement of a layer with the cross-layer prefetch."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ...distributed import zigzag
 from ...distributed.comm import DEFAULT_TIMEOUT_S, AxisComm
-from ...layers import (
-    SANDWICH_NORMS,
-    Documents,
-    Placement,
-    RouterStats,
-    block_forward,
-    block_norm_names,
-    layer_rope,
-    norm,
-    rope_positions,
-    scale_embeddings,
-    sequence_mask,
-)
+from ...layers import SANDWICH_NORMS, Documents, Placement, block_norm_names, norm, scale_embeddings
 from ...model import Transformer, reference_shapes
 from ...recompute import FULL, NONE, recompute_policy
 from ...weights import WeightSource
 from ..base import (
+    LayerInputs,
     ParallelTransformer,
     ReplicatedGrad,
     global_sum_and_count,
@@ -61,6 +48,15 @@ class TSPLayer(nn.Module):
         # A sparse layer holds a mixture of experts (parallel/moe.py) instead of the dense MLP's shard.
         self.mlp_shard = None if mlp_shard is None else nn.Parameter(mlp_shard)
         self.moe = moe
+
+
+@dataclass(frozen=True)
+class TSPForward:
+    """What one forward's layers share: the cross-layer shard prefetch and each layer's norm weights (views through
+    the one ``ReplicatedGrad`` that sums their gradients)."""
+
+    prefetch: ShardPrefetch
+    norms: list[dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -143,39 +139,35 @@ class TSPTransformer(ParallelTransformer):
         """Local tokens [B, S/D] -> their embeddings [B, S/D, h]."""
         return scale_embeddings(TSPEmbedding.apply(tokens, self.embedding_shard, self.shard_math), self.cfg)
 
-    def hidden_states(self, x: torch.Tensor, stats: RouterStats | None = None,
-                      documents: Documents | None = None) -> torch.Tensor:
-        """Every layer of this model on local tokens x [B, S/D, h] (zigzag positions); sparse layers add their
-        router statistics to ``stats``; ``documents``: the packed documents of these rows (whole rows)."""
-        cfg, comm = self.cfg, self.comm
-        seq_len = x.shape[1] * comm.size
-        positions = zigzag.positions(seq_len, comm.size, comm.rank, device=x.device)
-        tables = layer_rope(rope_positions(positions, documents), cfg)
-        # Cross-layer prefetch of an attention's first shard: in forward the next layer's, in backward this
-        # layer's (during its MLP backward).
-        prefetch = ShardPrefetch(comm.weights)
-        layers = list(self.layers)
-        # Every layer's norm weights go through one ReplicatedGrad node: their gradients (each rank's tokens'
-        # share) are summed in one all-reduce once backward has produced the last of them (layer 0's),
-        # instead of the ranks meeting once per weight in the middle of backward.
+    def attention_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's local tokens' global zigzag positions, and the whole sequence's length."""
+        comm, seq_len = self.comm, x.shape[1] * self.comm.size
+        return zigzag.positions(seq_len, comm.size, comm.rank, device=x.device), seq_len
+
+    def forward_state(self, documents: Documents | None = None) -> TSPForward:
+        """The cross-layer prefetch of an attention's first shard (in forward the next layer's, in backward this
+        layer's, during its MLP backward) and every layer's norm weights through one ``ReplicatedGrad`` node: their
+        gradients (each rank's tokens' share) are summed in one all-reduce once backward has produced the last of
+        them (layer 0's), instead of the ranks meeting once per weight in the middle of backward."""
+        cfg, comm, layers = self.cfg, self.comm, list(self.layers)
         norm_names = [*block_norm_names(cfg)] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
         summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
         norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
-        block = functools.partial(self._block, tables=tables, norms=norms, prefetch=prefetch, stats=stats,
-                                  documents=documents)
-        for i in range(len(layers)):
-            # Recompute keeps only each layer's input; backward re-runs its forward (and its transfers).
-            x = (checkpoint(block, x, i, use_reentrant=False,
-                            context_fn=lambda: (contextlib.nullcontext(), prefetch.rerun()))
-                 if self.recompute == FULL else block(x, i))
-        return x
+        return TSPForward(ShardPrefetch(comm.weights), norms)
 
-    def _block(self, x, i: int, tables, norms, prefetch: ShardPrefetch, stats, documents=None):
-        """Layer i on local tokens x, with its cross-layer prefetches."""
-        mask = sequence_mask(documents, self.cfg.window(i))
-        attention = lambda h, _cache: self._attention(h, i, *tables[i], norms[i], prefetch, mask)
-        mlp = lambda h: self._mlp(h, i, prefetch, stats)
-        return block_forward(x, Placement.normed(norms[i], attention, mlp, self.cfg))
+    def placement(self, inputs: LayerInputs, state: TSPForward) -> Placement:
+        """Layer i on local tokens: its attention's head-group broadcasts and K/V exchange, its MLP's weight ring
+        (or experts), with the cross-layer prefetches."""
+        i, prefetch = inputs.spec.index, state.prefetch
+        attention = lambda h, _cache: self._attention(h, i, inputs.cos, inputs.sin, state.norms[i], prefetch,
+                                                      inputs.mask)
+        mlp = lambda h: self._mlp(h, i, prefetch, inputs.stats)
+        return Placement.normed(state.norms[i], attention, mlp, self.cfg)
+
+    def recompute_context(self, state: TSPForward):
+        """A layer's forward run again in backward tells the prefetch so (``ShardPrefetch.rerun``): it must not
+        prefetch the next layer's shard again."""
+        return contextlib.nullcontext(), state.prefetch.rerun()
 
     def _attention(self, h, i: int, cos, sin, norms, prefetch: ShardPrefetch, mask):
         """Layer i's attention on normed local tokens h: head-group broadcasts and the K/V all-gather."""
