@@ -54,6 +54,9 @@ def harmony_reference(output: str) -> tuple[str, str, list]:
     tokens = [t for t in HARMONY_SPECIAL.split("<|start|>assistant" + output) if t]
     messages, i, cut = [], 0, ""
     while i < len(tokens):
+        if tokens[i] in ("<|end|>", "<|return|>", "<|call|>"):  # outside any message: ends nothing, is no text
+            i += 1
+            continue
         assert tokens[i] == "<|start|>", tokens[i:]
         if "<|message|>" not in tokens[i:]:  # a header cut short (max_tokens): what the model wrote of it
             cut = "".join(tokens[i:]).removeprefix("<|start|>assistant" if i == 0 else "")
@@ -132,6 +135,7 @@ HARMONY_TEXTS = [
     "<|channel|>final<|message|>Hi <| not a token |> <|en<|return|>",
     "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|><|return|>",
     "<|channel|>final<|message|>cut by max_tokens at <|ret",  # what may have been a marker is text at the end
+    "<|channel|>final<|message|>x<|end|><|return|>",  # an EOS after the message's own end
     "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>fin",  # a header cut short: content as is
 ]
 
@@ -403,15 +407,19 @@ def test_without_a_parser_the_text_is_untouched(folders):
     assert _streamed_fields(chunks)["content"] == tokenizer.decode(ids)
 
 
-def test_a_grammar_covers_the_whole_output_so_it_is_content(folders):
-    """Structured output constrains every token: a deepseek_r1 answer under a grammar is content, not reasoning."""
+def test_a_constrained_output_is_reasoning_only_where_it_writes_the_markers(folders):
+    """A grammar writes the output from its first token: the <think> the prompt opens (deepseek_r1) does not carry
+    into it, so a structured answer is content, and one the grammar lets write <think>...</think> is split."""
     pytest.importorskip("xgrammar")
-    output = "yes</think>"
-    with _service(folders / "think", "deepseek_r1") as service:
+    with _service(folders / "think", "deepseek_r1", QWEN3_THINKING_TEMPLATE) as service:
         tokenizer = service.state.tokenizer
-        ids = tokenizer.encode(output) + [tokenizer.eos_id]
-        whole, _ = _answers(service, {"messages": ASK, "guided_choice": [output]}, ids)
-    assert whole["choices"][0]["message"] == {"role": "assistant", "content": tokenizer.decode(ids)}  # as ever
+        for output, want in [('{"a": 1}', (None, '{"a": 1}')), ("<think>hm</think>yes", ("hm", "yes"))]:
+            whole, chunks = _answers(service, {"messages": ASK, "guided_choice": [output]},
+                                     tokenizer.encode(output) + [tokenizer.eos_id])
+            message = whole["choices"][0]["message"]
+            assert (message["reasoning_content"], message["content"]) == want
+            streamed = _streamed_fields(chunks)
+            assert (streamed["reasoning_content"] or None, streamed["content"]) == want
 
 
 BAD_TEMPLATE_VARIABLES = [

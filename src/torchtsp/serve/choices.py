@@ -329,6 +329,5 @@ class ChoiceMaker:
         parser = self.state.reasoning
         if parser is not None:
             choice.stop_token_ids += [t for t in parser.stop_ids if t not in choice.stop_token_ids]
-            # A grammar covers the whole output (structured output, a forced call): all of it is content.
-            choice.reasoning = parser.start(text) if grammar is None else None
+            choice.reasoning = parser.start(text, constrained=grammar is not None)
         return self.samples(body, [choice], grammar)

@@ -18,8 +18,10 @@ reads the text as its model family writes it:
 
 Nothing is stripped: reasoning and content are the text between the markers as the model wrote it, so a stream's
 deltas always add up to the whole answer's fields; a marker cut across two tokens (``</think>`` when it is no
-single token) is held back until it is whole. An answer whose output a grammar constrains (structured output, a
-forced tool call) is content: the grammar covers the whole output. With no parser the text is untouched.
+single token) is held back until it is whole. A grammar (structured output, a forced tool call) constrains the
+whole output from its first token, the reasoning included (vLLM starts it after the reasoning; here the engine has
+one grammar per answer): a ``<think>`` left open by the prompt does not carry into a constrained output, whose
+reasoning is only what it writes between the markers itself. With no parser the text is untouched.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class HarmonySplit:
     prompt ``<|start|>assistant``), is read first so that the output continues it. Reasoning and content bodies go
     out as they come (a newline before the body of each message after the first of its kind); a call message goes
     out whole, in its harmony form, into the content, once its terminator (or the output's end) is read. Text
-    outside any message is content."""
+    outside any message is content; a terminator there is dropped."""
 
     def __init__(self, prompt_tail: str = ""):
         self.state, self.held, self.header = "outside", "", ""
@@ -162,7 +164,7 @@ class HarmonySplit:
                 text = text[at + len(MESSAGE):]
                 self._begin(out)
                 continue
-            stops = TERMINATORS + HEADER_STARTS if self.state == "body" else HEADER_STARTS
+            stops = TERMINATORS + HEADER_STARTS
             found = [(text.find(m), m) for m in stops if m in text]
             at, marker = min(found) if found else (-1, "")
             cut = at if at >= 0 else len(text) - (0 if done else marker_tail(text, stops))
@@ -172,7 +174,7 @@ class HarmonySplit:
                 if done:
                     self._close(out, "")
                 break
-            if marker in TERMINATORS:
+            if marker in TERMINATORS:  # outside any message one ends nothing and is no text (an EOS after a call)
                 self._close(out, marker)
                 text = text[len(marker):]
                 self.state = "outside"
@@ -214,11 +216,15 @@ class ReasoningParser:
     kept_ids: frozenset = frozenset()  # those tokens: not skipped from the text, even when they end it
     stop_ids: tuple[int, ...] = ()  # tokens that end every chat answer (harmony's <|return|>, <|call|>)
 
-    def start(self, prompt: str) -> ReasoningStart:
-        """How a chat answer to ``prompt`` (the rendered text) begins."""
+    def start(self, prompt: str, constrained: bool = False) -> ReasoningStart:
+        """How a chat answer to ``prompt`` (the rendered text) begins. ``constrained``: a grammar writes the output
+        from its first token (structured output, a forced call), so a ``<think>`` the prompt left open does not carry
+        into it: its reasoning is only what it writes between the markers itself."""
         if self.name == "gpt_oss":
             at = prompt.rfind(START)
             return ReasoningStart(self, prompt[at:] if at >= 0 else "")
+        if constrained:
+            return ReasoningStart(self, "")
         stripped = prompt.rstrip()
         if self.name == "qwen3":
             return ReasoningStart(self, THINK if stripped.endswith(THINK) else "")
