@@ -477,3 +477,21 @@ def test_the_openai_tool_parser_needs_the_gpt_oss_reasoning_parser(folders):
     done = cli_in_process("serve", "--hf", folders / "harmony", "--tool-call-parser", "openai")
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1 and "add --reasoning-parser gpt_oss" in lines[0], done.stderr
+
+
+def test_tokenize_takes_the_template_variables_and_history_reasoning_reaches_the_template(folders):
+    """/tokenize renders as chat does (chat_template_kwargs too); an assistant's reasoning_content in the messages
+    reaches the template as the message's field (Qwen3's template reads it)."""
+    from torchtsp.serve.protocol import ChatCompletionRequest, TokenizeRequest, parse
+
+    template = ("{% for m in messages %}{{ m['role'] }}:{{ m.get('reasoning_content', '-') }}|{{ m['content'] }}\n"
+                "{% endfor %}{{ 'thinking off' if enable_thinking is false else 'thinking on' }}")
+    history = [*ASK, {"role": "assistant", "content": "it sat", "reasoning_content": "cats sit"}, *ASK]
+    fields = {"messages": history, "chat_template_kwargs": {"enable_thinking": False}}
+    with _service(folders / "think", None, template) as service:
+        tokenized = asyncio.run(service.tokenize(parse(TokenizeRequest, json.dumps(fields).encode())))
+        (choice,) = asyncio.run(service.chat_choices(parse(ChatCompletionRequest, json.dumps(fields).encode())))
+        text = service.state.tokenizer.decode(tokenized["tokens"])
+    assert tokenized["tokens"] == choice.prompt
+    assert text == ("user:-|the cat sat on the mat\nassistant:cats sit|it sat\nuser:-|the cat sat on the mat\n"
+                    "thinking off")
