@@ -123,13 +123,16 @@ def hf_batch(vocab: int, batch: int, seq_len: int, seed: int = 1):
     return tokens, labels
 
 
-def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0, max_position_embeddings: int = 128):
+def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0, max_position_embeddings: int = 128,
+                  added_tokens: dict[str, bool] | None = None, eos_token: str = "</s>"):
     """A byte-level BPE tokenizer trained on a small corpus (``test_workflow.sentences``) and a random tiny
-    Hugging Face Llama of its vocabulary, saved together in ``folder``; returns the EOS id."""
+    Hugging Face Llama of its vocabulary, saved together in ``folder``; returns the EOS id. ``added_tokens``: more
+    tokens (text -> whether it is special), e.g. a reasoning model's markers; ``eos_token``: one of them or
+    ``</s>``."""
     import json
 
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from test_workflow import sentences
 
@@ -138,13 +141,15 @@ def tiny_hf_llama(folder, chat_template: str | None = None, seed: int = 0, max_p
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(sentences(300, seed), trainers.BpeTrainer(
         vocab_size=320, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    for text, special in (added_tokens or {}).items():
+        tok.add_tokens([AddedToken(text, special=special, normalized=False)])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"bos_token": "<s>", "eos_token": eos_token, "tokenizer_class": "PreTrainedTokenizerFast"}
     if chat_template is not None:
         config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    eos = tok.token_to_id("</s>")
+    eos = tok.token_to_id(eos_token)
     torch.manual_seed(seed)
     hf_config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

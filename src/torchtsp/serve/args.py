@@ -8,6 +8,7 @@ from ..argtypes import length
 from ..kv_layouts import DEFAULT_BLOCK_SIZE, KV_LAYOUT_HELP, KV_LAYOUTS
 from ..schemes import AXES, SCHEMES
 from ..timeouts import SERVE_TIMEOUT_S, SHUTDOWN_GRACE_S
+from .reasoning import REASONING_PARSERS
 
 
 def serve_axes() -> tuple[str, ...]:
@@ -61,8 +62,12 @@ def add_serve_arguments(p: argparse.ArgumentParser, presets, schedules) -> None:
     add("--kv-layout", choices=KV_LAYOUTS, default="auto", help=KV_LAYOUT_HELP)
     add("--tool-call-parser", metavar="NAME", help="how tool_choice auto reads tool calls in the model's output, "
         "by model family: hermes (<tool_call>{json}</tool_call>: Qwen, Hermes), llama3_json (Llama 3.1's JSON "
-        "calls), mistral ([TOOL_CALLS][...]) (default: none; tool_choice auto is then refused, required and a "
-        "named function still work)")
+        "calls), mistral ([TOOL_CALLS][...]), openai (GPT-OSS's harmony calls; with --reasoning-parser gpt_oss) "
+        "(default: none; tool_choice auto is then refused, required and a named function still work)")
+    add("--reasoning-parser", choices=REASONING_PARSERS, help="chat answers carry the model's reasoning in "
+        "message.reasoning_content (delta.reasoning_content when streamed), apart from content, by model family: "
+        "qwen3 (<think>...</think>), deepseek_r1 (reasoning until </think>), gpt_oss (harmony's analysis channel; "
+        "its final channel is content) (default: none, the text is untouched); it must match the chat template")
     add("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM's command lines: tool_choice "
         "auto is on whenever --tool-call-parser is given")
     add("--timeout-s", type=float, default=SERVE_TIMEOUT_S, help="seconds the ranks may go without answering "

@@ -15,6 +15,7 @@ from .client import EngineClient
 from .metrics import Metrics
 from .plan import Sampling
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, _short, check_token_ids
+from .reasoning import ReasoningParser, ReasoningStart
 from .structured import GrammarCheck, requested_grammar
 from .template import ChatTemplate
 from .tools import ToolChoice, template_messages, tool_choice
@@ -61,6 +62,7 @@ class ServerState:
     max_queue: int
     metrics: Metrics
     tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice auto reads the model's calls
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: the reasoning apart from the content
     max_answer_bytes: int = MAX_ANSWER_BYTES  # a non-streamed answer's estimated size at most
 
 
@@ -79,6 +81,7 @@ class Choice:
     grammar: tuple[str, str] | None = None  # (kind, source): structured output
     grammar_field: str | None = None  # the request field that asked for it (named by a refusal)
     tools: ToolChoice | None = None  # chat with tools: how the output becomes tool calls
+    reasoning: ReasoningStart | None = None  # chat under --reasoning-parser: how its reasoning is told apart
     sample: int = 0  # which of its prompt's n choices
     logprobs: int | None = None  # top alternatives per generated token (None: no logprobs)
     prompt_logprobs: int | None = None  # per prompt token (echo with logprobs)
@@ -272,8 +275,14 @@ class ChoiceMaker:
                                 f"{self.state.max_queue}, --max-queue); send them in smaller requests", "prompt",
                            "too_many_prompts")
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None
-                          ) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None,
+                          variables: dict | None = None) -> list[int]:
+        text = await self.render_chat_text(messages, add_generation_prompt, tools, variables)
+        return await self.encode(text, "messages")
+
+    async def render_chat_text(self, messages: list[dict], add_generation_prompt: bool, tools: list | None = None,
+                               variables: dict | None = None) -> str:
+        """The chat template's text of the messages (``variables``: the request's chat_template_kwargs)."""
         if self.state.template is None:
             raise APIError(400, "this model has no chat template; use /v1/completions, or start the server with "
                                 "--chat-template FILE", "messages", "no_chat_template")
@@ -281,9 +290,10 @@ class ChoiceMaker:
         for i, n in enumerate(tool_chars):  # the one tool too long to fit is named, not the messages
             self._check_text_chars(n, f"tools[{i}]")
         self._check_text_chars(sum(tool_chars), "tools")
+        self._check_text_chars(len(json.dumps(variables or {})), "chat_template_kwargs")
         self._check_text_chars(len(json.dumps(messages)) + sum(tool_chars), "messages")
-        text = await self.state.template.render_async(template_messages(messages), add_generation_prompt, tools)
-        return await self.encode(text, "messages")
+        return await self.state.template.render_async(template_messages(messages), add_generation_prompt, tools,
+                                                      variables)
 
     async def tool_grammar(self, tools: ToolChoice) -> tuple[str, str, str]:
         """The grammar that forces a call (tool_choice required or named), each tool's schema compiled first so
@@ -311,8 +321,13 @@ class ChoiceMaker:
                 raise APIError(400, f"tool_choice {tools.mode} constrains the output to a call already; drop "
                                     f"{grammar[2]}", grammar[2])
             grammar = await self.tool_grammar(tools)
-        ids = await self.render_chat(body.message_dicts(), body.add_generation_prompt,
-                                     list(tools.tools) if tools is not None else None)
+        text = await self.render_chat_text(body.message_dicts(), body.add_generation_prompt,
+                                           list(tools.tools) if tools is not None else None, body.template_kwargs())
+        ids = await self.encode(text, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         choice = dataclasses.replace(self.choice(body, ids, max_tokens, "messages"), tools=tools)
+        parser = self.state.reasoning
+        if parser is not None:
+            choice.stop_token_ids += [t for t in parser.stop_ids if t not in choice.stop_token_ids]
+            choice.reasoning = parser.start(text, constrained=grammar is not None)
         return self.samples(body, [choice], grammar)

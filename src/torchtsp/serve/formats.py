@@ -9,6 +9,7 @@ import json
 import secrets
 import time
 
+from .reasoning import split_reasoning
 from .tools import ToolOutput
 
 
@@ -81,9 +82,11 @@ class _Chunks:
         self.chat, self.usage_field = chat, {"usage": None} if include_usage else {}
 
     def choice(self, i: int, delta: str, reason: str | None, role: bool = False, logprobs: dict | None = None,
-               usage: dict | None = None, tool_calls: list | None = None) -> str:
+               usage: dict | None = None, tool_calls: list | None = None, reasoning: str = "") -> str:
         if self.chat:
             part = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            if reasoning:  # vLLM's delta field for --reasoning-parser
+                part["reasoning_content"] = reasoning
             if tool_calls:
                 part["tool_calls"] = [call.to_dict(index=k) for k, call in enumerate(tool_calls)]
             c = {"index": i, "delta": part, "logprobs": logprobs, "finish_reason": reason}
@@ -95,14 +98,16 @@ class _Chunks:
         return _sse({**self.head, "choices": [], "usage": usage})
 
     def tool_choice(self, i: int, out: ToolOutput, delta: str, reason: str | None, logprobs: dict | None,
-                    usage: dict | None) -> list[str]:
+                    usage: dict | None, reasoning: str = "") -> list[str]:
         """The chunks of one event of a chat choice with tools (OpenAI's stream shapes): the content that can go
-        out; at the end, what was held back, each call (id, type, name and its arguments whole) and the finish."""
+        out; at the end, what was held back, each call (id, type, name and its arguments whole) and the finish.
+        ``reasoning``: the event's reasoning (never held: calls are read from the content only)."""
         content, calls = out.add(delta), []
         if reason is not None:
             rest, calls, reason = out.finish(reason)
             content += rest
-        made = [self.choice(i, content, None, logprobs=logprobs, usage=usage)] if content or logprobs else []
+        made = ([self.choice(i, content, None, logprobs=logprobs, usage=usage, reasoning=reasoning)]
+                if content or logprobs or reasoning else [])
         if calls:
             made.append(self.choice(i, "", None, usage=usage, tool_calls=calls))
         if reason is not None:
@@ -111,13 +116,20 @@ class _Chunks:
 
 
 def _message(c, text: str, finish: str) -> dict:
-    """A chat choice's message and finish reason: with tools, the calls its text holds (finish "tool_calls")."""
+    """A chat choice's message and finish reason: under a reasoning parser, its reasoning apart (vLLM's
+    ``reasoning_content``, null when there is none, and then a content that is empty is null too); with tools, the
+    calls its content holds (finish "tool_calls")."""
+    shown = {}
+    if c.reasoning is not None:
+        reasoning, text = split_reasoning(c.reasoning, text)
+        shown = {"reasoning_content": reasoning}
     if c.tools is None:
-        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        content = text if c.reasoning is None else text or None
+        return {"message": {"role": "assistant", "content": content, **shown}, "finish_reason": finish}
     out = ToolOutput(c.tools)
     content = out.add(text)
     rest, calls, finish = out.finish(finish)
-    message = {"role": "assistant", "content": (content + rest) or None}
+    message = {"role": "assistant", "content": (content + rest) or None, **shown}
     if calls:
         message["tool_calls"] = [call.to_dict() for call in calls]
     return {"message": message, "finish_reason": finish}

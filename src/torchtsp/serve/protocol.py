@@ -210,6 +210,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, rendered back through the chat template
     tool_call_id: str | None = None  # a tool message's answer to that call
+    reasoning_content: str | None = None  # an assistant's reasoning, as answered: templates that keep it read it
 
 
 class ChatCompletionRequest(_Sampled):
@@ -220,6 +221,11 @@ class ChatCompletionRequest(_Sampled):
     parallel_tool_calls: bool | None = None  # false: at most one call in the answer (null: the default, true)
     functions: list | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template (enable_thinking)
+    reasoning_effort: str | None = None  # OpenAI's: reaches the chat template as reasoning_effort (GPT-OSS's reads it)
+
+    def template_kwargs(self) -> dict:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -253,8 +259,8 @@ class ChatCompletionRequest(_Sampled):
                 content = "".join(part["text"] for part in content)
             for j, call in enumerate(m.tool_calls or ()):
                 _check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
-            extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id))
-                     if v}
+            extra = {k: v for k, v in (("name", m.name), ("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id),
+                                       ("reasoning_content", m.reasoning_content)) if v}
             out.append({"role": m.role, "content": content or "", **extra})
         return out
 
@@ -282,6 +288,33 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list | None = None  # rendered with the messages, as a chat request with tools renders them
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # as a chat request's
+    reasoning_effort: str | None = None
+
+    def template_kwargs(self) -> dict:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+
+
+# Variables a chat template gets from the request's own fields or from the tokenizer, never from
+# chat_template_kwargs.
+TEMPLATE_OWN_VARIABLES = ("messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token")
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def template_kwargs(kwargs: dict | None, reasoning_effort: str | None) -> dict:
+    """The chat template's variables beyond the messages and tools: ``chat_template_kwargs`` (vLLM's, e.g.
+    ``{"enable_thinking": false}`` for Qwen3) and ``reasoning_effort``; a 400 naming the field otherwise."""
+    kwargs = dict(kwargs or {})
+    own = [k for k in kwargs if k in TEMPLATE_OWN_VARIABLES]
+    if own:
+        raise APIError(400, f"chat_template_kwargs may not set {own[0]!r}: the request's own fields and the tokenizer "
+                            f"give the template {', '.join(TEMPLATE_OWN_VARIABLES)}", "chat_template_kwargs")
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                f"{reasoning_effort[:40]!r}", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+    return kwargs
 
 
 class DetokenizeRequest(BaseModel):

@@ -39,11 +39,11 @@ def require_extra() -> None:
 
 def _check_flags(args, cfg) -> int:
     """The launch flags, refused in one line before any rank starts; returns max_model_len."""
-    from .tools import check_parser
+    from .tools import PARSERS, check_parser
 
-    check_parser(args.tool_call_parser)
+    check_parser(args.tool_call_parser, args.reasoning_parser)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json, mistral)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser NAME ({', '.join(PARSERS)})")
     servable = SCHEMES.servable()  # a scheme whose replicas split the batch's rows is not continuous batching yet
     if args.scheme not in servable:
         raise ValueError(f"serve runs the {', '.join(servable)} schemes, not {args.scheme!r} (data-parallel "
@@ -111,6 +111,7 @@ class _Launch:
     max_model_len: int
     torchrun: bool
     kv_layout: str = "sequence"  # the KV-cache layout the engine decodes with (kv_layouts.py)
+    reasoning: object = None  # the checked --reasoning-parser (reasoning.ReasoningParser)
 
 
 def cmd_serve(args) -> int:
@@ -130,12 +131,14 @@ def _prepare(args) -> _Launch:
     from ..generate_job import GenerateJob, check_kv_layout, model_config_and_tokenizer
     from ..layout import Layout
     from ..runenv import launched_by_torchrun
+    from .reasoning import reasoning_parser
 
     source, location = next(((s, v) for s in ("hf", "checkpoint", "preset") if (v := getattr(args, s))),
                             ("preset", "tiny"))
     cfg, tokenizer, eos = model_config_and_tokenizer(source, location, args.tokenizer)
     max_model_len = _check_flags(args, cfg)
     template = _chat_template(args, tokenizer)
+    reasoning = reasoning_parser(args.reasoning_parser, getattr(template, "source", None), tokenizer)
     api_key = args.api_key or os.environ.get("TORCHTSP_API_KEY") or None
     flags = {axis: getattr(args, axis) for axis in AXES if axis != "dp"}  # serve has no --dp
     torchrun = launched_by_torchrun()
@@ -150,7 +153,7 @@ def _prepare(args) -> _Launch:
                     enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.prefill_chunk,
                     schedule=args.schedule, eos_token_id=eos, kv_layout=args.kv_layout)
     return _Launch(load, settings, cfg, tokenizer, template, layout, _model_name(args, source, location), api_key,
-                   max_model_len, torchrun, kv_layout)
+                   max_model_len, torchrun, kv_layout, reasoning)
 
 
 def _serve(args, launch: _Launch) -> int:
@@ -169,7 +172,8 @@ def _serve(args, launch: _Launch) -> int:
     state = ServerState(client=client, tokenizer=launch.tokenizer, template=launch.template, model_name=launch.name,
                         max_model_len=launch.max_model_len, vocab_size=launch.cfg.vocab_size,
                         eos_token_id=launch.settings["eos_token_id"], api_key=launch.api_key,
-                        max_queue=args.max_queue, metrics=metrics, tool_call_parser=args.tool_call_parser)
+                        max_queue=args.max_queue, metrics=metrics, tool_call_parser=args.tool_call_parser,
+                        reasoning=launch.reasoning)
     engine = _Engine(job, client, launch.layout.world, args.timeout_s, launch.torchrun)
     engine.thread.start()
     world = launch.layout.world

@@ -89,7 +89,10 @@ class CompletionService(ChoiceMaker):
         eos = self.state.eos_token_id
         skip = set(c.stop_token_ids) | ({eos} if eos is not None and not c.ignore_eos else set())
         tokenizer = self.state.tokenizer
-        text = TextStream(tokenizer.decode if tokenizer is not None else _ids_text, c.stop_strings, skip)
+        decode = tokenizer.decode if tokenizer is not None else _ids_text
+        if c.reasoning is not None:  # the markers its parser reads stay in the text, also those that end it
+            decode, skip = c.reasoning.parser.decode, skip - c.reasoning.parser.kept_ids
+        text = TextStream(decode, c.stop_strings, skip)
         tokens, first_at, last_at, reason = 0, None, None, None  # reason None: not ended (the client left)
         pending: list = []  # logprobs of tokens not yet in an event
         try:
@@ -230,17 +233,22 @@ class CompletionService(ChoiceMaker):
                 elif _leading_echo(c):
                     yield chunks.choice(i, c.echo_text, None, usage=usage(i))
             tools = [ToolOutput(c.tools) if chat and c.tools is not None else None for c in choices]
+            splits = [c.reasoning.output() if chat and c.reasoning is not None else None for c in choices]
             async for e in self.events(choices, streams, disconnected):
                 counts[e.index] = e.tokens
                 if e.cached_tokens is not None:
                     cached[e.index] = e.cached_tokens
                 shown = formats[e.index].shape(e.logprobs) if formats[e.index] is not None else None
+                reasoning, delta = "", e.delta
+                if splits[e.index] is not None:  # the reasoning apart; what may be a marker waits for the next delta
+                    reasoning, delta = splits[e.index].add(e.delta, done=e.finish is not None)
                 if tools[e.index] is not None:  # content until a call may begin; the calls when the output ends
-                    for chunk in chunks.tool_choice(e.index, tools[e.index], e.delta, e.finish, shown,
-                                                    usage(e.index)):
+                    for chunk in chunks.tool_choice(e.index, tools[e.index], delta, e.finish, shown,
+                                                    usage(e.index), reasoning):
                         yield chunk
-                elif e.delta or e.finish or e.logprobs:
-                    yield chunks.choice(e.index, e.delta, e.finish, logprobs=shown, usage=usage(e.index))
+                elif delta or reasoning or e.finish or e.logprobs:
+                    yield chunks.choice(e.index, delta, e.finish, logprobs=shown, usage=usage(e.index),
+                                        reasoning=reasoning)
             if include_usage:
                 tokens, hits = _prompt_tokens(choices, cached)
                 yield chunks.usage(_usage(tokens, sum(counts), hits))
@@ -260,7 +268,7 @@ class CompletionService(ChoiceMaker):
             ids = await self.encode(body.prompt)
         else:
             messages = ChatCompletionRequest(messages=body.messages).message_dicts()
-            ids = await self.render_chat(messages, body.add_generation_prompt, body.tools)
+            ids = await self.render_chat(messages, body.add_generation_prompt, body.tools, body.template_kwargs())
         return {"tokens": ids, "count": len(ids), "max_model_len": self.state.max_model_len}
 
     def model_card(self, model_id: str | None = None) -> dict:

@@ -256,12 +256,14 @@ class ChatTemplate:
         self._free = threading.Semaphore(processes)  # children busy or idle, at most ``processes``
         self._executor = ThreadPoolExecutor(processes, thread_name_prefix="torchtsp-template")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+               variables: dict | None = None) -> str:
         """The rendered text (blocking); APIError 400 when the template refuses, fails or passes a bound. ``tools``:
-        the request's tools, given to the template as transformers' ``apply_chat_template`` gives them."""
+        the request's tools, given to the template as transformers' ``apply_chat_template`` gives them;
+        ``variables``: more of the template's variables (a request's chat_template_kwargs, as vLLM passes them)."""
         from .protocol import APIError
 
-        context = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        context = {**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
         context = json.dumps(context if tools is None else {**context, "tools": tools}).encode()
         with self._free:
             renderer = self._take()
@@ -281,13 +283,14 @@ class ChatTemplate:
         return answer[1]
 
     async def render_async(self, messages: list[dict], add_generation_prompt: bool = True,
-                           tools: list | None = None) -> str:
+                           tools: list | None = None, variables: dict | None = None) -> str:
         """``render`` off the event loop, on threads of its own (a burst of slow templates leaves the default
         executor, which tokenizes, free)."""
         import asyncio
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.render, messages, add_generation_prompt, tools)
+        return await loop.run_in_executor(self._executor, self.render, messages, add_generation_prompt, tools,
+                                          variables)
 
     def _take(self) -> _Renderer:
         try:

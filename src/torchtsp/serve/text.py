@@ -10,6 +10,19 @@ output), so streamed deltas always concatenate to the non-streamed text.
 from __future__ import annotations
 
 
+def marker_tail(text: str, markers) -> int:
+    """How many characters at the end of ``text`` may be the start of one of ``markers`` (the longest proper
+    prefix of one that ``text`` ends with; 0 when none): a stream holds them back until the next text tells
+    whether the marker follows. A marker cut across two tokens is found whole that way."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest
+
+
 class TextStream:
     def __init__(self, decode, stop_strings: list[str], skip_ids: set[int]):
         self.decode, self.stops, self.skip = decode, stop_strings, skip_ids

@@ -8,8 +8,9 @@ The chat template receives the tools (transformers' ``apply_chat_template`` conv
 - ``auto``: the text is parsed by the parser the server was started with (``--tool-call-parser``), named per model
   family: ``hermes`` (``<tool_call>{json}</tool_call>``: Qwen, Hermes), ``llama3_json`` (a JSON object
   ``{"name", "parameters"}``, after Llama 3.1's ``<|python_tag|>`` if present; several separated by ``;``),
-  ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``). Text that looks like a call but does
-  not parse stays content: a parser never invents a call.
+  ``mistral`` (``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``), ``openai`` (GPT-OSS's harmony
+  messages to ``functions.NAME``, which ``--reasoning-parser gpt_oss`` passes on in the content: reasoning.py).
+  Text that looks like a call but does not parse stays content: a parser never invents a call.
 - ``required`` or a named function: the output is constrained with xgrammar to a JSON object matching the tool's
   ``parameters`` schema (required: ``{"name": one of the tools, "arguments": its schema}``), so the call always
   parses.
@@ -24,6 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .protocol import APIError
+from .reasoning import CALL as HARMONY_CALL
+from .reasoning import HEADER_STARTS as HARMONY_HEADER_STARTS
+from .reasoning import harmony_messages
+from .text import marker_tail
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's function-name rule
 MAX_TOOLS = 128
@@ -133,17 +138,45 @@ def parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     return (text[:start].rstrip(), calls) if calls else (text, [])
 
 
+def parse_openai(text: str) -> tuple[str, list[ToolCall]]:
+    """Harmony's calls (GPT-OSS), as ``--reasoning-parser gpt_oss`` passes them on in the content: messages
+    ``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`` after
+    optional content; nothing but such messages after the first, each a JSON object to a function, ended by
+    ``<|call|>``."""
+    starts = [at for at in (text.find(m) for m in HARMONY_HEADER_STARTS) if at >= 0]
+    messages = harmony_messages(text[min(starts):]) if starts else None
+    if not messages:
+        return text, []
+    calls = []
+    for header, body, terminator in messages:
+        recipient, values, call = header.recipient or "", _json_values(body), None
+        if terminator == HARMONY_CALL and recipient.startswith("functions.") and values and len(values) == 1 \
+                and (header.content_type is None or "json" in header.content_type):
+            call = _call({"name": recipient.removeprefix("functions."), "arguments": values[0]})
+        if call is None:  # one that is no function call: the whole text is content
+            return text, []
+        calls.append(call)
+    return text[:min(starts)], calls
+
+
 PARSERS: dict[str, Callable[[str], tuple[str, list[ToolCall]]]] = {
-    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral, "openai": parse_openai}
 # Where a parser's calls may begin: text from the first of these on is held back from a stream until the output
 # ends and is parsed (llama3_json: an output that begins with a JSON object or the python tag).
-MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",)}
+MARKERS = {"hermes": ("<tool_call>",), "llama3_json": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",),
+           "openai": HARMONY_HEADER_STARTS}
+# A parser that reads what a reasoning parser passes on (the calls in the model's own channels), not raw text.
+NEEDS_REASONING_PARSER = {"openai": "gpt_oss"}
 
 
-def check_parser(name: str | None) -> None:
-    """A startup error for an unknown ``--tool-call-parser``."""
+def check_parser(name: str | None, reasoning_parser: str | None = None) -> None:
+    """A startup error for an unknown ``--tool-call-parser``, or one without the reasoning parser it reads after."""
     if name is not None and name not in PARSERS:
         raise ValueError(f"unknown --tool-call-parser {name!r}; choose one of: {', '.join(PARSERS)}")
+    needed = NEEDS_REASONING_PARSER.get(name)
+    if needed is not None and reasoning_parser != needed:
+        raise ValueError(f"--tool-call-parser {name} reads the calls that --reasoning-parser {needed} separates from "
+                         f"the model's channels; add --reasoning-parser {needed}")
 
 
 def held_from(parser: str, text: str) -> int:
@@ -158,11 +191,7 @@ def held_from(parser: str, text: str) -> int:
     starts = [text.find(m) for m in MARKERS[parser] if m in text]
     if starts:
         return min(starts)
-    for marker in MARKERS[parser]:  # the end of the text may be the start of a marker
-        for n in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:n]):
-                return len(text) - n
-    return len(text)
+    return len(text) - marker_tail(text, MARKERS[parser])  # the end of the text may be the start of a marker
 
 
 @dataclass(frozen=True)
@@ -330,7 +359,7 @@ def tool_choice(tools, choice, parser: str | None, parallel: bool = True) -> Too
         raise APIError(400, f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a named function", "tool_choice")
     if choice == "auto" and parser is None:
         raise APIError(400, "tool_choice auto parses the model's tool calls, but this server was started without "
-                            "--tool-call-parser (hermes, llama3_json, mistral); restart it with one, or use "
+                            f"--tool-call-parser ({', '.join(PARSERS)}); restart it with one, or use "
                             "tool_choice required or a named function", "tool_choice")
     return ToolChoice(choice, checked, parser=parser if choice == "auto" else None, parallel=parallel)
 
