@@ -256,7 +256,7 @@ def test_gradients_assembled_from_chunks_equal_autograd_through_the_oracle(D, do
         assert rel_err(got, exp) < REL, (name, rel_err(got, exp))
 
 
-def test_backward_pieces_run_inside_an_autograd_function_backward():
+def test_backward_pieces_run_where_autograd_is_off():
     """The pieces recompute on a graph of their own, so they work where autograd is off (a Function's backward)."""
     q, k, v, g, beta = inputs(T=6)
     with torch.no_grad():
@@ -266,6 +266,10 @@ def test_backward_pieces_run_inside_an_autograd_function_backward():
                                        use_qk_l2norm_in_kernel=True)
     assert all(x.shape == y.shape and x.abs().sum() > 0 for x, y in zip(grads, (q, k, v, g, beta)))
     assert all(x.shape == y.shape and x.abs().sum() > 0 for x, y in zip(via, (k, v, g, beta)))
+    x, weight = torch.randn(2, 5, 10), torch.randn(10, KERNEL)
+    with torch.no_grad():
+        conv = dr.causal_conv_span_backward(x, torch.randn(2, KERNEL - 1, 10), weight, torch.ones(2, 5, 10))
+    assert all(d.shape == t.shape and d.abs().sum() > 0 for d, t in zip(conv, (x, conv.halo, weight)))
 
 
 # ---------------------------------------------------------------- the short causal conv and its halo
@@ -291,28 +295,30 @@ def local_chunk(x, D, owner, half):
 
 def simulated_conv(x, weight, D, positions=None):
     """Every rank's chunks run with the halo its peers send (``conv_halo_sources``' pieces), and the backward:
-    each halo's gradient cut with ``halo_grad_parts`` and added by its owner. Returns (forward outputs in global
-    order, a function d_out -> the assembled dx)."""
-    S = x.shape[1]
-    runs = []  # (global chunk, rank, half, x leaf, halo leaf, pieces, output)
+    each chunk's ``causal_conv_span_backward``, its halo's gradient cut with ``halo_grad_parts`` and added by
+    each owner to its chunk's last tokens, the weight's shares summed. Returns (forward outputs in global order,
+    a function d_out -> (the assembled dx, dweight))."""
+    S, L = x.shape[1], x.shape[1] // (2 * D)
+    runs = []  # (global chunk, rank, half, x, halo, pieces, positions)
     for p in range(D):
         for half, (c, pieces) in enumerate(zip(zigzag.chunk_ids(p, D), dr.conv_halo_sources(S, D, p, KERNEL))):
-            x_c = local_chunk(x, D, p, half).detach().requires_grad_()
-            parts = [local_chunk(x, D, o, h)[:, -n:] for o, h, n in pieces]
-            halo = dr.assemble_halo(parts, x_c, KERNEL).requires_grad_()
+            x_c = local_chunk(x, D, p, half)
+            halo = dr.assemble_halo([local_chunk(x, D, o, h)[:, -n:] for o, h, n in pieces], x_c, KERNEL)
             pos = None if positions is None else local_chunk(positions, D, p, half)
-            runs.append((c, p, half, x_c, halo, pieces, dr.causal_conv_span(x_c, halo, weight, doc_positions=pos)))
-    out = torch.cat([r[-1] for r in sorted(runs, key=lambda r: r[0])], dim=1)
+            runs.append((c, p, half, x_c, halo, pieces, pos))
+    outs = {r[0]: dr.causal_conv_span(*r[3:5], weight, doc_positions=r[6]) for r in runs}
+    out = torch.cat([outs[c] for c in range(2 * D)], dim=1)
 
     def backward(d_out):
-        grads = {}
-        for _, p, half, x_c, halo, pieces, y in runs:
-            dx, dh = torch.autograd.grad(y, [x_c, halo], local_chunk(d_out, D, p, half))
-            grads[(p, half)] = grads.get((p, half), 0) + dx
-            for (o, h, n), part in zip(pieces, dr.halo_grad_parts(dh, [n for *_, n in pieces])):
-                grads[(o, h)] = grads.get((o, h), 0) + F.pad(part, (0, 0, S // (2 * D) - n, 0))
-        by_chunk = {c: grads[(p, half)] for c, p, half, *_ in runs}
-        return torch.cat([by_chunk[c] for c in range(2 * D)], dim=1)
+        dx, dweight = {}, 0
+        for _, p, half, x_c, halo, pieces, pos in runs:
+            grads = dr.causal_conv_span_backward(x_c, halo, weight, local_chunk(d_out, D, p, half), doc_positions=pos)
+            dx[(p, half)] = dx.get((p, half), 0) + grads.x
+            dweight = dweight + grads.weight
+            for (o, h, n), part in zip(pieces, dr.halo_grad_parts(grads.halo, [n for *_, n in pieces])):
+                dx[(o, h)] = dx.get((o, h), 0) + F.pad(part, (0, 0, L - n, 0))  # onto the owner's last n tokens
+        by_chunk = {c: dx[(p, half)] for c, p, half, *_ in runs}
+        return torch.cat([by_chunk[c] for c in range(2 * D)], dim=1), dweight
 
     return out, backward
 
@@ -327,12 +333,13 @@ def test_conv_with_halo_equals_transformers_on_the_whole_sequence(D, tokens_per_
         if documents else None
     positions = positions_of(starts, S) if documents else None
     out, backward = simulated_conv(x, weight, D, positions)
-    leaf = x.clone().requires_grad_()
-    want = conv_oracle(leaf, weight, starts)
+    leaves = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = conv_oracle(*leaves, starts)
     # Float32 sums of 4 products in another order: a few ulps.
     assert rel_err(out, want) < REL
     d_out = torch.randn(2, S, 10, generator=gen)
-    assert rel_err(backward(d_out), torch.autograd.grad(want, leaf, d_out)[0]) < REL
+    for got, exp in zip(backward(d_out), torch.autograd.grad(want, leaves, d_out)):
+        assert rel_err(got, exp) < REL
 
 
 @pytest.mark.parametrize("D,S", [(1, 2), (2, 4), (2, 16), (4, 8), (4, 24), (8, 16), (8, 48)])

@@ -30,7 +30,8 @@ from its chunk's incoming state. Backward: ``run_span_backward`` gives each chun
 gradient of its outputs with respect to its incoming state -> all-gather the 2D G_c -> ``state_adjoints`` (dS flows
 right to left through A^T) -> ``summary_grads`` (dA_c, dB_c) -> ``span_summary_backward`` adds the summary's share
 to the token gradients. The conv: ``conv_halo_sources`` says what the point-to-point halo exchange moves,
-``assemble_halo`` / ``halo_grad_parts`` pack and unpack it, ``causal_conv_span`` runs a chunk. Decode:
+``assemble_halo`` / ``halo_grad_parts`` pack and unpack it, ``causal_conv_span`` runs a chunk and
+``causal_conv_span_backward`` gives its gradients (the halo's go back to their owners). Decode:
 ``recurrent_step`` and ``conv_step``; a prefill's cache is ``conv_window`` plus ``run_span``'s state.
 """
 
@@ -369,6 +370,27 @@ def causal_conv_span(x, halo, weight, *, doc_positions=None, activation: bool = 
     if activation:
         out = F.silu(out)
     return out.to(x.dtype)
+
+
+class ConvGrads(NamedTuple):
+    """Gradients of a span's conv outputs: its inputs', its halo's (to be sent back to the halo's owners,
+    ``halo_grad_parts``) and the weight's (this span's share: the spans' shares add up)."""
+
+    x: torch.Tensor
+    halo: torch.Tensor
+    weight: torch.Tensor
+
+
+def causal_conv_span_backward(x, halo, weight, d_out, *, doc_positions=None, activation: bool = True) -> ConvGrads:
+    """Gradients of ``<d_out, causal_conv_span(x, halo, weight)>`` (recomputing the span, also where autograd is
+    off); ``halo`` None stands for zeros, as in the forward."""
+    if halo is None:
+        halo = x.new_zeros(x.shape[0], weight.shape[-1] - 1, x.shape[2])
+
+    def conv(*tensors):
+        return (causal_conv_span(*tensors, doc_positions=doc_positions, activation=activation),)
+
+    return ConvGrads(*_vjp(conv, (x, halo, weight), (d_out,)))
 
 
 def conv_window(x, halo, *, doc_positions=None) -> torch.Tensor:
