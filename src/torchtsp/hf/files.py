@@ -29,8 +29,7 @@ from .names import (
     check_state_dict,
     file_location,
     format_names,
-    is_fused,
-    model_location,
+    stored_location,
     to_hf_name,
     to_hf_tensors,
 )
@@ -223,7 +222,7 @@ def open_hf_weights(path: str | os.PathLike):
     cfg, cfg_path = _hf_dir_config(path)
     files = weight_files(path)
     try:
-        return cfg, SafetensorsWeights(cfg, files, model_location(cfg) if is_fused(files) else file_location(cfg))
+        return cfg, SafetensorsWeights(cfg, files, stored_location(cfg, files))
     except ValueError as e:
         raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
 
