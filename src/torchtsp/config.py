@@ -223,9 +223,13 @@ class ModelConfig:
         return None if self.query_pre_attn_scalar is None else (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     def stage(self, layers: range) -> ModelConfig:
-        """The config of a run of this model's layers (a pipeline stage): its layer types go with it."""
+        """The config of a run of this model's layers (a pipeline stage): its layer types and which of them are
+        sparse go with it."""
         types = self.layer_types[layers.start:layers.stop] if self.layer_types else ()
-        return self.replace(n_layers=len(layers), layer_types=types)
+        moe = {}
+        if self.n_experts:
+            moe = dict(moe_layer_step=1, dense_layers=tuple(j for j, i in enumerate(layers) if not self.is_moe_layer(i)))
+        return self.replace(n_layers=len(layers), layer_types=types, **moe)
 
     def _check_moe(self):
         # JSON (checkpoint metadata) turns the tuple into a list: one spelling, so configs compare equal.
