@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
@@ -244,5 +243,4 @@ def test_schemes_without_the_features_refuse_in_one_line():
     cfg = config_from_hf(make_hf().config.to_dict())
     for scheme in ("tp_sp", "torch_tp"):
         with pytest.raises(ValueError, match=f"scheme '{scheme}' does not implement the model's"):
-            get_scheme(scheme).validate(cfg, B, S, {"tp": 2, "sp": 1} if scheme == "tp_sp"
-                                                          else {"tp": 2})
+            get_scheme(scheme).check_model(cfg, {"tp": 2, "sp": 2} if scheme == "tp_sp" else {"tp": 2})

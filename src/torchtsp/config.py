@@ -228,7 +228,8 @@ class ModelConfig:
         types = self.layer_types[layers.start:layers.stop] if self.layer_types else ()
         moe = {}
         if self.n_experts:
-            moe = dict(moe_layer_step=1, dense_layers=tuple(j for j, i in enumerate(layers) if not self.is_moe_layer(i)))
+            dense = tuple(j for j, i in enumerate(layers) if not self.is_moe_layer(i))
+            moe = dict(moe_layer_step=1, dense_layers=dense)
         return self.replace(n_layers=len(layers), layer_types=types, **moe)
 
     def _check_moe(self):
