@@ -180,8 +180,22 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     (= sigmoid(lse - sink)). Returns (out', lse' float32). Exact only on the attention merged over EVERY key block
     and rank: applied to a partial result, a sink would enter once per part (the known sequence-parallel bug).
     A query that saw no key (lse -inf) stays 0."""
-    merged = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    merged = with_sink(lse, sinks)
     return (out.float() * torch.exp(lse - merged).unsqueeze(-1)).to(out.dtype), merged
+
+
+def with_sink(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The log-sum-exp lse [B, H, ...] (float32) of a merged attention with each head's sink logit added (the sink as
+    one more key that takes no value); ``lse`` itself without sinks. A merge of partial attentions that divides by
+    this normaliser instead of theirs applies the sinks exactly once."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.float().view(1, -1, *(1,) * (lse.dim() - 2)))
+
+
+def sinked(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The output of a complete attention (out, lse) with ``sinks`` applied (``apply_sinks``; None: out)."""
+    return out if sinks is None else apply_sinks(out, lse, sinks)[0]
 
 
 def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -344,11 +358,12 @@ def norm_with(weight: torch.Tensor, cfg) -> Callable[[torch.Tensor], torch.Tenso
     return lambda x: norm(x, weight, cfg)
 
 
-def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h].
-    T may be 0 (a rank that holds none of a step's tokens)."""
+def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h], with
+    GPT-OSS's output ``bias`` where this rank's result is complete (not a partial sum over heads). T may be 0 (a
+    rank that holds none of a step's tokens)."""
     B, H, T, d = out.shape
-    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo)
+    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo, bias)
 
 
 # ---------------------------------------------------------------- mixture of experts
