@@ -33,8 +33,8 @@ def make_hf(seed: int = 0, heads: int = 4, kv_heads: int = 2, window: int = 8, l
             rope: dict | None = None, **extra) -> GptOssForCausalLM:
     """A tiny random GPT-OSS: norms, biases, sinks and experts perturbed so that none is an identity or zero."""
     torch.manual_seed(seed)
-    extra.setdefault("router_aux_loss_coef", 0.02)
-    config = GptOssConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=layers,
+    extra = {"router_aux_loss_coef": 0.02, "intermediate_size": 48, **extra}
+    config = GptOssConfig(hidden_size=64, num_hidden_layers=layers,
                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, vocab_size=101, sliding_window=window, max_position_embeddings=256,
                           rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
@@ -314,3 +314,66 @@ def test_generate_on_every_kv_layout_equals_transformers(pools):
                 for t in range(NEW):
                     # Logits summed over ranks and decode steps in another order: ~1e-6 of their largest entry.
                     assert rel_err(logits[t][b], want_logits[t]) <= 1e-5, (run_id, b, t)
+
+
+# --------------------------------------------------------------------------- MXFP4 checkpoints
+
+
+def test_mxfp4_experts_dequantize_as_transformers_and_load_slice_by_slice(tmp_path, capsys):
+    """A folder as OpenAI publishes GPT-OSS (experts as MXFP4 ``*_blocks`` and ``*_scales``): the weights read equal
+    transformers' own dequantization (``convert_moe_packed_tensors``), slice by slice and whole."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from torchtsp.hf import load_hf_checkpoint, open_hf_weights
+
+    hf = make_hf(intermediate_size=64)  # MXFP4 blocks of 32 values: widths divisible by 32
+    E, h, F_ = 4, 64, 64
+    g = torch.Generator().manual_seed(3)
+    packed = {}
+    for i in range(2):
+        for name, rows, inner in (("gate_up_proj", 2 * F_, h), ("down_proj", h, F_)):
+            blocks = torch.randint(0, 256, (E, rows, inner // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(118, 130, (E, rows, inner // 32), generator=g, dtype=torch.uint8)
+            packed[f"model.layers.{i}.mlp.experts.{name}_blocks"] = blocks
+            packed[f"model.layers.{i}.mlp.experts.{name}_scales"] = scales
+            with torch.no_grad():  # transformers' dequantization is the reference: [E, in, out] as the model holds it
+                getattr(hf.model.layers[i].mlp.experts, name).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    tensors = {n: p.detach().contiguous() for n, p in hf.state_dict().items()
+               if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, str(tmp_path / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    cfg = config_from_hf(hf.config.to_dict())
+    expected = from_hf_state_dict(hf.state_dict(), cfg)
+    got_cfg, weights = open_hf_weights(tmp_path)
+    assert got_cfg == cfg and "MXFP4 experts dequantized to bf16" in capsys.readouterr().err
+    for name in ("layers.1.feed_forward.experts.w_gate", "layers.0.feed_forward.experts.w_up",
+                 "layers.1.feed_forward.experts.w_down"):
+        assert torch.equal(weights.get(name), expected[name]), name
+        assert torch.equal(weights.get(name, 0, 2, 1), expected[name][2:]), name  # experts 2, 3 (a tsp rank's)
+        assert torch.equal(weights.get(name, 1, 2, 0), expected[name].chunk(2, dim=1)[0]), name  # a tp slice
+    _, sd = load_hf_checkpoint(tmp_path)
+    assert all(torch.equal(sd[n], expected[n]) for n in expected)
+
+    config["quantization_config"] = {"quant_method": "gptq"}
+    with pytest.raises(ValueError, match="unsupported quantization_config quant_method='gptq'"):
+        config_from_hf(config)
+
+
+def test_mxfp4_without_room_to_dequantize_refuses_in_one_line(monkeypatch, tmp_path):
+    from torchtsp.hf import files
+
+    cfg = config_from_hf(make_hf(intermediate_size=64).config.to_dict())
+    monkeypatch.setattr(files, "_available_host_bytes", lambda: 1000)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    needed = 2 * 4 * 3 * 64 * 64 * 2  # layers x experts x (gate, up, down) x F x h x bf16: the whole model here
+    assert files.mxfp4_dequantized_bytes(cfg) == needed
+    with pytest.raises(ValueError, match=r"need 0\.0 GiB for their share, 0\.0 GiB is free; use more ranks"):
+        files.check_dequantize_room(cfg, tmp_path)
