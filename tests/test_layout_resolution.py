@@ -19,7 +19,7 @@ BAD = [
     ("tiny", 4, {"tsp": 4}, 36, {}, "divisible by 2*D = 8 for zigzag"),
     ("tiny", 4, {"tsp": 2}, 32, {"pp": 2, "microbatches": 1}, "--microbatches 1 is fewer than the 2 pipeline stages"),
     ("tiny", 3, {"tsp": 1}, 32, {"pp": 3}, "layers do not divide into 3 stages"),
-    ("tiny-moe", 4, {"tsp": 2}, 32, {"pp": 2}, "mixture-of-experts model cannot be split into pipeline stages"),
+    ("tiny-moe", 4, {"tsp": 2}, 32, {"pp": 2}, "mixture-of-experts model with a load-balancing loss"),
 ]
 
 

@@ -162,9 +162,10 @@ def test_pipeline_defaults_and_refusals():
         assert check_pipeline(get_scheme(scheme), CFG, 2, None, 4, {"dp": 1}) == 2
     with pytest.raises(ValueError, match="does not run as pipeline stages"):
         check_pipeline(get_scheme("tp_sp"), CFG, 2, None, 4, {"dp": 1})
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_pipeline(get_scheme("tsp"), CFG.replace(n_experts=4, moe_top_k=2, moe_ffn_dim=32), 2, None, 4,
-                       {"dp": 1})
+    moe = CFG.replace(n_experts=4, moe_top_k=2, moe_ffn_dim=32)
+    with pytest.raises(ValueError, match="mixture-of-experts model with a load-balancing loss"):
+        check_pipeline(get_scheme("tsp"), moe.replace(router_aux_loss_coef=0.01), 2, None, 4, {"dp": 1})
+    assert check_pipeline(get_scheme("tsp"), moe, 2, None, 4, {"dp": 1}) == 2  # no aux loss: stages are exact
     with pytest.raises(ValueError, match="tied embeddings"):
         check_pipeline(get_scheme("tsp"), CFG.replace(tie_embeddings=True), 2, None, 4, {"dp": 1})
     with pytest.raises(ValueError, match="4 stages"):  # interleaved: two stages per rank

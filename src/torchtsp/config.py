@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from .layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, LayerSpec, layer_specs
 from .rope import check_params
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "gpt_oss")
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Checkpoints written before ``rope_params`` held llama3 / linear scaling in fields of their own.
@@ -50,6 +50,15 @@ class ModelConfig:
     * Layer i is sparse unless it is in ``dense_layers`` or ``(i + 1) % moe_layer_step != 0`` (Hugging Face's
       ``mlp_only_layers`` and ``decoder_sparse_step``); dense layers use ``ffn_dim``.
     * The training loss adds ``router_aux_loss_coef`` times the load-balancing loss (``model.load_balancing_loss``).
+
+    GPT-OSS's variants (all off by default):
+
+    * ``attention_sinks``: every head has a learned sink, a logit in its softmax's denominator that takes no value
+      (``layers.apply_sinks``: it enters once, after every partial attention is merged); ``o_bias``: the output
+      projection has a bias too.
+    * ``router_bias``: the router's logits have a bias; ``expert_bias``: each expert's gate, up and down
+      projections have biases; ``swiglu_limit`` (with ``swiglu_alpha``): the experts' clamped SwiGLU,
+      (up + 1) · gate · sigmoid(alpha · gate) with gate <= limit and |up| <= limit (``layers.ExpertKind``).
 
     Attention shape and hybrid attention (defaults: every layer full, head_dim = dim / n_heads):
 
@@ -105,6 +114,12 @@ class ModelConfig:
     mlp_activation: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: float | None = None
+    attention_sinks: bool = False
+    o_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self):
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
@@ -208,9 +223,14 @@ class ModelConfig:
         return None if self.query_pre_attn_scalar is None else (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     def stage(self, layers: range) -> ModelConfig:
-        """The config of a run of this model's layers (a pipeline stage): its layer types go with it."""
+        """The config of a run of this model's layers (a pipeline stage): its layer types and which of them are
+        sparse go with it."""
         types = self.layer_types[layers.start:layers.stop] if self.layer_types else ()
-        return self.replace(n_layers=len(layers), layer_types=types)
+        moe = {}
+        if self.n_experts:
+            dense = tuple(j for j, i in enumerate(layers) if not self.is_moe_layer(i))
+            moe = dict(moe_layer_step=1, dense_layers=dense)
+        return self.replace(n_layers=len(layers), layer_types=types, **moe)
 
     def _check_moe(self):
         # JSON (checkpoint metadata) turns the tuple into a list: one spelling, so configs compare equal.
@@ -220,8 +240,15 @@ class ModelConfig:
         if self.n_experts and self.geglu:
             raise ValueError("ModelConfig.mlp_activation='gelu_tanh' is for dense models: experts are SwiGLU; set "
                              "mlp_activation='silu' or n_experts=0")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ValueError("ModelConfig.swiglu_limit and swiglu_alpha go together (GPT-OSS's clamped SwiGLU); set "
+                             "both or neither")
+        if self.swiglu_limit is not None and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ValueError(f"ModelConfig.swiglu_limit={self.swiglu_limit} and swiglu_alpha={self.swiglu_alpha} "
+                             "must be positive")
         if self.n_experts == 0:
-            moe_fields = ("moe_top_k", "moe_ffn_dim", "shared_expert_ffn_dim", "dense_layers", "router_aux_loss_coef")
+            moe_fields = ("moe_top_k", "moe_ffn_dim", "shared_expert_ffn_dim", "dense_layers", "router_aux_loss_coef",
+                          "router_bias", "expert_bias", "swiglu_limit")
             set_fields = [name for name in moe_fields if getattr(self, name)]
             if set_fields:
                 raise ValueError(f"ModelConfig.{set_fields[0]} is a mixture-of-experts setting but n_experts=0; "
@@ -259,7 +286,15 @@ class ModelConfig:
         """The value of RoPE scaling parameter ``name`` (Hugging Face's name: "factor", ...)."""
         return dict(self.rope_params)[name]
 
+    _GPT_OSS_FEATURES = ("attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_limit")
+
     def _check_family(self):
+        if (self.family or self._inferred_family()) == "gpt_oss":
+            self._check_gpt_oss()
+        elif any(getattr(self, name) for name in self._GPT_OSS_FEATURES):
+            name = next(n for n in self._GPT_OSS_FEATURES if getattr(self, n))
+            raise ValueError(f"ModelConfig.{name} is a GPT-OSS feature: only family='gpt_oss' exports it (and it "
+                             "needs attention_sinks); fix it or set the family")
         if self.family is None:
             return
         if self.family not in FAMILIES:
@@ -289,11 +324,31 @@ class ModelConfig:
             )
 
     def _inferred_family(self) -> str:
+        if self.attention_sinks:
+            return "gpt_oss"
         if self.n_experts:
             return "qwen2_moe"
         if self.gemma_norms or self.geglu or self.embed_scale:
             return "gemma3_text"
         return "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+
+    def _check_gpt_oss(self):
+        """What GPT-OSS's architecture expresses: all of its variants, every layer sparse, nothing else."""
+        problems = [name for name, bad in (("attention_sinks", not self.attention_sinks),
+                                           ("n_experts", not self.n_experts),
+                                           ("qkv_bias", not self.qkv_bias), ("o_bias", not self.o_bias),
+                                           ("router_bias", not self.router_bias), ("expert_bias", not self.expert_bias),
+                                           ("swiglu_limit", self.swiglu_limit is None), ("qk_norm", self.qk_norm),
+                                           ("shared_expert_ffn_dim", self.shared_expert_ffn_dim),
+                                           ("moe_norm_topk", not self.moe_norm_topk),
+                                           ("dense_layers", self.dense_layers or self.moe_layer_step != 1),
+                                           ("moe_ffn_dim", self.moe_ffn_dim != self.ffn_dim),
+                                           ("gemma features", self.gemma_norms or self.geglu or self.embed_scale))
+                    if bad]
+        if problems:
+            raise ValueError(f"ModelConfig: family 'gpt_oss' cannot express {problems[0]} as set (GPT-OSS: sinks, "
+                             "q/k/v/o biases, a biased router, biased experts with the clamped SwiGLU, every layer "
+                             "sparse with experts of width ffn_dim, renormalised top-k, no shared expert); fix it")
 
     def _check_moe_family(self):
         if self.family not in MOE_FAMILIES or not self.n_experts:

@@ -42,9 +42,12 @@ class KVCacheKind:
 @dataclass(frozen=True)
 class AttentionKind:
     """Softmax attention over the causal context (``window`` None) or a sliding window of ``window`` positions
-    (a query at i sees keys j with i - window < j <= i: the window counts the query itself, as transformers')."""
+    (a query at i sees keys j with i - window < j <= i: the window counts the query itself, as transformers'),
+    with a learned sink per head where ``sinks`` (GPT-OSS: a logit in the softmax's denominator that takes no value;
+    ``layers.apply_sinks`` adds it once, to the attention merged over every key block and rank)."""
 
     window: int | None = None
+    sinks: bool = False
 
     @property
     def name(self) -> str:
@@ -92,7 +95,7 @@ def layer_specs(cfg) -> tuple[LayerSpec, ...]:
     specs = []
     for i in range(cfg.n_layers):
         sliding = bool(cfg.layer_types) and cfg.layer_types[i] == SLIDING_ATTENTION
-        attention = AttentionKind(cfg.sliding_window if sliding else None)
+        attention = AttentionKind(cfg.sliding_window if sliding else None, cfg.attention_sinks)
         specs.append(LayerSpec(i, attention, local_rope if sliding else full_rope, cfg.is_moe_layer(i)))
     return tuple(specs)
 
@@ -100,4 +103,4 @@ def layer_specs(cfg) -> tuple[LayerSpec, ...]:
 def attention_kinds(cfg) -> tuple[AttentionKind, ...]:
     """The distinct attention kinds of a model, full attention first (the analysis models' per-kind figures)."""
     kinds = {spec.attention for spec in layer_specs(cfg)}
-    return tuple(sorted(kinds, key=lambda k: (k.window is not None, k.window or 0)))
+    return tuple(sorted(kinds, key=lambda k: (k.window is not None, k.window or 0, k.sinks)))

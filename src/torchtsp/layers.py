@@ -174,6 +174,67 @@ def attend_backward(dout, q, k, v, out, lse, mask: Mask, dk, dv, accumulate: boo
     return kernels.fused_attention_backward(dout, q, k, v, out, lse, mask.causal, dk, dv, accumulate)
 
 
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks (GPT-OSS) on a merged attention: per query head h a logit ``sinks[h]`` joins the softmax's
+    denominator and takes no value, so out [B, H, T, d] scales by exp(lse - lse') with lse' = logaddexp(lse, sink)
+    (= sigmoid(lse - sink)). Returns (out', lse' float32). Exact only on the attention merged over EVERY key block
+    and rank: applied to a partial result, a sink would enter once per part (the known sequence-parallel bug).
+    A query that saw no key (lse -inf) stays 0."""
+    merged = with_sink(lse, sinks)
+    return (out.float() * torch.exp(lse - merged).unsqueeze(-1)).to(out.dtype), merged
+
+
+def with_sink(lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The log-sum-exp lse [B, H, ...] (float32) of a merged attention with each head's sink logit added (the sink as
+    one more key that takes no value); ``lse`` itself without sinks. A merge of partial attentions that divides by
+    this normaliser instead of theirs applies the sinks exactly once."""
+    if sinks is None:
+        return lse
+    return torch.logaddexp(lse, sinks.float().view(1, -1, *(1,) * (lse.dim() - 2)))
+
+
+def sinked(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The output of a complete attention (out, lse) with ``sinks`` applied (``apply_sinks``; None: out)."""
+    return out if sinks is None else apply_sinks(out, lse, sinks)[0]
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The float32 gradient [H] of the sinks from the output gradient and the post-sink output and LSE
+    (``apply_sinks``' results): -sum over rows and queries of p_sink · rowsum(dout · out), p_sink = exp(sink - lse').
+    The kernels' own backward, given the same post-sink (out, lse), is exact for q, k and v: their probabilities
+    are those of the softmax with the sink, whose column has no value."""
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p_sink * (dout.float() * out.float()).sum(-1)).sum(dim=(0, 2))
+
+
+class SinkAttention(torch.autograd.Function):
+    """``attend`` followed by ``apply_sinks``, differentiable: the fused kernels' autograd does not carry the LSE's
+    gradient, so backward runs the kernels' backward from the post-sink (out, lse), exact for q, k and v, and
+    ``sinks_grad`` for the sinks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask):
+        out, lse = apply_sinks(*attend(q, k, v, mask), sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.mask = mask
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        dq = attend_backward(dout.contiguous(), q, k, v, out, lse, ctx.mask, dk, dv, accumulate=False)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), sinks_grad(dout, out, lse, sinks).to(sinks.dtype), None
+
+
+def attend_with_sinks(q, k, v, mask: Mask, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The attention output of ``attend`` (differentiable), with ``sinks`` [Hq] (None: no sinks) added once."""
+    if sinks is None:
+        return attend(q, k, v, mask)[0]
+    return SinkAttention.apply(q, k, v, sinks, mask)
+
+
 # ---------------------------------------------------------------- gated MLP
 
 
@@ -297,35 +358,77 @@ def norm_with(weight: torch.Tensor, cfg) -> Callable[[torch.Tensor], torch.Tenso
     return lambda x: norm(x, weight, cfg)
 
 
-def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h].
-    T may be 0 (a rank that holds none of a step's tokens)."""
+def attention_output(out: torch.Tensor, wo: torch.Tensor, dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """The output projection of attention's head-major result out [B, H, T, d] (in ``dtype``): [B, T, h], with
+    GPT-OSS's output ``bias`` where this rank's result is complete (not a partial sum over heads). T may be 0 (a
+    rank that holds none of a step's tokens)."""
     B, H, T, d = out.shape
-    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo)
+    return F.linear(out.to(dtype).transpose(1, 2).reshape(B, T, H * d), wo, bias)
 
 
 # ---------------------------------------------------------------- mixture of experts
 
 
-def route(h2: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool):
+def route(h2: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool, router_bias=None):
     """The router of a mixture of experts on tokens h2 [N, h]: (probabilities [N, E] in float32, top-k weights
     [N, k] in h2's dtype, top-k expert ids [N, k]), as Hugging Face Qwen2-MoE / Mixtral compute them: softmax in
-    float32, ``torch.topk``, optionally renormalised so the k weights sum to one."""
-    probs = torch.softmax(F.linear(h2, router_weight), dim=-1, dtype=torch.float32)
+    float32, ``torch.topk``, optionally renormalised so the k weights sum to one. GPT-OSS's router (a bias on the
+    logits, then a softmax over the top-k logits only) is the renormalised one with ``router_bias``: the softmax of
+    the k largest logits is their probabilities divided by the probabilities' sum."""
+    probs = torch.softmax(F.linear(h2, router_weight, router_bias), dim=-1, dtype=torch.float32)
     top, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return probs, top.to(h2.dtype), experts
 
 
-def expert_mlps(x: torch.Tensor, counts: list[int], w_gate: torch.Tensor, w_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert on its rows: x [R, h] holds ``counts[e]`` consecutive rows for expert e of the
-    stacked weights w_gate, w_up [E, F, h] and w_down [E, h, F]. Every expert runs (also on zero rows), so
-    every rank builds the same autograd graph whatever the routing."""
+@dataclass(frozen=True)
+class ExpertKind:
+    """How an expert turns its gate and up projections into its hidden state: SwiGLU (``limit`` None), or
+    GPT-OSS's clamped SwiGLU: (up + 1) · gate · sigmoid(alpha · gate), gate clamped above at ``limit`` and up to
+    [-limit, limit], as transformers' ``GptOssExperts._apply_gate``."""
+
+    limit: float | None = None
+    alpha: float | None = None
+
+    @classmethod
+    def of(cls, cfg) -> ExpertKind:
+        return cls(cfg.swiglu_limit, cfg.swiglu_alpha)
+
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return gated(gate, up)
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = ExpertKind()
+
+
+class Experts(NamedTuple):
+    """Stacked expert weights as one rank holds them: w_gate, w_up [E, F, h] and w_down [E, h, F] (whole experts,
+    or every expert's FFN slice), and GPT-OSS's biases gate_bias, up_bias [E, F] and down_bias [E, h] (None
+    without; down_bias None also where another rank adds it: an FFN slice's partial output)."""
+
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], experts: Experts, kind: ExpertKind = SWIGLU) -> torch.Tensor:
+    """Each expert's gated MLP (``kind``) on its rows: x [R, h] holds ``counts[e]`` consecutive rows for expert e of
+    the stacked ``experts``. Every expert runs (also on zero rows), so every rank builds the same autograd graph
+    whatever the routing."""
     # unbind, not w[e]: its backward stacks the E gradients once (indexing would add E zero-filled [E, ...] tensors).
-    weights = zip(w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0))
-    return torch.cat([swiglu(xe, *w) for xe, w in zip(x.split(counts), weights)])
+    none = (None,) * experts.w_gate.shape[0]
+    per = [t.unbind(0) if t is not None else none for t in experts]
+    outs = []
+    for xe, (wg, wu, wd, bg, bu, bd) in zip(x.split(counts), zip(*per)):
+        outs.append(F.linear(kind.hidden(F.linear(xe, wg, bg), F.linear(xe, wu, bu)), wd, bd))
+    return torch.cat(outs)
 
 
 @dataclass(frozen=True)
@@ -360,30 +463,32 @@ def combine(n_tokens: int, out: torch.Tensor, order: torch.Tensor, token: torch.
     return out.new_zeros(n_tokens, out.shape[1]).index_add_(0, token, weighted)
 
 
-def local_experts(w_gate, w_up, w_down, first: int = 0):
+def local_experts(experts: Experts, kind: ExpertKind = SWIGLU, first: int = 0):
     """``run_experts`` for ``moe_layer`` when this rank holds the weights of experts [first, first + n) (whole,
     or every expert's FFN slice): it computes only those experts' rows and combines them per token."""
 
     def run(h2: torch.Tensor, routing: Routing) -> torch.Tensor:
-        n, order, token = w_gate.shape[0], routing.order, routing.token
+        n, order, token = experts.w_gate.shape[0], routing.order, routing.token
         counts = routing_counts(routing)
         if first or n != len(counts):
             start = sum(counts[:first])
             counts = counts[first:first + n]
             rows = slice(start, start + sum(counts))
             order, token = order[rows], token[rows]
-        out = expert_mlps(h2[token], counts, w_gate, w_up, w_down)
+        out = expert_mlps(h2[token], counts, experts, kind)
         return combine(h2.shape[0], out, order, token, routing.weights)
 
     return run
 
 
-def moe_layer(h: torch.Tensor, router_weight: torch.Tensor, run_experts, cfg, stats=None, shared=None):
-    """A sparse layer on tokens h [..., dim]: route, add the router statistics to ``stats`` (a ``RouterStats``,
-    or None), ``run_experts(h2, routing)`` -> the combined expert outputs [N, dim] (where the experts live and
-    how tokens reach them is the scheme's), plus ``shared(h2)``, the gated shared expert's output, if any."""
+def moe_layer(h: torch.Tensor, router_weight: torch.Tensor, run_experts, cfg, stats=None, shared=None,
+              router_bias=None):
+    """A sparse layer on tokens h [..., dim]: route (with ``router_bias``, GPT-OSS's), add the router statistics to
+    ``stats`` (a ``RouterStats``, or None), ``run_experts(h2, routing)`` -> the combined expert outputs [N, dim]
+    (where the experts live and how tokens reach them is the scheme's), plus ``shared(h2)``, the gated shared
+    expert's output, if any."""
     h2 = h.reshape(-1, h.shape[-1])
-    probs, weights, experts = route(h2, router_weight, cfg.moe_top_k, cfg.moe_norm_topk)
+    probs, weights, experts = route(h2, router_weight, cfg.moe_top_k, cfg.moe_norm_topk, router_bias)
     routing = Routing(weights, *sort_by_expert(experts, cfg.n_experts))
     if stats is not None:
         stats.add(probs, routing.counts)

@@ -14,18 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import layers
 from .config import ModelConfig
 from .host import on_host
 from .layers import (
     CAUSAL,
     IGNORE_INDEX,
+    ExpertKind,
     GatedDown,
     LossTerms,
     Mask,
     Placement,
     RouterStats,
     as_documents,
-    attend,
+    attend_with_sinks,
     block_forward,
     gated,
     gated_shared_expert,
@@ -72,7 +74,7 @@ def initial_value(seed: int, name: str, shape, rows: tuple[int, int] | None = No
     out_shape = (stop - start, *shape[1:])
     if name.endswith("norm.weight"):
         return torch.full(out_shape, norm_init)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):
         return torch.zeros(out_shape)
     out = torch.empty(out_shape)
     for block in range(start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)):
@@ -107,20 +109,23 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * d, bias=False)
         self.wo = nn.Linear(cfg.n_heads * d, cfg.dim, bias=False)
-        if cfg.qkv_bias:
-            # Added as zeros, not nn.Linear(bias=True), which would draw random numbers: a feature must not
-            # shift the random stream, so every weight matrix is the same with or without it for one seed.
-            for linear in (self.wq, self.wk, self.wv):
-                linear.bias = nn.Parameter(torch.zeros(linear.out_features))
+        # Added as zeros, not nn.Linear(bias=True), which would draw random numbers: a feature must not
+        # shift the random stream, so every weight matrix is the same with or without it for one seed.
+        for linear in (self.wq, self.wk, self.wv) if cfg.qkv_bias else ():
+            linear.bias = nn.Parameter(torch.zeros(linear.out_features))
+        if cfg.o_bias:
+            self.wo.bias = nn.Parameter(torch.zeros(cfg.dim))
         self.q_norm = RMSNorm(d, cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg) if cfg.qk_norm else None
+        # GPT-OSS: one sink logit per query head (layers.apply_sinks).
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
 
     def forward(self, x, cos, sin, mask: Mask = CAUSAL):
         B, S, _ = x.shape
         # Module calls, not F.linear on the weights, so that hooks on the linears (e.g. DTensor TP) run.
         norms = (self.q_norm.weight, self.k_norm.weight) if self.cfg.qk_norm else ()
         q, k, v = qkv_heads(self.wq(x), self.wk(x), self.wv(x), self.cfg, cos, sin, *norms)
-        out, _ = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = attend_with_sinks(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -142,7 +147,8 @@ class FeedForward(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as stacked weights: w_gate, w_up [E, moe_ffn_dim, h], w_down [E, h, moe_ffn_dim]."""
+    """E gated experts as stacked weights: w_gate, w_up [E, moe_ffn_dim, h], w_down [E, h, moe_ffn_dim]; with
+    ``expert_bias`` (GPT-OSS) their biases gate_bias, up_bias [E, moe_ffn_dim] and down_bias [E, h]."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -150,6 +156,13 @@ class Experts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(E, F_, h))
         self.w_up = nn.Parameter(torch.empty(E, F_, h))
         self.w_down = nn.Parameter(torch.empty(E, h, F_))
+        biases = dict(gate_bias=(E, F_), up_bias=(E, F_), down_bias=(E, h)) if cfg.expert_bias else {}
+        for name, shape in biases.items():
+            setattr(self, name, nn.Parameter(torch.empty(shape)))
+
+    def weights(self) -> layers.Experts:
+        biases = [getattr(self, n, None) for n in ("gate_bias", "up_bias", "down_bias")]
+        return layers.Experts(self.w_gate, self.w_up, self.w_down, *biases)
 
 
 class MoEFeedForward(nn.Module):
@@ -159,6 +172,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        if cfg.router_bias:
+            self.router.bias = nn.Parameter(torch.zeros(cfg.n_experts))
         self.experts = Experts(cfg)
         self.shared = None
         if cfg.shared_expert_ffn_dim:
@@ -170,7 +185,8 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             s = self.shared
             shared = gated_shared_expert(self.shared_gate.weight, s.w_gate.weight, s.w_up.weight, s.w_down.weight)
-        return moe_layer(x, self.router.weight, local_experts(w.w_gate, w.w_up, w.w_down), self.cfg, stats, shared)
+        return moe_layer(x, self.router.weight, local_experts(w.weights(), ExpertKind.of(self.cfg)), self.cfg, stats,
+                         shared, self.router.bias)
 
 
 class Block(nn.Module):

@@ -32,9 +32,10 @@ PIPELINE_AXIS = "pp"
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Model features (ModelConfig fields) beyond plain Llama that a scheme must implement to run the model.
 # ``sliding``: layers with a window (one ``layers.Mask``, read by every kernel that takes it); the Gemma variants of
-# the layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar.
+# the layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar; GPT-OSS's sinks, output
+# bias, router and expert biases and clamped SwiGLU.
 MODEL_FEATURES = ("rope_scaling", "qkv_bias", "qk_norm", "moe", "sliding", "gemma_norms", "geglu", "embed_scale",
-                  "query_pre_attn_scalar")
+                  "query_pre_attn_scalar", "attention_sinks", "o_bias", "router_bias", "expert_bias", "swiglu_limit")
 _GEMMA = ("gemma_norms", "geglu", "embed_scale", "query_pre_attn_scalar")
 
 
@@ -353,9 +354,10 @@ def check_pipeline(scheme: Scheme, cfg, pp: int, microbatches: int | None, batch
         what = f"{pp} stages" if stages == pp else f"{stages} stages ({pp} ranks x {stages // pp} each)"
         fix = "a --pp that divides them" if stages == pp else "another schedule, or a --pp whose double divides them"
         raise ValueError(f"the model's {cfg.n_layers} layers do not divide into {what}; choose {fix}")
-    if getattr(cfg, "moe", False):
-        raise ValueError("a mixture-of-experts model cannot be split into pipeline stages yet (its load-balancing "
-                         "loss needs router statistics of every layer at once); drop --pp")
+    if getattr(cfg, "moe", False) and getattr(cfg, "router_aux_loss_coef", 0):
+        raise ValueError(f"a mixture-of-experts model with a load-balancing loss (router_aux_loss_coef="
+                         f"{cfg.router_aux_loss_coef}) cannot be split into pipeline stages yet (the loss needs router "
+                         "statistics of every layer at once); drop --pp, or set router_aux_loss_coef to 0")
     if getattr(cfg, "tie_embeddings", False):
         raise ValueError("a model with tied embeddings cannot be split into pipeline stages yet (the embedding "
                          "lives in the first stage, the head in the last); drop --pp or untie them")

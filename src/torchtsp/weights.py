@@ -101,7 +101,8 @@ class SafetensorsWeights(WeightSource):
     """Weights in safetensors files: ``files`` maps each stored tensor name to its file, ``stored_name`` maps a
     reference name to where it is stored: a stored name (Hugging Face names, or the reference names
     themselves); ``("fused", name, dim, half)`` for one half along ``dim`` of a stored tensor that fuses two
-    parameters; ``("experts", [name of each expert])`` for a stacked [E, ...] parameter stored expert by expert.
+    parameters; ``("experts", [name of each expert])`` for a stacked [E, ...] parameter stored expert by expert;
+    a ``hf.names.ExpertPart`` for one stored in another layout (GPT-OSS's, MXFP4 dequantized on read).
     """
 
     def __init__(self, cfg: ModelConfig, files: dict[str, Path], stored_name: Callable[[str], str | tuple],
@@ -120,6 +121,8 @@ class SafetensorsWeights(WeightSource):
             spec = self._spec(name)
             if spec[0] == "fused":
                 want[spec[1]] = tuple(n * 2 if d == spec[2] else n for d, n in enumerate(shape))
+            elif spec[0] == "part":
+                want.update(spec[1].stored_shapes(tuple(shape)))
             else:
                 want.update(dict.fromkeys(self._stored(name), tuple(shape[1:] if spec[0] == "experts" else shape)))
         self.stored_dtype = None
@@ -138,14 +141,28 @@ class SafetensorsWeights(WeightSource):
 
     def _spec(self, name: str) -> tuple:
         where = self.location(name)
-        return ("whole", where) if isinstance(where, str) else where
+        if isinstance(where, str):
+            return "whole", where
+        return ("part", where) if hasattr(where, "stored_names") else where
 
     def _stored(self, name: str) -> list[str]:
         spec = self._spec(name)
-        return list(spec[1]) if spec[0] == "experts" else [spec[1]]
+        return list(spec[1]) if spec[0] == "experts" else spec[1].stored_names if spec[0] == "part" else [spec[1]]
+
+    def _read_part(self, part, shape, dim, start, stop):
+        """A stacked expert parameter stored in another layout (``hf.names.ExpertPart``), expert by expert: only
+        the experts this rank keeps are read, one at a time."""
+        experts = range(start, stop) if dim == 0 else range(shape[0])
+        pieces = []
+        for e in experts:
+            one = part.expert([self._with_slice(n, lambda piece, e=e: piece[e:e + 1])[0] for n in part.stored_names])
+            pieces.append(one if dim == 0 else one.narrow(dim - 1, start, stop - start))
+        return torch.stack(pieces) if pieces else torch.empty(0, *shape[1:])
 
     def _read(self, name, shape, dim, start, stop):
         spec = self._spec(name)
+        if spec[0] == "part":
+            return self._read_part(spec[1], shape, dim, start, stop)
         if spec[0] == "experts":  # one stored matrix per expert
             experts = range(start, stop) if dim == 0 else range(shape[0])
             inner = (0, 0, shape[1]) if dim == 0 else (dim - 1, start, stop)

@@ -64,11 +64,19 @@ def param_elements(scheme: str, cfg: ModelConfig, *, tsp: int = 1, tp: int = 1) 
     # its shared expert; its router and shared gate are replicated.
     mlp = (cfg.n_layers - sparse) * 3 * h * cfg.ffn_dim
     mlp += sparse * 3 * h * (cfg.n_experts * cfg.moe_ffn_dim + cfg.shared_expert_ffn_dim)
+    # GPT-OSS: sinks shard with their heads; the experts' gate and up biases with the experts (or their FFN width);
+    # the down biases with whole experts (TSP) or replicated beside FFN slices (TP); the o and router biases replicated.
+    attention += cfg.n_heads if cfg.attention_sinks else 0
+    mlp += sparse * cfg.n_experts * 2 * cfg.moe_ffn_dim if cfg.expert_bias else 0
+    down_bias = sparse * cfg.n_experts * h if cfg.expert_bias else 0
+    whole_experts = "tsp" in spec.weight_axes
     rows = _ceil_div(cfg.vocab_size, w)
     return {
-        "layers": (cfg.n_layers * attention + mlp) // w,
-        "norms": (cfg.norms_per_layer * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0),
-        "router": sparse * (cfg.n_experts * h + (h if cfg.shared_expert_ffn_dim else 0)),
+        "layers": (cfg.n_layers * attention + mlp + (down_bias if whole_experts else 0)) // w,
+        "norms": (cfg.norms_per_layer * cfg.n_layers + 1) * h + (2 * cfg.n_layers * d if cfg.qk_norm else 0)
+        + (cfg.n_layers * h if cfg.o_bias else 0),
+        "router": sparse * (cfg.n_experts * h + (h if cfg.shared_expert_ffn_dim else 0)
+                            + (cfg.n_experts if cfg.router_bias else 0)) + (0 if whole_experts else down_bias),
         "embedding": rows * h,
         "head": 0 if cfg.tie_embeddings else rows * h,
     }

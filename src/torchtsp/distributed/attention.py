@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import CAUSAL, FULL, Mask, attend, attend_backward
+from ..layers import CAUSAL, FULL, Mask, apply_sinks, attend, attend_backward, sinks_grad
 from . import zigzag
 from .window import (
     WindowGrad,
@@ -235,28 +235,33 @@ class ZigzagAttention(torch.autograd.Function):
     backward reduce-scatters their gradients to their owners."""
 
     @staticmethod
-    def forward(ctx, q, kv, comm, mask=CAUSAL):
+    def forward(ctx, q, kv, comm, mask=CAUSAL, sinks=None):
         gathered = gather_kv(comm, kv, mask=mask)
         out, lse = zigzag_attention_forward(q, gathered, comm.rank, comm.size, mask)
+        if sinks is not None:  # once, on the attention merged over every rank's keys
+            out, lse = apply_sinks(out, lse, sinks)
         # A sliding layer's exchange saves what it received (the tensors saved, their layout on ctx).
         tensors, ctx.window = gathered.saved() if isinstance(gathered, WindowKV) else (gathered, None)
-        ctx.save_for_backward(q, out, lse, *tensors)
+        ctx.save_for_backward(q, out, lse, sinks, *tensors)
         ctx.comm, ctx.mask = comm, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, out, lse, *gathered = ctx.saved_tensors
+        q, out, lse, sinks, *gathered = ctx.saved_tensors
         comm = ctx.comm
         own = gathered[0] if ctx.window else gathered[comm.rank]
         if ctx.window:
             gathered = WindowKV.restore(gathered, ctx.window)
+        # From the post-sink output and LSE the kernels' backward is exact for q, k and v (layers.sinks_grad).
         dq, dkv = zigzag_attention_backward(dout, q, gathered, out, lse, comm.rank, comm.size, ctx.mask)
         dkv = scatter_kv_grad(comm, dkv, own)
-        return dq, dkv.to(own.dtype), None, None
+        dsinks = None if sinks is None else sinks_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq, dkv.to(own.dtype), None, None, dsinks
 
 
-def zigzag_causal_attention(q, kv, comm, mask: Mask = CAUSAL) -> torch.Tensor:
+def zigzag_causal_attention(q, kv, comm, mask: Mask = CAUSAL, sinks=None) -> torch.Tensor:
     """q: [B, Hq, S/D, d] local zigzag queries; kv: [2, B, S/D, Hkv, d] local keys and values, token-major;
-    ``mask``: the whole sequence's (``layers.sequence_mask``: documents of packed rows, the layer's window)."""
-    return ZigzagAttention.apply(q, kv, comm, mask)
+    ``mask``: the whole sequence's (``layers.sequence_mask``: documents of packed rows, the layer's window);
+    ``sinks`` [Hq] (GPT-OSS's, or None): added once, after every rank's partial attention is merged."""
+    return ZigzagAttention.apply(q, kv, comm, mask, sinks)

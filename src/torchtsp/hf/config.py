@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig`` for the families torchtsp reproduces (Llama with Llama 3's
 ``llama3`` RoPE scaling, Mistral with or without its sliding window, Qwen2/2.5 and Qwen3 with their per-layer
-windows, Qwen2-MoE, Mixtral, Gemma 3 text); every other feature is refused with its config field named."""
+windows, Qwen2-MoE, Mixtral, Gemma 3 text, GPT-OSS); every other feature is refused with its config field named."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # Keys of an HF rope dict that are not a scaling type's parameters.
 _ROPE_META_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
@@ -94,6 +95,10 @@ def _window_fields(hf: dict, model_type: str, max_position_embeddings: int) -> d
         first = int(hf.get("max_window_layers", 28))
         types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                           for i in range(n_layers)]
+    elif model_type == "gpt_oss":  # transformers' default: even layers slide, odd ones are full
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(n_layers)]
+        window = 128 if "sliding_window" not in hf else window
     elif model_type == "gemma3_text":
         pattern = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
         types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -146,7 +151,14 @@ def _gemma3_fields(hf: dict) -> dict:
 
 
 def _moe_fields(hf: dict, model_type: str) -> dict:
-    """ModelConfig's mixture-of-experts fields of a Qwen2-MoE or Mixtral config ({} for dense families)."""
+    """ModelConfig's mixture-of-experts fields of a Qwen2-MoE, Mixtral or GPT-OSS config ({} for dense families)."""
+    if model_type == "gpt_oss":
+        _check_quantization(hf)
+        width = int(hf["intermediate_size"])
+        return dict(n_experts=int(hf.get("num_local_experts", 128)), moe_top_k=int(hf.get("num_experts_per_tok", 4)),
+                    moe_ffn_dim=width, moe_norm_topk=True, router_bias=True, expert_bias=True,
+                    swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     if model_type == "mixtral":
         jitter = hf.get("router_jitter_noise") or 0.0
         if jitter:
@@ -170,6 +182,22 @@ def _moe_fields(hf: dict, model_type: str) -> dict:
                 moe_layer_step=int(hf.get("decoder_sparse_step", 1)),
                 dense_layers=tuple(int(i) for i in (hf.get("mlp_only_layers") or ())),
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+
+
+def _check_quantization(hf: dict) -> None:
+    """GPT-OSS's published MXFP4 experts are dequantized on load (hf/names.py); any other quantization is refused."""
+    quant = hf.get("quantization_config")
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"unsupported quantization_config quant_method={quant.get('quant_method')!r}: torchtsp "
+                         "reads bf16/fp32 weights and GPT-OSS's mxfp4 experts (dequantized to bf16 on load)")
+
+
+def _gpt_oss_fields(hf: dict, max_position_embeddings: int) -> dict:
+    """GPT-OSS's attention: q/k/v/o biases (``attention_bias``, true in every checkpoint) and sinks; RoPE from its
+    rope dict (YaRN in the published models)."""
+    if not hf.get("attention_bias", True):
+        raise ValueError("unsupported attention_bias=false in a gpt_oss config: torchtsp's GPT-OSS has q/k/v/o biases")
+    return {**_rope_fields(hf, max_position_embeddings), "o_bias": True, "attention_sinks": True}
 
 
 def config_from_hf(hf_config: dict) -> ModelConfig:
@@ -212,6 +240,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     max_seq_len = int(hf.get("max_position_embeddings") or (131072 if model_type == "gemma3_text" else 2048))
     if model_type == "gemma3_text":
         features = _gemma3_fields(hf)
+    elif model_type == "gpt_oss":
+        features = _gpt_oss_fields(hf, max_seq_len)
     else:
         features = {**_rope_fields(hf, max_seq_len), "qk_norm": model_type == "qwen3"}
     windows = _window_fields(hf, model_type, max_seq_len)
@@ -227,7 +257,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
             max_seq_len=max_seq_len,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
-            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
+            qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
+            or model_type == "gpt_oss",
             family=model_type,
             head_dim=None if head_dim is None else int(head_dim),
             **features,
@@ -271,6 +302,8 @@ def _window_to_hf(cfg: ModelConfig, model_type: str) -> dict:
                 "max_window_layers": full}
     if model_type in ("qwen2", "qwen3", "qwen2_moe"):
         return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
+    if model_type == "gpt_oss":  # layer_types as they are (every layer full: no window)
+        return {"sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types}
     return {}
 
 
@@ -333,6 +366,10 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
                   norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=cfg.moe_layer_step,
                   mlp_only_layers=list(cfg.dense_layers), router_aux_loss_coef=cfg.router_aux_loss_coef,
                   output_router_logits=False)
+    elif model_type == "gpt_oss":
+        hf.update(attention_bias=True, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
+                  swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef, output_router_logits=False)
     elif model_type == "gemma3_text":
         hf.update(_gemma3_to_hf(cfg))
     elif model_type == "qwen3":

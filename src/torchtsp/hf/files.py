@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -29,8 +30,7 @@ from .names import (
     check_state_dict,
     file_location,
     format_names,
-    is_fused,
-    model_location,
+    stored_location,
     to_hf_name,
     to_hf_tensors,
 )
@@ -222,10 +222,47 @@ def open_hf_weights(path: str | os.PathLike):
     path = Path(path)
     cfg, cfg_path = _hf_dir_config(path)
     files = weight_files(path)
+    if any(name.endswith("_blocks") for name in files):
+        check_dequantize_room(cfg, path)
     try:
-        return cfg, SafetensorsWeights(cfg, files, model_location(cfg) if is_fused(files) else file_location(cfg))
+        return cfg, SafetensorsWeights(cfg, files, stored_location(cfg, files))
     except ValueError as e:
         raise ValueError(f"weights in {path} do not match {cfg_path}: {e}") from e
+
+
+def mxfp4_dequantized_bytes(cfg: ModelConfig) -> int:
+    """The bf16 bytes of every expert matrix of a GPT-OSS model (what its MXFP4 blocks dequantize to: about 3.8x
+    their stored bytes of 4.25 bits per value)."""
+    sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    return sparse * cfg.n_experts * 3 * cfg.moe_ffn_dim * cfg.dim * 2
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_dequantize_room(cfg: ModelConfig, path: Path) -> None:
+    """GPT-OSS's MXFP4 experts are dequantized to bf16 on load: note what that costs, and refuse in one line where
+    this host's ranks cannot hold their share (the ranks read only their own experts or slices)."""
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    needed = mxfp4_dequantized_bytes(cfg) * min(local, world) // max(world, 1)
+    free = _available_host_bytes()
+    if free is not None and needed > free:
+        raise ValueError(f"{path}: GPT-OSS's MXFP4 experts dequantize to bf16 on load: this host's {local} rank(s) "
+                          f"need {needed / 2**30:.1f} GiB for their share, {free / 2**30:.1f} GiB is free; use more "
+                          "ranks or hosts (each keeps 1/D of the experts)")
+    if os.environ.get("RANK", "0") == "0":
+        total = mxfp4_dequantized_bytes(cfg) / 2**30
+        print(f"note: {path.name}: MXFP4 experts dequantized to bf16 on load ({total:.1f} GiB for the whole model, "
+              "about 3.8x their stored size), split over the ranks", file=sys.stderr)
 
 
 def open_torchtsp_weights(path: str | os.PathLike):

@@ -8,6 +8,8 @@ parameter names. Expert weights are stacked [E, ...] tensors in torchtsp; HF hol
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import ModelConfig
@@ -53,6 +55,92 @@ _SANDWICH_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "ffn_out_norm.weight": "post_feedforward_layernorm.weight",
 }
+# GPT-OSS (``gpt_oss``): its own router and attention extras; its experts are stored in their own layout
+# (``ExpertPart``).
+_GPT_OSS_NAMES = {
+    "attention.sinks": "self_attn.sinks",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "feed_forward.router.weight": "mlp.router.weight",
+    "feed_forward.router.bias": "mlp.router.bias",
+    "feed_forward.experts.down_bias": "mlp.experts.down_proj_bias",
+}
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """A stacked expert parameter [E, ...] stored as (a part of) an expert tensor of another layout, read and written
+    one expert at a time. GPT-OSS: ``mlp.experts.gate_up_proj`` [E, h, 2F] holds gate (even columns) and up (odd)
+    interleaved, transposed against torchtsp's [F, h]; ``down_proj`` [E, F, h] is transposed; ``gate_up_proj_bias``
+    [E, 2F] interleaves the two biases. ``mxfp4``: the published checkpoints' ``{stored}_blocks`` and
+    ``{stored}_scales`` (OpenAI's MXFP4: 32 four-bit values per block, one power-of-two scale) of the matrix in
+    [E, out, in] order, dequantized on read (``dequantize_mxfp4``)."""
+
+    stored: str
+    parts: int = 1
+    index: int = 0
+    transposed: bool = False
+    mxfp4: bool = False
+
+    @property
+    def stored_names(self) -> list[str]:
+        return [f"{self.stored}_blocks", f"{self.stored}_scales"] if self.mxfp4 else [self.stored]
+
+    def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each stored tensor's shape for a parameter of ``shape`` ([E, out, in] or [E, n])."""
+        E, *rest = shape
+        if self.mxfp4:
+            out, inner = rest
+            rows = (out * self.parts, inner // 32)
+            return {self.stored_names[0]: (E, *rows, 16), self.stored_names[1]: (E, *rows)}
+        if len(rest) == 1:
+            return {self.stored: (E, rest[0] * self.parts)}
+        out, inner = rest
+        return {self.stored: (E, inner, out * self.parts) if self.transposed else (E, out * self.parts, inner)}
+
+    def expert(self, stored: list[torch.Tensor]) -> torch.Tensor:
+        """This parameter's matrix (or vector) of one expert from that expert's stored tensors."""
+        if self.mxfp4:
+            return dequantize_mxfp4(*stored)[self.index::self.parts]
+        t = stored[0][..., self.index::self.parts]
+        return t.transpose(-1, -2) if self.transposed and t.dim() == 2 else t
+
+    def joined(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The stored tensor [E, ...] from every part's stacked parameter, in order (export)."""
+        if self.transposed:
+            parts = [p.transpose(-1, -2) for p in parts]
+        return torch.stack(parts, dim=-1).flatten(-2) if len(parts) > 1 else parts[0]
+
+
+# OpenAI's MXFP4 values of the 16 four-bit codes (e2m1), as the format defines them.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """One expert's MXFP4 matrix: ``blocks`` [out, G, 16] uint8 (two codes per byte, the low nibble first) and
+    ``scales`` [out, G] uint8 (a biased power of two, 127 = 2^0) -> [out, G·32] in ``dtype``."""
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()  # [out, G, 16, 2]
+    values = table[codes].flatten(-2)  # [out, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).to(dtype)
+
+
+_GPT_OSS_EXPERTS = {"w_gate": ("gate_up_proj", 2, 0), "w_up": ("gate_up_proj", 2, 1), "w_down": ("down_proj", 1, 0),
+                    "gate_bias": ("gate_up_proj_bias", 2, 0), "up_bias": ("gate_up_proj_bias", 2, 1)}
+
+
+def _gpt_oss_location(idx: str, local: str, mxfp4: bool):
+    if local in _GPT_OSS_NAMES:
+        return f"model.layers.{idx}.{_GPT_OSS_NAMES[local]}"
+    kind = local.removeprefix("feed_forward.experts.")
+    if kind in _GPT_OSS_EXPERTS:
+        stored, parts, index = _GPT_OSS_EXPERTS[kind]
+        matrix = not kind.endswith("_bias")
+        return ExpertPart(f"model.layers.{idx}.mlp.experts.{stored}", parts, index, transposed=matrix,
+                          mxfp4=mxfp4 and matrix)
+    return None
+
+
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -62,14 +150,19 @@ _HF_EMBED, _HF_LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 # Non-persistent RoPE buffers that old checkpoints sometimes carry; they are recomputed, never loaded.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
-def hf_location(name: str, cfg: ModelConfig) -> str | tuple:
-    """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name, or
-    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj). ``cfg`` is
-    required: a family may name a block's norms otherwise (Gemma's sandwich norms)."""
+def hf_location(name: str, cfg: ModelConfig, mxfp4: bool = False) -> str | tuple | ExpertPart:
+    """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name,
+    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj), or an
+    ``ExpertPart`` (GPT-OSS's experts; ``mxfp4``: as its published files store them). ``cfg`` is required: a
+    family may name a block's norms otherwise (Gemma's sandwich norms)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")
     idx, _, local = rest.partition(".")
+    if prefix == "layers" and idx.isdigit() and cfg.hf_model_type == "gpt_oss":
+        where = _gpt_oss_location(idx, local, mxfp4)
+        if where is not None:
+            return where
     names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norm else _LAYER_NAMES
     if prefix == "layers" and idx.isdigit() and local in names:
         return f"model.layers.{idx}.{names[local]}"
@@ -94,7 +187,9 @@ _EXPERT_FILE_NAMES = {
 
 def file_location(cfg: ModelConfig):
     """``hf_location`` for checkpoint files: stacked expert weights are ("experts", [HF name of each expert's
-    matrix]), and Mixtral's MoE block is ``block_sparse_moe``."""
+    matrix]), and Mixtral's MoE block is ``block_sparse_moe``. GPT-OSS's files keep the model's own layout."""
+    if cfg.hf_model_type == "gpt_oss":
+        return model_location(cfg)
     block, names = _EXPERT_FILE_NAMES.get(cfg.hf_model_type, ("mlp", {}))
 
     def location(name: str):
@@ -113,10 +208,19 @@ def is_fused(names) -> bool:
     return any(n.endswith(".experts.gate_up_proj") for n in names)
 
 
+def stored_location(cfg: ModelConfig, names):
+    """The ``hf_location`` function of stored tensors ``names`` (a state dict's or a folder's): experts fused
+    (a transformers model's own state dict, and GPT-OSS's bf16 files), one tensor per expert (other families'
+    files), or MXFP4 blocks and scales (GPT-OSS's published files)."""
+    if cfg.hf_model_type == "gpt_oss" and any(n.endswith("_blocks") for n in names):
+        return lambda name: hf_location(name, cfg, mxfp4=True)
+    return model_location(cfg) if is_fused(names) else file_location(cfg)
+
+
 def to_hf_name(name: str, cfg: ModelConfig) -> str:
     """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
     where = hf_location(name, cfg)
-    return where if isinstance(where, str) else where[1]
+    return where if isinstance(where, str) else where.stored if isinstance(where, ExpertPart) else where[1]
 
 
 def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tuple[int, ...]]:
@@ -124,7 +228,9 @@ def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tupl
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in expected.items():
         where = location(name)
-        if isinstance(where, str):
+        if isinstance(where, ExpertPart):
+            out.update(where.stored_shapes(tuple(shape)))
+        elif isinstance(where, str):
             out[where] = tuple(shape)
         elif where[0] == "fused":
             out[where[1]] = tuple(n * 2 if d == where[2] else n for d, n in enumerate(shape))
@@ -134,6 +240,9 @@ def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tupl
 
 
 def _from_hf_tensor(hf_sd: dict, where) -> torch.Tensor:
+    if isinstance(where, ExpertPart):
+        stored = [hf_sd[n] for n in where.stored_names]
+        return torch.stack([where.expert([t[e] for t in stored]) for e in range(stored[0].shape[0])])
     if isinstance(where, str):
         return hf_sd[where]
     if where[0] == "fused":
@@ -143,10 +252,12 @@ def _from_hf_tensor(hf_sd: dict, where) -> torch.Tensor:
 
 def to_hf_tensors(sd: dict, names, location) -> dict[str, torch.Tensor]:
     """HF-named tensors from torchtsp ``names`` of ``sd`` (fused halves concatenated, experts split)."""
-    out, halves = {}, {}
+    out, halves, parts = {}, {}, {}
     for name in names:
         where = location(name)
-        if isinstance(where, str):
+        if isinstance(where, ExpertPart):
+            parts.setdefault(where.stored, {})[where.index] = (where, sd[name])
+        elif isinstance(where, str):
             out[where] = sd[name]
         elif where[0] == "fused":
             halves.setdefault(where[1], {})[where[3]] = (where[2], sd[name])
@@ -156,6 +267,11 @@ def to_hf_tensors(sd: dict, names, location) -> dict[str, torch.Tensor]:
         if set(parts) != {0, 1}:
             raise ValueError(f"{hf_name} needs both of its halves, got {sorted(parts)}")
         out[hf_name] = torch.cat([parts[0][1], parts[1][1]], dim=parts[0][0])
+    for stored, by_index in parts.items():
+        part = by_index[0][0]
+        if set(by_index) != set(range(part.parts)):
+            raise ValueError(f"{stored} needs all of its {part.parts} parts, got {sorted(by_index)}")
+        out[stored] = part.joined([by_index[i][1] for i in range(part.parts)])
     return out
 
 
@@ -190,7 +306,7 @@ def from_hf_state_dict(hf_sd: dict, cfg: ModelConfig) -> dict:
     """
     expected = reference_shapes(cfg)
     # Expert weights fused (a transformers model's state dict) or one tensor per expert (checkpoint files).
-    location = model_location(cfg) if is_fused(hf_sd) else file_location(cfg)
+    location = stored_location(cfg, hf_sd)
     hf_expected = _hf_shapes(expected, location)
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if cfg.tie_embeddings and _HF_LM_HEAD in sd:

@@ -36,7 +36,7 @@ import torch
 from ..host import on_host
 from ..kv_layouts import KVGroups, KVPlacement
 from ..layer_kinds import AttentionKind
-from ..layers import attend, layer_rope, positions_mask
+from ..layers import apply_sinks, attend, layer_rope, positions_mask, with_sink
 
 MERGE_BY_GATHER_MAX_TOKENS = 64  # merge_partials: up to this many (tokens x ranks), one packed all-gather
 FAR = torch.iinfo(torch.long).max  # the position of an empty slot: after every query, so never attended
@@ -247,16 +247,17 @@ class KVCache:
         return positions_mask(pos, positions, valid)
 
 
-def merge_packed(parts: torch.Tensor) -> torch.Tensor:
-    """The exact merge over dim 0 of partial attentions packed as [D, ..., d + 1]: (O_r, LSE_r) of each key set r.
-    A query no key set sees (every LSE -inf) gets zeros."""
+def merge_packed(parts: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact merge over dim 0 of partial attentions packed as [D, B, h, ..., d + 1]: (O_r, LSE_r) of each key
+    set r, with the h heads' ``sinks`` (GPT-OSS) entering once, in the merged normaliser. A query no key set sees
+    (every LSE -inf) gets zeros."""
     d = parts.shape[-1] - 1
-    total = torch.logsumexp(parts[..., d], dim=0)
+    total = with_sink(torch.logsumexp(parts[..., d], dim=0), sinks)
     weight = torch.exp(parts[..., d] - torch.where(torch.isfinite(total), total, 0.0))
     return (parts[..., :d] * weight.unsqueeze(-1)).sum(dim=0)
 
 
-def merge_partials(comm, out, lse, heads: slice | None = None):
+def merge_partials(comm, out, lse, heads: slice | None = None, sinks: torch.Tensor | None = None):
     """Exact softmax merge of per-rank partial attention over disjoint key sets (flash-decoding).
 
     out [B, Hq, T, d] and lse [B, Hq, T] (float32) from ``attend`` on this rank's keys; the merged output
@@ -266,7 +267,8 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
     instead of two, and collectives of a few kB cost their latency, not their bytes. Many tokens (an
     activations-move prefill chunk): the LSEs are all-gathered (small), each rank rescales its partial
     output by exp(lse_p - lse) and one reduce-scatter sums the head groups to their owners (``heads``
-    must then be this rank's group), so no rank ever holds D partial outputs.
+    must then be this rank's group), so no rank ever holds D partial outputs. ``sinks``: those of the heads
+    ``heads`` (GPT-OSS), entering once, in the merged normaliser.
     """
     B, Hq, T, d = out.shape
     heads = heads or slice(0, Hq)
@@ -274,13 +276,15 @@ def merge_partials(comm, out, lse, heads: slice | None = None):
         # Every rank sends all heads (an all-gather, not an all-to-all); each keeps the heads it needs.
         parts = comm.all_gather(torch.cat([out, lse.unsqueeze(-1)], dim=-1),
                                 label="infer.attention.merge")[:, :, heads]  # [D, B, h, T, d + 1]
-        return merge_packed(parts)
+        return merge_packed(parts, sinks)
     lse_all = torch.logsumexp(comm.all_gather(lse, label="infer.attention.lse"), dim=0)
     scaled = out * torch.exp(lse - torch.where(torch.isfinite(lse_all), lse_all, 0.0)).unsqueeze(-1)
     if heads == slice(0, Hq):
-        return comm.all_reduce(scaled, label="infer.attention.merge")
-    per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
-    return comm.reduce_scatter(per_group, label="infer.attention.merge")
+        merged = comm.all_reduce(scaled, label="infer.attention.merge")
+    else:
+        per_group = scaled.view(B, comm.size, Hq // comm.size, T, d).movedim(1, 0).contiguous()
+        merged = comm.reduce_scatter(per_group, label="infer.attention.merge")
+    return merged if sinks is None else apply_sinks(merged, lse_all[:, heads], sinks)[0]
 
 
 def gathered_positions(comm, pos: torch.Tensor, valid: torch.Tensor, label: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..layers import (
     attention_output,
     project_heads,
     scale_embeddings,
+    sinked,
 )
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
@@ -61,7 +62,8 @@ class SPEngine(Engine):
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
             kv = chunk.keys(step.layer, k, v)
-            return attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], self.dtype)
+            return attention_output(sinked(*attend(q, kv[0], kv[1], step.masked(chunk.mask)), w.get("sinks")),
+                                    w["wo"], self.dtype, w.get("bo"))
 
         z = self._run(x, step, attention)
         last = select_last(z, pos, lengths)
@@ -85,6 +87,7 @@ class SPEngine(Engine):
         def attention(h, w, step):
             q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
             step.write(k, v)
-            return attention_output(merge_partials(comm, *step.attend(q)), w["wo"], self.dtype)
+            return attention_output(merge_partials(comm, *step.attend(q), sinks=w.get("sinks")), w["wo"], self.dtype,
+                                    w.get("bo"))
 
         return self.head(self._run(x, cache_step, attention)[:, 0])

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import (
-    Placement,
-    attention_output,
-    project_heads,
-)
+from ..layers import Placement, attention_output, project_heads, sinked
 from ..parallel.base import ShardView
 from ..parallel.moe import ffn_partial
 from .cache import CacheStep
@@ -35,6 +31,8 @@ class MegatronEngine(Engine):
         self.embedding, self.head_rows, self.norm = view.embedding, view.head, view.norm
         self.device, self.dtype = self.embedding.device, self.embedding.dtype
         self.vocab_comm, self.vocab_start = self.comm, self.comm.rank * self.embedding.shape[0]
+        if self.comm.rank > 0:  # GPT-OSS's experts' down bias is whole: one rank adds it to the summed FFN slices
+            self.layers = tuple({k: t for k, t in w.items() if k != "down_bias"} for w in self.layers)
         super().__init__()
 
     def _sum(self, partial, label):
@@ -49,7 +47,9 @@ class MegatronEngine(Engine):
     def _attention(self, h, w, step: CacheStep):
         q, k, v = project_heads(h, w, self.cfg, step.cos, step.sin)
         step.write(k, v)
-        return self._sum(attention_output(step.attend(q)[0], w["wo"], self.dtype), "infer.tp.attention")
+        y = self._sum(attention_output(sinked(*step.attend(q), w.get("sinks")), w["wo"], self.dtype),
+                      "infer.tp.attention")
+        return y if "bo" not in w else y + w["bo"]  # GPT-OSS's output bias, once, after the sum
 
     def forward(self, ids, pos, valid):
         """Hidden states after the final norm [B, T, h] of the tokens ids [B, T]; their K/V enter the cache."""

@@ -54,6 +54,7 @@ from ..layers import (
     project_heads,
     project_qkv,
     scale_embeddings,
+    sinked,
 )
 from ..parallel.moe import ffn_partial
 from ..parallel.tsp import broadcast_each, ring_each
@@ -78,7 +79,7 @@ from .engine import (
 def _attention_weights(view: TSPShardView, layer: TSPLayerShards, flat) -> dict:
     """``layers.project_qkv``'s weights from one packed attention shard and the layer's q/k norms."""
     a = view.shard_math.attention(flat)
-    w = {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "bq": a.bq, "bk": a.bk, "bv": a.bv}
+    w = {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "bq": a.bq, "bk": a.bk, "bv": a.bv, "sinks": a.sinks}
     if layer.q_norm is not None:
         w.update(q_norm=layer.q_norm, k_norm=layer.k_norm)
     return w
@@ -155,8 +156,11 @@ class TSPRank:
 
         def placement(layer: TSPLayerShards) -> Placement:
             norms = {"attention_norm": layer.attention_norm, "ffn_norm": layer.ffn_norm, **layer.sandwich}
-            return Placement.normed(norms, lambda h, step: attention(h, layer, step), lambda h: mlp(h, layer),
-                                    self.cfg)
+            # GPT-OSS's output bias, replicated: added once to the attention summed over head groups, whatever the
+            # cache layout's exchange.
+            biased = (lambda y: y) if layer.bo is None else (lambda y: y + layer.bo)
+            return Placement.normed(norms, lambda h, step: biased(attention(h, layer, step)),
+                                    lambda h: mlp(h, layer), self.cfg)
 
         return run_blocks(x, step, self.view.layers, placement, self.norm, self.cfg)
 
@@ -197,7 +201,8 @@ class SequenceLayout:
                 if r.first_reader(j):  # the next groups reading the same KV heads use these: gathered once
                     heads = r.group_kv_heads[j]
                     kv = chunk.keys(step.layer, k, v, heads=slice(heads.start, heads.stop))  # [2, B, hkv, ·, d]
-                y += attention_output(attend(q, kv[0], kv[1], step.masked(chunk.mask))[0], w["wo"], r.dtype)
+                out = sinked(*attend(q, kv[0], kv[1], step.masked(chunk.mask)), w["sinks"])
+                y += attention_output(out, w["wo"], r.dtype)
             return y
 
         return r.run(r.embed_moving(ids), step, attention, r.weights_mlp)
@@ -221,7 +226,8 @@ class SequenceLayout:
                                                        (hq + hkv, hq + 2 * hkv, replicas)))
             step.write(k_all, v_all)
             group = slice(comm.rank * hq, (comm.rank + 1) * hq)
-            mine = merge_partials(comm, *step.attend(q_all), heads=group)  # head group p's, over every rank's keys
+            # Head group p's, over every rank's keys (with its sinks, once merged).
+            mine = merge_partials(comm, *step.attend(q_all), heads=group, sinks=w["sinks"])
             return r.sum(attention_output(mine, w["wo"], r.dtype), "infer.attention")
 
         return r.run(r.embed(ids), step, attention, r.summed_ffn)
@@ -262,7 +268,7 @@ class SequenceLayout:
         partial[..., :d] = out.view(B, D, hq, d).transpose(0, 1)
         partial[..., d] = lse.view(B, D, hq).transpose(0, 1)
         parts = comm.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
-        merged = merge_packed(parts)  # [B, hq, d]: group p's heads, over every rank's keys
+        merged = merge_packed(parts, w["sinks"])  # [B, hq, d]: group p's heads, over every rank's keys
         y = F.linear(merged.to(r.dtype).reshape(B, 1, hq * d), w["wo"])
         return r.sum(y, "infer.attention")
 

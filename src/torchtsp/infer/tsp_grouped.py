@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_layouts import KVPlacement, kv_heads_of_rank
-from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv
+from ..layers import attend, attention_output, positions_mask, project_heads, project_qkv, sinked
 from ..parallel.tsp import broadcast_each
 from ..parallel.tsp.model import TSPLayerShards
 from .cache import FAR, CacheStep, KVCache, gathered_positions, merge_packed, merge_partials
@@ -115,7 +115,7 @@ class GroupedLayout:
                     step.write(kv[0], kv[1])
                 if past is not None:
                     kv = torch.cat([past[:, :, :, g * c * m:(g + 1) * c * m], kv], dim=3)
-            y += attention_output(attend(q, kv[0], kv[1], step.masked(mask))[0], w["wo"], r.dtype)
+            y += attention_output(sinked(*attend(q, kv[0], kv[1], step.masked(mask)), w["sinks"]), w["wo"], r.dtype)
         return y
 
     def activations_move(self, cache: KVCache, ids, pos, valid):
@@ -130,7 +130,8 @@ class GroupedLayout:
             q, k, v = project_heads(h, w, r.cfg, step.cos, step.sin)  # q [B, hq, T, d]; k, v [B, 1, T, d]
             step.write(k, v)
             q_group = self.group.all_gather(q, label="infer.q").movedim(0, 1).flatten(1, 2)  # [B, c·hq, T, d]
-            mine = merge_partials(self.group, *step.attend(q_group), heads=slice(m * hq, (m + 1) * hq))
+            mine = merge_partials(self.group, *step.attend(q_group), heads=slice(m * hq, (m + 1) * hq),
+                                  sinks=w["sinks"])
             return r.sum(attention_output(mine, w["wo"], r.dtype), "infer.attention")
 
         return r.run(r.embed(ids), step, attention, r.summed_ffn)
@@ -158,7 +159,7 @@ class GroupedLayout:
         partial[..., :d] = out.view(B, c, hq, d).transpose(0, 1)
         partial[..., d] = lse.view(B, c, hq).transpose(0, 1)
         parts = self.group.all_to_all(partial, label="infer.attention.merge", out=buffers["partial_all"])
-        y = F.linear(merge_packed(parts).to(r.dtype).reshape(B, 1, hq * d), w["wo"])
+        y = F.linear(merge_packed(parts, w["sinks"]).to(r.dtype).reshape(B, 1, hq * d), w["wo"])
         return r.sum(y, "infer.attention")
 
     def _decode_buffers(self, batch: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import attend, attention_output, positions_mask, project_heads
+from ..layers import attend, attention_output, positions_mask, project_heads, sinked
 from ..parallel.tsp import broadcast_each
 from .cache import FAR, CacheStep, KVCache, gathered_positions
 from .tsp import TSPRank
@@ -50,7 +50,8 @@ class HeadsLayout:
             w = r.attention_weights(layer)
             q, k, v = project_heads(h, w, r.cfg, step.cos, step.sin)
             step.write(k, v)
-            return r.sum(attention_output(step.attend(q, mask)[0], w["wo"], r.dtype), "infer.attention")
+            return r.sum(attention_output(sinked(*step.attend(q, mask), w["sinks"]), w["wo"], r.dtype),
+                         "infer.attention")
 
         return r.run(r.embed(ids), step, attention, r.summed_ffn)
 
@@ -82,7 +83,8 @@ class HeadsLayout:
                 keys = torch.cat([self._earlier_keys(cache, step.layer, earlier, j), kv], dim=3) if earlier else kv
                 if j == comm.rank:
                     step.write(kv[0], kv[1])
-                y += attention_output(attend(q, keys[0], keys[1], step.masked(mask))[0], w["wo"], r.dtype)
+                y += attention_output(sinked(*attend(q, keys[0], keys[1], step.masked(mask)), w["sinks"]), w["wo"],
+                                      r.dtype)
             return y
 
         return r.run(r.embed_moving(ids), step, attention, r.weights_mlp)

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from ..distributed.comm import AxisComm
 from ..host import counts_on_host
 from ..layers import (
+    ExpertKind,
+    Experts,
     RouterStats,
     Routing,
     combine,
@@ -45,6 +47,17 @@ from ..layers import (
 from .base import SumOverAxis, replicated_grad
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")  # stacked [E, ...] weights under ``feed_forward.experts.``
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")  # GPT-OSS's, stacked [E, ...] like the weights
+
+
+def expert_params(cfg) -> tuple[str, ...]:
+    """The stacked expert parameters of ``cfg``'s sparse layers, in ``layers.Experts``' order."""
+    return EXPERT_PARAMS + (EXPERT_BIASES if cfg.expert_bias else ())
+
+
+def experts_of(tensors: dict) -> Experts:
+    """``layers.Experts`` from tensors by ``expert_params`` name (missing biases: None)."""
+    return Experts(*(tensors.get(name) for name in EXPERT_PARAMS + EXPERT_BIASES))
 
 
 class AllToAll(torch.autograd.Function):
@@ -70,10 +83,10 @@ def exchange_counts(comm: AxisComm, counts: torch.Tensor) -> torch.Tensor:
     return comm.all_to_all_single(counts, [per] * comm.size, [per] * comm.size, label="moe.counts").view(comm.size, per)
 
 
-def expert_parallel(w_gate, w_up, w_down, comm: AxisComm, n_experts: int):
+def expert_parallel(experts: Experts, kind: ExpertKind, comm: AxisComm, n_experts: int):
     """``run_experts`` for ``layers.moe_layer`` when this rank owns experts [rank·E/D, (rank+1)·E/D) whole
-    (w_* [E/D, ...]): every (token, slot) pair goes to its expert's owner, which runs its experts on the rows
-    every rank sent it, and the outputs come back to be weighted and summed per token."""
+    (``experts``' tensors [E/D, ...]): every (token, slot) pair goes to its expert's owner, which runs its experts on
+    the rows every rank sent it, and the outputs come back to be weighted and summed per token."""
 
     def run(h2: torch.Tensor, routing: Routing) -> torch.Tensor:
         D, per = comm.size, n_experts // comm.size
@@ -92,7 +105,7 @@ def expert_parallel(w_gate, w_up, w_down, comm: AxisComm, n_experts: int):
                                                output_size=sum(recv_splits))
         by_expert = torch.argsort(local_expert, stable=True)
         per_expert = [sum(from_each[s * per + e] for s in range(D)) for e in range(per)]
-        out = expert_mlps(x[by_expert], per_expert, w_gate, w_up, w_down)
+        out = expert_mlps(x[by_expert], per_expert, experts, kind)
         out = out[torch.argsort(by_expert)]  # back to (source rank, expert) order
         back = AllToAll.apply(out, comm, send_splits, recv_splits, "moe.combine")
         return combine(h2.shape[0], back, routing.order, routing.token, routing.weights)
@@ -113,14 +126,22 @@ def tp_moe(h, layer, cfg, comm: AxisComm, stats: RouterStats):
     sum over its slice, completed by an all-reduce in backward."""
     h2 = h.reshape(-1, h.shape[-1])
     x = replicated_grad(h2, comm)  # one node for the experts and the shared expert: one all-reduce in backward
-    slices = local_experts(layer.w_gate, layer.w_up, layer.w_down)
+    # GPT-OSS's down_bias [E, h] is whole on every rank while each rank's output is a partial sum over FFN slices:
+    # rank 0 adds it (the others add exactly 0), and its gradient, rank 0's alone, is summed over the axis so the
+    # replicas stay equal.
+    down_bias = getattr(layer, "down_bias", None)
+    if down_bias is not None:
+        down_bias = replicated_grad(down_bias, comm) * float(comm.rank == 0)
+    experts = experts_of({n: getattr(layer, n, None) for n in expert_params(cfg)})._replace(down_bias=down_bias)
+    slices = local_experts(experts, ExpertKind.of(cfg))
     run = lambda _, routing: slices(x, replace(routing, weights=replicated_grad(routing.weights, comm)))
     shared = None
     if cfg.shared_expert_ffn_dim:
         # The shared gate multiplies the complete shared output: its partial is summed with the experts' first.
         shared = lambda _: swiglu(x, layer.shared_w_gate, layer.shared_w_up, layer.shared_w_down) * replicated_grad(
             torch.sigmoid(F.linear(h2, layer.shared_gate)), comm)
-    return SumOverAxis.apply(moe_layer(h2, layer.router, run, cfg, stats, shared), comm).view(h.shape)
+    y = moe_layer(h2, layer.router, run, cfg, stats, shared, getattr(layer, "router_bias", None))
+    return SumOverAxis.apply(y, comm).view(h.shape)
 
 
 def moe_reference_layer(h, w: dict[str, torch.Tensor], cfg, stats: RouterStats):
@@ -130,8 +151,8 @@ def moe_reference_layer(h, w: dict[str, torch.Tensor], cfg, stats: RouterStats):
     if cfg.shared_expert_ffn_dim:
         shared = gated_shared_expert(w["shared_gate.weight"], w["shared.w_gate.weight"], w["shared.w_up.weight"],
                                      w["shared.w_down.weight"])
-    run = local_experts(w["experts.w_gate"], w["experts.w_up"], w["experts.w_down"])
-    return moe_layer(h, w["router.weight"], run, cfg, stats, shared)
+    run = local_experts(experts_of({n: w[f"experts.{n}"] for n in expert_params(cfg)}), ExpertKind.of(cfg))
+    return moe_layer(h, w["router.weight"], run, cfg, stats, shared, w.get("router.bias"))
 
 
 # ---------------------------------------------------------------- inference (no autograd)
@@ -142,11 +163,13 @@ def moe_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0
     [first, first + n) of ``w`` (``w_gate``, ``w_up`` [n, F', h], ``w_down`` [n, h, F']: whole experts, or every
     expert's FFN slice) and the shared expert's slice (``shared_w_*``, gated by ``shared_gate``). Summed over the
     ranks that split the experts, the shares are the layer's output; with every weight whole, it is the output.
-    Each rank computes only its experts' rows: the tokens go to the experts, no expert weight moves."""
+    Each rank computes only its experts' rows: the tokens go to the experts, no expert weight moves. GPT-OSS's
+    ``down_bias`` is added where ``w`` holds it: give it to one rank only where the experts are FFN slices."""
     shared = None
     if "shared_gate" in w:
         shared = gated_shared_expert(w["shared_gate"], w["shared_w_gate"], w["shared_w_up"], w["shared_w_down"])
-    return moe_layer(h, w["router"], local_experts(w["w_gate"], w["w_up"], w["w_down"], first), cfg, None, shared)
+    run = local_experts(experts_of(w), ExpertKind.of(cfg), first)
+    return moe_layer(h, w["router"], run, cfg, None, shared, w.get("router_bias"))
 
 
 def ffn_partial(h: torch.Tensor, w: dict[str, torch.Tensor], cfg, first: int = 0) -> torch.Tensor:

@@ -78,8 +78,8 @@ class SPTransformer(ReplicatedTransformer):
         q, k, v = project_qkv(h, {short: w[name] for short, name in QKV_NAMES.items() if name in w}, self.cfg,
                               cos, sin)
         kv = torch.stack([k, v])  # [2, B, S/Σ, H_kv, d]: all-gathered by the attention
-        out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, mask)  # KV heads unexpanded
-        return F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"])
+        out = zigzag_causal_attention(q.transpose(1, 2), kv, self.comm, mask, w.get("attention.sinks"))  # GQA kept
+        return F.linear(out.transpose(1, 2).flatten(2), w["attention.wo.weight"], w.get("attention.wo.bias"))
 
     # The three parts of the model a pipeline stage (parallel/pipeline.py) runs one or more of. The weights are
     # whole; their gradients are summed over the axis by hooks.

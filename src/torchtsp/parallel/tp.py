@@ -55,7 +55,7 @@ from ..layers import (
     IGNORE_INDEX,
     SANDWICH_NORMS,
     Placement,
-    attend,
+    attend_with_sinks,
     gated,
     gated_down_backward,
     norm,
@@ -298,9 +298,9 @@ class TPTransformer(ParallelTransformer):
         seq_len = x.shape[1] * (self.tp.size if self.sequence_parallel else 1)
         return torch.arange(seq_len, device=x.device), seq_len
 
-    def _attend(self, q, k, v, mask):
-        """Causal attention of the local heads over the whole sequence, exactly as the reference does it."""
-        return attend(q, k, v, mask)[0]
+    def _attend(self, q, k, v, mask, sinks=None):
+        """Causal attention of the local heads over the whole sequence (with their sinks), as the reference does it."""
+        return attend_with_sinks(q, k, v, mask, sinks)
 
     def _sum_and_count(self, nll_sum: torch.Tensor, labels: torch.Tensor):
         # Every rank holds every token and the same NLL: the local sum and count are the global ones.
@@ -341,8 +341,11 @@ class TPTransformer(ParallelTransformer):
         norms = [w(replicated_grad(n, tp)) for n in (layer.q_norm, layer.k_norm)] if cfg.qk_norm else []
         q, k, v = qkv_heads(q, k, v, cfg, cos, sin, *norms)
         B, S = q.shape[:2]
-        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return RowParallelLinear.apply(out.transpose(1, 2).reshape(B, S, -1), w(layer.wo), tp, sp)
+        sinks = w(layer.sinks) if cfg.attention_sinks else None  # this rank's heads' sinks
+        out = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, sinks)
+        y = RowParallelLinear.apply(out.transpose(1, 2).reshape(B, S, -1), w(layer.wo), tp, sp)
+        # GPT-OSS's output bias: replicated and added once, after the sum (its gradient summed like a norm's).
+        return y + self._norm_weight(layer.bo) if cfg.o_bias else y
 
     def _mlp(self, layer: TPLayer, h) -> torch.Tensor:
         """Column-parallel gate/up of this rank's FFN slice, row-parallel ``w_down`` summed over the axis."""

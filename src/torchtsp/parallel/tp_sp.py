@@ -64,10 +64,10 @@ class TPSPTransformer(TPTransformer):
         sp, seq_len = self.sp, x.shape[1] * self.sp.size
         return zigzag.positions(seq_len, sp.size, sp.rank, device=x.device), seq_len
 
-    def _attend(self, q, k, v, mask):
+    def _attend(self, q, k, v, mask, sinks=None):
         # k, v [B, H_kv/T, S/Σ, d] are head-major views of token-major projections: gathered token-major.
         kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)])
-        return zigzag_causal_attention(q, kv, self.sp, mask)  # KV heads unexpanded (GQA)
+        return zigzag_causal_attention(q, kv, self.sp, mask, sinks)  # KV heads unexpanded (GQA)
 
     def _sum_and_count(self, nll_sum, labels):
         return global_sum_and_count(nll_sum, labels, self.sp)

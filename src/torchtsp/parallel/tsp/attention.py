@@ -13,7 +13,7 @@ import torch
 
 from ...compiled import compilable
 from ...distributed.attention import gather_kv, scatter_kv_grad, zigzag_attention_backward, zigzag_attention_forward
-from ...layers import CAUSAL, apply_rope, scale_queries
+from ...layers import CAUSAL, apply_rope, apply_sinks, scale_queries, sinks_grad
 from .shard_math import TSPShardMath
 from .streams import ACC, BroadcastStream, add_mm, mm_into
 
@@ -95,6 +95,8 @@ class TSPAttention(torch.autograd.Function):
                 ahead.start_until(j + 1)
             kv, k_raw, gathering = ahead.take()
             out, lse = zigzag_attention_forward(q.transpose(1, 2), gathering(), comm.rank, D, mask)
+            if w.sinks is not None:  # once, on the group's attention merged over every rank's keys
+                out, lse = apply_sinks(out, lse, w.sinks)
             out = out.transpose(1, 2)  # token-major [B, S/D, Hq, d]
             y = add_mm(y, out.reshape(B * n, -1), w.wo.t())
             w = gathering = None  # the gathered K/V go with their finisher
@@ -160,6 +162,8 @@ class AttentionBackward:
         dq, dkv = zigzag_attention_backward(dout.transpose(1, 2), self.qs[j].transpose(1, 2), self.gathers.pop(j)(),
                                             self.outs[j].transpose(1, 2), self.lses[j], comm.rank, D,
                                             self.ctx.mask)
+        dsinks = None if w.sinks is None else sinks_grad(dout.transpose(1, 2), self.outs[j].transpose(1, 2),
+                                                         self.lses[j], w.sinks)
         dout = None
         # dK/dV of own tokens, summed over every rank's queries.
         scattering = scatter_kv_grad(comm, dkv, self.kvs[j], async_op=True, label=(BACKWARD, j))
@@ -169,6 +173,8 @@ class AttentionBackward:
         dw = torch.empty(sm.attention_layout.numel, dtype=ACC, device=self.x.device)
         g = sm.attention(dw)
         mm_into(g.wo, self.dy2.t(), self.outs[j].reshape(B * n, -1))
+        if dsinks is not None:
+            g.sinks.copy_(dsinks)
         # The query scale is a constant factor: its transpose is itself.
         dq2 = unrotated(scale_queries(dq.transpose(1, 2), sm.cfg), self.cos, self.unrotate_sin, dq.dtype)
         dq2 = dq2.view(B * n, -1)

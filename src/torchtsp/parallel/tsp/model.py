@@ -34,8 +34,10 @@ from .streams import ACC, ShardPrefetch
 
 class TSPLayer(nn.Module):
     def __init__(self, attention_shard, mlp_shard, attention_norm, ffn_norm, q_norm=None, k_norm=None, moe=None,
-                 attention_out_norm=None, ffn_out_norm=None):
+                 attention_out_norm=None, ffn_out_norm=None, bo=None):
         super().__init__()
+        # GPT-OSS's output-projection bias: replicated (added once to the sum over head groups), like the norms.
+        self.bo = None if bo is None else nn.Parameter(bo)
         # Sandwich norms (Gemma), replicated like the others.
         self.attention_out_norm = None if attention_out_norm is None else nn.Parameter(attention_out_norm)
         self.ffn_out_norm = None if ffn_out_norm is None else nn.Parameter(ffn_out_norm)
@@ -72,6 +74,7 @@ class TSPLayerShards:
     k_norm: torch.Tensor | None
     moe: TSPMoE | None
     sandwich: dict = dataclasses.field(default_factory=dict)  # Gemma's sandwich norms, by their names
+    bo: torch.Tensor | None = None  # GPT-OSS's output-projection bias, replicated
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ class TSPTransformer(ParallelTransformer):
                 self.shard_math.attention_layout.pack(weights, prefix, p),
                 None if sparse else self.shard_math.mlp_layout.pack(weights, prefix, p),
                 weights.get(prefix + "attention_norm.weight"), weights.get(prefix + "ffn_norm.weight"), *qk_norms,
-                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None, **sandwich))
+                moe=TSPMoE(cfg, comm, weights, prefix) if sparse else None, **sandwich,
+                bo=weights.get(prefix + "attention.wo.bias") if cfg.o_bias else None))
         self.norm = nn.Parameter(weights.get("norm.weight"))
         self.output_shard = None
         if not cfg.tie_embeddings:
@@ -150,7 +154,8 @@ class TSPTransformer(ParallelTransformer):
         gradients (each rank's tokens' share) are summed in one all-reduce once backward has produced the last of
         them (layer 0's), instead of the ranks meeting once per weight in the middle of backward."""
         cfg, comm, layers = self.cfg, self.comm, list(self.layers)
-        norm_names = [*block_norm_names(cfg)] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+        norm_names = [*block_norm_names(cfg)] + (["q_norm", "k_norm"] if cfg.qk_norm else []) + \
+            (["bo"] if cfg.o_bias else [])
         summed = ReplicatedGrad.apply(comm, ACC, *(getattr(layer, n) for layer in layers for n in norm_names))
         norms = [dict(zip(norm_names, summed[i * len(norm_names):])) for i in range(len(layers))]
         return TSPForward(ShardPrefetch(comm.weights), norms)
@@ -176,8 +181,9 @@ class TSPTransformer(ParallelTransformer):
         # Under recompute, backward runs layer i-1's forward again right after this attention's backward.
         rerun = (prefetch.request("attention.forward", i - 1, layers[i - 1].attention_shard)
                  if self.recompute == FULL and i > 0 else None)
-        return TSPAttention.apply(h, layers[i].attention_shard, cos, sin, self.shard_math, prefetch, i, *qk_norms,
-                                  rerun, mask)
+        y = TSPAttention.apply(h, layers[i].attention_shard, cos, sin, self.shard_math, prefetch, i, *qk_norms,
+                               rerun, mask)
+        return y + norms["bo"] if self.cfg.o_bias else y
 
     def _mlp(self, h, i: int, prefetch: ShardPrefetch, stats):
         """Layer i's MLP (the weight ring) or experts on normed local tokens h, prefetching the attention shards
@@ -213,7 +219,7 @@ class TSPTransformer(ParallelTransformer):
                                       layer.attention_norm.detach(), layer.ffn_norm.detach(), detached(layer.q_norm),
                                       detached(layer.k_norm), layer.moe,
                                       {n: getattr(layer, n).detach() for n in SANDWICH_NORMS
-                                       if getattr(layer, n) is not None}) for layer in self.layers)
+                                       if getattr(layer, n) is not None}, detached(layer.bo)) for layer in self.layers)
         head = self.embedding_shard if self.output_shard is None else self.output_shard
         return TSPShardView(self.cfg, self.comm, self.shard_math, layers, self.embedding_shard.detach(),
                             head.detach(), self.norm.detach())
@@ -233,6 +239,8 @@ class TSPTransformer(ParallelTransformer):
             return [(f"{layer}.{part.name}", view,
                      {"tsp": part.shard_dim if layout.replicas(part) == 1 else (part.shard_dim, layout.chunks(part))})
                     for part, view in zip(layout.parts, layout.unpack(local))]
+        if kind == "bo":
+            return [(f"{layer}.attention.wo.bias", local, {})]  # replicated
         if kind in ("q_norm", "k_norm"):
             return [(f"{layer}.attention.{kind}.weight", local, {})]  # replicated
         return [(f"{name}.weight", local, {})]  # norms: replicated
@@ -248,6 +256,8 @@ class TSPTransformer(ParallelTransformer):
             out[f"layers.{i}.attention_norm.weight"] = pick(layer.attention_norm)
             for n in SANDWICH_NORMS if layer.attention_out_norm is not None else ():
                 out[f"layers.{i}.{n}.weight"] = pick(getattr(layer, n))
+            if layer.bo is not None:
+                out[f"layers.{i}.attention.wo.bias"] = pick(layer.bo)
             if layer.q_norm is not None:
                 out[f"layers.{i}.attention.q_norm.weight"] = pick(layer.q_norm)
                 out[f"layers.{i}.attention.k_norm.weight"] = pick(layer.k_norm)

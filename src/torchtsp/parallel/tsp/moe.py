@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...distributed.comm import AxisComm
-from ...layers import RouterStats, moe_layer
+from ...layers import ExpertKind, RouterStats, moe_layer
 from ..base import replicated_grad
-from ..moe import EXPERT_PARAMS, expert_parallel
+from ..moe import expert_parallel, expert_params, experts_of
 from ..shards import PackedLayout, Part
 from .rings import TSPFeedForward, ring_mlp
 
@@ -44,7 +44,9 @@ class TSPMoE(nn.Module):
         self.cfg, self.comm = cfg, comm
         D, p = comm.size, comm.rank
         self.router = nn.Parameter(weights.get(prefix + "feed_forward.router.weight"))
-        for name in EXPERT_PARAMS:
+        self.router_bias = nn.Parameter(weights.get(prefix + "feed_forward.router.bias")) if cfg.router_bias else None
+        self.expert_names = expert_params(cfg)
+        for name in self.expert_names:
             setattr(self, name, nn.Parameter(weights.get(f"{prefix}feed_forward.experts.{name}", 0, D, p)))
         self.layout = shared_layout(cfg, D) if cfg.shared_expert_ffn_dim else None
         self.shared_shard = self.shared_gate = None
@@ -60,16 +62,21 @@ class TSPMoE(nn.Module):
             def shared(h2):
                 out = TSPFeedForward.apply(h, self.shared_shard, shard_math, prefetch, prefetch_backward, self.layout)
                 return torch.sigmoid(F.linear(h2, replicated_grad(self.shared_gate, comm))) * out.reshape(h2.shape)
-        run = expert_parallel(self.w_gate, self.w_up, self.w_down, comm, self.cfg.n_experts)
-        return moe_layer(h, replicated_grad(self.router, comm), run, self.cfg, stats, shared)
+        run = expert_parallel(self.experts(), ExpertKind.of(self.cfg), comm, self.cfg.n_experts)
+        bias = None if self.router_bias is None else replicated_grad(self.router_bias, comm)
+        return moe_layer(h, replicated_grad(self.router, comm), run, self.cfg, stats, shared, bias)
+
+    def experts(self):
+        """This rank's experts (``layers.Experts``)."""
+        return experts_of({name: getattr(self, name) for name in self.expert_names})
 
     def reference_parts(self, prefix: str, name: str, local: torch.Tensor):
         """Reference-named pieces of parameter ``name`` of this module (see ``ParallelTransformer``)."""
-        if name == "router":
-            return [(f"{prefix}.feed_forward.router.weight", local, {})]
+        if name in ("router", "router_bias"):
+            return [(f"{prefix}.feed_forward.router.{'weight' if name == 'router' else 'bias'}", local, {})]
         if name == "shared_gate":
             return [(f"{prefix}.feed_forward.shared_gate.weight", local, {})]
-        if name in EXPERT_PARAMS:
+        if name in self.expert_names:
             return [(f"{prefix}.feed_forward.experts.{name}", local, {"tsp": 0})]
         return [(f"{prefix}.{part.name}", view, {"tsp": part.shard_dim})
                 for part, view in zip(self.layout.parts, self.layout.unpack(local))]
@@ -78,7 +85,9 @@ class TSPMoE(nn.Module):
         """Reference-named full tensors of ``pick(param)`` gathered from every rank."""
         gather = lambda t: self.comm.all_gather(t.contiguous(), label="gather_full")
         out = {f"{prefix}.feed_forward.router.weight": pick(self.router)}
-        for name in EXPERT_PARAMS:
+        if self.router_bias is not None:
+            out[f"{prefix}.feed_forward.router.bias"] = pick(self.router_bias)
+        for name in self.expert_names:
             out[f"{prefix}.feed_forward.experts.{name}"] = gather(pick(getattr(self, name))).flatten(0, 1)
         if self.layout is not None:
             for name, t in self.layout.unpack_gathered(gather(pick(self.shared_shard))).items():
@@ -89,7 +98,9 @@ class TSPMoE(nn.Module):
 
 def tsp_inference_weights(moe: TSPMoE) -> dict[str, torch.Tensor]:
     """A TSP sparse layer's weights on this rank under ``moe_partial``'s names (its experts, its shared slice)."""
-    w = {name: getattr(moe, name).detach() for name in ("router", *EXPERT_PARAMS)}
+    w = {name: getattr(moe, name).detach() for name in ("router", *moe.expert_names)}
+    if moe.router_bias is not None:
+        w["router_bias"] = moe.router_bias.detach()
     if moe.layout is not None:
         w.update(zip(("shared_w_gate", "shared_w_up", "shared_w_down"), moe.layout.unpack(moe.shared_shard.detach())))
         w["shared_gate"] = moe.shared_gate.detach()
@@ -105,5 +116,5 @@ def tsp_moe_local_tokens(h: torch.Tensor, moe: TSPMoE) -> torch.Tensor:
         def shared(h2):
             out = ring_mlp(h2, moe.shared_shard.detach(), moe.layout, comm, "infer.moe.shared")
             return torch.sigmoid(F.linear(h2, moe.shared_gate)) * out
-    run = expert_parallel(moe.w_gate, moe.w_up, moe.w_down, comm, moe.cfg.n_experts)
-    return moe_layer(h, moe.router, run, moe.cfg, None, shared)
+    run = expert_parallel(moe.experts(), ExpertKind.of(moe.cfg), comm, moe.cfg.n_experts)
+    return moe_layer(h, moe.router, run, moe.cfg, None, shared, moe.router_bias)

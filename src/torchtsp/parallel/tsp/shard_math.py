@@ -24,6 +24,7 @@ class AttentionShard(NamedTuple):
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
+    sinks: torch.Tensor | None = None  # GPT-OSS: the group's heads' sinks, moving with their heads
 
 
 def linear_into(x2, weight, bias, out=None):
@@ -62,9 +63,10 @@ class TSPShardMath:
     shards, head reshapes, q/k norms, RoPE and its transpose, and the vocabulary-slice logits (no parameters).
 
     Attention shard of rank p: query heads p·n_q/D … and the columns of ``wo`` that read them, then the KV
-    heads they read; q/k/v biases with their heads' rows. With n_kv < D there are fewer KV heads than ranks:
-    rank p holds a copy of KV head p // (D/n_kv), the one all of its query heads read (``kv_replicas`` ranks
-    share it; ``kv_comm`` is their group). The K/V parts are the shard's tail, so their gradients are one slice.
+    heads they read; q/k/v biases with their heads' rows, sinks (GPT-OSS) with their heads. With n_kv < D there
+    are fewer KV heads than ranks: rank p holds a copy of KV head p // (D/n_kv), the one all of its query heads
+    read (``kv_replicas`` ranks share it; ``kv_comm`` is their group). The K/V parts are the shard's tail, so
+    their gradients are one slice.
     """
 
     def __init__(self, cfg, comm: AxisComm, kv_comm: AxisComm | None = None):
@@ -79,6 +81,7 @@ class TSPShardMath:
             Part("attention.wq.weight", (q_rows, h), 0),
             Part("attention.wo.weight", (h, q_rows), 1),
             *([Part("attention.wq.bias", (q_rows,), 0)] if bias else []),
+            *([Part("attention.sinks", (cfg.n_heads,), 0)] if cfg.attention_sinks else []),
             Part("attention.wk.weight", (kv_rows, h), 0, kv_chunks),
             Part("attention.wv.weight", (kv_rows, h), 0, kv_chunks),
             *([Part("attention.wk.bias", (kv_rows,), 0, kv_chunks),
@@ -95,7 +98,8 @@ class TSPShardMath:
         """Views of a packed attention shard (or of a gradient buffer of the same layout)."""
         named = self.attention_layout.named(flat)
         return AttentionShard(*(named.get(f"attention.{n}") for n in ("wq.weight", "wk.weight", "wv.weight",
-                                                                      "wo.weight", "wq.bias", "wk.bias", "wv.bias")))
+                                                                      "wo.weight", "wq.bias", "wk.bias", "wv.bias",
+                                                                      "sinks")))
 
     def norm_backward(self, g2, raw2, weight, dweight):
         """Gradient through the per-head q/k norm: g2 [B·S/D, H·d] w.r.t. its output -> w.r.t. its input
