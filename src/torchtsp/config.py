@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, LayerSpec, layer_specs
-from .rope import check_params
+from .rope import RopeSpec, check_params
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -27,16 +27,20 @@ class ModelConfig:
 
     The family features all default to off, which is plain Llama:
 
-    * ``rope_scaling``: a RoPE scaling type of ``rope.ROPE_TYPES`` ("llama3": Llama 3.1+, "linear"), with its
-      parameters in ``rope_params`` by Hugging Face's names (e.g. ``(("factor", 8.0), ...)``; a dict is taken
-      too); both empty for plain RoPE.
+    * ``rope_scaling``: a RoPE scaling type of ``rope.ROPE_TYPES`` ("llama3": Llama 3.1+, "linear", "yarn",
+      "longrope": Phi-3, "dynamic": dynamic NTK), with its parameters in ``rope_params`` by Hugging Face's names
+      (e.g. ``(("factor", 8.0), ...)``; a dict is taken too); both empty for plain RoPE. What transformers derives
+      from max_position_embeddings (dynamic NTK's trained context, LongRoPE's factor) is fixed in ``rope_params``
+      when the config is made, so raising ``max_seq_len`` later changes no table; ``max_length`` is the longest
+      sequence the model then takes.
     * ``qkv_bias``: q, k and v projections have a bias, o has none (Qwen2 / Qwen2.5).
     * ``qk_norm``: an RMSNorm over head_dim, one weight shared by all heads, applied to each q and k
       head after the projection and before RoPE, with ``norm_eps`` (Qwen3).
     * ``family`` only names the Hugging Face architecture an export writes (``hf_model_type``). None
       infers it from the features: qwen3 with qk_norm, qwen2 with qkv_bias, llama otherwise; a family
-      equal to the inferred one is stored as None. So in practice only "mistral" (Llama's math) is
-      ever stored, to export a Mistral checkpoint as Mistral again. MoE models are "mixtral" (no shared
+      equal to the inferred one is stored as None. So in practice only "mistral" and "phi3" (Llama's math;
+      Phi-3's fused q/k/v and gate/up projections are split on load and joined on export) are ever stored, to
+      export such a checkpoint as its family again. MoE models are "mixtral" (no shared
       expert, every layer sparse, top-k weights always renormalised) or "qwen2_moe" (the default for MoE).
 
     Mixture of experts (``n_experts > 0``; all default to off, i.e. a dense model):
@@ -251,9 +255,30 @@ class ModelConfig:
     def _check_rope_scaling(self):
         params = self.rope_params.items() if isinstance(self.rope_params, dict) else self.rope_params
         try:
-            object.__setattr__(self, "rope_params", check_params(self.rope_scaling, tuple(params)))
+            object.__setattr__(self, "rope_params", check_params(self.rope_scaling, tuple(params), self.max_seq_len,
+                                                                 self.head_dim))
         except ValueError as e:
             raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: {e}") from None
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The RoPE table of the full-attention layers: base ``rope_theta``, with the scaling (sliding layers may
+        have their own, ``layer_specs``)."""
+        return RopeSpec(self.rope_theta, self.head_dim, self.rope_scaling, self.rope_params)
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence the model takes (None: no bound): ``max_seq_len``, or what its RoPE scaling is built
+        for (``rope.RopeSpec.max_length``: YaRN's factor x original context; dynamic NTK has no bound)."""
+        return self.rope.max_length(self.max_seq_len)
+
+    def check_length(self, n: int, what: str = "sequence length") -> None:
+        """Refuse ``n`` tokens (``what``: the words before the number) past ``max_length``, in one line."""
+        limit = self.max_length
+        if limit is not None and n > limit:
+            name = f"max_seq_len={limit}" if limit == self.max_seq_len else \
+                f"{self.rope_scaling} RoPE's context of {limit} tokens"
+            raise ValueError(f"{what} {n} exceeds the model's {name}")
 
     def rope_param(self, name: str):
         """The value of RoPE scaling parameter ``name`` (Hugging Face's name: "factor", ...)."""
@@ -357,6 +382,31 @@ def _llama3_rope(factor: float) -> dict:
                                                     ("low_freq_factor", 1.0),
                                                     ("original_max_position_embeddings", 8192)))
 
+
+# Qwen3's YaRN as its model cards say to switch it on for 128K: factor 4 over the 32K it was trained at.
+_QWEN3_YARN = dict(rope_scaling="yarn", rope_params=(("factor", 4.0), ("original_max_position_embeddings", 32768)))
+
+# Phi-3.5-mini's LongRoPE factors, one per rotated pair of its 96-wide heads (its config.json's rope_scaling, as
+# public copies of it give them: the Hub was not reachable when this was written).
+_PHI35_SHORT = (1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705, *(1.0499999523162842,) * 5,
+                1.0699999332427979, 1.0999999046325684, 1.1099998950958252, 1.1599998474121094, 1.1599998474121094,
+                1.1699998378753662, 1.2899998426437378, 1.339999794960022, 1.679999828338623, 1.7899998426437378,
+                1.8199998140335083, 1.8499997854232788, 1.8799997568130493, 1.9099997282028198, 1.9399996995925903,
+                1.9899996519088745, *(2.0199997425079346,) * 6, *(2.0299997329711914,) * 9, 2.0799996852874756,
+                2.0899996757507324, 2.189999580383301, 2.2199995517730713, 2.5899994373321533, 2.729999542236328,
+                2.749999523162842, 2.8399994373321533)
+_PHI35_LONG = (1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601, 1.5899999141693115,
+               1.600000023841858, 1.6200000047683716, 2.620000123977661, 3.2300000190734863, 3.2300000190734863,
+               4.789999961853027, 7.400000095367432, 7.700000286102295, 9.09000015258789, 12.199999809265137,
+               17.670000076293945, 24.46000099182129, 28.57000160217285, 30.420001983642578, 30.840002059936523,
+               32.590003967285156, 32.93000411987305, 42.320003509521484, 44.96000289916992, 50.340003967285156,
+               50.45000457763672, 57.55000305175781, 57.93000411987305, 58.21000289916992, 60.1400032043457,
+               62.61000442504883, 62.62000274658203, 62.71000289916992, 63.1400032043457, 63.1400032043457,
+               63.77000427246094, 63.93000411987305, 63.96000289916992, 63.970001220703125, 64.02999877929688,
+               64.06999969482422, 64.08000183105469, 64.12000274658203, 64.41000366210938, 64.4800033569336,
+               64.51000213623047, 64.52999877929688, 64.83999633789062)
+
+
 def layer_pattern(n_layers: int, every: int) -> tuple[str, ...]:
     """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
     return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(n_layers))
@@ -385,6 +435,15 @@ PRESETS: dict[str, ModelConfig] = {
                                      layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
     # Mistral v0.1's every-layer window.
     "tiny-mistral-window": ModelConfig(layer_types=(SLIDING_ATTENTION,) * 2, sliding_window=64, family="mistral"),
+    # One toy per long-context RoPE type: YaRN x4 over 256 tokens (sequences up to 1024); Phi-3 with LongRoPE (its
+    # long factors from 257 tokens on); dynamic NTK x2 from 1024 tokens (no length bound).
+    "tiny-yarn": ModelConfig(rope_scaling="yarn", rope_params=(("factor", 4.0),
+                                                               ("original_max_position_embeddings", 256))),
+    "tiny-longrope": ModelConfig(family="phi3", rope_scaling="longrope",
+                                 rope_params=(("short_factor", tuple(1.0 + 0.05 * i for i in range(8))),
+                                              ("long_factor", tuple(1.0 + 1.5 * i for i in range(8))),
+                                              ("original_max_position_embeddings", 256))),
+    "tiny-dynamic": ModelConfig(rope_scaling="dynamic", rope_params=(("factor", 2.0),)),
     "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
     # The paper's 7B reference: h=4096, 32 layers, 32 query and 32 KV heads, ffn = 4h.
     "paper-7b": ModelConfig(
@@ -453,6 +512,16 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         qk_norm=True,
     ),
+    # Qwen3 8B with YaRN switched on as Qwen's card says (config.json keeps max_position_embeddings 40960):
+    # sequences up to 4 x 32768 = 131072 tokens.
+    "qwen3-8b-yarn-128k": ModelConfig(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+                                      vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6,
+                                      qk_norm=True, **_QWEN3_YARN),
+    # Phi-3.5-mini (3.8B): LongRoPE from 4K to 128K, 32 heads of 96, fused q/k/v and gate/up in its checkpoints.
+    "phi-3.5-mini": ModelConfig(dim=3072, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=8192, vocab_size=32064,
+                                max_seq_len=131072, family="phi3", rope_scaling="longrope",
+                                rope_params=(("short_factor", _PHI35_SHORT), ("long_factor", _PHI35_LONG),
+                                             ("original_max_position_embeddings", 4096))),
     # Qwen3 4B: 32 heads of 128 (wider than dim / n_heads = 80), tied embeddings.
     "qwen3-4b": ModelConfig(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9728,
                             vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
