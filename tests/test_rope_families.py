@@ -313,3 +313,50 @@ def test_checkpoint_round_trip_through_convert(tmp_path, family):
     tokens, _ = hf_batch(cfg.vocab_size, 2, S)
     with torch.no_grad():
         assert torch.equal(back(input_ids=tokens).logits, hf(input_ids=tokens).logits)
+
+
+# --------------------------------------------------------------------------- generate
+
+NEW = 6
+# Past the threshold from the prompt on (19: a chunked prefill's chunks all read its length), during decode (13 + 6:
+# dynamic NTK's base grows every step from 17 tokens on; LongRoPE's cache is rebuilt at 17) and not at all (9 + 6),
+# in one batch: each sequence reads its own length.
+PROMPT_LENGTHS = (19, 13, 9)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(101, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def hf_generate(hf, batch) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """transformers' greedy tokens per prompt (each alone, from a fresh rotary embedding: dynamic NTK's keeps the
+    longest length it saw) and its logits [NEW, B, V] of every step."""
+    tokens, logits = [], []
+    hf.generation_config.eos_token_id = None  # run NEW steps whatever is chosen, as generate here does
+    with torch.no_grad():
+        for p in batch:
+            hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0].tolist())
+            logits.append(torch.cat(out.logits).float())  # [NEW, V]
+    return tokens, list(torch.stack(logits, dim=1))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_generate_equals_transformers(family):
+    """Greedy tokens and every step's logits equal transformers' generate: dynamic NTK's decode reads each step's
+    length, LongRoPE's cache is rebuilt with the long factors when the sequence passes 16 tokens (as transformers'
+    Phi-3 drops its cache there), YaRN's one table throughout; chunked prefill reads the whole prompt's length."""
+    from torchtsp.infer import generate
+
+    hf = make_hf(family)
+    batch = prompts()
+    expected_tokens, expected_logits = hf_generate(hf, batch)
+    ours = ours_from_hf(hf)
+    for chunk in (None, 4):
+        result = generate(ours, batch, NEW, return_logits=True, prefill_chunk=chunk)
+        assert result.tokens == expected_tokens, (family, chunk)
+        for t in range(NEW):
+            assert rel_err(result.logits[t], expected_logits[t]) <= REL_TOL, (family, chunk, t)
