@@ -360,3 +360,24 @@ def test_reference_generate_equals_transformers(family):
         assert result.tokens == expected_tokens, (family, chunk)
         for t in range(NEW):
             assert rel_err(result.logits[t], expected_logits[t]) <= REL_TOL, (family, chunk, t)
+
+
+@pytest.mark.parametrize("family", ["phi3", "llama-dynamic"])
+def test_serving_gives_transformers_tokens(family):
+    """The server's core (rank 0's paged scheduler driving the reference engine, prompts prefilled in chunks of 4,
+    all three requests in one batch) gives each request transformers' greedy tokens: every chunk reads its whole
+    prompt's length, a LongRoPE sequence passing 16 tokens is computed again (the scheduler frees and re-queues it),
+    and no prefix block is reused (a block's K/V depend on the length of the sequence that wrote it)."""
+    from test_serve_paged import serve
+    from torchtsp.serve.plan import Admission, Sampling
+
+    hf = make_hf(family)
+    batch = prompts()
+    expected, _ = hf_generate(hf, batch)
+    requests = [Admission(i, p, NEW, Sampling()) for i, p in enumerate(batch)]
+    again = Admission(len(batch), batch[0], NEW, Sampling())
+    got = serve(ours_from_hf(hf), [requests, [again]], num_blocks=32, block_size=4, prefill_chunk=4,
+                max_model_len=48)
+    for i, p in enumerate([*batch, batch[0]]):
+        assert p + got["tokens"][i] == expected[i % len(batch)], (family, i)
+    assert got["hits_after_wave"][-1] == 0  # the same prompt again: nothing taken from the prefix cache

@@ -129,9 +129,10 @@ class BatchRunner:
         result.grammar_states = [self.grammar_state(rid) for rid in plan.poll]
         return result
 
-    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:
+    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int],
+                whole: list[int] | None = None) -> None:
         """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
-        step."""
+        step (and ``whole``: once their prefill is done, the length a context-dependent RoPE table reads)."""
         rows = [tables[s.request_id] for s in seqs]  # per sequence, its table in each block group
         groups = len(self.pool.groups.windows)
         short = [s.request_id for s, r, n in zip(seqs, rows, after)
@@ -144,7 +145,7 @@ class BatchRunner:
             for g, t in enumerate(r):
                 index[g, i, :len(t)] = torch.tensor(t, dtype=torch.long)
         self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
-        self.engine.cache.expect(after)
+        self.engine.cache.expect(after, whole)
 
     def _compile(self, grammar: tuple[str, str]) -> concurrent.futures.Future:
         """The grammar's matcher, compiling on the compiler's threads (xgrammar lets go of the GIL meanwhile)."""
@@ -189,7 +190,7 @@ class BatchRunner:
         pos = (starts.unsqueeze(1) + torch.arange(T)).to(self.device)
         valid = (torch.arange(T) < counts.unsqueeze(1)).to(self.device)
         engine.choose_schedule(self.schedule, len(work), T)
-        self._attach(seqs, tables, starts.tolist(), (starts + counts).tolist())
+        self._attach(seqs, tables, starts.tolist(), (starts + counts).tolist(), [len(s.tokens) for s in seqs])
         echo = [i for i, (seq, start, _) in enumerate(work) if seq.request.prompt_logprobs is not None
                 and len(seq.prompt_logprobs) < len(seq.request.prompt) - 1]
         last = engine.prefill_chunk(ids.to(self.device), pos, valid, (starts + counts).to(self.device),
