@@ -365,19 +365,25 @@ def test_reference_generate_equals_transformers(family):
 @pytest.mark.parametrize("family", ["phi3", "llama-dynamic"])
 def test_serving_gives_transformers_tokens(family):
     """The server's core (rank 0's paged scheduler driving the reference engine, prompts prefilled in chunks of 4,
-    all three requests in one batch) gives each request transformers' greedy tokens: every chunk reads its whole
-    prompt's length, a LongRoPE sequence passing 16 tokens is computed again (the scheduler frees and re-queues it),
-    and no prefix block is reused (a block's K/V depend on the length of the sequence that wrote it)."""
-    from test_serve_paged import serve
+    the three requests in one batch) gives each request transformers' greedy tokens and their log-probabilities:
+    every chunk reads its whole prompt's length, a LongRoPE sequence passing 16 tokens is computed again (the
+    scheduler frees and re-queues it), and no prefix block is reused (a block's K/V depend on the length of the
+    sequence that wrote it)."""
+    from test_serve_batch import drive, serving
     from torchtsp.serve.plan import Admission, Sampling
 
     hf = make_hf(family)
     batch = prompts()
-    expected, _ = hf_generate(hf, batch)
-    requests = [Admission(i, p, NEW, Sampling()) for i, p in enumerate(batch)]
-    again = Admission(len(batch), batch[0], NEW, Sampling())
-    got = serve(ours_from_hf(hf), [requests, [again]], num_blocks=32, block_size=4, prefill_chunk=4,
-                max_model_len=48)
-    for i, p in enumerate([*batch, batch[0]]):
-        assert p + got["tokens"][i] == expected[i % len(batch)], (family, i)
-    assert got["hits_after_wave"][-1] == 0  # the same prompt again: nothing taken from the prefix cache
+    expected, logits = hf_generate(hf, batch)
+    runner, scheduler, http = serving(ours_from_hf(hf), num_blocks=32, block_size=4, prefill_chunk=4,
+                                      max_model_len=48)
+    for wave in (0, 1):  # the same prompts again: nothing from the prefix cache
+        got = drive(runner, scheduler, http, [Admission(3 * wave + i, p, NEW, Sampling(), logprobs=0)
+                                              for i, p in enumerate(batch)])
+        for i, p in enumerate(batch):
+            out = got[3 * wave + i]
+            assert p + out["tokens"] == expected[i], (family, wave, i)
+            hf_logprobs = [torch.log_softmax(logits[t][i], -1)[token].item() for t, token in enumerate(out["tokens"])]
+            # 1e-5 of the logits' scale (~10) in float32, as the generate tests' logits tolerance
+            assert max(abs(a - b) for (a, _), b in zip(out["logprobs"], hf_logprobs)) <= 1e-4, (family, wave, i)
+    assert scheduler.paged.blocks.prefix_hits == 0
