@@ -145,6 +145,25 @@ def test_yarn_uses_all_three_bands_and_both_attention_factors():
     assert windowed.inv_freq_and_factor(S)[1] == pytest.approx((0.1 * 1.3862944 + 1) / (0.05 * 1.3862944 + 1))
 
 
+def test_yarn_covers_gpt_oss():
+    """GPT-OSS's YaRN (factor 32 over 4096, truncate False, base 150000, heads of 64): its rotary embedding's
+    tables (half-width: it rotates halves without repeating them) are ours bit for bit, past 4096 tokens."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    config = GptOssConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, intermediate_size=64, num_local_experts=4, vocab_size=101)
+    params = {k: v for k, v in config.rope_parameters.items() if k not in ("rope_type", "rope_theta")}
+    assert params["truncate"] is False and params["factor"] == 32.0
+    cfg = ModelConfig(dim=64, n_heads=4, n_kv_heads=2, head_dim=64, max_seq_len=131072,
+                      rope_theta=config.rope_parameters["rope_theta"], rope_scaling="yarn", rope_params=params)
+    positions = torch.arange(4090, 4100)
+    cos, sin = GptOssRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours_cos, ours_sin = rope_tables(positions, cfg.rope)
+    assert torch.equal(ours_cos[:, :32], cos[0]) and torch.equal(ours_sin[:, :32], sin[0])
+    assert cfg.max_length == 131072
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -173,6 +192,17 @@ def test_family_matches_transformers_logits_loss_and_grads(family):
     errs = {n: rel_err(ours_grads[n], hf_grads[n]) for n in ours_grads}
     worst = max(errs, key=errs.get)
     assert errs[worst] <= REL_TOL, f"{worst}: rel err {errs[worst]:.3g}"
+
+
+def test_phi3_window_slides_in_every_layer():
+    """Phi-3 with ``sliding_window`` (Phi-3-mini-4k's 2047) masks every layer as transformers' Phi-3 does."""
+    hf = make_hf("phi3", sliding_window=5)
+    ours = ours_from_hf(hf)
+    assert all(ours.cfg.window(i) == 5 for i in range(ours.cfg.n_layers))
+    assert config_to_hf(ours.cfg)["sliding_window"] == 5
+    tokens, _ = hf_batch(101, B, S)
+    with torch.no_grad():
+        assert rel_err(ours(tokens), hf(input_ids=tokens).logits) <= REL_TOL
 
 
 def test_the_scaling_matters():

@@ -15,7 +15,8 @@ positions through the block tables (cache.py), so a sequence computes what it wo
 Token choice is per sequence: greedy rows take the argmax; a sampling row draws its Gumbel noise from its
 own generator seeded by the request's seed (the draw ``generate`` makes for a one-prompt batch), so a
 request's tokens never depend on what else is in the batch, nor on a preemption (the generator lives with
-the sequence's state, which a preemption keeps).
+the sequence's state, which a preemption keeps; the one exception, a dynamic-NTK sequence past its trained
+context, whose recomputed K/V are one forward's: docs/inference.md).
 
 Before the choice, each rank applies a sequence's logit_bias and repetition, frequency and presence penalties to
 its own columns of the logits (penalties.py), then masks them: the ids that would end a sequence (EOS, its stop
