@@ -417,3 +417,22 @@ def test_serving_gives_transformers_tokens(family):
             # 1e-5 of the logits' scale (~10) in float32, as the generate tests' logits tolerance
             assert max(abs(a - b) for (a, _), b in zip(out["logprobs"], hf_logprobs)) <= 1e-4, (family, wave, i)
     assert scheduler.paged.blocks.prefix_hits == 0
+
+
+def test_phi3_checkpoint_reads_slice_by_slice(tmp_path):
+    """``open_hf_weights`` (what a rank reads under a scheme) gives every part of Phi-3's fused q/k/v and gate/up
+    matrices, whole and as any rank's rows or columns, equal to the same piece of the split weights."""
+    from torchtsp.hf import open_hf_weights
+
+    hf = make_hf("phi3")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, weights = open_hf_weights(tmp_path)
+    expected = from_hf_state_dict(hf.state_dict(), cfg)
+    for name in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "feed_forward.w_gate.weight",
+                 "feed_forward.w_up.weight"):
+        full = expected[f"layers.1.{name}"]
+        assert torch.equal(weights.get(f"layers.1.{name}"), full), name
+        for dim in (0, 1):
+            for index in range(4):
+                assert torch.equal(weights.get(f"layers.1.{name}", dim, 4, index), full.chunk(4, dim)[index]), \
+                    (name, dim, index)
