@@ -62,7 +62,9 @@ class CacheStep:
     def of(cls, cfg, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor) -> CacheStep:
         """The step of tokens at ``pos`` of a model ``cfg``, at layer 0. A context-dependent RoPE table reads each
         sequence's ``KVCache.rope_lengths`` (docs/inference.md)."""
-        tables = tuple(layer_rope(pos, cfg, cache.rope_lengths.unsqueeze(1)))
+        with on_host():  # the driver's host values, real in a fake-tensor trace too
+            lengths = cache.rope_lengths.unsqueeze(1)
+        tables = tuple(layer_rope(pos, cfg, lengths))
         kinds = tuple(spec.attention for spec in cfg.layer_specs)
         return cls(cache, slots, pos, *tables[0], 0, kinds[0], tables, kinds)
 
