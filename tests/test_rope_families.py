@@ -296,6 +296,10 @@ def test_presets_are_the_real_models():
     su = phi35_mini_config()
     su["rope_scaling"]["type"] = "su"
     assert config_from_hf(su) == phi35
+    # Phi-3's top-level original_max_position_embeddings wins over the rope dict's, as in transformers' Phi3Config.
+    other = phi35_mini_config()
+    other["rope_scaling"]["original_max_position_embeddings"] = 8192
+    assert config_from_hf(other) == phi35
 
 
 def test_refusals_name_what_to_do():
