@@ -263,3 +263,86 @@ def test_hybrid_traffic_equals_the_model_on_every_rank(pools, world):
                 assert by_op[axis].get("exchange", 0) > 0, (scheme, by_op)  # the window's keys moved
                 expected = predict_comm(scheme, cfg, B, seq_len, **degrees, **args).total
                 assert got == expected, (scheme, degrees, window, collectives, args, got, expected)
+
+
+# --------------------------------------------------------------------------- long-context RoPE types
+
+# tests/test_rope_families.py's models with 8 query heads and 2 KV heads (tp and tsp at D = 4 copy each KV head on
+# two ranks), at S = 32: past every model's threshold of 16 tokens, and zigzag chunks of 4 at D = 4.
+ROPE_SHAPE = {"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2}
+ROPE_SEQ = 32
+# Every scheme in one world of 4: tsp at D = 4 and at D = 2 (beside dp), tp, sp, tp x sp, dp, and two pipeline
+# stages of tsp at D = 2 (two microbatches).
+ROPE_RUNS = (("tsp", {"tsp": 4}), ("tsp", {"dp": 2, "tsp": 2}), ("tp", {"tp": 4}), ("sp", {"sp": 4}),
+             ("tp_sp", {"tp": 2, "sp": 2}), ("dp", {"dp": 4}), ("pipeline", {"pp": 2, "tsp": 2}))
+# Packed rows (a document past the threshold and one short of it) on the schemes that cut the sequence.
+PACKED_RUNS = (("tsp", {"tsp": 4}), ("sp", {"sp": 4}))
+
+
+def rope_reference(family: str):
+    """The transformers model's loss and gradients (torchtsp names) on a [B, ROPE_SEQ] batch, its config and
+    weights."""
+    import test_rope_families
+
+    hf = test_rope_families.make_hf(family, **ROPE_SHAPE)
+    cfg = config_from_hf(hf.config.to_dict())
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(cfg.vocab_size, (B, ROPE_SEQ), generator=g)
+    labels = torch.randint(cfg.vocab_size, (B, ROPE_SEQ), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    loss = F.cross_entropy(hf(input_ids=tokens).logits.flatten(0, 1).float(), labels.flatten(),
+                           ignore_index=IGNORE_INDEX)
+    loss.backward()
+    weights = from_hf_state_dict({n: p.detach() for n, p in hf.named_parameters()}, cfg)
+    grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, cfg)
+    return cfg, weights, grads, loss.item(), tokens, labels
+
+
+def rope_schemes_on_rank(cfg, weights, tokens, labels, document_ids):
+    """(loss, full gradients) of every run of ROPE_RUNS on this rank, then of PACKED_RUNS on ``document_ids``."""
+    from torchtsp.parallel.pipeline import pipeline_parallelize
+
+    out = []
+    for runs, documents in ((ROPE_RUNS, None), (PACKED_RUNS, document_ids)):
+        for scheme, degrees in runs:
+            model = torchtsp.Transformer(cfg)
+            model.load_state_dict(weights)
+            mesh = torchtsp.init_mesh(**degrees)
+            if scheme == "pipeline":
+                pmodel = pipeline_parallelize(model, mesh, "tsp", microbatches=2)
+                loss = pmodel.forward_backward(tokens, labels)
+            else:
+                pmodel = torchtsp.parallelize(model, mesh, scheme)
+                loss = pmodel.loss(tokens, labels, document_ids=documents)
+                loss.backward()
+            out.append((loss.item(), pmodel.full_grads()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3-yarn", "qwen3-yarn-window", "phi3", "llama-dynamic"])
+def test_long_context_rope_under_every_scheme(pools, family):
+    """YaRN (Qwen3, with a window too), LongRoPE (Phi-3) and dynamic NTK (Llama) give transformers' loss and every
+    gradient under tsp (D = 4, and D = 2 with dp), tp, sp, tp x sp, dp and two pipeline stages: the tables read
+    the whole sequence's length on every rank, never its chunk's. Packed rows under tsp and sp equal the
+    reference model's (itself transformers' forward of each document alone, tests/test_rope_families.py): a token
+    reads its document's length wherever its rank holds it."""
+    cfg, weights, grads, hf_loss, tokens, labels = rope_reference(family)
+    document_ids = torch.zeros(B, ROPE_SEQ, dtype=torch.long)
+    document_ids[:, 24:] = 1  # 24 tokens (past 16), then 8
+    ref = torchtsp.Transformer(cfg)
+    ref.load_state_dict(weights)
+    ref_loss = ref.loss(tokens, labels, document_ids=document_ids)
+    ref_loss.backward()
+    packed_grads = {n: p.grad for n, p in ref.named_parameters()}
+    results = pools(4).run(rope_schemes_on_rank, cfg, weights, tokens, labels, document_ids)
+    staged = set()  # a pipeline rank holds its stage's gradients: every one on some rank
+    for rank_results in results:
+        for (loss, full), (scheme, _) in zip(rank_results, ROPE_RUNS):
+            if scheme == "pipeline":
+                staged |= set(full)
+                grads_here = {n: g for n, g in grads.items() if n in full}
+            check_against_transformers([(loss, full)], grads_here if scheme == "pipeline" else grads, hf_loss,
+                                       (family, scheme))
+        for (loss, full), (scheme, _) in zip(rank_results[len(ROPE_RUNS):], PACKED_RUNS):
+            check_against_transformers([(loss, full)], packed_grads, ref_loss.item(), (family, scheme, "packed"))
+    assert staged == set(grads)

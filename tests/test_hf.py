@@ -230,8 +230,10 @@ def test_config_from_hf_legacy_and_defaults():
         ({"mlp_bias": True}, r"mlp_bias=True"),
         ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
         ({"head_dim": 31}, r"head_dim=31 must be positive and even"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope_scaling.*'yarn'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}, r"rope_parameters.*'yarn'"),
+        # A type transformers knows and torchtsp does not (rope.KNOWN_ELSEWHERE).
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, r"rope_scaling.*'proportional'"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 5e5, "factor": 8.0}},
+         r"rope_parameters.*'proportional'"),
         # llama3 scaling is supported, but only complete.
         (
             {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
@@ -412,10 +414,11 @@ def test_truncated_torchtsp_weights(tmp_path, hf_dir):
     [
         ({"attention_bias": True}, r"config\.json: unsupported attention_bias=True"),
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
-            r"config\.json: unsupported rope_scaling rope_type='yarn'",
+            {"rope_scaling": {"rope_type": "proportional", "factor": 4.0}},
+            r"config\.json: unsupported rope_scaling rope_type='proportional'",
         ),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, r"rope_parameters.*'yarn'"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4, "factor": 4.0}},
+         r"rope_parameters.*'proportional'"),
     ],
 )
 def test_unsupported_config_json(hf_dir, change, match):

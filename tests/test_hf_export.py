@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 import test_families  # noqa: E402
 import test_hybrid  # noqa: E402
 import test_moe  # noqa: E402
+import test_rope_families  # noqa: E402
 from helpers import cli_in_process, hf_batch  # noqa: E402
 from torchtsp.hf import (  # noqa: E402
     config_from_hf,
@@ -34,6 +35,7 @@ MAKERS = {
     "qwen2": lambda: test_families.make_hf("qwen2"),
     "qwen3": lambda: test_families.make_hf("qwen3"),
     "mistral": lambda: test_families.make_hf("mistral"),
+    "phi3": lambda: test_rope_families.make_hf("phi3"),  # fused q/k/v and gate/up, LongRoPE
     "gemma3_text": lambda: test_hybrid.make_hf("gemma3", window=5),  # sandwich norms, 1 + w norms, tied
     "qwen2_moe": lambda: test_moe.make_hf("qwen2_moe_norm"),
     "mixtral": lambda: test_moe.make_hf("mixtral"),

@@ -135,3 +135,60 @@ def test_every_engine_and_layout_generates_as_transformers(results, setup, world
         if options.get("schedule") == "weights" and options.get("kv_layout") == "sequence":
             assert result[run_id]["schedule"] == {"prefill": "weights", "decode": "weights"}
         assert_equal_to_transformers(result[run_id], setup["expected"][name], (rank, run_id))
+
+
+# --------------------------------------------------------------------------- long-context RoPE types
+
+# tests/test_rope_families.py's models (YaRN, LongRoPE, dynamic NTK) through every engine and cache layout at D = 2,
+# with its prompts: one past the threshold of 16 tokens from the start, one crossing it in decode (LongRoPE's cache
+# rebuilt there, dynamic NTK's base growing each step), one short of it. "-kv1": one KV head (the grouped layout).
+ROPE_MODELS = ("qwen3-yarn", "qwen3-yarn-window", "phi3", "llama-dynamic")
+_EVERY_LAYOUT = [
+    ("tsp-heads-weights", "tsp", "", {"kv_layout": "heads", "schedule": "weights", "prefill_chunk": 4}),
+    ("tsp-heads-activations", "tsp", "", {"kv_layout": "heads", "schedule": "activations"}),
+    ("tsp-grouped-weights", "tsp", "-kv1", {"kv_layout": "grouped", "schedule": "weights", "prefill_chunk": 4}),
+    ("tsp-grouped-activations", "tsp", "-kv1", {"kv_layout": "grouped", "schedule": "activations"}),
+    ("tsp-sequence-weights", "tsp", "", {"kv_layout": "sequence", "schedule": "weights", "prefill_chunk": 4}),
+    ("tsp-sequence-activations", "tsp", "", {"kv_layout": "sequence", "schedule": "activations", "prefill_chunk": 8}),
+    ("tp", "tp", "", {}), ("sp", "sp", "", {"prefill_chunk": 4}), ("dp", "dp", "", {})]
+# The context-dependent types on every layout; YaRN (one table at every length) on the sequence layout, tp and sp.
+ROPE_RUNS = [(f"{model}-{run_id}", scheme, model + suffix, options)
+             for model in ROPE_MODELS for run_id, scheme, suffix, options in _EVERY_LAYOUT
+             if model in ("phi3", "llama-dynamic") or run_id in ("tsp-sequence-weights", "tp", "sp")]
+
+
+@pytest.fixture(scope="module")
+def rope_setup():
+    import test_rope_families
+
+    batch, models, expected = test_rope_families.prompts(), {}, {}
+    for name in {model for _, _, model, _ in ROPE_RUNS}:
+        overrides = {"num_key_value_heads": 1} if name.endswith("-kv1") else {}
+        hf = test_rope_families.make_hf(name.removesuffix("-kv1"), **overrides)
+        ours = test_rope_families.ours_from_hf(hf)
+        models[name] = (ours.cfg, ours.state_dict())
+        expected[name] = test_rope_families.hf_generate(hf, batch)
+    return dict(batch=batch, models=models, expected=expected)
+
+
+def rope_families_on_rank(models, batch):
+    out, meshes = {}, {}
+    for run_id, scheme, name, options in ROPE_RUNS:
+        cfg, state = models[name]
+        model = torchtsp.Transformer(cfg)
+        model.load_state_dict(state)
+        mesh = meshes.setdefault(scheme, torchtsp.init_mesh(**{scheme: 2}))
+        r = generate(torchtsp.parallelize(model.eval(), mesh, scheme), batch, NEW, return_logits=True, **options)
+        out[run_id] = dict(tokens=r.tokens, logits=[t.clone() for t in r.logits], layout=r.kv_layout)
+    return out
+
+
+def test_long_context_rope_on_every_engine_and_layout_generates_as_transformers(pools, rope_setup):
+    """Greedy tokens and every step's logits equal transformers' generate (each prompt alone) on every engine and
+    cache layout: each sequence of the batch reads its own length, on every rank."""
+    results = pools(2).run(rope_families_on_rank, rope_setup["models"], rope_setup["batch"])
+    for rank, result in enumerate(results):
+        for run_id, _, name, options in ROPE_RUNS:
+            if "kv_layout" in options:
+                assert result[run_id]["layout"] == options["kv_layout"], run_id
+            assert_equal_to_transformers(result[run_id], rope_setup["expected"][name], (rank, run_id))

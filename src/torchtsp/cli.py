@@ -101,7 +101,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     add("--config", metavar="TOML", help="settings file (flags override it)")
     add("--preset", choices=list(PRESETS), help="model shape (default: tiny)")
     add("--init-from-hf", metavar="DIR", help="start from a Hugging Face checkpoint: Llama, Mistral, Qwen2/2.5, "
-        "Qwen3, Gemma 3 (text), Qwen2-MoE or Mixtral")
+        "Qwen3, Phi-3, Gemma 3 (text), Qwen2-MoE or Mixtral")
     add("--scheme", choices=list(SCHEMES), help="parallel scheme (default: tsp)")
     for axis in AXES:  # the registry's mesh axes
         add(f"--{axis}", type=int, help=f"{axis} degree of the mesh")

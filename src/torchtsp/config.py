@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .layer_kinds import FULL_ATTENTION, SLIDING_ATTENTION, LayerSpec, layer_specs
-from .rope import check_params
+from .rope import RopeSpec, check_params
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "gemma3_text", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "gemma3_text", "gpt_oss")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "gpt_oss")
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -27,16 +27,20 @@ class ModelConfig:
 
     The family features all default to off, which is plain Llama:
 
-    * ``rope_scaling``: a RoPE scaling type of ``rope.ROPE_TYPES`` ("llama3": Llama 3.1+, "linear"), with its
-      parameters in ``rope_params`` by Hugging Face's names (e.g. ``(("factor", 8.0), ...)``; a dict is taken
-      too); both empty for plain RoPE.
+    * ``rope_scaling``: a RoPE scaling type of ``rope.ROPE_TYPES`` ("llama3": Llama 3.1+, "linear", "yarn",
+      "longrope": Phi-3, "dynamic": dynamic NTK), with its parameters in ``rope_params`` by Hugging Face's names
+      (e.g. ``(("factor", 8.0), ...)``; a dict is taken too); both empty for plain RoPE. What transformers derives
+      from max_position_embeddings (dynamic NTK's trained context, LongRoPE's factor) is fixed in ``rope_params``
+      when the config is made, so raising ``max_seq_len`` later changes no table; ``max_length`` is the longest
+      sequence the model then takes.
     * ``qkv_bias``: q, k and v projections have a bias, o has none (Qwen2 / Qwen2.5).
     * ``qk_norm``: an RMSNorm over head_dim, one weight shared by all heads, applied to each q and k
       head after the projection and before RoPE, with ``norm_eps`` (Qwen3).
     * ``family`` only names the Hugging Face architecture an export writes (``hf_model_type``). None
       infers it from the features: qwen3 with qk_norm, qwen2 with qkv_bias, llama otherwise; a family
-      equal to the inferred one is stored as None. So in practice only "mistral" (Llama's math) is
-      ever stored, to export a Mistral checkpoint as Mistral again. MoE models are "mixtral" (no shared
+      equal to the inferred one is stored as None. So in practice only "mistral" and "phi3" (Llama's math;
+      Phi-3's fused q/k/v and gate/up projections are split on load and joined on export) are ever stored, to
+      export such a checkpoint as its family again. MoE models are "mixtral" (no shared
       expert, every layer sparse, top-k weights always renormalised) or "qwen2_moe" (the default for MoE).
 
     Mixture of experts (``n_experts > 0``; all default to off, i.e. a dense model):
@@ -278,9 +282,30 @@ class ModelConfig:
     def _check_rope_scaling(self):
         params = self.rope_params.items() if isinstance(self.rope_params, dict) else self.rope_params
         try:
-            object.__setattr__(self, "rope_params", check_params(self.rope_scaling, tuple(params)))
+            object.__setattr__(self, "rope_params", check_params(self.rope_scaling, tuple(params), self.max_seq_len,
+                                                                 self.head_dim))
         except ValueError as e:
             raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling!r}: {e}") from None
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The RoPE table of the full-attention layers: base ``rope_theta``, with the scaling (sliding layers may
+        have their own, ``layer_specs``)."""
+        return RopeSpec(self.rope_theta, self.head_dim, self.rope_scaling, self.rope_params)
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence the model takes (None: no bound): ``max_seq_len``, or what its RoPE scaling is built
+        for (``rope.RopeSpec.max_length``: YaRN's factor x original context; dynamic NTK has no bound)."""
+        return self.rope.max_length(self.max_seq_len)
+
+    def check_length(self, n: int, what: str = "sequence length") -> None:
+        """Refuse ``n`` tokens (``what``: the words before the number) past ``max_length``, in one line."""
+        limit = self.max_length
+        if limit is not None and n > limit:
+            name = f"max_seq_len={limit}" if limit == self.max_seq_len else \
+                f"{self.rope_scaling} RoPE's context of {limit} tokens"
+            raise ValueError(f"{what} {n} exceeds the model's {name}")
 
     def rope_param(self, name: str):
         """The value of RoPE scaling parameter ``name`` (Hugging Face's name: "factor", ...)."""
@@ -406,171 +431,10 @@ class ModelConfig:
         return cls(**values)
 
 
-# Llama 3.1 / 3.2's RoPE scaling, except the factor, which differs between sizes.
-def _llama3_rope(factor: float) -> dict:
-    return dict(rope_scaling="llama3", rope_params=(("factor", factor), ("high_freq_factor", 4.0),
-                                                    ("low_freq_factor", 1.0),
-                                                    ("original_max_position_embeddings", 8192)))
+def __getattr__(name: str):
+    """The named presets live in ``presets.py``; ``from torchtsp.config import PRESETS, get_preset`` still works."""
+    if name in ("PRESETS", "get_preset", "layer_pattern"):
+        from . import presets
 
-def layer_pattern(n_layers: int, every: int) -> tuple[str, ...]:
-    """Gemma 3's layer types: every ``every``-th layer full, the others sliding (its sliding_window_pattern)."""
-    return tuple(FULL_ATTENTION if (i + 1) % every == 0 else SLIDING_ATTENTION for i in range(n_layers))
-
-
-# Gemma 3's variants of the layer core, the same in every size.
-_GEMMA3 = dict(norm_offset=1.0, sandwich_norm=True, mlp_activation="gelu_tanh", embed_scale=True, qk_norm=True,
-               tie_embeddings=True, norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_theta=10_000.0,
-               family="gemma3_text")
-
-PRESETS: dict[str, ModelConfig] = {
-    # Trains in seconds on a CPU; GQA (g=2) and every head count divisible by 1, 2 and 4.
-    "tiny": ModelConfig(),
-    # The tiny model with 4 experts (top-2) and a shared expert in every layer: tests and the MoE demo.
-    "tiny-moe": ModelConfig(n_experts=4, moe_top_k=2, moe_ffn_dim=192, shared_expert_ffn_dim=128,
-                            router_aux_loss_coef=0.01),
-    # The tiny model with one KV head (MQA): at D = 2 TP keeps a copy of it on both ranks, TSP half of its tokens on
-    # each, so the same cache budget holds twice the tokens under TSP (bench --mode serve's capacity figure).
-    "tiny-mqa": ModelConfig(n_kv_heads=1),
-    # Toy hybrid models (tests and demos): a sliding and a full layer each, heads wider than dim / n_heads.
-    # Gemma 3's layer core: (1 + w) and sandwich norms, GeGLU, scaled embeddings, query_pre_attn_scalar 24.
-    "tiny-gemma3": ModelConfig(head_dim=32, layer_types=layer_pattern(2, 2), sliding_window=64,
-                               query_pre_attn_scalar=24, **_GEMMA3),
-    # Qwen3 with a window in its upper layer (use_sliding_window, max_window_layers 1) and head_dim 32.
-    "tiny-qwen3-window": ModelConfig(head_dim=32, qk_norm=True, norm_eps=1e-6, sliding_window=64,
-                                     layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
-    # Mistral v0.1's every-layer window.
-    "tiny-mistral-window": ModelConfig(layer_types=(SLIDING_ATTENTION,) * 2, sliding_window=64, family="mistral"),
-    "small": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1536, max_seq_len=4096),
-    # The paper's 7B reference: h=4096, 32 layers, 32 query and 32 KV heads, ffn = 4h.
-    "paper-7b": ModelConfig(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=16384, vocab_size=32000, max_seq_len=131072
-    ),
-    # Llama-3-8B shape (GQA g=4, 128K vocabulary), for planning.
-    "llama3-8b": ModelConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        vocab_size=128256,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-    ),
-    # The shapes of public checkpoints (their config.json), to try scale with random weights, nothing downloaded.
-    # Llama 3.2 1B: tied embeddings, llama3 RoPE scaling by 32 from an 8K pretraining context.
-    "llama3.2-1b": ModelConfig(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=8192,
-        vocab_size=128256,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        tie_embeddings=True,
-        **_llama3_rope(32.0),
-    ),
-    # Llama 3.1 8B: llama3 RoPE scaling by 8.
-    "llama3.1-8b": ModelConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        vocab_size=128256,
-        max_seq_len=131072,
-        rope_theta=500000.0,
-        **_llama3_rope(8.0),
-    ),
-    # Qwen2.5 7B: q/k/v bias, 28 query and 4 KV heads (g=7), head_dim 128.
-    "qwen2.5-7b": ModelConfig(
-        dim=3584,
-        n_layers=28,
-        n_heads=28,
-        n_kv_heads=4,
-        ffn_dim=18944,
-        vocab_size=152064,
-        max_seq_len=131072,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-        qkv_bias=True,
-    ),
-    # Qwen3 8B: per-head q/k RMSNorm, head_dim 128 = 4096/32.
-    "qwen3-8b": ModelConfig(
-        dim=4096,
-        n_layers=36,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=12288,
-        vocab_size=151936,
-        max_seq_len=40960,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-        qk_norm=True,
-    ),
-    # Qwen3 4B: 32 heads of 128 (wider than dim / n_heads = 80), tied embeddings.
-    "qwen3-4b": ModelConfig(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9728,
-                            vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
-                            tie_embeddings=True),
-    # Mistral 7B v0.1: a 4096-token window in every layer.
-    "mistral-7b": ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000,
-                              max_seq_len=32768, layer_types=(SLIDING_ATTENTION,) * 32, sliding_window=4096,
-                              family="mistral"),
-    # Gemma 3 (text): 5 local layers (window 512 / 1024, RoPE base 1e4) to 1 global (base 1e6, linear scaling by
-    # 8 on 4B and 27B); 27B's heads are narrower than dim / n_heads and its attention scale 168**-0.5.
-    "gemma3-1b": ModelConfig(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
-                             vocab_size=262144, max_seq_len=32768,
-                             layer_types=layer_pattern(26, 6), sliding_window=512,
-                             **_GEMMA3),
-    "gemma3-4b": ModelConfig(dim=2560, n_layers=34, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=10240,
-                             vocab_size=262208, max_seq_len=131072,
-                             layer_types=layer_pattern(34, 6), sliding_window=1024,
-                             rope_scaling="linear", rope_params=(("factor", 8.0),), **_GEMMA3),
-    "gemma3-27b": ModelConfig(dim=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, ffn_dim=21504,
-                              vocab_size=262208, max_seq_len=131072,
-                              layer_types=layer_pattern(62, 6), sliding_window=1024,
-                              rope_scaling="linear", rope_params=(("factor", 8.0),), query_pre_attn_scalar=168,
-                              **_GEMMA3),
-    # Mixtral 8x7B: 8 experts of width 14336 in every layer, top-2, GQA g=4.
-    "mixtral-8x7b": ModelConfig(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        vocab_size=32000,
-        max_seq_len=32768,
-        rope_theta=1000000.0,
-        n_experts=8,
-        moe_top_k=2,
-        moe_ffn_dim=14336,
-        router_aux_loss_coef=0.02,
-        family="mixtral",
-    ),
-    # Qwen2 57B-A14B (Qwen2-MoE): 64 experts of width 2560, top-8, a shared expert of width 20480, q/k/v bias.
-    "qwen2-57b-a14b": ModelConfig(
-        dim=3584,
-        n_layers=28,
-        n_heads=28,
-        n_kv_heads=4,
-        ffn_dim=18944,
-        vocab_size=151936,
-        max_seq_len=131072,
-        rope_theta=1000000.0,
-        norm_eps=1e-6,
-        qkv_bias=True,
-        n_experts=64,
-        moe_top_k=8,
-        moe_ffn_dim=2560,
-        shared_expert_ffn_dim=20480,
-        moe_norm_topk=False,
-        router_aux_loss_coef=0.001,
-    ),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,7 +90,7 @@ class LayerSpec:
 def layer_specs(cfg) -> tuple[LayerSpec, ...]:
     """Every layer's spec of a ``ModelConfig`` (``cfg.layer_specs``). Sliding layers use plain RoPE of base
     ``rope_local_theta`` where it is set (Gemma 3's local layers), the global table otherwise."""
-    full_rope = RopeSpec(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling, cfg.rope_params)
+    full_rope = cfg.rope
     local_rope = full_rope if cfg.rope_local_theta is None else RopeSpec(cfg.rope_local_theta, cfg.head_dim)
     specs = []
     for i in range(cfg.n_layers):

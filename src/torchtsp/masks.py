@@ -17,11 +17,13 @@ class Documents:
     A token attends only to the earlier tokens of its own document, and its RoPE position counts from 0 at the
     document's first token. ``runs`` holds each row's documents as (start, end) host ints, so kernels pick the
     blocks the mask keeps without reading the device; ``positions`` [B, S] holds every token's position in its
-    document, on the ids' device.
+    document and ``lengths`` [B, S] its document's length (what a context-dependent RoPE type reads), on the ids'
+    device.
     """
 
     runs: tuple[tuple[tuple[int, int], ...], ...]
     positions: torch.Tensor
+    lengths: torch.Tensor
 
     @classmethod
     def from_ids(cls, document_ids: torch.Tensor, shape: tuple[int, int] | None = None) -> Documents:
@@ -40,30 +42,31 @@ class Documents:
         index = torch.arange(S).expand(B, S)
         first = torch.where(starts, index, 0).cummax(dim=1).values  # each token's document start
         runs = []
-        for row in starts.tolist():
+        lengths = torch.empty(B, S, dtype=torch.long)
+        for b, row in enumerate(starts.tolist()):
             begin = [i for i, new in enumerate(row) if new]
             runs.append(tuple(zip(begin, begin[1:] + [S])))
-        return cls(tuple(runs), (index - first).to(document_ids.device))
+            for start, end in runs[-1]:
+                lengths[b, start:end] = end - start
+        return cls(tuple(runs), (index - first).to(document_ids.device), lengths.to(document_ids.device))
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor) -> Documents:
         """Back from ``positions`` (a document starts where its position is 0)."""
         return cls.from_ids((positions == 0).cumsum(dim=1))
 
-    @property
-    def longest(self) -> int:
-        """The length of the longest document (host ints: what a context-dependent RoPE type reads, as
-        transformers reads max(position_ids) + 1 of packed rows)."""
-        return max((end - start for row in self.runs for start, end in row), default=0)
-
     def rows(self, start: int, stop: int) -> Documents:
         """The documents of batch rows [start, stop) (a data-parallel replica's or a micro-batch's rows)."""
-        return Documents(self.runs[start:stop], self.positions[start:stop])
+        return Documents(self.runs[start:stop], self.positions[start:stop], self.lengths[start:stop])
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """Positions within their documents [B, L] of the tokens at global indices ``positions`` [L], on the
         device of ``positions`` (the ids may stay on the host, where they were read)."""
         return self.positions.to(positions.device)[:, positions]
+
+    def lengths_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The lengths of the documents [B, L] of the tokens at global indices ``positions`` [L] (as ``at``)."""
+        return self.lengths.to(positions.device)[:, positions]
 
     def mask(self, q_start: int = 0, k_start: int = 0, window: int | None = None) -> Mask:
         """The mask of queries whose first is global token ``q_start`` against keys from global ``k_start``."""
@@ -142,11 +145,13 @@ def as_documents(document_ids, shape: tuple[int, int]) -> Documents | None:
     return Documents.from_ids(document_ids, shape)
 
 
-def rope_length(seq_len: int, documents: Documents | None) -> int:
-    """The sequence length a context-dependent RoPE type (dynamic NTK, LongRoPE) reads: the whole sequence's
-    (every rank of a sequence axis passes the global length, never its chunk), or in packed rows the longest
-    document's, where positions restart."""
-    return seq_len if documents is None else documents.longest
+def rope_length(seq_len: int, documents: Documents | None, positions: torch.Tensor):
+    """The sequence length a context-dependent RoPE type (dynamic NTK, LongRoPE) reads for the tokens at global
+    indices ``positions`` [L]: the whole sequence's (every rank of a sequence axis passes the global length, never
+    its chunk), or in packed rows each token's document's, [B, L]: a document reads its own length, as it would
+    alone, never its batch mates' (transformers' forward of packed rows reads the longest document of the batch,
+    which a data-parallel replica, a micro-batch or a pipeline's microbatch would each see differently)."""
+    return seq_len if documents is None else documents.lengths_at(positions)
 
 
 def rope_positions(positions: torch.Tensor, documents: Documents | None) -> torch.Tensor:

@@ -256,12 +256,11 @@ class Transformer(nn.Module):
         again in backward; selective: recompute the MLP's hidden state from its saved gate and up). ``document_ids``
         ([B, S], or ``Documents``): packed rows, each token attending within its document only."""
         S = tokens.shape[1]
-        if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
+        self.cfg.check_length(S)
         documents = as_documents(document_ids, tokens.shape)
         mask = CAUSAL if documents is None else documents.mask()
-        tables = layer_rope(rope_positions(torch.arange(S, device=tokens.device), documents), self.cfg,
-                            rope_length(S, documents))
+        positions = torch.arange(S, device=tokens.device)
+        tables = layer_rope(rope_positions(positions, documents), self.cfg, rope_length(S, documents, positions))
         x = scale_embeddings(self.tok_embeddings(tokens), self.cfg)
         policy = recompute_policy(recompute)
         for layer, (cos, sin) in zip(self.layers, tables):

@@ -100,9 +100,10 @@ class SeededWeights(WeightSource):
 class SafetensorsWeights(WeightSource):
     """Weights in safetensors files: ``files`` maps each stored tensor name to its file, ``stored_name`` maps a
     reference name to where it is stored: a stored name (Hugging Face names, or the reference names
-    themselves); ``("fused", name, dim, half)`` for one half along ``dim`` of a stored tensor that fuses two
-    parameters; ``("experts", [name of each expert])`` for a stacked [E, ...] parameter stored expert by expert;
-    a ``hf.names.ExpertPart`` for one stored in another layout (GPT-OSS's, MXFP4 dequantized on read).
+    themselves); ``("fused", name, dim, part, widths)`` for part ``part`` along ``dim`` of a stored tensor that
+    fuses parameters of ``widths`` along it; ``("experts", [name of each expert])`` for a stacked [E, ...]
+    parameter stored expert by expert; a ``hf.names.ExpertPart`` for one stored in another layout (GPT-OSS's,
+    MXFP4 dequantized on read).
     """
 
     def __init__(self, cfg: ModelConfig, files: dict[str, Path], stored_name: Callable[[str], str | tuple],
@@ -120,7 +121,7 @@ class SafetensorsWeights(WeightSource):
         for name, shape in self.shapes.items():
             spec = self._spec(name)
             if spec[0] == "fused":
-                want[spec[1]] = tuple(n * 2 if d == spec[2] else n for d, n in enumerate(shape))
+                want[spec[1]] = tuple(sum(spec[4]) if d == spec[2] else n for d, n in enumerate(shape))
             elif spec[0] == "part":
                 want.update(spec[1].stored_shapes(tuple(shape)))
             else:
@@ -168,11 +169,13 @@ class SafetensorsWeights(WeightSource):
             inner = (0, 0, shape[1]) if dim == 0 else (dim - 1, start, stop)
             pieces = [self._read_stored(spec[1][e], shape[1:], *inner) for e in experts]
             return torch.stack(pieces) if pieces else torch.empty(0, *shape[1:])
-        if spec[0] == "fused":  # one half of a fused tensor, one expert at a time
-            _, stored, fused_dim, half = spec
+        if spec[0] == "fused":  # one part of a fused tensor (of stacked experts: one expert at a time)
+            _, stored, fused_dim, part, widths = spec
             bounds = [[0, n] for n in shape]
             bounds[dim] = [start, stop]
-            bounds[fused_dim] = [b + half * shape[fused_dim] for b in bounds[fused_dim]]
+            bounds[fused_dim] = [b + sum(widths[:part]) for b in bounds[fused_dim]]
+            if len(shape) == 2:  # a matrix (Phi-3's qkv_proj, gate_up_proj): its block at once
+                return self._with_slice(stored, lambda piece: piece[slice(*bounds[0]), slice(*bounds[1])])
             (e0, e1), rest = bounds[0], [slice(*b) for b in bounds[1:]]
             return self._with_slice(stored, lambda piece: torch.cat(
                 [piece[(slice(e, e + 1), *rest)] for e in range(e0, e1)]))

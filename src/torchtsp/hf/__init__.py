@@ -1,10 +1,10 @@
 """Hugging Face interop: configs (``config``), tensor names and state dicts (``names``), and the checkpoint
 folders on disk, read and written by one reader and one writer (``files``). Conversion lives in convert.py.
 
-The families handled are Llama (with Llama 3's ``llama3`` RoPE scaling), Mistral (without a sliding
-window that masks anything), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Gemma 3's text model
-(sandwich norms) and the mixtures of experts Qwen2-MoE and Mixtral; every other feature is refused with its
-config field named.
+The families handled are Llama, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused
+q/k/v and gate/up projections), Gemma 3's text model (sandwich norms) and the mixtures of experts Qwen2-MoE and
+Mixtral, with the RoPE scaling types of ``rope.ROPE_TYPES`` (llama3, linear, yarn, longrope, dynamic); every
+other feature is refused with its config field named.
 """
 
 from .config import config_from_hf, config_to_hf

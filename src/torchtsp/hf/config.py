@@ -1,6 +1,7 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig`` for the families torchtsp reproduces (Llama with Llama 3's
-``llama3`` RoPE scaling, Mistral with or without its sliding window, Qwen2/2.5 and Qwen3 with their per-layer
-windows, Qwen2-MoE, Mixtral, Gemma 3 text, GPT-OSS); every other feature is refused with its config field named."""
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` for the families torchtsp reproduces (Llama, Mistral with or
+without its sliding window, Qwen2/2.5 and Qwen3 with their per-layer windows, Phi-3, Qwen2-MoE, Mixtral, Gemma 3
+text, GPT-OSS), with the RoPE scaling types of ``rope.ROPE_TYPES`` (llama3, linear, yarn, longrope, dynamic); every
+other feature is refused with its config field named."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -24,7 +26,8 @@ _ROPE_META_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
 def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
-    """ModelConfig's RoPE fields from an HF config: plain RoPE or rope_type 'llama3', anything else refused.
+    """ModelConfig's RoPE fields from an HF config: plain RoPE or a type of ``rope.ROPE_TYPES``, anything else
+    refused.
 
     transformers < 5 writes ``rope_theta`` at top level and ``rope_scaling`` (null for plain RoPE);
     transformers >= 5 writes ``rope_parameters = {"rope_type": ..., "rope_theta": ..., <scaling keys>}``.
@@ -41,6 +44,8 @@ def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
         if not isinstance(params, dict):
             raise ValueError(f"unsupported {field}={params!r}: expected a dict or null")
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+            rope_type = "longrope"  # as transformers' Phi3Config reads Phi-3's early names of LongRoPE
         if rope_type not in (None, "default"):
             try:
                 fields = _rope_scaling_fields(rope_type, params, hf, max_position_embeddings)
@@ -58,33 +63,47 @@ def _rope_fields(hf: dict, max_position_embeddings: int) -> dict:
 def _rope_scaling_fields(rope_type: str, params: dict, hf: dict, max_position_embeddings: int) -> dict:
     """``rope_scaling`` and ``rope_params`` of a scaling type (``rope.ROPE_TYPES``; one line naming a type
     torchtsp does not implement). As transformers 5: a top-level original_max_position_embeddings wins over the
-    rope dict's, which wins over max_position_embeddings, for the types that take one."""
+    rope dict's, which wins over max_position_embeddings, for the types that take one (Phi3Config has a top-level
+    one of 4096 when the file has none); a type's ``max_position_embeddings`` (dynamic NTK's trained context) is
+    the config's own."""
     kind = rope_type_named(rope_type)
     given = {k: v for k, v in params.items() if k not in _ROPE_META_KEYS}
-    if "original_max_position_embeddings" in (*kind.required, *kind.defaults):
+    takes = (*kind.required, *kind.defaults)
+    if "original_max_position_embeddings" in takes:
         given.setdefault("original_max_position_embeddings", max_position_embeddings)
-        if hf.get("original_max_position_embeddings") is not None:
-            given["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    return {"rope_scaling": rope_type, "rope_params": check_params(rope_type, tuple(given.items()))}
+        top = hf.get("original_max_position_embeddings", 4096 if hf.get("model_type") == "phi3" else None)
+        if top is not None:
+            given["original_max_position_embeddings"] = top
+    if "max_position_embeddings" in takes:
+        given["max_position_embeddings"] = max_position_embeddings
+    return {"rope_scaling": rope_type, "rope_params": check_params(rope_type, tuple(given.items()),
+                                                                   max_position_embeddings)}
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
-    """The scaling of the global layers as transformers 5's rope dict (with rope_type and rope_theta)."""
-    params = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.rope_params}
+    """The scaling of the global layers as transformers 5's rope dict (with rope_type and rope_theta); a type's
+    max_position_embeddings is the config's own field (``_max_positions``), not the dict's."""
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.rope_params if k != "max_position_embeddings"}
     return {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta, **params}
+
+
+def _max_positions(cfg: ModelConfig) -> int:
+    """The config's max_position_embeddings: the trained context a RoPE type reads from it (dynamic NTK's), else
+    max_seq_len."""
+    return dict(cfg.rope_params).get("max_position_embeddings", cfg.max_seq_len)
 
 
 def _window_fields(hf: dict, model_type: str, max_position_embeddings: int) -> dict:
     """ModelConfig's ``layer_types`` and ``sliding_window`` as transformers derives them for this model_type.
 
-    Mistral / Mixtral slide in every layer when ``sliding_window`` is set; Qwen2 / Qwen3 / Qwen2-MoE only with
+    Mistral / Mixtral / Phi-3 slide in every layer when ``sliding_window`` is set; Qwen2 / Qwen3 / Qwen2-MoE only with
     ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention" (by default those from
     ``max_window_layers`` on); Gemma 3 in ``layer_types`` (by default every layer but each
     ``sliding_window_pattern``-th). A window of at least max_position_embeddings masks nothing: no window.
     """
     window = hf.get("sliding_window")
     n_layers = int(hf["num_hidden_layers"])
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         types = ["sliding_attention"] * n_layers if window is not None else None
         if hf.get("layer_types"):
             raise ValueError(f"unsupported layer_types={hf['layer_types']!r} in a {model_type} config: transformers' "
@@ -226,6 +245,10 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
         )
     if model_type == "llama" and hf.get("mlp_bias"):
         raise ValueError(f"unsupported mlp_bias={hf['mlp_bias']!r}: torchtsp's MLP has no bias")
+    for name in ("resid_pdrop", "embd_pdrop") if model_type == "phi3" else ():
+        if hf.get(name):
+            raise ValueError(f"unsupported {name}={hf[name]!r}: torchtsp trains without dropout (Phi-3 ships 0.0); "
+                             "set it to 0")
     act = hf.get("hidden_act", "silu")
     if model_type != "gemma3_text" and act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act={act!r}: torchtsp's MLP is SwiGLU (hidden_act 'silu')")
@@ -237,7 +260,8 @@ def config_from_hf(hf_config: dict) -> ModelConfig:
     if head_dim is None and (n_heads <= 0 or dim % n_heads):
         raise ValueError(f"unsupported hidden_size={dim} with num_attention_heads={n_heads} and no head_dim: "
                          "must divide evenly")
-    max_seq_len = int(hf.get("max_position_embeddings") or (131072 if model_type == "gemma3_text" else 2048))
+    default_context = {"gemma3_text": 131072, "phi3": 4096}.get(model_type, 2048)  # transformers' defaults
+    max_seq_len = int(hf.get("max_position_embeddings") or default_context)
     if model_type == "gemma3_text":
         features = _gemma3_fields(hf)
     elif model_type == "gpt_oss":
@@ -278,12 +302,15 @@ def _check_expressible(cfg: ModelConfig, model_type: str) -> None:
                          "exports them")
     if model_type == "gemma3_text" and cfg.rope_scaling not in (None, "linear"):
         raise ValueError(f"gemma3_text has no {cfg.rope_scaling} RoPE scaling: use rope_scaling 'linear' or None")
+    if model_type == "phi3" and cfg.rope_scaling not in (None, "longrope"):
+        raise ValueError(f"phi3 has no {cfg.rope_scaling} RoPE scaling (transformers' Phi3Config takes 'longrope' "
+                         "only): use rope_scaling 'longrope' or None, or export as another family")
     if not cfg.sliding:
         return
     if model_type == "llama":
         raise ValueError("llama checkpoints have no sliding window; export a windowed model as mistral (every layer "
                          "sliding), qwen2 / qwen3 or gemma3_text (any layer_types): set family")
-    if model_type in ("mistral", "mixtral") and "full_attention" in cfg.layer_types:
+    if model_type in ("mistral", "mixtral", "phi3") and "full_attention" in cfg.layer_types:
         raise ValueError(f"{model_type} slides in every layer; a model with full layers too exports as qwen2 / qwen3 "
                          "(set family) or gemma3_text")
 
@@ -291,7 +318,7 @@ def _check_expressible(cfg: ModelConfig, model_type: str) -> None:
 def _window_to_hf(cfg: ModelConfig, model_type: str) -> dict:
     """The window fields of ``model_type`` that transformers reads back as ``cfg``'s layer types and window."""
     types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
-    if model_type in ("mistral", "mixtral"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         return {"sliding_window": cfg.sliding_window}
     if model_type == "gemma3_text":
         return {"sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types}
@@ -338,7 +365,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": _max_positions(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -374,5 +401,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict:
         hf.update(_gemma3_to_hf(cfg))
     elif model_type == "qwen3":
         hf.update(attention_bias=False)
+    elif model_type == "phi3":
+        # Phi3Config's top-level original_max_position_embeddings (default 4096) overrides the rope dict's: the
+        # same value. No pad_token_id: its default (32000) lies outside a smaller vocabulary.
+        original = dict(cfg.rope_params).get("original_max_position_embeddings", cfg.max_seq_len)
+        hf.update(original_max_position_embeddings=original, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
+                  sliding_window=None)
     hf.update(_window_to_hf(cfg, model_type))
     return hf

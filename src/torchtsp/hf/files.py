@@ -309,7 +309,7 @@ def write_weights(path: str | os.PathLike, weights, fmt: str = "hf", max_shard_b
     stored = (lambda name: to_hf_name(name, cfg)) if fmt == "hf" else (lambda name: name)
     dtype = dtype or weights.dtype
     nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in weights.shapes.items()}
-    units: dict[str, list[str]] = {}  # stored tensor -> the reference names it is made of (two for fused halves)
+    units: dict[str, list[str]] = {}  # stored tensor -> the reference names it is made of (several for fused parts)
     for name in weights.shapes:  # reference order
         units.setdefault(stored(name), []).append(name)
     groups: list[list[str]] = [[]]

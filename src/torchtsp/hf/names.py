@@ -3,7 +3,9 @@
 No weight permutation is needed: ``torchtsp.model.apply_rope`` uses the same half-split ("rotate_half") RoPE
 convention as these HF models, so q/k projections map one to one, and the dense families use the same HF
 parameter names. Expert weights are stacked [E, ...] tensors in torchtsp; HF holds them fused in a live model
-(``gate_up_proj``, ``hf_location``) and one tensor per expert in checkpoint files (``file_location``).
+(``gate_up_proj``, ``hf_location``) and one tensor per expert in checkpoint files (``file_location``). Phi-3
+fuses q, k and v into ``qkv_proj`` and gate and up into ``gate_up_proj``, in its files too: torchtsp keeps them
+apart (tensor parallelism cuts each along its own heads or width), split on load and joined on export.
 """
 
 from __future__ import annotations
@@ -41,12 +43,26 @@ _LAYER_NAMES = {
     "feed_forward.shared.w_down.weight": "mlp.shared_expert.down_proj.weight",
     "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
 }
-# Halves of one fused HF tensor: torchtsp name inside a block -> (HF name, dim, which half). transformers stores
-# each expert's gate and up projections as one [E, 2·F, h] tensor (gate rows first); torchtsp keeps them apart,
-# so that tensor parallelism can cut both along F.
+# Parts of one fused HF tensor: torchtsp name inside a block -> (HF name, dim, which part, the parts' widths).
+# transformers stores each expert's gate and up projections as one [E, 2·F, h] tensor (gate rows first); torchtsp
+# keeps them apart, so that tensor parallelism can cut both along F.
 _FUSED_NAMES = {
-    "feed_forward.experts.w_gate": ("mlp.experts.gate_up_proj", 1, 0),
-    "feed_forward.experts.w_up": ("mlp.experts.gate_up_proj", 1, 1),
+    "feed_forward.experts.w_gate": ("mlp.experts.gate_up_proj", 1, 0, lambda cfg: (cfg.moe_ffn_dim,) * 2),
+    "feed_forward.experts.w_up": ("mlp.experts.gate_up_proj", 1, 1, lambda cfg: (cfg.moe_ffn_dim,) * 2),
+}
+
+
+def _qkv_widths(cfg: ModelConfig) -> tuple[int, int, int]:
+    return cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+
+
+# Phi-3's fused projections (rows of q, then k, then v; of gate, then up).
+_PHI3_FUSED_NAMES = {
+    "attention.wq.weight": ("self_attn.qkv_proj.weight", 0, 0, _qkv_widths),
+    "attention.wk.weight": ("self_attn.qkv_proj.weight", 0, 1, _qkv_widths),
+    "attention.wv.weight": ("self_attn.qkv_proj.weight", 0, 2, _qkv_widths),
+    "feed_forward.w_gate.weight": ("mlp.gate_up_proj.weight", 0, 0, lambda cfg: (cfg.ffn_dim,) * 2),
+    "feed_forward.w_up.weight": ("mlp.gate_up_proj.weight", 0, 1, lambda cfg: (cfg.ffn_dim,) * 2),
 }
 # Gemma's sandwich norms: its post_attention_layernorm norms the attention's output (Llama's names the MLP's input),
 # pre_feedforward_layernorm the MLP's input.
@@ -152,9 +168,10 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 def hf_location(name: str, cfg: ModelConfig, mxfp4: bool = False) -> str | tuple | ExpertPart:
     """Where torchtsp parameter ``name`` lies in a transformers model's own state dict: an HF tensor name,
-    ("fused", HF name, dim, half) for one half of a fused HF tensor (the experts' gate_up_proj), or an
-    ``ExpertPart`` (GPT-OSS's experts; ``mxfp4``: as its published files store them). ``cfg`` is required: a
-    family may name a block's norms otherwise (Gemma's sandwich norms)."""
+    ("fused", HF name, dim, part, widths) for part ``part`` along ``dim`` of a fused HF tensor whose parts have
+    ``widths`` (the experts' gate_up_proj; Phi-3's qkv_proj and gate_up_proj), or an ``ExpertPart`` (GPT-OSS's
+    experts; ``mxfp4``: as its published files store them). ``cfg`` is required: a family may name a block's norms
+    otherwise (Gemma's sandwich norms) or fuse them (Phi-3)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     prefix, _, rest = name.partition(".")
@@ -163,12 +180,13 @@ def hf_location(name: str, cfg: ModelConfig, mxfp4: bool = False) -> str | tuple
         where = _gpt_oss_location(idx, local, mxfp4)
         if where is not None:
             return where
+    fused = {**_FUSED_NAMES, **_PHI3_FUSED_NAMES} if cfg.hf_model_type == "phi3" else _FUSED_NAMES
     names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norm else _LAYER_NAMES
+    if prefix == "layers" and idx.isdigit() and local in fused:
+        hf_name, dim, part, widths = fused[local]
+        return "fused", f"model.layers.{idx}.{hf_name}", dim, part, widths(cfg)
     if prefix == "layers" and idx.isdigit() and local in names:
         return f"model.layers.{idx}.{names[local]}"
-    if prefix == "layers" and idx.isdigit() and local in _FUSED_NAMES:
-        hf_name, dim, half = _FUSED_NAMES[local]
-        return "fused", f"model.layers.{idx}.{hf_name}", dim, half
     raise KeyError(name)
 
 
@@ -218,13 +236,20 @@ def stored_location(cfg: ModelConfig, names):
 
 
 def to_hf_name(name: str, cfg: ModelConfig) -> str:
-    """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or half of it."""
+    """The HF tensor (in a transformers model's state dict) that holds torchtsp parameter ``name`` or a part of it."""
     where = hf_location(name, cfg)
     return where if isinstance(where, str) else where.stored if isinstance(where, ExpertPart) else where[1]
 
 
+def fused_shape(shape: tuple[int, ...], where: tuple) -> tuple[int, ...]:
+    """The shape of the fused HF tensor of which ``where`` ("fused", name, dim, part, widths) locates a part of
+    ``shape``."""
+    _, _, dim, _, widths = where
+    return tuple(sum(widths) if d == dim else n for d, n in enumerate(shape))
+
+
 def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, from torchtsp names -> shapes (fused halves add up along their dim)."""
+    """HF tensor name -> shape, from torchtsp names -> shapes (fused parts add up along their dim)."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in expected.items():
         where = location(name)
@@ -233,7 +258,7 @@ def _hf_shapes(expected: dict[str, tuple[int, ...]], location) -> dict[str, tupl
         elif isinstance(where, str):
             out[where] = tuple(shape)
         elif where[0] == "fused":
-            out[where[1]] = tuple(n * 2 if d == where[2] else n for d, n in enumerate(shape))
+            out[where[1]] = fused_shape(shape, where)
         else:
             out.update(dict.fromkeys(where[1], tuple(shape[1:])))
     return out
@@ -246,28 +271,30 @@ def _from_hf_tensor(hf_sd: dict, where) -> torch.Tensor:
     if isinstance(where, str):
         return hf_sd[where]
     if where[0] == "fused":
-        return hf_sd[where[1]].chunk(2, dim=where[2])[where[3]]
+        _, hf_name, dim, part, widths = where
+        return hf_sd[hf_name].split(widths, dim=dim)[part]
     return torch.stack([hf_sd[n] for n in where[1]])
 
 
 def to_hf_tensors(sd: dict, names, location) -> dict[str, torch.Tensor]:
-    """HF-named tensors from torchtsp ``names`` of ``sd`` (fused halves concatenated, experts split)."""
-    out, halves, parts = {}, {}, {}
+    """HF-named tensors from torchtsp ``names`` of ``sd`` (fused parts concatenated, experts split)."""
+    out, fused, expert_parts = {}, {}, {}
     for name in names:
         where = location(name)
         if isinstance(where, ExpertPart):
-            parts.setdefault(where.stored, {})[where.index] = (where, sd[name])
+            expert_parts.setdefault(where.stored, {})[where.index] = (where, sd[name])
         elif isinstance(where, str):
             out[where] = sd[name]
         elif where[0] == "fused":
-            halves.setdefault(where[1], {})[where[3]] = (where[2], sd[name])
+            _, hf_name, dim, part, widths = where
+            fused.setdefault(hf_name, (dim, len(widths), {}))[2][part] = sd[name]
         else:
             out.update(zip(where[1], sd[name].unbind(0)))
-    for hf_name, parts in halves.items():
-        if set(parts) != {0, 1}:
-            raise ValueError(f"{hf_name} needs both of its halves, got {sorted(parts)}")
-        out[hf_name] = torch.cat([parts[0][1], parts[1][1]], dim=parts[0][0])
-    for stored, by_index in parts.items():
+    for hf_name, (dim, n_parts, parts) in fused.items():
+        if set(parts) != set(range(n_parts)):
+            raise ValueError(f"{hf_name} needs all {n_parts} of its parts, got {sorted(parts)}")
+        out[hf_name] = torch.cat([parts[i] for i in range(n_parts)], dim=dim)
+    for stored, by_index in expert_parts.items():
         part = by_index[0][0]
         if set(by_index) != set(range(part.parts)):
             raise ValueError(f"{stored} needs all of its {part.parts} parts, got {sorted(by_index)}")

@@ -79,9 +79,11 @@ def check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p, prefi
         outside = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if outside:
             raise ValueError(f"prompt {i} has token id {outside[0]} outside the vocabulary [0, {cfg.vocab_size})")
-        if len(ids) + max_new_tokens > cfg.max_seq_len:
-            raise ValueError(f"prompt {i} ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the model's "
-                             f"max_seq_len={cfg.max_seq_len}; shorten the prompt or ask for fewer tokens")
+        try:
+            cfg.check_length(len(ids) + max_new_tokens, f"prompt {i} ({len(ids)} tokens) plus {max_new_tokens} new "
+                                                        "tokens:")
+        except ValueError as e:
+            raise ValueError(f"{e}; shorten the prompt or ask for fewer tokens") from None
         clean.append(ids)
     check_sampling(temperature, top_k, top_p)
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -129,13 +131,25 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     with on_host():  # the driver's knowledge of the lengths: host values, real in a fake-tensor trace too
         host_lengths = torch.tensor([len(p) for p in local])
     lengths = host_lengths.to(device)
-    longest = max(len(p) for p in local)
-    chunk = _round_up(min(prefill_chunk or longest, longest), engine.token_multiple)
-    tokens = torch.zeros(len(local), _round_up(longest, chunk), dtype=torch.long, device=device)
-    for i, p in enumerate(local):
-        tokens[i, :len(p)] = torch.tensor(p, device=device)
-    engine.choose_schedule(schedule, len(local), chunk)
-    engine.start(len(local), tokens.shape[1], max_new_tokens)
+    prompt_ids = [torch.tensor(p, device=device) for p in local]
+    switch = cfg.rope.switch_length  # LongRoPE: a sequence that grows past it has its cache rebuilt (docs/inference.md)
+    fed = torch.zeros(len(local), max_new_tokens, dtype=torch.long, device=device)  # the ids chosen so far
+
+    def prefill(steps: int):
+        """Prefill of every sequence's prompt and its first ``steps`` chosen ids, into a fresh cache sized for the
+        rest; the logits of the next token."""
+        with on_host():
+            now = host_lengths + steps
+            longest = int(now.max())
+        chunk = _round_up(min(prefill_chunk or longest, longest), engine.token_multiple)
+        tokens = torch.zeros(len(local), _round_up(longest, chunk), dtype=torch.long, device=device)
+        for i, p in enumerate(prompt_ids):
+            tokens[i, :len(p)] = p
+            tokens[i, len(p):len(p) + steps] = fed[i, :steps]
+        engine.choose_schedule(schedule, len(local), chunk)
+        engine.start(len(local), tokens.shape[1], max_new_tokens - steps)
+        return engine.prefill(tokens, lengths + steps, chunk, now)
+
     select = TokenSelector(engine.vocab_comm, cfg.vocab_size, engine.vocab_start, B, rows, temperature, top_k,
                            top_p, seed, device)
     stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
@@ -145,7 +159,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     with torch.inference_mode():
         _sync(device)
         t0 = time.perf_counter()
-        logits = engine.prefill(tokens, lengths, chunk, host_lengths)
+        logits = prefill(0)
         ids = select(logits)
         _sync(device)
         prefill_s = time.perf_counter() - t0
@@ -161,9 +175,16 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             if t + 1 == max_new_tokens or (stops and bool(done.all())):
                 break
             t0 = time.perf_counter()
+            fed[:, t] = ids
             with on_host():
-                engine.cache.expect(host_lengths + t + 1)
-            logits = engine.decode(ids, lengths + t)
+                crossing = switch is not None and bool(((host_lengths + t <= switch) &
+                                                        (host_lengths + t + 1 > switch)).any())
+            if crossing:  # its K/V were written with the table before the switch: all are computed again
+                logits = prefill(t + 1)
+            else:
+                with on_host():
+                    engine.cache.expect(host_lengths + t + 1)
+                logits = engine.decode(ids, lengths + t)
             ids = select(logits)
             _sync(device)
             decode_s, steps = decode_s + time.perf_counter() - t0, steps + 1

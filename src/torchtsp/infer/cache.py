@@ -60,8 +60,11 @@ class CacheStep:
 
     @classmethod
     def of(cls, cfg, cache: KVCache, slots: torch.Tensor, pos: torch.Tensor) -> CacheStep:
-        """The step of tokens at ``pos`` of a model ``cfg``, at layer 0."""
-        tables = tuple(layer_rope(pos, cfg))
+        """The step of tokens at ``pos`` of a model ``cfg``, at layer 0. A context-dependent RoPE table reads each
+        sequence's ``KVCache.rope_lengths`` (docs/inference.md)."""
+        with on_host():  # the driver's host values, real in a fake-tensor trace too
+            lengths = cache.rope_lengths.unsqueeze(1)
+        tables = tuple(layer_rope(pos, cfg, lengths))
         kinds = tuple(spec.attention for spec in cfg.layer_specs)
         return cls(cache, slots, pos, *tables[0], 0, kinds[0], tables, kinds)
 
@@ -143,7 +146,12 @@ class KVCache:
 
     Shapes (how many slots to read) come from the lengths, which the host knows: the driver of the steps
     (``generate``, the server's runner) says what they will be after each step (``expect``), so a step never
-    reads the device; without it ``reserve`` reads them back (tests, benchmarks driving an engine directly)."""
+    reads the device; without it ``reserve`` reads them back (tests, benchmarks driving an engine directly).
+
+    ``rope_lengths`` [B] (host): the length each sequence's step reads its RoPE table at, where the table depends
+    on it (dynamic NTK, LongRoPE): its length once the forward's tokens are in, as transformers reads
+    max(position_ids) + 1 of that forward; the whole prompt's for every chunk of a prefill (``expect``'s
+    ``whole``), as one forward of the prompt reads it."""
 
     def __init__(self, pool: KVPool, tables: torch.Tensor, lengths: torch.Tensor):
         self.pool = pool
@@ -162,12 +170,16 @@ class KVCache:
                 (tables[0, :, 0] == torch.arange(tables.shape[1])).all())
         self.before, self.host_before = self.lengths, self.host_lengths  # before this step's tokens (``reserve``)
         self._next: torch.Tensor | None = None  # host lengths after the next step (``expect``)
+        self._whole: torch.Tensor | None = None  # host lengths once the next step's prefill is whole (``expect``)
+        self.rope_lengths = self.host_lengths
         self._index = {}  # (before?, member) -> (key positions [B, S], valid [B, S])
         self.capacity = tables.shape[2] * pool.block_tokens  # tokens each sequence's table covers
 
-    def expect(self, lengths) -> None:
-        """The sequences' lengths after the next step's tokens (host values; ``reserve`` then reads none back)."""
+    def expect(self, lengths, whole=None) -> None:
+        """The sequences' lengths after the next step's tokens (host values; ``reserve`` then reads none back), and
+        with ``whole`` their lengths once the prefill this step is a chunk of is done (``rope_lengths``)."""
         self._next = torch.as_tensor(lengths, dtype=torch.long).cpu()
+        self._whole = None if whole is None else torch.as_tensor(whole, dtype=torch.long).cpu()
 
     @property
     def nbytes(self) -> int:
@@ -190,6 +202,7 @@ class KVCache:
             raise ValueError(f"KV cache full: a sequence reaches {longest} tokens, its blocks hold {self.capacity}")
         self.before, self.host_before, self._index, self._next = self.lengths, self.host_lengths, {}, None
         self.lengths, self.host_lengths = grown, host
+        self.rope_lengths, self._whole = (host if self._whole is None else self._whole), None
         return self.slots_of(pos, valid)
 
     def slots_of(self, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -180,11 +180,13 @@ class Engine:
         """Prompts [B, S_pad] (right padded; S_pad a multiple of ``chunk``) -> logits slice at the last real tokens.
         ``host_lengths``: the prompt lengths on the host (then no step reads the device)."""
         B, S = tokens.shape
+        if host_lengths is None and S > chunk and any(spec.rope.reads_length for spec in self.cfg.layer_specs):
+            host_lengths = lengths.cpu()  # every chunk reads the whole prompt's RoPE table (``KVCache.rope_lengths``)
         last = torch.zeros(B, self.cfg.dim, dtype=self.dtype, device=self.device)
         for c0 in range(0, S, chunk):
             if host_lengths is not None:
                 with on_host():
-                    self.cache.expect(host_lengths.clamp(max=c0 + chunk))
+                    self.cache.expect(host_lengths.clamp(max=c0 + chunk), whole=host_lengths)
             pos = torch.arange(c0, c0 + chunk, device=self.device).expand(B, chunk)
             last += self.prefill_chunk(tokens[:, c0:c0 + chunk], pos, pos < lengths.unsqueeze(1), lengths)
         return self.head(self.finish_last(last))

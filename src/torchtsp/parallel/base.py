@@ -259,7 +259,7 @@ class ParallelTransformer(nn.Module):
         ``recompute_context``; selective: the scheme's MLP recomputes its hidden state). Sparse layers add their
         router statistics to ``stats``; ``documents``: the packed documents of these rows."""
         positions, seq_len = self.attention_positions(x)
-        rope_at, length = rope_positions(positions, documents), rope_length(seq_len, documents)
+        rope_at, length = rope_positions(positions, documents), rope_length(seq_len, documents, positions)
         tables = {}  # one pair of tables per RoPE spec: layers of one kind share them
         state = self.forward_state(documents)
         for spec in self.cfg.layer_specs:
@@ -379,8 +379,7 @@ class ParallelTransformer(nn.Module):
         if tokens.dim() != 2 or labels.shape != tokens.shape:
             raise ValueError(f"expected tokens and labels of one [batch, seq] shape, got {tuple(tokens.shape)} "
                              f"and {tuple(labels.shape)}")
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+        self.cfg.check_length(tokens.shape[1])
         if self.layout is not None:
             self.layout.check_batch(*tokens.shape)
         if tokens.device.type == "cpu":

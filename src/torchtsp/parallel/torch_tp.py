@@ -198,7 +198,8 @@ class TorchTPTransformer(ParallelTransformer):
         """Summed cross-entropy and target count of the global batch (``shard_batch`` is the identity)."""
         m, cfg = self.module, self.cfg
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        tables = layer_rope(rope_positions(positions, documents), cfg, rope_length(tokens.shape[1], documents))
+        tables = layer_rope(rope_positions(positions, documents), cfg, rope_length(tokens.shape[1], documents,
+                                                                                     positions))
         mask = CAUSAL if documents is None else documents.mask()  # each block adds its own window
         x = scale_embeddings(m.tok_embeddings(tokens), cfg)  # [B, S, h], or [B, S/T, h] local shard with SP
         for layer, (cos, sin) in zip(m.layers, tables):

@@ -15,7 +15,8 @@ positions through the block tables (cache.py), so a sequence computes what it wo
 Token choice is per sequence: greedy rows take the argmax; a sampling row draws its Gumbel noise from its
 own generator seeded by the request's seed (the draw ``generate`` makes for a one-prompt batch), so a
 request's tokens never depend on what else is in the batch, nor on a preemption (the generator lives with
-the sequence's state, which a preemption keeps).
+the sequence's state, which a preemption keeps; the one exception, a dynamic-NTK sequence past its trained
+context, whose recomputed K/V are one forward's: docs/inference.md).
 
 Before the choice, each rank applies a sequence's logit_bias and repetition, frequency and presence penalties to
 its own columns of the logits (penalties.py), then masks them: the ids that would end a sequence (EOS, its stop
@@ -129,9 +130,10 @@ class BatchRunner:
         result.grammar_states = [self.grammar_state(rid) for rid in plan.poll]
         return result
 
-    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int]) -> None:
+    def _attach(self, seqs: list[Sequence], tables: dict, cached: list[int], after: list[int],
+                whole: list[int] | None = None) -> None:
         """Give the engine the sequences' block tables, how many tokens each has cached and will have after the
-        step."""
+        step (and ``whole``: once their prefill is done, the length a context-dependent RoPE table reads)."""
         rows = [tables[s.request_id] for s in seqs]  # per sequence, its table in each block group
         groups = len(self.pool.groups.windows)
         short = [s.request_id for s, r, n in zip(seqs, rows, after)
@@ -144,7 +146,7 @@ class BatchRunner:
             for g, t in enumerate(r):
                 index[g, i, :len(t)] = torch.tensor(t, dtype=torch.long)
         self.engine.attach_cache(self.pool.rows(index, torch.tensor(cached, dtype=torch.long)))
-        self.engine.cache.expect(after)
+        self.engine.cache.expect(after, whole)
 
     def _compile(self, grammar: tuple[str, str]) -> concurrent.futures.Future:
         """The grammar's matcher, compiling on the compiler's threads (xgrammar lets go of the GIL meanwhile)."""
@@ -189,7 +191,7 @@ class BatchRunner:
         pos = (starts.unsqueeze(1) + torch.arange(T)).to(self.device)
         valid = (torch.arange(T) < counts.unsqueeze(1)).to(self.device)
         engine.choose_schedule(self.schedule, len(work), T)
-        self._attach(seqs, tables, starts.tolist(), (starts + counts).tolist())
+        self._attach(seqs, tables, starts.tolist(), (starts + counts).tolist(), [len(s.tokens) for s in seqs])
         echo = [i for i, (seq, start, _) in enumerate(work) if seq.request.prompt_logprobs is not None
                 and len(seq.prompt_logprobs) < len(seq.request.prompt) - 1]
         last = engine.prefill_chunk(ids.to(self.device), pos, valid, (starts + counts).to(self.device),

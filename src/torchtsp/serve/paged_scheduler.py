@@ -36,6 +36,9 @@ class ScheduledSeq:
     status: str = "waiting"  # waiting | running | preempted | finished
     use_prefix_cache: bool = True  # False: every position is computed (a request for its prompt's logprobs)
     chain: list[bytes] = field(default_factory=list)  # content addresses of its full blocks, hashed once each
+    # The length its last scheduled step's RoPE table read (a prefill chunk and a decode both read all its tokens:
+    # ``infer.cache.KVCache.rope_lengths``).
+    table_length: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -51,13 +54,15 @@ class PagedScheduler:
     """FIFO admission by free blocks, a per-step token budget and a sequence cap; preemption of the newest."""
 
     def __init__(self, blocks: KVBlockManager, max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, rebuild_at: int | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and max_num_seqs "
                              f"({max_num_seqs}) must be >= 1")
         self.blocks = blocks
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk  # tokens of one prompt per step at most (None: the budget)
+        # LongRoPE's switch (``rope.RopeSpec.switch_length``): a sequence grown past it is computed again.
+        self.rebuild_at = rebuild_at
         self.waiting: collections.deque[ScheduledSeq] = collections.deque()
         self.running: list[ScheduledSeq] = []  # in admission order: the last is the newest
         self.seqs: dict[int, ScheduledSeq] = {}
@@ -124,6 +129,9 @@ class PagedScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._past_switch(seq):
+                self._rebuild(seq)
+                continue
             # Its sliding groups' blocks that no query from here on sees go back first (the next query is at
             # num_computed), so the chunk's blocks can take their place.
             self.blocks.free_out_of_window(seq.seq_id, seq.num_computed)
@@ -150,7 +158,7 @@ class PagedScheduler:
             if self.blocks.allocate(seq.seq_id, seq.tokens, n, seq.use_prefix_cache, seq.chain) is None:
                 break  # FIFO: the head waits for blocks, nobody overtakes it (no starvation)
             self.waiting.popleft()
-            seq.num_computed, seq.status = cached, "running"
+            seq.num_computed, seq.status, seq.table_length = cached, "running", len(seq.tokens)
             self.running.append(seq)
             plan.prefill.append((seq.seq_id, cached, n))  # a (re)admitted sequence always starts as a prefill
             budget -= n
@@ -162,10 +170,24 @@ class PagedScheduler:
         return min(remaining, budget, self.max_prefill_chunk or remaining, remaining if cap is None else cap)
 
     def _add(self, plan: StepPlan, seq: ScheduledSeq, n: int) -> None:
+        seq.table_length = len(seq.tokens)
         if n == 1 and seq.num_computed == len(seq.tokens) - 1 and seq.num_generated > 0:
             plan.decode.append(seq.seq_id)
         else:
             plan.prefill.append((seq.seq_id, seq.num_computed, n))
+
+    def _past_switch(self, seq: ScheduledSeq) -> bool:
+        """Whether ``seq`` grew past LongRoPE's switch while its cache holds K/V of the table before it."""
+        return (self.rebuild_at is not None and seq.num_computed > 0
+                and seq.table_length <= self.rebuild_at < len(seq.tokens))
+
+    def _rebuild(self, seq: ScheduledSeq) -> None:
+        """Free ``seq``'s blocks and put it first in the queue, to be computed again from position 0 (its prompt and
+        generated tokens, with the table past the switch), as transformers' Phi-3 drops its cache there."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed, seq.status = 0, "waiting"
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: ScheduledSeq, plan: StepPlan) -> None:
         self.running.remove(seq)

@@ -63,9 +63,11 @@ def _check_flags(args, cfg) -> int:
         raise ValueError(f"--shutdown-grace-s must be a finite number >= 0, got {args.shutdown_grace_s}")
     if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    limit = args.max_model_len or cfg.max_seq_len
-    if not 2 <= limit <= cfg.max_seq_len:
-        raise ValueError(f"--max-model-len must be in [2, {cfg.max_seq_len}] (the model's max_seq_len), got {limit}")
+    limit, longest = args.max_model_len or cfg.max_seq_len, cfg.max_length  # None: the RoPE has no bound
+    if limit < 2 or longest is not None and limit > longest:
+        top = f"[2, {longest}] (the model's {'max_seq_len' if longest == cfg.max_seq_len else 'RoPE context'})" \
+            if longest is not None else ">= 2"
+        raise ValueError(f"--max-model-len must be in {top}, got {limit}")
     return limit
 
 

@@ -58,7 +58,8 @@ class StepPlanner:
         from .paged_scheduler import PagedScheduler
 
         self.runner, self.conn, self.max_model_len = runner, conn, max_model_len
-        self.paged = PagedScheduler(blocks, max_num_batched_tokens, max_num_seqs, prefill_chunk)
+        self.paged = PagedScheduler(blocks, max_num_batched_tokens, max_num_seqs, prefill_chunk,
+                                    rebuild_at=runner.engine.cfg.rope.switch_length)
         self.admissions: dict = {}  # request id -> Admission, queued and not yet sent to the ranks
         self.known: set[int] = set()
         self.cancelled: set[int] = set()
@@ -272,11 +273,13 @@ def pool_sizing(cfg, engine, block_size: int, budget: int) -> PoolSizing:
 
 
 def block_manager(runner, enable_prefix_caching: bool = True):
-    """Rank 0's ``blocks.KVBlockManager`` over ``runner``'s pool: its pages and its groups' windows."""
+    """Rank 0's ``blocks.KVBlockManager`` over ``runner``'s pool: its pages and its groups' windows. No prefix
+    cache for a RoPE table that reads the sequence's length (dynamic NTK, LongRoPE): a block's K/V then depend on
+    the length of the sequence that wrote it, not on its tokens alone."""
     from .blocks import KVBlockManager
 
-    return KVBlockManager(runner.pool.num_blocks, runner.block_tokens, enable_prefix_caching,
-                          runner.pool.groups.windows)
+    reuse = enable_prefix_caching and not runner.engine.cfg.rope.reads_length
+    return KVBlockManager(runner.pool.num_blocks, runner.block_tokens, reuse, runner.pool.groups.windows)
 
 
 def run_serve_rank(job: ServeJob) -> dict:

@@ -50,8 +50,7 @@ def train_single(
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
-    if seq_len > cfg.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    cfg.check_length(seq_len, "seq_len")
     if isinstance(data, torch.Tensor):
         source = TokenSource("tensor", data.numpy().astype(np.int64), "tensor")
     elif data is None:

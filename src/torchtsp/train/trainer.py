@@ -63,8 +63,8 @@ def model_config_and_weights(cfg: TrainConfig):
         vocab = preset_vocab_size(cfg, model_cfg.vocab_size)
         if vocab != model_cfg.vocab_size:
             model_cfg = model_cfg.replace(vocab_size=vocab)
-    if cfg.seq_len > model_cfg.max_seq_len:
-        model_cfg = model_cfg.replace(max_seq_len=cfg.seq_len)
+    if model_cfg.max_length is not None and cfg.seq_len > model_cfg.max_length:
+        model_cfg = model_cfg.replace(max_seq_len=cfg.seq_len)  # RoPE tables do not read it (rope.check_params)
     return model_cfg, weights
 
 
