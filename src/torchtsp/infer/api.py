@@ -147,7 +147,10 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
             tokens[i, :len(p)] = p
             tokens[i, len(p):len(p) + steps] = fed[i, :steps]
         engine.choose_schedule(schedule, len(local), chunk)
-        engine.start(len(local), tokens.shape[1], max_new_tokens - steps)
+        # The cache is made outside inference mode, as before LongRoPE's rebuilds ran this inside it: its tensors
+        # stay ordinary ones (which a fake-tensor CUDA world moves as it should: tests/fake_cuda.py).
+        with torch.inference_mode(False):
+            engine.start(len(local), tokens.shape[1], max_new_tokens - steps)
         return engine.prefill(tokens, lengths + steps, chunk, now)
 
     select = TokenSelector(engine.vocab_comm, cfg.vocab_size, engine.vocab_start, B, rows, temperature, top_k,
