@@ -265,6 +265,18 @@ MUTANTS = [
      'if r.at - start != n:',
      'if r.at - start > n:',
      ['test_serve_plan.py']),
+    ('vocab-encoding-metaspace-always-only', 'data/tokenizers.py',
+     'pre.get("prepend_scheme") in ("always", "first")',
+     'pre.get("prepend_scheme") == "always"',
+     ['test_serve_sampling.py']),
+    ('vocab-encoding-last-byte-decoder', 'data/tokenizers.py',
+     'kind = next((t for t in decoders if',
+     'kind = next((t for t in reversed(decoders) if',
+     ['test_serve_sampling.py']),
+    ('vocab-encoding-any-prepend', 'data/tokenizers.py',
+     'n["type"] == "Prepend" and n.get("prepend") == "\\u2581"',
+     'n["type"] == "Prepend"',
+     ['test_serve_sampling.py']),
 ]
 
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not multirank", "-p", "no:cacheprovider"]
