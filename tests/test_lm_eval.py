@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against a 2-rank TSP server equals lm-evaluation-harness in process.
+"""lm-evaluation-harness against a one-rank ``torchtsp serve`` equals lm-evaluation-harness in process.
 
 Two tiny tasks from local jsonl files (a multiple-choice one: loglikelihoods; a generate_until one: greedy
 generations) run through lm-eval's ``local-completions`` model (token-id prompts over HTTP, as lm-eval sends
@@ -64,7 +64,9 @@ def _served(tmp_path_factory):
     tasks = root / "tasks"
     tasks.mkdir()
     _tasks(tasks)
-    server = Server(folder, root / "server.log", "--max-model-len", str(CONTEXT), "--timeout-s", "60")
+    # One rank: lm-eval's client and the server's API are what is checked here; the 2-rank path's logprobs and
+    # greedy text over HTTP are test_serve_logprobs.py's and test_serve.py's, against transformers.
+    server = Server(folder, root / "server.log", "--max-model-len", str(CONTEXT), "--timeout-s", "60", ranks=1)
     try:
         server.wait_ready()
         yield server, folder, tasks

@@ -1,8 +1,9 @@
 """``torchtsp serve`` end to end: the official ``openai`` client against 2-rank TSP servers (real processes,
 gloo on 127.0.0.1) on a random tiny Hugging Face Llama with a BPE tokenizer trained here.
 
-Two servers start once for the module (they load in parallel): ``server`` serves every request test and
-is stopped by SIGTERM under load at the end; ``doomed`` has a rank killed. Every wait is bounded.
+Three servers start once for the module (they load in parallel): ``server`` serves every request test and
+is stopped by SIGTERM under load at the end; ``doomed`` has a rank killed; ``small`` (a small cache) queues and
+preempts, then has its fork server killed. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -50,15 +51,20 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, folder: Path, log: Path, *extra):
+    """``torchtsp serve`` of ``folder`` on ``ranks`` TSP ranks (1: one rank, for what does not depend on the
+    parallel path: the HTTP side, rank 0's scheduler, the tool parser, ... each rank is a process to start and a
+    party to every step's collectives)."""
+
+    def __init__(self, folder: Path, log: Path, *extra, ranks: int = 2):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         src = str(Path(__file__).resolve().parents[1] / "src")
         env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "TORCHTSP_DEBUG": "0"}
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchtsp", "serve", "--hf", str(folder), "--nproc", "2", "--tsp", "2",
-             "--port", str(self.port), "--served-model-name", "tiny-llama", "--max-model-len", "128", *extra],
+            [sys.executable, "-m", "torchtsp", "serve", "--hf", str(folder), "--nproc", str(ranks),
+             *(["--tsp", str(ranks)] if ranks > 1 else []), "--port", str(self.port), "--served-model-name",
+             "tiny-llama", "--max-model-len", "128", *extra],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
@@ -580,26 +586,24 @@ def test_killed_rank_fails_in_flight_requests_then_the_server_exits_non_zero(ser
     assert not [p for p in ranks if _alive(p)]
 
 
-def test_a_killed_fork_server_ends_the_server_naming_it(checkpoint, tmp_path):
+def test_a_killed_fork_server_ends_the_server_naming_it(servers):
     """The ranks' parent is the fork server, not the serving process: when the fork server is killed, the ranks
     say so (not that their launcher, alive, has gone) and the server exits non-zero within seconds with one line
-    naming the fork server, not a rank's placeholder exit code 255."""
-    folder, _ = checkpoint
-    server = Server(folder, tmp_path / "log")
-    try:
-        server.wait_ready()
-        ranks = server.ranks()
-        assert len(ranks) == 2, ranks
-        fork_server = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert fork_server != server.proc.pid
-        os.kill(fork_server, signal.SIGKILL)
-        assert server.proc.wait(STOP_S) not in (0, None)
-        log = server.log.read_text()
-        assert f"fork server the ranks were forked from (pid {fork_server}) died" in log, log[-3000:]
-        assert f"launcher (pid {server.proc.pid}) has gone" not in log and "code 255" not in log, log[-3000:]
-        assert "Traceback" not in log, log[-3000:]
-    finally:
-        server.close()
+    naming the fork server, not a rank's placeholder exit code 255. The server is ``small``, whose one test ran
+    above (each server has its own fork server: the others are not touched)."""
+    server = servers["small"]
+    assert server.proc.poll() is None, server.log.read_text()[-3000:]
+    ranks = server.ranks()
+    assert len(ranks) == 2, ranks
+    fork_server = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert fork_server != server.proc.pid
+    assert fork_server not in servers["main"].descendants()
+    os.kill(fork_server, signal.SIGKILL)
+    assert server.proc.wait(STOP_S) not in (0, None)
+    log = server.log.read_text()
+    assert f"fork server the ranks were forked from (pid {fork_server}) died" in log, log[-3000:]
+    assert f"launcher (pid {server.proc.pid}) has gone" not in log and "code 255" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
 
 
 def test_sigterm_under_load_exits_cleanly(server):

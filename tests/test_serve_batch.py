@@ -1,7 +1,7 @@
 """The serving core without HTTP: the serve scheduler's plans and continuous batching on every engine give
 each request exactly what ``generate`` gives it alone (rows joining and leaving at different steps, prompts of
-different lengths, greedy and seeded sampling side by side); the step plan's encoding; streamed text with stop
-strings."""
+different lengths, greedy and seeded sampling side by side); streamed text with stop strings (the step plan's
+encoding: test_serve_plan.py)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,7 @@ import torchtsp
 from torchtsp.config import ModelConfig
 from torchtsp.infer import generate, make_engine
 from torchtsp.serve.batch import BatchRunner
-from torchtsp.serve.plan import (
-    FIELDS,
-    GRAMMAR_KINDS,
-    Admission,
-    PlanFormatError,
-    Sampling,
-    StepPlan,
-    admission_problem,
-    decode,
-    encode,
-    field_value,
-)
+from torchtsp.serve.plan import Admission, Sampling
 from torchtsp.serve.text import TextStream
 from torchtsp.serve.worker import StepPlanner
 
@@ -160,60 +149,6 @@ def test_parallel_engines_batch_rows_of_different_lengths(pools, scheme, schedul
     for served, alone, done, left in pools(2).run(_on_ranks, scheme, schedule):
         _check(served, alone, done)
         assert done[CANCEL_IN_PREFILL] == "cancelled" and left == 0
-
-
-# A non-default value per codec (by its name): a field declared with a new codec fails here until it has one.
-_EXAMPLES = {"int": 7, "float": 0.375, "bool": True, "ints": [3, 1, 4], "optional int": 5, "optional float": 0.625,
-             "{int: float}": {5: -1.5, 100: 100.0, 0: 2.0**-30},
-             f"optional (one of {GRAMMAR_KINDS}, text)": ("ebnf", 'root ::= "é" | "ü"  # not 8-byte aligned')}
-
-
-def _every_field_set() -> Admission:
-    """An admission with every declared field away from its default (iterating the declaration: a field added to
-    it is covered here without touching this test)."""
-    a = Admission(0, [1], 1)
-    for f in FIELDS:
-        value = copy.deepcopy(_EXAMPLES[f.codec.name])
-        assert value != field_value(a, f.path), f"{f.path}: the example equals the default, so it proves nothing"
-        owner, _, name = f.path.rpartition(".")
-        setattr(a.sampling if owner else a, name, value)
-    return a
-
-
-def test_plan_round_trip_covers_every_declared_field():
-    a = _every_field_set()
-    assert admission_problem(a, 101, 48) is None  # the examples are valid requests too
-    plan = StepPlan(7, [a, Admission(4, [1], 1, Sampling())], cancel=[1, 2], prefill=[(3, 0, 3), (9, 16, 5)],
-                    decode=[4, 8], tables={3: [[7]], 9: [[0, 5, 2, 11, 6], [0, 0, 3, 4, 1]], 4: [[1], [2]], 8: [[]]},
-                    preempted=[12], poll=[13, 21])
-    again = decode(*encode(plan))
-    assert again == plan
-    for f in FIELDS:  # each field itself (== on the dataclass would not say which one was lost)
-        assert field_value(again.admit[0], f.path) == field_value(a, f.path), f.path
-    assert decode(*encode(StepPlan(8, stop=True))) == StepPlan(8, stop=True)
-
-
-def test_a_plan_whose_length_or_format_disagrees_fails_loudly():
-    header, payload = encode(StepPlan(3, [_every_field_set()], decode=[0], tables={0: [[2, 3]]}))
-    with pytest.raises(PlanFormatError, match="header says"):
-        decode(header, payload[:-1])  # the payload is shorter than the header announces
-    short = header.clone()
-    short[-1] -= 1
-    with pytest.raises(PlanFormatError, match="step plan"):
-        decode(short, payload[:-1])  # header and payload agree, but the fields need one word more
-    long = header.clone()
-    long[-1] += 1
-    with pytest.raises(PlanFormatError, match="took"):
-        decode(long, torch.cat([payload, payload[:1]]))  # a word nobody reads
-    shifted = payload.clone()
-    shifted[0] += 1  # the admission announces one word more than its fields take
-    with pytest.raises(PlanFormatError, match="announces"):
-        decode(header, shifted)
-    for i, name in ((1, "format"), (2, "layout")):
-        other = header.clone()
-        other[i] += 1
-        with pytest.raises(PlanFormatError, match=name):
-            decode(other, payload)
 
 
 def test_text_stream_holds_back_stop_strings():

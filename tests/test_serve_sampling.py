@@ -2,7 +2,8 @@
 one 2-rank TSP server (started once for the module) on a random tiny Hugging Face Llama, checked against
 transformers (min_tokens), single requests (n), and the requested format itself (json, the schema by hand, the
 regex with ``re``); plus fast unit tests of the bitmask on one rank's vocabulary slice against xgrammar's own
-``apply_token_bitmask_inplace`` on the full logits, and of the step plan's encoding."""
+``apply_token_bitmask_inplace`` on the full logits, of the vocabulary's encoding read from tokenizer.json against
+xgrammar's own detection, and of the step plan's encoding."""
 
 from __future__ import annotations
 
@@ -72,6 +73,89 @@ def test_the_step_plan_carries_min_tokens_and_the_grammar():
     b = Admission(4, [5], 2)
     plan = decode(*encode(StepPlan(7, admit=[a, b], cancel=[1])))
     assert plan.admit == [a, b] and plan.cancel == [1]
+
+
+def _tokenizer_kinds():
+    """tokenizer.json files of each kind the tokenizers library writes, built here (nothing is downloaded): (name,
+    tokenizer, the VocabEncoding the file means, as the library defines its components)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    from torchtsp.data.tokenizers import VocabEncoding
+
+    pieces = {"<unk>": 0, "<0x0A>": 1, "\u2581the": 2, "\u2581cat": 3, "t": 4, "h": 5, "e": 6}
+
+    def build(model, normalizer=None, pre=None, decoder=None):
+        t = Tokenizer(model)
+        for attr, value in (("normalizer", normalizer), ("pre_tokenizer", pre), ("decoder", decoder)):
+            if value is not None:
+                setattr(t, attr, value)
+        return t
+
+    def bpe(**kw):
+        return models.BPE(vocab=dict(pieces), merges=[], unk_token="<unk>", **kw)
+
+    llama2_decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                        decoders.Strip(" ", 1, 0)])
+    gpt2 = build(models.BPE(vocab={"a": 0, "b": 1, "\u0120a": 2}, merges=[]),
+                 pre=pre_tokenizers.ByteLevel(add_prefix_space=False), decoder=decoders.ByteLevel())
+    llama3 = build(models.BPE(vocab={"a": 0, "b": 1}, merges=[]),
+                   pre=pre_tokenizers.Sequence([pre_tokenizers.Split(r"\s+|\w+", "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                   decoder=decoders.ByteLevel())
+    llama2 = build(bpe(byte_fallback=True), decoder=llama2_decoder,
+                   normalizer=normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]))
+    mistral = build(bpe(byte_fallback=True), pre=pre_tokenizers.Metaspace("\u2581", prepend_scheme="first"),
+                    decoder=llama2_decoder)
+    return [
+        ("gpt2 byte-level", gpt2, VocabEncoding("byte_level", False)),
+        ("llama3 byte-level", llama3, VocabEncoding("byte_level", False)),
+        ("llama2 byte fallback, Prepend normalizer", llama2, VocabEncoding("byte_fallback", True)),
+        ("mistral byte fallback, Metaspace first", mistral, VocabEncoding("byte_fallback", True)),
+        ("sentencepiece Metaspace always, no byte fallback",
+         build(bpe(), pre=pre_tokenizers.Metaspace("\u2581", prepend_scheme="always"), decoder=decoders.Metaspace()),
+         VocabEncoding("raw", True)),
+        ("Metaspace never", build(bpe(), pre=pre_tokenizers.Metaspace("\u2581", prepend_scheme="never"),
+                                  decoder=decoders.Metaspace()), VocabEncoding("raw", False)),
+        ("byte fallback without a prefix space", build(bpe(byte_fallback=True), decoder=llama2_decoder),
+         VocabEncoding("byte_fallback", False)),
+        ("a Prepend of another text", build(bpe(), normalizer=normalizers.Prepend("_"), decoder=llama2_decoder),
+         VocabEncoding("byte_fallback", False)),
+        ("raw word pieces", build(models.WordPiece({"[UNK]": 0, "the": 1, "##s": 2}, unk_token="[UNK]"),
+                                  pre=pre_tokenizers.Whitespace(), decoder=decoders.WordPiece()),
+         VocabEncoding("raw", False)),
+        ("raw, no decoder", build(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]")),
+         VocabEncoding("raw", False)),
+        ("the first byte decoder of a sequence counts",
+         build(bpe(byte_fallback=True), decoder=decoders.Sequence([decoders.ByteFallback(), decoders.ByteLevel()])),
+         VocabEncoding("byte_fallback", False)),
+    ]
+
+
+@pytest.mark.parametrize("name,tokenizer,meant", _tokenizer_kinds(), ids=[k[0] for k in _tokenizer_kinds()])
+def test_the_vocabulary_encoding_is_what_xgrammar_detects_in_the_same_file(tmp_path, name, tokenizer, meant):
+    """data/tokenizers.py's reader of a tokenizer.json against xgrammar's own detection (its private helper,
+    called here only, as the independent reference), and what the components mean; then the TokenizerInfo the
+    ranks build from an HFTokenizer of that file carries it."""
+    from torchtsp.data.tokenizers import HFTokenizer
+
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    served = HFTokenizer(tmp_path)
+    reference = xgr.TokenizerInfo._detect_metadata_from_hf(served.tokenizer.to_str())
+    got = served.vocab_encoding()
+    assert got == meant
+    assert (got.kind, got.add_prefix_space) == (reference["vocab_type"].name.lower(), reference["add_prefix_space"])
+    info = structured.tokenizer_info(served, served.vocab_size, None)
+    assert (info.vocab_type, info.add_prefix_space) == (reference["vocab_type"], reference["add_prefix_space"])
+
+
+def test_the_byte_tokenizer_files_read_as_byte_level(tmp_path):
+    from torchtsp.data.tokenizers import HFTokenizer, VocabEncoding, write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    served = HFTokenizer(tmp_path)
+    assert served.vocab_encoding() == VocabEncoding("byte_level", False)
+    reference = xgr.TokenizerInfo._detect_metadata_from_hf(served.tokenizer.to_str())
+    assert (reference["vocab_type"], reference["add_prefix_space"]) == (xgr.VocabType.BYTE_LEVEL, False)
 
 
 def _refusal(raw: dict) -> APIError:

@@ -1,4 +1,4 @@
-"""Tool calling over real HTTP with the official ``openai`` client, on one 2-rank TSP server (started once for the
+"""Tool calling over real HTTP with the official ``openai`` client, on a one-rank server (started once for the
 module, ``--tool-call-parser hermes``) serving a random tiny Hugging Face Llama whose chat template is a Hermes /
 Qwen-style tool-calling template: the rendered prompt equals transformers' ``apply_chat_template`` with the same
 tools and messages; ``required`` and named choices always give a call that parses (streamed and not, several
@@ -50,8 +50,10 @@ def served(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tools") / "tiny-llama"
     tiny_hf_llama(folder, chat_template=TEMPLATE, max_position_embeddings=1024)
+    # One rank: what is checked is the HTTP side's (template, parser, the forced call's grammar); structured output
+    # on each rank's vocabulary slice is test_serve_sampling.py's, on 2 ranks.
     server = Server(folder, tmp_path_factory.mktemp("logs") / "tools.log", "--api-key", KEY, "--max-model-len",
-                    "1024", "--tool-call-parser", "hermes")
+                    "1024", "--tool-call-parser", "hermes", ranks=1)
     try:
         server.wait_ready()
         yield folder, server, openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)

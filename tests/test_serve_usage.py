@@ -1,7 +1,8 @@
-"""``usage.prompt_tokens_details.cached_tokens`` over real HTTP with the official ``openai`` client, on a 2-rank TSP
-server serving a random tiny Hugging Face Llama, with prefix caching on and off: the prompt's tokens the prefix
-cache held when rank 0 first scheduled the request (0 the first time a prompt is seen; whole blocks of it the second
-time), in completions and chat, whole and streamed (``stream_options.include_usage``)."""
+"""``usage.prompt_tokens_details.cached_tokens`` over real HTTP with the official ``openai`` client, on one-rank
+servers of a random tiny Hugging Face Llama with prefix caching on and off (both started once for the module):
+the prompt's tokens the prefix cache held when rank 0 first scheduled the request (0 the first time a prompt is
+seen; whole blocks of it the second time), in completions and chat, whole and streamed
+(``stream_options.include_usage``)."""
 
 from __future__ import annotations
 
@@ -18,21 +19,33 @@ BLOCK_SIZE = 16  # the server's --block-size: a cached prefix is whole blocks of
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-prefix-caching"])
-def served(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One server with prefix caching and one without, started together (they load in parallel). One rank each:
+    what is counted is rank 0's scheduler's (the prefix cache's hit when it first scheduled the request)."""
     from helpers import tiny_hf_llama
     from test_serve import KEY, Server
 
     folder = tmp_path_factory.mktemp("usage") / "tiny-llama"
     tiny_hf_llama(folder, chat_template=TEMPLATE, max_position_embeddings=512)
-    caching = "--enable-prefix-caching" if request.param else "--no-enable-prefix-caching"
-    server = Server(folder, tmp_path_factory.mktemp("logs") / "usage.log", "--api-key", KEY, "--max-model-len",
-                    "512", "--block-size", str(BLOCK_SIZE), caching)
+    logs = tmp_path_factory.mktemp("logs")
+    started = {caching: Server(folder, logs / f"usage-{caching}.log", "--api-key", KEY, "--max-model-len", "512",
+                               "--block-size", str(BLOCK_SIZE),
+                               "--enable-prefix-caching" if caching else "--no-enable-prefix-caching", ranks=1)
+               for caching in (True, False)}
     try:
-        server.wait_ready()
-        yield request.param, openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        for server in started.values():
+            server.wait_ready()
+        yield {caching: openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+               for caching, server in started.items()}
     finally:
-        server.close()
+        for server in started.values():
+            server.close()
+
+
+@pytest.fixture(params=[True, False], ids=["prefix-caching", "no-prefix-caching"])
+def served(request, servers):
+    return request.param, servers[request.param]
 
 
 def _long_text() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import hub_blobs
@@ -21,6 +22,44 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # The named special tokens transformers passes to a chat template (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 BYTE_FINGERPRINT = "byte"  # the byte tokenizer has no file: its name stands for its fingerprint
+
+
+@dataclass(frozen=True)
+class VocabEncoding:
+    """How a tokenizer's vocabulary spells text, which a constrained decoder (xgrammar) needs to read each token as
+    the bytes it stands for. ``kind``: "byte_level" (GPT-2's byte-to-character map: GPT-2, Llama 3, Qwen),
+    "byte_fallback" (SentencePiece pieces, ``▁`` for a space and ``<0xNN>`` for a byte outside the pieces:
+    Llama 2, Mistral) or "raw" (a token is its text); ``add_prefix_space``: the tokenizer prepends ``▁`` to the
+    text it encodes (a SentencePiece-style Llama 2)."""
+
+    kind: str
+    add_prefix_space: bool
+
+
+def _components(section, many: str) -> list[dict]:
+    """A tokenizer.json section (decoder, normalizer) as its list of components: a ``Sequence`` lists them under
+    ``many``; any other type is one. Whatever is not an object with a type is skipped."""
+    if not isinstance(section, dict):
+        return []
+    parts = section.get(many) if section.get("type") == "Sequence" else [section]
+    return [p for p in parts if isinstance(p, dict) and isinstance(p.get("type"), str)] if isinstance(parts, list) \
+        else []
+
+
+def read_vocab_encoding(spec: dict) -> VocabEncoding:
+    """A tokenizer.json's (the ``tokenizers`` library's serialization, as a dict) VocabEncoding, read as xgrammar
+    reads it from the same file: the first ByteLevel or ByteFallback component of the ``decoder`` names the kind
+    (neither: raw, as with no decoder at all); a space is prepended when the ``normalizer`` has a ``Prepend`` of
+    ``▁`` or the ``pre_tokenizer`` is a ``Metaspace`` whose ``prepend_scheme`` is "always" or "first"."""
+    decoders = [d["type"] for d in _components(spec.get("decoder"), "decoders")]
+    kind = next((t for t in decoders if t in ("ByteLevel", "ByteFallback")), None)
+    prepend = any(n["type"] == "Prepend" and n.get("prepend") == "\u2581"
+                  for n in _components(spec.get("normalizer"), "normalizers"))
+    pre = spec.get("pre_tokenizer")
+    metaspace = isinstance(pre, dict) and pre.get("type") == "Metaspace" and \
+        pre.get("prepend_scheme") in ("always", "first")
+    return VocabEncoding({"ByteLevel": "byte_level", "ByteFallback": "byte_fallback"}.get(kind, "raw"),
+                         prepend or metaspace)
 
 
 class ByteTokenizer:
@@ -163,6 +202,10 @@ class HFTokenizer:
         named_eos = self._token_id(config.get("eos_token"))
         self.eos_id = named_eos if named_eos is not None else eos_id
         self.name = str(path)
+
+    def vocab_encoding(self) -> VocabEncoding:
+        """How this tokenizer's vocabulary spells text (``read_vocab_encoding`` of its tokenizer.json)."""
+        return read_vocab_encoding(json.loads(self.tokenizer.to_str()))
 
     def _token_id(self, value) -> int | None:
         text = _token_text(value)

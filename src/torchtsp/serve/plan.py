@@ -7,12 +7,24 @@ ranks stay in lockstep even when it says "nothing to do"), then one payload tens
 length. Floats travel as their IEEE-754 bits, so every rank sees exactly the sampling values the HTTP process
 checked.
 
-Every field of a request that joins (``Admission`` and its ``Sampling``) is declared once, in ``FIELDS``: its
-name, how it travels (a codec: int, float bits, optional, list of ints, text, ...) and the bound a value must
-keep; encoding, decoding and rank 0's check are all derived from that list, so a field cannot be written on
-one side and read differently on the other. A field of the dataclasses missing from the list stops the import.
-The header names the format (a version, and a checksum of the declared layout), and every length is checked:
-a payload that ends early, runs long or disagrees with the header fails loudly instead of being mis-read.
+Every field is declared once: those of a request that joins (``Admission`` and its ``Sampling``) in
+``FIELDS``, those of the step (``StepPlan``) in ``PLAN``. A declaration names the field, how it travels (a
+codec: int, bool, float bits, optional, list, text, an admission, ...) and the bound a value must keep;
+encoding, decoding and the checks are all derived from the two lists, so a field cannot be written on one
+side and read differently on the other. A field of the dataclasses missing from its list stops the import.
+
+The bytes, as the declarations make them (``HEADER`` words, then the payload):
+
+- header: magic, format version, layout checksum (of both declarations: names and codecs), the step's header
+  fields (``PLAN``'s ``header=True`` ones, one word each: step, stop), the payload's length in words;
+- payload: the other ``PLAN`` fields in order. A list is its item count, then each item; a dict its entry
+  count, then key and value per entry; an optional value a 0 (None) or a 1 and the value; a text its UTF-8
+  byte count, then the bytes 8 to a word; an admission its word count, then ``FIELDS`` in order.
+
+Every length is checked (a count larger than the words left, an admission whose fields take other than its
+count, a payload that ends early or runs long, a flag other than 0 or 1) and the decoded plan is checked
+against the same bounds rank 0's plan passed: a corrupt or truncated payload fails loudly instead of being
+mis-read.
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-HEADER = 8  # magic, format version, layout checksum, step, stop, cancels, admissions, payload length (last)
 MAGIC = 0x7E5A
-# 2: fields declared once, each admission length-prefixed, penalties; 3: grammar polls; 4: a block table per group
-FORMAT_VERSION = 4
+# 2: fields declared once, each admission length-prefixed, penalties; 3: grammar polls; 4: a block table per group;
+# 5: the step's fields declared once too (PLAN): counts in the payload, block tables keyed by request, strict flags
+FORMAT_VERSION = 5
+PREAMBLE = 3  # the header's first words: magic, format version, layout checksum (its last word: the payload's length)
 MAX_LOGPROBS = 20  # top alternatives per token at most (vLLM's limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request: each is applied on every rank at every step
 MAX_PENALTY = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's range)
@@ -157,17 +170,27 @@ def _is_number(v) -> bool:
 @dataclass(frozen=True)
 class Codec:
     """How one kind of value travels: ``put`` (value -> words), ``get`` (reader -> value), ``accepts`` (whether a
-    value is of the kind: a wrong type is refused by rank 0's check, never packed as something else)."""
+    value is of the kind: a wrong type is refused by rank 0's check, never packed as something else), ``width``
+    (the words every value takes, where that is fixed: a header field's codec must have one)."""
 
     name: str
     put: Callable[[object], list[int]]
     get: Callable[[_Reader], object]
     accepts: Callable[[object], bool]
+    width: int | None = None
 
 
-INT = Codec("int", lambda v: [v], lambda r: r.one(), _is_int)
-BOOL = Codec("bool", lambda v: [int(v)], lambda r: bool(r.one()), lambda v: isinstance(v, bool))
-FLOAT = Codec("float", lambda v: [_float_bits(v)], lambda r: _bits_float(r.one()), _is_number)
+def _flag(r: _Reader) -> bool:
+    """A 0 or a 1: any other word is a payload read at the wrong place, not a true."""
+    v = r.one()
+    if v not in (0, 1):
+        raise PlanFormatError(f"a flag in the step plan is {v}, not 0 or 1; the ranks disagree on its format")
+    return bool(v)
+
+
+INT = Codec("int", lambda v: [v], lambda r: r.one(), _is_int, width=1)
+BOOL = Codec("bool", lambda v: [int(v)], _flag, lambda v: isinstance(v, bool), width=1)
+FLOAT = Codec("float", lambda v: [_float_bits(v)], lambda r: _bits_float(r.one()), _is_number, width=1)
 
 
 def _text_words(text: str) -> list[int]:
@@ -180,22 +203,34 @@ def _text_words(text: str) -> list[int]:
 
 def _words_text(r: _Reader) -> str:
     n = r.count(per_word=8)
-    words = r.take(-(-n // 8))
+    data = b"".join(struct.pack("<q", w) for w in r.take(-(-n // 8)))
+    if any(data[n:]):
+        raise PlanFormatError("a text in the step plan has bytes past its length; the ranks disagree on its format")
     try:
-        return b"".join(struct.pack("<q", w) for w in words)[:n].decode("utf-8")
+        return data[:n].decode("utf-8")
     except UnicodeDecodeError as e:
         raise PlanFormatError(f"a text in the step plan is not UTF-8 ({e}); the ranks disagree on its format") from None
 
 
 TEXT = Codec("text", _text_words, _words_text, lambda v: isinstance(v, str))
-INTS = Codec("ints", lambda v: [len(v), *v], lambda r: r.take(r.count()),
-             lambda v: isinstance(v, list) and all(map(_is_int, v)))
+
+
+def listof(c: Codec) -> Codec:
+    """A list as its item count, then each item's words (a list of ints is read in one slice: prompts are long)."""
+    def get(r: _Reader) -> list:
+        return r.take(r.count()) if c is INT else [c.get(r) for _ in range(r.count())]
+
+    return Codec(f"[{c.name}]", lambda v: [len(v), *(w for x in v for w in c.put(x))], get,
+                 lambda v: isinstance(v, list) and all(map(c.accepts, v)))
+
+
+INTS = listof(INT)
 
 
 def optional(c: Codec) -> Codec:
     """None travels as [0], a value as [1, its words]."""
     return Codec(f"optional {c.name}", lambda v: [0] if v is None else [1, *c.put(v)],
-                 lambda r: c.get(r) if r.one() else None, lambda v: v is None or c.accepts(v))
+                 lambda r: c.get(r) if _flag(r) else None, lambda v: v is None or c.accepts(v))
 
 
 def choice(options: tuple[str, ...]) -> Codec:
@@ -206,20 +241,31 @@ def choice(options: tuple[str, ...]) -> Codec:
             raise PlanFormatError(f"choice {i} of {options} in the step plan; the ranks disagree on its format")
         return options[i]
 
-    return Codec(f"one of {options}", lambda v: [options.index(v)], get, lambda v: v in options)
+    return Codec(f"one of {options}", lambda v: [options.index(v)], get, lambda v: v in options, width=1)
 
 
-def pair(a: Codec, b: Codec) -> Codec:
-    return Codec(f"({a.name}, {b.name})", lambda v: [*a.put(v[0]), *b.put(v[1])], lambda r: (a.get(r), b.get(r)),
-                 lambda v: isinstance(v, tuple) and len(v) == 2 and a.accepts(v[0]) and b.accepts(v[1]))
+def tuple_of(*cs: Codec) -> Codec:
+    """A tuple of fixed length, each item with its own codec, one after the other."""
+    widths = [c.width for c in cs]
+    return Codec(f"({', '.join(c.name for c in cs)})", lambda v: [w for c, x in zip(cs, v) for w in c.put(x)],
+                 lambda r: tuple(c.get(r) for c in cs),
+                 lambda v: isinstance(v, tuple) and len(v) == len(cs) and all(c.accepts(x) for c, x in zip(cs, v)),
+                 width=None if None in widths else sum(widths))
 
 
 def mapping(k: Codec, v: Codec) -> Codec:
     """A dict as its entry count, then key and value words per entry (in the dict's order)."""
-    def get(r: _Reader) -> dict:
-        return dict(pair(k, v).get(r) for _ in range(r.count()))
+    entry = tuple_of(k, v)
 
-    return Codec(f"{{{k.name}: {v.name}}}", lambda d: [len(d), *(w for kv in d.items() for w in pair(k, v).put(kv))],
+    def get(r: _Reader) -> dict:
+        n = r.count()
+        d = dict(entry.get(r) for _ in range(n))
+        if len(d) != n:
+            raise PlanFormatError(f"a dict in the step plan repeats a key ({n} entries, {len(d)} keys); the ranks "
+                                  f"disagree on its format")
+        return d
+
+    return Codec(f"{{{k.name}: {v.name}}}", lambda d: [len(d), *(w for kv in d.items() for w in entry.put(kv))],
                  get, lambda d: isinstance(d, dict) and all(k.accepts(x) and v.accepts(y) for x, y in d.items()))
 
 
@@ -234,8 +280,9 @@ class Limits:
     max_model_len: int
 
 
-# A bound: (field name, value, the whole admission, limits) -> why the value is refused, or None.
-Bound = Callable[[str, object, Admission, Limits], "str | None"]
+# A bound: (field name, value, the whole it belongs to, limits) -> why the value is refused, or None. The whole is
+# the Admission (with the model's Limits) for a FIELDS entry, the StepPlan (limits None) for a PLAN entry.
+Bound = Callable[[str, object, object, "Limits | None"], "str | None"]
 
 
 def _range(lo: float, hi: float, low_open: bool = False) -> Bound:
@@ -291,16 +338,18 @@ def _any(name, v, a, lim):
 
 @dataclass(frozen=True)
 class Wire:
-    """One field of an admission: its path (``sampling.top_p`` for a ``Sampling`` field), codec and bound."""
+    """One declared field: its path (``sampling.top_p`` for a ``Sampling`` field of an admission), codec and bound;
+    ``header``: a step field that travels in the fixed-size header (a codec of fixed width), not the payload."""
 
     path: str
     codec: Codec
-    bound: Bound
+    bound: Bound = _any
+    header: bool = False
 
 
 # The admission's fields in the order they travel. Add a field here and to its dataclass; nothing else.
 FIELDS = (
-    Wire("request_id", INT, _any),
+    Wire("request_id", INT),
     Wire("prompt", INTS, _prompt),
     Wire("max_tokens", INT, _max_tokens),
     Wire("sampling.temperature", FLOAT, _range(0.0, math.inf)),
@@ -313,27 +362,12 @@ FIELDS = (
     Wire("sampling.repetition_penalty", FLOAT, _range(*REPETITION_PENALTY_RANGE)),
     Wire("sampling.logit_bias", mapping(INT, FLOAT), _logit_bias),
     Wire("stop_token_ids", INTS, _in_vocab),
-    Wire("ignore_eos", BOOL, _any),
+    Wire("ignore_eos", BOOL),
     Wire("min_tokens", INT, _min_tokens),
-    Wire("grammar", optional(pair(choice(GRAMMAR_KINDS), TEXT)), _grammar),
+    Wire("grammar", optional(tuple_of(choice(GRAMMAR_KINDS), TEXT)), _grammar),
     Wire("logprobs", optional(INT), _range(0, MAX_LOGPROBS)),
     Wire("prompt_logprobs", optional(INT), _range(0, MAX_LOGPROBS)),
 )
-
-
-def _declared() -> None:
-    """Every field of Admission and Sampling is in FIELDS, once (checked at import: a missing one would not
-    travel)."""
-    fields = [f.name for f in dataclasses.fields(Admission) if f.name != "sampling"]
-    fields += [f"sampling.{f.name}" for f in dataclasses.fields(Sampling)]
-    paths = [w.path for w in FIELDS]
-    if sorted(paths) != sorted(fields):
-        raise RuntimeError(f"plan.FIELDS does not declare each field of Admission and Sampling once: missing "
-                           f"{sorted(set(fields) - set(paths))}, extra {sorted(set(paths) - set(fields))}")
-
-
-_declared()
-LAYOUT = zlib.crc32(";".join(f"{w.path}:{w.codec.name}" for w in FIELDS).encode()) & 0x7FFFFFFF
 
 
 def field_value(a: Admission, path: str):
@@ -358,6 +392,75 @@ def _read_admission(r: _Reader) -> Admission:
     return Admission(sampling=sampling, **{p: v for p, v in values.items() if not p.startswith("sampling.")})
 
 
+# An admission inside a plan: its values are checked by admission_problem (rank 0, against the model's limits)
+# before it is planned, so the plan's own check asks only that it is one.
+ADMISSION = Codec("admission", _admission_words, _read_admission, lambda v: isinstance(v, Admission))
+
+
+def _work(plan: StepPlan) -> list[int]:
+    """The requests with work this step, in the order they run: prefill chunks, then decodes."""
+    return [*(rid for rid, _, _ in plan.prefill), *plan.decode]
+
+
+def _chunks(name, chunks, plan, lim):
+    bad = next(((rid, first, n) for rid, first, n in chunks if first < 0 or n < 1), None)
+    return None if bad is None else f"{name}: chunk {bad} is not (request, first position >= 0, tokens >= 1)"
+
+
+def _once(name, ids, plan, lim):
+    work = _work(plan)
+    return None if len(set(work)) == len(work) else f"{name}: a request has more than one chunk or decode: {work}"
+
+
+def _tables(name, tables, plan, lim):
+    """A table for each request with work and for no other, every one of them with as many groups (the model's),
+    block ids >= 0 (NULL_BLOCK, 0, stands for a block that left a sliding window)."""
+    if sorted(tables) != sorted(_work(plan)):
+        return f"{name} are for requests {sorted(tables)}, the step's work is for {sorted(_work(plan))}"
+    if len({len(groups) for groups in tables.values()}) > 1 or any(not groups for groups in tables.values()):
+        return f"{name}: the requests have different, or no, block groups: {[len(g) for g in tables.values()]}"
+    bad = next((rid for rid, groups in tables.items() if any(b < 0 for table in groups for b in table)), None)
+    return None if bad is None else f"{name}: request {bad}'s table has a negative block id"
+
+
+# The step's fields in the order they travel (the header's first). Add a field here and to StepPlan; nothing else.
+PLAN = (
+    Wire("step", INT, _range(0, INT64[1]), header=True),
+    Wire("stop", BOOL, header=True),
+    Wire("cancel", INTS),
+    Wire("admit", listof(ADMISSION)),
+    Wire("prefill", listof(tuple_of(INT, INT, INT)), _chunks),
+    Wire("decode", INTS, _once),
+    Wire("tables", mapping(INT, listof(INTS)), _tables),
+    Wire("preempted", INTS),
+    Wire("poll", INTS),
+)
+HEADER_FIELDS = tuple(w for w in PLAN if w.header)
+PAYLOAD_FIELDS = tuple(w for w in PLAN if not w.header)
+
+
+def _declared() -> None:
+    """Every field of Admission and Sampling is in FIELDS, every field of StepPlan in PLAN, once each, and the
+    header's fields have fixed widths (checked at import: a missing field would not travel)."""
+    for declared, fields in (
+            (FIELDS, [f.name for f in dataclasses.fields(Admission) if f.name != "sampling"]
+             + [f"sampling.{f.name}" for f in dataclasses.fields(Sampling)]),
+            (PLAN, [f.name for f in dataclasses.fields(StepPlan)])):
+        paths = [w.path for w in declared]
+        if sorted(paths) != sorted(fields):
+            raise RuntimeError(f"plan.{'FIELDS' if declared is FIELDS else 'PLAN'} does not declare each field once: "
+                               f"missing {sorted(set(fields) - set(paths))}, extra {sorted(set(paths) - set(fields))}")
+    wide = [w.path for w in HEADER_FIELDS if w.codec.width is None]
+    if wide or [w.header for w in PLAN] != sorted((w.header for w in PLAN), reverse=True):
+        raise RuntimeError(f"plan.PLAN: header fields come first and have fixed widths ({wide} do not)")
+
+
+_declared()
+HEADER = PREAMBLE + sum(w.codec.width for w in HEADER_FIELDS) + 1
+LAYOUT = zlib.crc32(";".join(f"{w.path}:{w.codec.name}" + ":header" * w.header
+                             for w in (*FIELDS, *PLAN)).encode()) & 0x7FFFFFFF
+
+
 def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str | None:
     """Why a request would break the step plan or a rank's step (None: it would not). The HTTP side refuses
     all of these first; rank 0 checks again before planning, so that a request that slipped through fails
@@ -377,31 +480,44 @@ def admission_problem(a: Admission, vocab_size: int, max_model_len: int) -> str 
     return None
 
 
+def plan_problem(plan: StepPlan) -> str | None:
+    """Why ``plan`` is not a step plan the ranks can run (None: it is): a field of the wrong kind, or outside
+    its bound. Rank 0's plan is checked before it is sent, and every decoded plan again."""
+    if not isinstance(plan, StepPlan):
+        return f"not a step plan: {type(plan).__name__}"
+    wrong = next((f for f in PLAN if not f.codec.accepts(getattr(plan, f.path))), None)
+    if wrong is not None:
+        return f"{wrong.path} {getattr(plan, wrong.path)!r:.60} is not {wrong.codec.name}"
+    return next((problem for f in PLAN if (problem := f.bound(f.path, getattr(plan, f.path), plan, None))), None)
+
+
 # ---------------------------------------------------------------- the plan
 
 
 def encode(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header [HEADER], payload [n]) int64 tensors of a plan."""
-    payload = list(plan.cancel)
-    for a in plan.admit:
-        payload += _admission_words(a)
-    payload += [len(plan.prefill), *[v for work in plan.prefill for v in work], len(plan.decode), *plan.decode,
-                len(plan.preempted), *plan.preempted, len(plan.poll), *plan.poll]
-    for rid in [*(r for r, _, _ in plan.prefill), *plan.decode]:
-        payload += [len(plan.tables[rid]), *(w for table in plan.tables[rid] for w in (len(table), *table))]
-    header = [MAGIC, FORMAT_VERSION, LAYOUT, plan.step, int(plan.stop), len(plan.cancel), len(plan.admit),
+    """(header [HEADER], payload [n]) int64 tensors of a plan; ValueError (rank 0's scheduler is wrong) for a plan
+    that ``plan_problem`` refuses or whose values do not fit int64."""
+    problem = plan_problem(plan)
+    if problem is not None:
+        raise ValueError(f"rank 0 planned a step the ranks cannot run ({problem}); this is a bug in torchtsp")
+    payload = [w for f in PAYLOAD_FIELDS for w in f.codec.put(getattr(plan, f.path))]
+    header = [MAGIC, FORMAT_VERSION, LAYOUT, *(w for f in HEADER_FIELDS for w in f.codec.put(getattr(plan, f.path))),
               len(payload)]
-    return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
+    try:
+        return torch.tensor(header, dtype=torch.long), torch.tensor(payload, dtype=torch.long)
+    except (RuntimeError, ValueError) as e:  # torch's "Overflow when unpacking long"
+        raise ValueError(f"a value of step plan {plan.step} does not fit a signed 64-bit integer ({e})") from None
 
 
 def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
-    """The plan ``encode`` wrote; PlanFormatError if the header is not this format's or the payload's length
-    disagrees with it (anywhere: each admission's and list's length is checked, and the payload must end where
-    its last list does)."""
+    """The plan ``encode`` wrote; PlanFormatError if the header is not this format's, if a length disagrees
+    (anywhere: each admission's and list's length is checked, and the payload must end where its last field
+    does) or if the plan read is not one rank 0 could have sent (``plan_problem``)."""
     if header.numel() != HEADER:
         raise PlanFormatError(f"the step plan's header has {header.numel()} words, not {HEADER}; the ranks run "
                               f"different versions of torchtsp")
-    magic, version, layout, step, stop, cancels, admissions, length = header.tolist()
+    words = header.tolist()
+    (magic, version, layout), length = words[:PREAMBLE], words[-1]
     if magic != MAGIC:
         raise PlanFormatError(f"step plan header is corrupt (magic {magic:#x}); the ranks are out of step")
     if (version, layout) != (FORMAT_VERSION, LAYOUT):
@@ -409,18 +525,18 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
                               f"{FORMAT_VERSION} (layout {LAYOUT:#x}); the ranks run different versions of torchtsp")
     if payload.numel() != length:
         raise PlanFormatError(f"the step plan's payload has {payload.numel()} words, its header says {length}")
+    head = _Reader(words[PREAMBLE:-1])
+    values = {f.path: f.codec.get(head) for f in HEADER_FIELDS}
     r = _Reader(payload.tolist())
-    plan = StepPlan(step=step, stop=bool(stop), cancel=r.take(cancels))
-    plan.admit = [_read_admission(r) for _ in range(admissions)]
-    plan.prefill = [tuple(r.take(3)) for _ in range(r.count())]
-    plan.decode = r.take(r.count())
-    plan.preempted = r.take(r.count())
-    plan.poll = r.take(r.count())
-    for rid in [*(rid for rid, _, _ in plan.prefill), *plan.decode]:
-        plan.tables[rid] = [r.take(r.count()) for _ in range(r.count())]
+    values.update({f.path: f.codec.get(r) for f in PAYLOAD_FIELDS})
     if r.at != length:
         raise PlanFormatError(f"the step plan's payload has {length} words and its fields took {r.at}; the ranks "
                               f"disagree on its format")
+    plan = StepPlan(**values)
+    problem = plan_problem(plan)
+    if problem is not None:
+        raise PlanFormatError(f"the step plan read is not one rank 0 sends ({problem}); the ranks disagree on its "
+                              f"format")
     return plan
 
 

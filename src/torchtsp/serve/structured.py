@@ -163,13 +163,9 @@ def tokenizer_info(tokenizer, vocab_size: int, eos: int | None):
     for token, i in inner.get_vocab(with_added_tokens=True).items():
         if i < vocab_size:
             vocab[i] = token
-    # The vocabulary's encoding (byte-level, byte fallback, raw) as xgrammar reads it from a tokenizer.json. Private,
-    # kept on purpose: xgrammar 0.2.9's public paths either take a transformers tokenizer (from_huggingface, which
-    # calls this same helper; transformers is no runtime dependency) or want the metadata already known
-    # (TokenizerInfo(vocab, vocab_type, add_prefix_space=...), from_vocab_and_metadata). pyproject pins xgrammar <0.3.
-    meta = xgr.TokenizerInfo._detect_metadata_from_hf(inner.to_str())
-    return xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
-                             add_prefix_space=meta["add_prefix_space"])
+    encoding = tokenizer.vocab_encoding()  # what xgrammar's from_huggingface would detect from the same file
+    return xgr.TokenizerInfo(vocab, xgr.VocabType[encoding.kind.upper()], vocab_size=vocab_size,
+                             stop_token_ids=stops, add_prefix_space=encoding.add_prefix_space)
 
 
 class Grammars:
