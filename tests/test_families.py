@@ -32,7 +32,7 @@ from transformers import (  # noqa: E402
 )
 
 from helpers import hf_batch, spread_hf_weights  # noqa: E402
-from torchtsp.config import PRESETS, ModelConfig, get_preset  # noqa: E402
+from torchtsp.config import ModelConfig  # noqa: E402
 from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, load_torchtsp_checkpoint  # noqa: E402
 from torchtsp.layers import (  # noqa: E402
@@ -43,6 +43,7 @@ from torchtsp.layers import (  # noqa: E402
     rope_tables,
 )
 from torchtsp.model import Transformer, reference_shapes  # noqa: E402
+from torchtsp.presets import PRESETS, get_preset  # noqa: E402
 from torchtsp.rope import default_inv_freq  # noqa: E402
 
 # Same justification as tests/test_hf.py: both sides compute in float32 in a different order (SDPA on

@@ -15,7 +15,7 @@ from torchtsp.analysis.hardware import (
     predict_step,
 )
 from torchtsp.analysis.plan import add_plan_arguments, run_plan
-from torchtsp.config import get_preset
+from torchtsp.presets import get_preset
 
 PAPER = get_preset("paper-7b")
 LLAMA = get_preset("llama3-8b")

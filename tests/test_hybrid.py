@@ -35,13 +35,14 @@ from transformers.masking_utils import sliding_window_causal_mask_function  # no
 
 from helpers import hf_batch, rel_err, spread_hf_weights  # noqa: E402
 from torchtsp import kernels  # noqa: E402
-from torchtsp.config import SLIDING_ATTENTION, ModelConfig, get_preset  # noqa: E402
+from torchtsp.config import SLIDING_ATTENTION, ModelConfig  # noqa: E402
 from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.distributed import zigzag  # noqa: E402
 from torchtsp.distributed.attention import zigzag_attention_backward, zigzag_attention_forward  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, load_torchtsp_checkpoint  # noqa: E402
 from torchtsp.layers import IGNORE_INDEX, Documents, Mask, attend, positions_mask, sequence_mask  # noqa: E402
 from torchtsp.model import Transformer  # noqa: E402
+from torchtsp.presets import get_preset  # noqa: E402
 
 # As tests/test_families.py: two float32 implementations summing in different orders (SDPA or eager softmax on
 # expanded K/V there; fused blocks merged through their LSEs, and explicitly masked edge blocks, here) differ

@@ -15,7 +15,7 @@ import pytest
 from helpers import cli_in_process
 from torchtsp.analysis.plan import add_plan_arguments, run_plan
 from torchtsp.cli import build_parser, main
-from torchtsp.config import get_preset
+from torchtsp.presets import get_preset
 
 TINY = get_preset("tiny")  # 8 heads, 4 KV heads, dim 128, 2 layers, head_dim 16
 

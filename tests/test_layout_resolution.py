@@ -11,7 +11,7 @@ import pytest
 from torchtsp import cli
 from torchtsp.bench.measure import CellSpec
 from torchtsp.bench.run import layout_error
-from torchtsp.config import get_preset
+from torchtsp.presets import get_preset
 
 # (preset, world, degrees, sequence length, pipeline flags, the message's words)
 BAD = [

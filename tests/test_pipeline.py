@@ -125,7 +125,7 @@ def test_training_with_pp_matches_tsp_and_resumes_on_another_split(pools, tmp_pa
 @pytest.mark.parametrize("scheme", ["tp", "sp"])
 def test_training_pp2_with_tp_or_sp_matches_single_device(pools, tmp_path, scheme):
     """``torchtsp train --nproc 4 --pp 2 --scheme tp --tp 2`` (and sp) against the single-device training loop."""
-    from torchtsp.config import get_preset
+    from torchtsp.presets import get_preset
     from torchtsp.train.config import TrainConfig
     from torchtsp.train.single import train_single
 

@@ -33,11 +33,12 @@ from transformers import (  # noqa: E402
 )
 
 from helpers import hf_batch, rel_err, spread_hf_weights  # noqa: E402
-from torchtsp.config import ModelConfig, get_preset  # noqa: E402
+from torchtsp.config import ModelConfig  # noqa: E402
 from torchtsp.convert import convert_checkpoint  # noqa: E402
 from torchtsp.hf import config_from_hf, config_to_hf, from_hf_state_dict, to_hf_state_dict  # noqa: E402
 from torchtsp.layers import IGNORE_INDEX, rope_tables  # noqa: E402
 from torchtsp.model import Transformer  # noqa: E402
+from torchtsp.presets import get_preset  # noqa: E402
 from torchtsp.rope import KNOWN_ELSEWHERE, ROPE_TYPES  # noqa: E402
 
 # As tests/test_families.py: two float32 implementations summing in different orders (eager or SDPA softmax on

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 import torchtsp
 from helpers import cli_in_process, is_rank
 from torchtsp.cli import main
-from torchtsp.config import get_preset
 from torchtsp.distributed.launch import WorkerPool
 from torchtsp.errors import RankFailedError
+from torchtsp.presets import get_preset
 from torchtsp.train import checkpoint
 
 TINY = torchtsp.ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=40, max_seq_len=32)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli_in_process
-from torchtsp.config import get_preset
+from torchtsp.presets import get_preset
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.single import train_single
 from torchtsp.train.trainer import run_training

@@ -13,7 +13,7 @@ import torch
 from helpers import cli_in_process
 from torchtsp.analysis import predict_comm, predict_memory
 from torchtsp.analysis.memory_model import _largest_param
-from torchtsp.config import get_preset
+from torchtsp.presets import get_preset
 from torchtsp.train.checkpoint import load_full_state_dict
 from torchtsp.train.config import TrainConfig
 from torchtsp.train.trainer import run_training

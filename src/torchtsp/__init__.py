@@ -1,8 +1,9 @@
 """torchtsp: folded Tensor and Sequence Parallelism (TSP) for PyTorch."""
 
-from .config import PRESETS, ModelConfig, get_preset
+from .config import ModelConfig
 from .layout import Layout
 from .lazy import submodule_getattr
+from .presets import PRESETS, get_preset
 
 __all__ = ["PRESETS", "Layout", "ModelConfig", "Transformer", "WorkerPool", "get_preset", "init_mesh", "parallelize",
            "pipeline_parallelize", "spawn"]

@@ -10,10 +10,10 @@ import sys
 import time
 
 from .argtypes import length
-from .config import PRESETS
 from .errors import Interrupted, RankFailedError
 from .kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
 from .layout import Layout
+from .presets import PRESETS
 from .recompute import POLICIES
 from .runenv import launched_by_torchrun
 from .schemes import AXES, INFERENCE_SCHEDULES, PIPELINE_SCHEDULES, SCHEMES, inference_schemes

@@ -430,11 +430,3 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
         return cls(**values)
 
-
-def __getattr__(name: str):
-    """The named presets live in ``presets.py``; ``from torchtsp.config import PRESETS, get_preset`` still works."""
-    if name in ("PRESETS", "get_preset", "layer_pattern"):
-        from . import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -81,7 +81,7 @@ def model_config_and_tokenizer(source: str, location: str, tokenizer: str | None
             tokenizer = HFTokenizer(kept)
             return ModelConfig.from_dict(meta["model"]), tokenizer, tokenizer.eos_id
         return ModelConfig.from_dict(meta["model"]), ByteTokenizer(), ByteTokenizer.eot_id
-    from .config import get_preset
+    from .presets import get_preset
 
     cfg = get_preset(location)
     return cfg, (ByteTokenizer() if cfg.vocab_size >= ByteTokenizer.vocab_size else None), None

@@ -29,7 +29,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..argtypes import DTYPE_BYTES
-from ..config import ModelConfig, get_preset
+from ..config import ModelConfig
+from ..presets import get_preset
 from ..recompute import FULL, recompute_policy
 from ..schemes import AXES, SCHEMES, get_scheme
 from ..sizes import layer_weight_elements

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..argtypes import DTYPE_BYTES
-from ..config import get_preset
+from ..presets import get_preset
 from .pipeline_model import placement, predict_pipeline
 from .policies import by_policy, paper_figure, policy_label, print_policies
 from .validation import check_gpu_mem, check_gpus, dumps

@@ -12,9 +12,10 @@ import functools
 from dataclasses import dataclass
 
 from ..argtypes import DTYPE_BYTES, dtype, length
-from ..config import PRESETS, ModelConfig, get_preset
+from ..config import ModelConfig
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS, has_kv_layouts
 from ..layout import Layout
+from ..presets import PRESETS, get_preset
 from ..recompute import POLICIES
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES, get_scheme
 from ..sizes import tsp_tp_crossover_tokens

@@ -6,8 +6,8 @@ import argparse
 import math
 
 from ..argtypes import length, length_list
-from ..config import PRESETS
 from ..kv_layouts import KV_LAYOUT_HELP, KV_LAYOUTS
+from ..presets import PRESETS
 from ..recompute import POLICIES
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES
 from ..timeouts import BENCH_CELL_TIMEOUT_S

@@ -29,11 +29,12 @@ import torch
 from tqdm import tqdm
 
 from ..analysis import predict_comm, predict_memory
-from ..config import ModelConfig, get_preset, layer_pattern
+from ..config import ModelConfig
 from ..distributed import comm
 from ..distributed.launch import WorkerPool
 from ..distributed.mesh import default_device_type
 from ..layout import Layout
+from ..presets import get_preset, layer_pattern
 from ..recompute import NONE, recompute_policy
 from ..runenv import launched_by_torchrun
 from ..schemes import SCHEMES, get_scheme

@@ -386,7 +386,7 @@ def _model(args) -> tuple[list[str], int]:
         if not config.is_file():
             raise FileNotFoundError(f"--hf {args.hf}: no config.json (a Hugging Face checkpoint folder)")
         return ["--hf", str(args.hf)], int(json.loads(config.read_text())["vocab_size"])
-    from ..config import get_preset
+    from ..presets import get_preset
 
     preset = args.preset or "tiny"
     return ["--preset", preset, "--seed", str(args.seed)], get_preset(preset).vocab_size

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import PRESETS
+from ..presets import PRESETS
 from ..recompute import recompute_policy
 from ..runenv import launched_by_torchrun
 from ..schemes import PIPELINE_SCHEDULES, SCHEMES

@@ -22,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 from .. import compiled
-from ..config import get_preset
 from ..data.tokenizers import RUN_TOKENIZER_DIR, HFTokenizer, copy_tokenizer_files
 from ..distributed import comm
 from ..distributed.comm import AxisComm, Traffic
@@ -32,6 +31,7 @@ from ..layout import Layout
 from ..memory import live_bytes, measure_peak
 from ..model import Transformer
 from ..parallel.pipeline import parallelize_layout
+from ..presets import get_preset
 from ..schemes import AXES, PIPELINE_AXIS, get_scheme
 from . import checkpoint
 from .accumulate import evaluate, forward_backward
